@@ -1,0 +1,40 @@
+# localsgd: `make train` runs a real local-SGD job on CPU, `make test` runs the test suite.
+# Both install into .venv first (pinned by constraints.txt) when needed.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+ARGS    ?=
+
+.PHONY: help install train test test-fast lint format bench clean
+
+help:  ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  make %-10s %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev,slurm]'
+	touch $(STAMP)
+
+install: $(STAMP)  ## create .venv and install localsgd with its pinned dependencies
+
+train: $(STAMP)  ## post-local SGD on MNIST-1D, 4 CPU workers, about a minute (ARGS="key=value ...")
+	$(BIN)/python -m localsgd.train +experiment=post_local_sgd $(ARGS)
+
+test: $(STAMP)  ## the whole test suite (gloo on CPU, each test with a time limit)
+	$(BIN)/python -m pytest -q -p no:cacheprovider $(ARGS)
+
+test-fast: $(STAMP)  ## the tests that start no worker processes
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow" $(ARGS)
+
+lint: $(STAMP)  ## ruff
+	$(BIN)/ruff check .
+
+format: $(STAMP)  ## ruff format + import sorting
+	$(BIN)/ruff check --fix .
+
+bench: $(STAMP)  ## averaging-cost benchmark (writes experiments/bench_averaging.md)
+	$(BIN)/python experiments/bench_averaging.py --out experiments/bench_averaging.md
+
+clean:  ## remove .venv and run outputs
+	rm -rf $(VENV) outputs multirun

@@ -1,0 +1,62 @@
+"""Synchronous mini-batch SGD for the warmup: gradients averaged over one flat buffer per step."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from localsgd.averaging.comm import CommStats, all_reduce_mean_, supports_avg
+
+
+class GradientAverager:
+    """Averages the gradients of a module's parameters with one all-reduce per flat buffer.
+
+    Each `p.grad` is made a view into a persistent flat buffer (as DDP's `gradient_as_bucket_view`),
+    so autograd accumulates straight into it. If something replaced a gradient (e.g.
+    `zero_grad(set_to_none=True)`), it is copied back in before the reduction; a parameter that got
+    no gradient contributes zeros, the same on every rank, so replicas stay identical.
+    """
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        process_group: dist.ProcessGroup | None = None,
+        stats: CommStats | None = None,
+    ):
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.process_group = process_group
+        self.world_size = dist.get_world_size(process_group)
+        self.use_avg = supports_avg(process_group)
+        self.stats = stats if stats is not None else CommStats()
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.nn.Parameter]] = {}
+        for p in self.params:
+            groups.setdefault((p.device, p.dtype), []).append(p)
+        self.buffers: list[torch.Tensor] = []
+        self.bindings: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        for (device, dtype), members in groups.items():
+            flat = torch.zeros(sum(p.numel() for p in members), device=device, dtype=dtype)
+            offset = 0
+            for p in members:
+                view = flat[offset : offset + p.numel()].view(p.shape)
+                if p.grad is not None:
+                    view.copy_(p.grad)
+                p.grad = view
+                self.bindings.append((p, view))
+                offset += p.numel()
+            self.buffers.append(flat)
+
+    def _rebind(self) -> None:
+        for p, view in self.bindings:
+            if p.grad is not view:
+                if p.grad is None:
+                    view.zero_()
+                else:
+                    view.copy_(p.grad)
+                p.grad = view
+
+    def all_reduce(self) -> None:
+        """Replace every gradient by its mean over the group; one communication round."""
+        self._rebind()
+        for flat in self.buffers:
+            all_reduce_mean_(flat, self.process_group, self.world_size, self.use_avg, self.stats)
+        self.stats.rounds += 1

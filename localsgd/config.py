@@ -1,0 +1,187 @@
+"""The config schema: these dataclasses are what `conf/*.yaml` may say, and `validate` their ranges.
+
+Hydra type-checks every override against the dataclasses (so `optim.lr=abc` is refused by Hydra
+itself); `validate` adds the range and combination checks a type cannot express, and runs in the
+launching process before any worker starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import MISSING
+
+
+class ConfigError(ValueError):
+    """A setting is out of range. One-line message: the key, what is allowed, what was given."""
+
+
+@dataclass
+class DistConfig:
+    # worker processes to spawn when not under torchrun; null = 4 on CPU, one per GPU on CUDA
+    world_size: int | None = None
+    backend: str = "auto"  # auto | gloo | nccl
+    timeout_s: float = 180.0  # every collective fails after this long instead of hanging
+    device: str = "auto"  # auto | cpu | cuda
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 1000  # optimizer steps per worker
+    batch_size: int = 32  # per worker
+    eval_every: int = 250  # evaluate the averaged model at the first sync at or after each multiple
+    log_every: int = 25
+    eval_batch_size: int = 1000
+    progress: bool = True  # rank-0 progress bar
+
+
+@dataclass
+class SyncConfig:
+    period: int = 16  # k: average parameters every k optimizer steps
+    warmup_steps: int = 0  # synchronous (gradient all-reduce) steps before local SGD starts
+
+
+@dataclass
+class OptimConfig:
+    name: str = "sgd"  # sgd | adamw
+    lr: float = 0.1
+    momentum: float = 0.9
+    nesterov: bool = False
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    schedule: str = "cosine"  # constant | cosine | step
+    lr_warmup_steps: int = 0  # linear LR ramp from 0, independent of sync.warmup_steps
+    min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
+    decay_steps: list[int] = field(default_factory=list)  # for schedule=step
+    decay_factor: float = 0.1
+
+
+@dataclass
+class DataConfig:
+    name: str = MISSING  # mnist1d | digits | synthetic | cifar10 | text
+    num_samples: int = 5000  # mnist1d: train + test samples generated
+    test_fraction: float = 0.2  # digits / synthetic: held-out share
+    partition: str = "iid"  # iid | by_class | dirichlet
+    classes_per_worker: int = 2  # by_class
+    alpha: float = 0.5  # dirichlet concentration
+    num_features: int = 32  # synthetic
+    num_classes: int = 10  # synthetic
+    noise: float = 1.0  # synthetic: class-cluster spread
+    root: str = ""  # cifar10: folder holding cifar-10-batches-py
+    path: str = ""  # text: a plain-text file
+    seq_len: int = 64  # text: characters per sample
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING  # mlp | cnn | resnet20 | transformer
+    hidden: list[int] = field(default_factory=lambda: [256, 256])  # mlp
+    channels: list[int] = field(default_factory=lambda: [32, 64])  # cnn
+    kernel_size: int = 5  # cnn
+    dropout: float = 0.0
+    d_model: int = 128  # transformer
+    n_layers: int = 2  # transformer
+    n_heads: int = 4  # transformer
+
+
+@dataclass
+class Config:
+    seed: int = 0
+    dist: DistConfig = field(default_factory=DistConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+
+
+DATASETS = ("mnist1d", "digits", "synthetic", "cifar10", "text")
+MODELS = ("mlp", "cnn", "resnet20", "transformer")
+PARTITIONS = ("iid", "by_class", "dirichlet")
+OPTIMIZERS = ("sgd", "adamw")
+LR_SCHEDULES = ("constant", "cosine", "step")
+BACKENDS = ("auto", "gloo", "nccl")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def _require(ok: bool, key: str, allowed: str, value: Any) -> None:
+    if not ok:
+        raise ConfigError(f"{key} must be {allowed}, got {value!r}")
+
+
+def _choice(cfg: Any, key: str, choices: tuple[str, ...]) -> None:
+    value = _get(cfg, key)
+    _require(value in choices, key, "one of " + ", ".join(choices), value)
+
+
+def _get(cfg: Any, key: str) -> Any:
+    node = cfg
+    for part in key.split("."):
+        node = node[part] if isinstance(node, dict) else getattr(node, part)
+    return node
+
+
+def validate(cfg: Any, world_size: int | None = None) -> None:
+    """Raise ConfigError on the first setting out of range. `cfg` is a DictConfig or a plain dict.
+
+    `world_size` is the real one under torchrun; otherwise `dist.world_size` will be spawned.
+    """
+    ws = world_size if world_size is not None else _get(cfg, "dist.world_size")
+    _require(ws is None or ws >= 1, "dist.world_size", "an integer >= 1 (or null for auto)", ws)
+    _choice(cfg, "dist.backend", BACKENDS)
+    _choice(cfg, "dist.device", DEVICES)
+    timeout = _get(cfg, "dist.timeout_s")
+    _require(timeout > 0, "dist.timeout_s", "> 0 seconds", timeout)
+
+    for key in (
+        "trainer.max_steps",
+        "trainer.batch_size",
+        "trainer.eval_every",
+        "trainer.log_every",
+        "trainer.eval_batch_size",
+        "sync.period",
+    ):
+        value = _get(cfg, key)
+        _require(value >= 1, key, "an integer >= 1", value)
+    warmup = _get(cfg, "sync.warmup_steps")
+    _require(
+        warmup >= 0,
+        "sync.warmup_steps",
+        "an integer >= 0 (0 = local SGD from the first step)",
+        warmup,
+    )
+
+    _choice(cfg, "optim.name", OPTIMIZERS)
+    _choice(cfg, "optim.schedule", LR_SCHEDULES)
+    lr = _get(cfg, "optim.lr")
+    _require(lr > 0, "optim.lr", "> 0", lr)
+    momentum = _get(cfg, "optim.momentum")
+    _require(0 <= momentum < 1, "optim.momentum", "in [0, 1)", momentum)
+    wd = _get(cfg, "optim.weight_decay")
+    _require(wd >= 0, "optim.weight_decay", ">= 0", wd)
+    lr_warmup = _get(cfg, "optim.lr_warmup_steps")
+    _require(lr_warmup >= 0, "optim.lr_warmup_steps", "an integer >= 0", lr_warmup)
+    floor = _get(cfg, "optim.min_lr_ratio")
+    _require(0 <= floor <= 1, "optim.min_lr_ratio", "in [0, 1]", floor)
+    betas = list(_get(cfg, "optim.betas"))
+    _require(
+        len(betas) == 2 and all(0 <= b < 1 for b in betas),
+        "optim.betas",
+        "two numbers in [0, 1)",
+        betas,
+    )
+    if _get(cfg, "optim.nesterov"):
+        _require(momentum > 0, "optim.nesterov", "false when optim.momentum is 0", True)
+
+    _choice(cfg, "data.name", DATASETS)
+    _choice(cfg, "data.partition", PARTITIONS)
+    _choice(cfg, "model.name", MODELS)
+    num_samples = _get(cfg, "data.num_samples")
+    _require(num_samples >= 10, "data.num_samples", "an integer >= 10", num_samples)
+    alpha = _get(cfg, "data.alpha")
+    _require(alpha > 0, "data.alpha", "> 0", alpha)
+    test_fraction = _get(cfg, "data.test_fraction")
+    _require(0 < test_fraction < 1, "data.test_fraction", "in (0, 1)", test_fraction)
+    cpw = _get(cfg, "data.classes_per_worker")
+    _require(cpw >= 1, "data.classes_per_worker", "an integer >= 1", cpw)

@@ -1,0 +1,72 @@
+"""Per-worker infinite batch stream with an exactly resumable position."""
+
+from __future__ import annotations
+
+import torch
+
+from localsgd.data._seeding import derive_seed
+
+_SAMPLER_STREAM = 3
+
+
+class ShardSampler:
+    """Infinite stream of index batches over one worker's shard; reshuffled every epoch.
+
+    Each epoch's order is a pure function of (seed, rank, epoch), so the state is only the epoch
+    and the position in it: a resumed run regenerates the permutation instead of storing it.
+    """
+
+    def __init__(self, indices: torch.Tensor, batch_size: int, seed: int, rank: int):
+        self.indices = torch.as_tensor(indices, dtype=torch.int64).cpu().flatten()
+        n = len(self.indices)
+        if batch_size < 1:
+            raise ValueError(f"trainer.batch_size must be an integer >= 1, got {batch_size}")
+        if batch_size > n:
+            raise ValueError(
+                f"trainer.batch_size ({batch_size}) is larger than this worker's shard "
+                f"({n} samples); lower trainer.batch_size or dist.world_size, use more data, "
+                f"or a less skewed data.partition"
+            )
+        self.batch_size = int(batch_size)
+        self.seed = int(seed)
+        self.rank = int(rank)
+        self.epoch = 0
+        self.position = 0
+        self._perm: torch.Tensor | None = None
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return len(self.indices) // self.batch_size
+
+    def _permutation(self) -> torch.Tensor:
+        if self._perm is None:
+            g = torch.Generator().manual_seed(
+                derive_seed(self.seed, _SAMPLER_STREAM, self.rank, self.epoch)
+            )
+            self._perm = torch.randperm(len(self.indices), generator=g)
+        return self._perm
+
+    def next_batch(self) -> torch.Tensor:
+        """The next `batch_size` indices; an epoch's ragged tail is skipped, never padded."""
+        if self.position + self.batch_size > len(self.indices):
+            self.epoch += 1
+            self.position = 0
+            self._perm = None
+        chosen = self._permutation()[self.position : self.position + self.batch_size]
+        self.position += self.batch_size
+        return self.indices[chosen]
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position, "num_indices": len(self.indices)}
+
+    def load_state_dict(self, state: dict) -> None:
+        n = int(state["num_indices"])
+        if n != len(self.indices):
+            raise ValueError(
+                f"sampler state is for a shard of {n} samples but this worker's shard "
+                f"has {len(self.indices)}; the data or dist settings changed since "
+                f"the checkpoint"
+            )
+        self.epoch = int(state["epoch"])
+        self.position = int(state["position"])
+        self._perm = None

@@ -1,0 +1,128 @@
+"""Starting the workers: spawn local processes, or join the ones torchrun started."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+
+
+def under_torchrun() -> bool:
+    return all(v in os.environ for v in TORCHRUN_VARS)
+
+
+def torchrun_info() -> WorkerInfo:
+    world = int(os.environ["WORLD_SIZE"])
+    return WorkerInfo(
+        int(os.environ["RANK"]),
+        world,
+        int(os.environ["LOCAL_RANK"]),
+        int(os.environ.get("LOCAL_WORLD_SIZE", world)),
+    )
+
+
+def pick_device(requested: str, local_rank: int) -> torch.device:
+    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise RuntimeError("dist.device=cuda but CUDA is not available; use dist.device=cpu")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def pick_backend(requested: str, device: torch.device) -> str:
+    if requested != "auto":
+        return requested
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_process_group(
+    info: WorkerInfo, backend: str, timeout_s: float, store: dist.Store | None = None
+) -> None:
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if store is None:  # torchrun: env:// rendezvous
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        dist.init_process_group(
+            backend, store=store, rank=info.rank, world_size=info.world_size, timeout=timeout
+        )
+
+
+def resolve_world_size(requested: int | None, device: str) -> int:
+    """`dist.world_size` as given, or when null: one per GPU on CUDA machines, else 4."""
+    if requested is not None:
+        return requested
+    if device != "cpu" and torch.cuda.is_available():
+        return torch.cuda.device_count()
+    return 4
+
+
+def _spawned(
+    local_rank: int, world_size: int, port: int, timeout_s: float, fn: Callable, args: tuple
+) -> None:
+    torch.set_num_threads(1)
+    store = dist.TCPStore(
+        "127.0.0.1",
+        port,
+        world_size + 1,
+        is_master=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    info = WorkerInfo(local_rank, world_size, local_rank, world_size)
+    fn(info, store, *args)
+
+
+class WorkerFailed(RuntimeError):
+    """A spawned worker raised or died; the message names the rank and the error's last line."""
+
+
+def spawn(fn: Callable, world_size: int, timeout_s: float, args: tuple = ()) -> None:
+    """Run `fn(info, store, *args)` in `world_size` fresh processes on this machine.
+
+    The parent holds a TCPStore on a port the OS picks, so concurrent jobs never collide; if one
+    worker fails, torch terminates the others and we raise WorkerFailed.
+    """
+    store = dist.TCPStore(
+        "127.0.0.1",
+        0,
+        world_size + 1,
+        is_master=True,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
+    # One thread per worker: more would oversubscribe the cores the workers share.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        mp.start_processes(
+            _spawned,
+            args=(world_size, store.port, timeout_s, fn, args),
+            nprocs=world_size,
+            join=True,
+            start_method="spawn",
+        )
+    except mp.ProcessRaisedException as e:
+        last = [line for line in str(e).strip().splitlines() if line.strip()][-1]
+        raise WorkerFailed(f"worker rank {e.error_index} failed: {last}") from None
+    except mp.ProcessExitedException as e:
+        raise WorkerFailed(
+            f"worker rank {e.error_index} died with exit code {e.exit_code}"
+        ) from None
+    finally:
+        del store
+        sys.stdout.flush()

@@ -1,0 +1,45 @@
+"""Rank-0 outputs: per-step metrics as JSON lines and the progress bar."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from tqdm import tqdm
+
+
+class MetricsWriter:
+    """One JSON object per logged step in `metrics.jsonl`, flushed so a crash loses nothing."""
+
+    def __init__(self, path: str, append: bool = False):
+        self.path = path
+        self.file = open(path, "a" if append else "w", encoding="utf-8")  # noqa: SIM115
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def write_json(path: str, obj: dict[str, Any]) -> None:
+    """Write atomically, so a reader never sees half a file."""
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def progress_bar(total: int, initial: int, enabled: bool) -> tqdm:
+    return tqdm(
+        total=total,
+        initial=initial,
+        disable=not enabled,
+        dynamic_ncols=True,
+        unit="step",
+        desc="train",
+        mininterval=0.5,
+    )

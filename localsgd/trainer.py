@@ -1,0 +1,188 @@
+"""One worker's training loop: local SGD, periodic averaging, an optional synchronous warmup."""
+
+from __future__ import annotations
+
+import os
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from localsgd.averaging import CommStats, GradientAverager, PeriodicAverager
+from localsgd.data import Dataset, ShardSampler, load_dataset, shard_indices
+from localsgd.launch import WorkerInfo
+from localsgd.metrics import MetricsWriter, progress_bar, write_json
+from localsgd.models import build_model
+from localsgd.optim import build_optimizer, lr_at, set_lr
+
+
+def namespace(obj: Any) -> Any:
+    """Plain nested dicts (what crosses the process boundary) to attribute access."""
+    if isinstance(obj, dict):
+        return SimpleNamespace(**{k: namespace(v) for k, v in obj.items()})
+    return obj
+
+
+def loss_and_correct(
+    logits: torch.Tensor, targets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cross-entropy over classes, for (B, C) class logits and (B, T, V) token logits alike."""
+    logits, targets = logits.flatten(0, -2), targets.flatten()
+    return F.cross_entropy(logits, targets), (logits.argmax(-1) == targets).sum()
+
+
+class Trainer:
+    def __init__(self, cfg: dict, info: WorkerInfo, device: torch.device, run_dir: str):
+        self.config = cfg
+        self.cfg = c = namespace(cfg)
+        self.info = info
+        self.device = device
+        self.run_dir = run_dir
+        self.is_main = info.rank == 0
+
+        self.data: Dataset = load_dataset(c.data, seed=c.seed)
+        shard = shard_indices(
+            self.data.train_y,
+            info.world_size,
+            info.rank,
+            c.data.partition,
+            seed=c.seed,
+            classes_per_worker=c.data.classes_per_worker,
+            alpha=c.data.alpha,
+        )
+        self.sampler = ShardSampler(shard, c.trainer.batch_size, seed=c.seed, rank=info.rank)
+        self.train_x = self.data.train_x.to(device)
+        self.train_y = self.data.train_y.to(device)
+
+        torch.manual_seed(c.seed)  # the same initial model on every rank
+        self.model = build_model(
+            c.model, self.data.input_shape, self.data.num_classes, self.data.task
+        ).to(device)
+        self.comm = CommStats()
+        self.averager = PeriodicAverager(
+            self.model, c.sync.period, c.sync.warmup_steps, stats=self.comm
+        )
+        # Identical start even if ranks built different models (e.g. other torch builds); not a
+        # training-time collective, so it is not counted in the comm statistics.
+        for flat in self.averager.flat.buffers:
+            dist.broadcast(flat, src=0)
+        self.grad_averager = (
+            GradientAverager(self.model, stats=self.comm) if c.sync.warmup_steps > 0 else None
+        )
+        self.optimizer = build_optimizer(self.model.parameters(), c.optim)
+        self.step = 0
+        self.in_sync = True  # replicas identical right now
+        torch.manual_seed(c.seed + 1000 * info.rank + 1)  # dropout etc. differ per rank
+
+    @property
+    def param_count(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+    def train_step(self, step: int) -> torch.Tensor:
+        set_lr(self.optimizer, lr_at(step, self.cfg.optim, self.cfg.trainer.max_steps))
+        idx = self.sampler.next_batch().to(self.device)
+        loss, _ = loss_and_correct(self.model(self.train_x[idx]), self.train_y[idx])
+        self.optimizer.zero_grad(set_to_none=False)
+        loss.backward()
+        synchronous = self.averager.in_warmup
+        if synchronous:
+            self.grad_averager.all_reduce()  # post-local SGD's warmup: plain mini-batch SGD
+        self.optimizer.step()
+        averaged = self.averager.step()
+        self.in_sync = synchronous or averaged
+        return loss.detach()
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        self.model.eval()
+        total_loss, correct, count = 0.0, 0, 0
+        bs = self.cfg.trainer.eval_batch_size
+        for start in range(0, len(self.data.test_x), bs):
+            x = self.data.test_x[start : start + bs].to(self.device)
+            y = self.data.test_y[start : start + bs].to(self.device)
+            loss, right = loss_and_correct(self.model(x), y)
+            total_loss += loss.item() * y.numel()
+            correct += int(right)
+            count += y.numel()
+        self.model.train()
+        return {"test_loss": total_loss / count, "test_accuracy": correct / count}
+
+    def comm_record(self) -> dict[str, Any]:
+        return {
+            "comm_rounds": self.comm.rounds,
+            "comm_bytes": self.comm.bytes,
+            "comm_seconds": round(self.comm.seconds, 6),
+        }
+
+    def train(self) -> dict[str, Any] | None:
+        c = self.cfg.trainer
+        writer = (
+            MetricsWriter(os.path.join(self.run_dir, "metrics.jsonl")) if self.is_main else None
+        )
+        bar = progress_bar(c.max_steps, self.step, self.is_main and c.progress)
+        start = time.perf_counter()
+        loss_sum, loss_count = torch.zeros((), device=self.device), 0
+        next_eval = c.eval_every
+        try:
+            while self.step < c.max_steps:
+                # Summed on device, read at log steps only: `.item()` every step would stall CUDA.
+                loss_sum += self.train_step(self.step)
+                loss_count += 1
+                self.step += 1
+                if self.is_main and (self.step % c.log_every == 0 or self.step == c.max_steps):
+                    loss = (loss_sum / loss_count).item()
+                    loss_sum.zero_()
+                    loss_count = 0
+                    record = {
+                        "step": self.step,
+                        "loss": loss,
+                        "lr": self.optimizer.param_groups[0]["lr"],
+                        "samples": self.step * c.batch_size * self.info.world_size,
+                        "wall_time_s": round(time.perf_counter() - start, 3),
+                        **self.comm_record(),
+                    }
+                    writer.write(record)
+                    bar.set_postfix(loss=f"{loss:.4f}", syncs=self.comm.rounds, refresh=False)
+                # The averaged model exists only right after a sync, so evaluation waits for one.
+                if self.step >= next_eval and self.in_sync and self.step < c.max_steps:
+                    if self.is_main:
+                        writer.write({"step": self.step, **self.evaluate()})
+                    next_eval = (self.step // c.eval_every + 1) * c.eval_every
+                bar.update(1)
+            if not self.in_sync:
+                self.averager.average()  # the final model is the average of the replicas
+                self.in_sync = True
+            wall = time.perf_counter() - start
+            if not self.is_main:
+                return None
+            result = self.evaluate()
+            writer.write({"step": self.step, **result})
+            self.save_model()
+            summary = {
+                **result,
+                "steps": self.step,
+                **self.comm_record(),
+                "wall_time_s": round(wall, 3),
+                "world_size": self.info.world_size,
+                "period": self.cfg.sync.period,
+                "warmup_steps": self.cfg.sync.warmup_steps,
+                "params": self.param_count,
+                "dataset": self.cfg.data.name,
+                "model": self.cfg.model.name,
+            }
+            write_json(os.path.join(self.run_dir, "summary.json"), summary)
+            return summary
+        finally:
+            bar.close()
+            if writer is not None:
+                writer.close()
+
+    def save_model(self) -> None:
+        # Cloned, so the file holds each tensor alone rather than views of the shared flat buffer.
+        state = {k: v.detach().clone().cpu() for k, v in self.model.state_dict().items()}
+        path = os.path.join(self.run_dir, "model.pt")
+        torch.save(state, path + ".tmp")
+        os.replace(path + ".tmp", path)

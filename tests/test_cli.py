@@ -1,0 +1,111 @@
+"""`python -m localsgd.train` as a user runs it: outputs on disk, exit codes, refused input."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from localsgd.models import build_model
+from tests.conftest import ROOT
+
+FAST = [
+    "data=synthetic",
+    "data.num_samples=1200",
+    "model=mlp",
+    "model.hidden=[64]",
+    "trainer.progress=false",
+    "dist.timeout_s=60",
+]
+
+
+def run_cli(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "localsgd.train", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_post_local_sgd_run_writes_model_summary_and_metrics(tmp_path):
+    steps, warmup, period, world = 40, 10, 8, 2
+    run_dir = tmp_path / "run"
+    proc = run_cli(
+        FAST
+        + [
+            f"trainer.max_steps={steps}",
+            f"sync.warmup_steps={warmup}",
+            f"sync.period={period}",
+            f"dist.world_size={world}",
+            "trainer.log_every=5",
+            f"hydra.run.dir={run_dir}",
+        ]
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    # warmup: one gradient all-reduce per step; then averages at s = 10, 18, 26, 34; the last
+    # step (39) was local, so one final average.
+    averages = math.ceil((steps - warmup) / period)
+    assert summary["comm_rounds"] == warmup + averages + 1
+    assert summary["comm_bytes"] == 4 * summary["params"] * summary["comm_rounds"]
+    assert summary["steps"] == steps and summary["world_size"] == world
+    assert 0.0 <= summary["test_accuracy"] <= 1.0 and summary["test_loss"] > 0
+    assert summary["wall_time_s"] > 0
+    assert summary["test_accuracy"] > 0.5  # ten classes: well above chance after 40 steps
+
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if "loss" in r]
+    assert [r["step"] for r in train] == list(range(5, steps + 1, 5))
+    assert all({"lr", "comm_rounds", "comm_bytes"} <= r.keys() for r in train)
+    assert train[1]["comm_rounds"] == 10  # after 10 steps: 10 warmup all-reduces, no average yet
+    assert any("test_accuracy" in r for r in records)
+
+    state = torch.load(run_dir / "model.pt", weights_only=True)
+    model = build_model(type("M", (), {"name": "mlp", "hidden": [64], "dropout": 0.0})(), (32,), 10)
+    model.load_state_dict(state)
+    assert sum(v.numel() for v in state.values()) == summary["params"]
+
+
+@pytest.mark.parametrize(
+    "override,key",
+    [
+        ("sync.period=0", "sync.period"),
+        ("sync.warmup_steps=-1", "sync.warmup_steps"),
+        ("optim.lr=0", "optim.lr"),
+        ("optim.lr=abc", "optim.lr"),
+        ("dist.world_size=0", "dist.world_size"),
+        ("data=imagenet", "data"),
+        ("model=vit", "model"),
+        ("+experiment=nope", "experiment"),
+        ("data.partition=random", "data.partition"),
+        ("optim.name=lion", "optim.name"),
+    ],
+)
+@pytest.mark.timeout(60)
+def test_bad_values_are_refused_in_one_line_before_workers_start(tmp_path, override, key):
+    run_dir = tmp_path / "run"
+    proc = run_cli([override, f"hydra.run.dir={run_dir}"], timeout=60)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {key} "), proc.stderr
+    assert not (run_dir / "metrics.jsonl").exists()
+
+
+@pytest.mark.timeout(60)
+def test_finished_run_directory_is_not_overwritten(tmp_path):
+    (tmp_path / "summary.json").write_text('{"test_accuracy": 0.5}')
+    proc = run_cli(FAST + [f"hydra.run.dir={tmp_path}"], timeout=60)
+    assert proc.returncode == 2 and "hydra.run.dir" in proc.stderr
+    assert (tmp_path / "summary.json").read_text() == '{"test_accuracy": 0.5}'

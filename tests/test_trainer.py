@@ -1,0 +1,74 @@
+"""The training loop's communication: when it talks, what it sends, and what replicas look like."""
+
+from __future__ import annotations
+
+import math
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from localsgd.launch import WorkerInfo
+from localsgd.trainer import Trainer
+from tests.conftest import compose_config
+from tests.dist_harness import CollectiveCounter, run_distributed
+
+pytestmark = pytest.mark.slow
+
+SMALL = [
+    "data=synthetic",
+    "data.num_samples=800",
+    "model=mlp",
+    "model.hidden=[32]",
+    "trainer.batch_size=8",
+    "trainer.progress=false",
+    "trainer.eval_every=1000",
+]
+
+
+def _replicas_identical(trainer: Trainer) -> bool:
+    """Checksum-free exact check: every rank's full flat buffer gathered and compared bytewise."""
+    flat = torch.cat([b.reshape(-1) for b in trainer.averager.flat.buffers])
+    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, flat)
+    return all(torch.equal(gathered[0], g) for g in gathered[1:])
+
+
+def _schedule_worker(rank, world_size, cfg):
+    with tempfile.TemporaryDirectory() as run_dir:
+        trainer = Trainer(
+            cfg, WorkerInfo(rank, world_size, rank, world_size), torch.device("cpu"), run_dir
+        )
+        per_step, identical = [], []
+        for step in range(cfg["trainer"]["max_steps"]):
+            with CollectiveCounter() as counter:
+                trainer.train_step(step)
+            per_step.append(counter.count)
+            identical.append(_replicas_identical(trainer))  # outside the counted region
+        return {
+            "per_step": per_step,
+            "identical": identical,
+            "rounds": trainer.comm.rounds,
+            "bytes": trainer.comm.bytes,
+            "numel": trainer.averager.flat.numel,
+        }
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("period,warmup", [(4, 5), (3, 0)])
+def test_collectives_only_at_syncs_and_replicas_identical_after_each(period, warmup):
+    steps = 23
+    cfg = compose_config(
+        SMALL
+        + [f"sync.period={period}", f"sync.warmup_steps={warmup}", f"trainer.max_steps={steps}"]
+    )
+    results = run_distributed(_schedule_worker, 4, cfg)
+    warm = [s < warmup for s in range(steps)]
+    avg = [s >= warmup and (s - warmup) % period == 0 for s in range(steps)]
+    for r in results:
+        # one flat buffer each: one all-reduce per warmup step, one per average, none otherwise
+        assert r["per_step"] == [int(w or a) for w, a in zip(warm, avg, strict=True)]
+        assert r["identical"] == [w or a for w, a in zip(warm, avg, strict=True)]
+        assert r["rounds"] == warmup + math.ceil((steps - warmup) / period)
+        assert r["bytes"] == 4 * r["numel"] * r["rounds"]
