@@ -37,9 +37,29 @@ class TrainerConfig:
 
 
 @dataclass
+class SyncLevel:
+    group_size: Any = MISSING  # an integer, `node` (torchrun's LOCAL_WORLD_SIZE) or `world`
+    period: int = MISSING
+
+
+@dataclass
 class SyncConfig:
     period: int = 16  # k: average parameters every k optimizer steps
     warmup_steps: int = 0  # synchronous (gradient all-reduce) steps before local SGD starts
+    # hierarchical local SGD, narrowest first; replaces `period` when given
+    levels: list[SyncLevel] = field(default_factory=list)
+    schedule: str = "constant"  # constant | step | adaptive
+    period_factor: int = 2  # step: k *= factor at each milestone; adaptive: k *= or //= factor
+    period_milestones: list[int] = field(default_factory=list)  # step schedule
+    min_period: int = 1  # adaptive
+    max_period: int = 256  # adaptive
+    adaptive_tolerance: float = 0.01  # adaptive: relative loss drop that counts as progress
+    outer: str = "none"  # none | diloco | slowmo
+    outer_lr: float | None = None  # null = the method's default (diloco 0.7, slowmo 1.0)
+    outer_momentum: float | None = None  # null = diloco 0.9, slowmo 0.5
+    outer_nesterov: bool | None = None  # null = diloco true, slowmo false
+    optimizer_state: str = "local"  # local | average | reset, at each sync
+    comm_dtype: str = "float32"  # float32 | bfloat16 | float16
 
 
 @dataclass
@@ -122,7 +142,9 @@ def _get(cfg: Any, key: str) -> Any:
     return node
 
 
-def validate(cfg: Any, world_size: int | None = None) -> None:
+def validate(
+    cfg: Any, world_size: int | None = None, local_world_size: int | None = None
+) -> None:
     """Raise ConfigError on the first setting out of range. `cfg` is a DictConfig or a plain dict.
 
     `world_size` is the real one under torchrun; otherwise `dist.world_size` will be spawned.
@@ -151,6 +173,8 @@ def validate(cfg: Any, world_size: int | None = None) -> None:
         "an integer >= 0 (0 = local SGD from the first step)",
         warmup,
     )
+
+    validate_sync(cfg, ws, local_world_size)
 
     _choice(cfg, "optim.name", OPTIMIZERS)
     _choice(cfg, "optim.schedule", LR_SCHEDULES)
@@ -185,3 +209,94 @@ def validate(cfg: Any, world_size: int | None = None) -> None:
     _require(0 < test_fraction < 1, "data.test_fraction", "in (0, 1)", test_fraction)
     cpw = _get(cfg, "data.classes_per_worker")
     _require(cpw >= 1, "data.classes_per_worker", "an integer >= 1", cpw)
+
+
+SCHEDULES = ("constant", "step", "adaptive")
+OUTERS = ("none", "diloco", "slowmo")
+OPTIMIZER_STATES = ("local", "average", "reset")
+COMM_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def validate_sync(cfg: Any, ws: int | None, local_ws: int | None) -> None:
+    """The averaging strategy's keys and their combinations. `ws` None: not known yet."""
+    for key, choices in (
+        ("sync.schedule", SCHEDULES),
+        ("sync.outer", OUTERS),
+        ("sync.optimizer_state", OPTIMIZER_STATES),
+        ("sync.comm_dtype", COMM_DTYPES),
+    ):
+        _choice(cfg, key, choices)
+    schedule = _get(cfg, "sync.schedule")
+    factor = _get(cfg, "sync.period_factor")
+    period = _get(cfg, "sync.period")
+    if schedule == "step":
+        _require(factor >= 1, "sync.period_factor", "an integer >= 1", factor)
+        milestones = list(_get(cfg, "sync.period_milestones"))
+        _require(
+            all(m >= 0 for m in milestones), "sync.period_milestones", "steps >= 0", milestones
+        )
+    if schedule == "adaptive":
+        _require(factor >= 2, "sync.period_factor", "an integer >= 2 for adaptive", factor)
+        lo, hi = _get(cfg, "sync.min_period"), _get(cfg, "sync.max_period")
+        _require(lo >= 1, "sync.min_period", "an integer >= 1", lo)
+        _require(
+            lo <= period <= hi, "sync.max_period", f">= sync.period ({period}) >= min_period", hi
+        )
+        tol = _get(cfg, "sync.adaptive_tolerance")
+        _require(0 <= tol < 1, "sync.adaptive_tolerance", "in [0, 1)", tol)
+    outer_lr = _get(cfg, "sync.outer_lr")
+    _require(outer_lr is None or outer_lr > 0, "sync.outer_lr", "> 0 (or null)", outer_lr)
+    outer_momentum = _get(cfg, "sync.outer_momentum")
+    _require(
+        outer_momentum is None or 0 <= outer_momentum < 1,
+        "sync.outer_momentum",
+        "in [0, 1) (or null)",
+        outer_momentum,
+    )
+    if _get(cfg, "sync.outer_nesterov") and outer_momentum == 0:
+        _require(False, "sync.outer_nesterov", "false when sync.outer_momentum is 0", True)
+
+    levels = list(_get(cfg, "sync.levels") or [])
+    if not levels:
+        return
+    outer = _get(cfg, "sync.outer")
+    _require(outer == "none", "sync.outer", "none when sync.levels is set", outer)
+    _require(schedule == "constant", "sync.schedule", "constant when sync.levels is set", schedule)
+    sizes, periods = [], []
+    for i, level in enumerate(levels):
+        size, lp = _get(level, "group_size"), _get(level, "period")
+        key = f"sync.levels[{i}]"
+        ok = size in ("world", "node") or (isinstance(size, int) and size >= 1)
+        _require(ok, f"{key}.group_size", "an integer >= 1, node or world", size)
+        _require(isinstance(lp, int) and lp >= 1, f"{key}.period", "an integer >= 1", lp)
+        if size == "world":
+            size = ws
+        elif size == "node":
+            size = local_ws if local_ws is not None else ws
+        sizes.append(size)
+        periods.append(lp)
+    for i in range(1, len(levels)):
+        _require(
+            periods[i] > periods[i - 1],
+            f"sync.levels[{i}].period",
+            f"greater than the narrower level's period {periods[i - 1]}",
+            periods[i],
+        )
+        if sizes[i] is not None and sizes[i - 1] is not None:
+            _require(
+                sizes[i] > sizes[i - 1] and sizes[i] % sizes[i - 1] == 0,
+                f"sync.levels[{i}].group_size",
+                f"a multiple of the narrower level's group size {sizes[i - 1]}, and larger",
+                sizes[i],
+            )
+    if ws is not None:
+        for i, size in enumerate(sizes):
+            _require(
+                ws % size == 0, f"sync.levels[{i}].group_size", f"a divisor of {ws} workers", size
+            )
+        _require(
+            sizes[-1] == ws,
+            f"sync.levels[{len(levels) - 1}].group_size",
+            f"world (the widest level spans all {ws} workers)",
+            sizes[-1],
+        )

@@ -73,7 +73,11 @@ def fail(message: str, code: int = 2) -> None:
 def main(cfg: DictConfig) -> float | None:
     torchrun = under_torchrun()
     try:
-        validate(cfg, world_size=int(os.environ["WORLD_SIZE"]) if torchrun else None)
+        if torchrun:
+            world = int(os.environ["WORLD_SIZE"])
+            validate(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+        else:  # the real world size, so sync.levels can be checked against it
+            validate(cfg, resolve_world_size(cfg.dist.world_size, cfg.dist.device))
     except ConfigError as e:
         fail(str(e))
     run_dir = HydraConfig.get().runtime.output_dir

@@ -8,15 +8,15 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
-from localsgd.averaging import CommStats, GradientAverager, PeriodicAverager
+from localsgd.averaging import CommStats, GradientAverager
 from localsgd.data import Dataset, ShardSampler, load_dataset, shard_indices
 from localsgd.launch import WorkerInfo
 from localsgd.metrics import MetricsWriter, progress_bar, write_json
 from localsgd.models import build_model
 from localsgd.optim import build_optimizer, lr_at, set_lr
+from localsgd.strategies import build_averager
 
 
 def namespace(obj: Any) -> Any:
@@ -62,17 +62,16 @@ class Trainer:
             c.model, self.data.input_shape, self.data.num_classes, self.data.task
         ).to(device)
         self.comm = CommStats()
-        self.averager = PeriodicAverager(
-            self.model, c.sync.period, c.sync.warmup_steps, stats=self.comm
+        self.optimizer = build_optimizer(self.model.parameters(), c.optim)
+        self.averager = build_averager(
+            c.sync, self.model, self.optimizer, info.world_size, info.local_world_size, self.comm
         )
         # Identical start even if ranks built different models (e.g. other torch builds); not a
         # training-time collective, so it is not counted in the comm statistics.
-        for flat in self.averager.flat.buffers:
-            dist.broadcast(flat, src=0)
+        self.averager.broadcast_(src=0)
         self.grad_averager = (
             GradientAverager(self.model, stats=self.comm) if c.sync.warmup_steps > 0 else None
         )
-        self.optimizer = build_optimizer(self.model.parameters(), c.optim)
         self.step = 0
         self.in_sync = True  # replicas identical right now
         torch.manual_seed(c.seed + 1000 * info.rank + 1)  # dropout etc. differ per rank
@@ -91,8 +90,9 @@ class Trainer:
         if synchronous:
             self.grad_averager.all_reduce()  # post-local SGD's warmup: plain mini-batch SGD
         self.optimizer.step()
-        averaged = self.averager.step()
-        self.in_sync = synchronous or averaged
+        self.averager.observe_loss(loss)  # only an adaptive period schedule reads it
+        self.averager.step()
+        self.in_sync = synchronous or self.averager.all_in_sync
         return loss.detach()
 
     @torch.no_grad()
@@ -165,6 +165,7 @@ class Trainer:
                 **result,
                 "steps": self.step,
                 **self.comm_record(),
+                "comm_levels": self.averager.comm_levels(),
                 "wall_time_s": round(wall, 3),
                 "world_size": self.info.world_size,
                 "period": self.cfg.sync.period,

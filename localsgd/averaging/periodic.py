@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
 from localsgd.averaging.comm import CommStats, all_reduce_mean_, supports_avg
+from localsgd.averaging.compress import LowPrecisionMean, comm_dtype_of
 from localsgd.averaging.flat import FlatBuffers, averaged_tensors
+from localsgd.averaging.schedule import ConstantPeriod
+
+# Called after every average with (process group, its size): e.g. averaging optimizer state.
+AverageHook = Callable[[dist.ProcessGroup | None, int], None]
 
 
 class PeriodicAverager:
@@ -17,6 +24,13 @@ class PeriodicAverager:
     0), it averages when `s >= warmup_steps and (s - warmup_steps) % period == 0`, exactly as
     torch does. Unlike torch, the tensors become views of persistent flat buffers on construction,
     so an average is one in-place all-reduce per buffer and allocates nothing.
+
+    `schedule` (see `localsgd.averaging.schedule`) replaces the fixed period: the averager then
+    averages when `s >= warmup_steps` and at least `schedule.period_at(s)` steps have passed since
+    its last average (the same rule for a constant period). A schedule that needs the training
+    loss gets it piggybacked on the sync: one extra float in the flat buffer, fed through
+    `observe_loss()`. `comm_dtype` (bfloat16 / float16) communicates in low precision, see
+    `localsgd.averaging.compress`.
     """
 
     def __init__(
@@ -26,19 +40,42 @@ class PeriodicAverager:
         warmup_steps: int = 0,
         process_group: dist.ProcessGroup | None = None,
         stats: CommStats | None = None,
+        *,
+        schedule: ConstantPeriod | None = None,
+        comm_dtype: str | torch.dtype = torch.float32,
     ):
         if period < 1:
             raise ValueError(f"period must be an integer >= 1, got {period!r}")
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
-        self.period = period
+        self.schedule = schedule if schedule is not None else ConstantPeriod(period)
         self.warmup_steps = warmup_steps
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.use_avg = supports_avg(process_group)
-        self.flat = FlatBuffers(averaged_tensors(module))
+        tensors = averaged_tensors(module)
+        self.loss_slot: torch.Tensor | None = None
+        if self.schedule.needs_loss:
+            self.loss_slot = torch.zeros(1, device=tensors[0].device)
+            tensors.append(self.loss_slot)  # rides in the parameters' all-reduce
+        self.loss_count = 0
+        self.flat = FlatBuffers(tensors)
+        self.comm_dtype = comm_dtype_of(comm_dtype)
+        self.compressor = (
+            LowPrecisionMean(self.flat.buffers, self.comm_dtype)
+            if self.comm_dtype != torch.float32
+            else None
+        )
         self.stats = stats if stats is not None else CommStats()
+        self.level_stats = CommStats()  # the averages alone (`stats` may be shared with warmup)
+        self.hooks: list[AverageHook] = []
         self.step_index = 0
+        self.all_in_sync = True  # every rank holds the same tensors (right after an average)
+        self.last_average = warmup_steps - self.schedule.period_at(warmup_steps)
+
+    @property
+    def period(self) -> int:
+        return self.schedule.period_at(self.step_index)
 
     @property
     def in_warmup(self) -> bool:
@@ -47,14 +84,24 @@ class PeriodicAverager:
 
     def should_average(self, step_index: int) -> bool:
         return (
-            step_index >= self.warmup_steps and (step_index - self.warmup_steps) % self.period == 0
+            step_index >= self.warmup_steps
+            and step_index - self.last_average >= self.schedule.period_at(step_index)
         )
+
+    def observe_loss(self, loss: torch.Tensor) -> None:
+        """Feed this step's training loss to a schedule that adapts to it (no-op otherwise).
+        Summed on the device: nothing is read back until the next sync."""
+        if self.loss_slot is not None:
+            self.loss_slot.add_(loss.detach())
+            self.loss_count += 1
 
     def step(self) -> bool:
         """Call after each optimizer step; averages when the rule says. Returns whether it did."""
         averaged = self.should_average(self.step_index)
         if averaged:
             self.average()
+            self.last_average = self.step_index
+        self.all_in_sync = averaged
         self.step_index += 1
         return averaged
 
@@ -64,12 +111,71 @@ class PeriodicAverager:
 
     def average(self) -> None:
         """Average now, outside the schedule (e.g. once more before the final evaluation)."""
+        if self.loss_slot is not None and self.loss_count > 0:
+            self.loss_slot.div_(self.loss_count)  # this worker's mean loss since the last sync
+        before = self.stats.bytes
+        self._reduce()
+        for hook in self.hooks:
+            hook(self.process_group, self.world_size)
+        self.stats.rounds += 1
+        self.level_stats.rounds += 1
+        self.level_stats.bytes += self.stats.bytes - before
+        self.all_in_sync = True
+        if self.loss_slot is not None:
+            synced = float(self.loss_slot.item()) if self.loss_count > 0 else None
+            self.loss_slot.zero_()
+            self.loss_count = 0
+            self.schedule.update(synced)  # the same value on every rank: the same decision
+
+    def _reduce(self) -> None:
+        if self.compressor is not None:
+            self.compressor.all_reduce_mean_(
+                self.flat.buffers, 0, self.process_group, self.world_size, self.use_avg, self.stats
+            )
+            return
         for flat in self.flat.buffers:
             all_reduce_mean_(flat, self.process_group, self.world_size, self.use_avg, self.stats)
-        self.stats.rounds += 1
+
+    def broadcast_(self, src: int = 0) -> None:
+        """Give every rank rank `src`'s tensors (not counted as training communication)."""
+        for flat in self.flat.buffers:
+            dist.broadcast(flat, src=src, group=self.process_group)
+        if self.compressor is not None:
+            self.compressor.reset(self.flat.buffers)
+
+    def comm_levels(self) -> list[dict]:
+        """Per-level communication of the averages (one level here), for summaries."""
+        return [
+            {
+                "group_size": self.world_size,
+                "period": self.period,
+                "rounds": self.level_stats.rounds,
+                "bytes": self.level_stats.bytes,
+            }
+        ]
 
     def state_dict(self) -> dict:
-        return {"step": self.step_index, "period": self.period, "warmup_steps": self.warmup_steps}
+        state = {
+            "step": self.step_index,
+            "period": self.period,
+            "warmup_steps": self.warmup_steps,
+            "last_average": self.last_average,
+            "schedule": self.schedule.state_dict(),
+            "level_stats": self.level_stats.state_dict(),
+        }
+        if self.compressor is not None:
+            state["compressor"] = self.compressor.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.step_index = int(state["step"])
+        if "last_average" in state:
+            self.last_average = int(state["last_average"])
+            self.schedule.load_state_dict(state["schedule"])
+            self.level_stats.load_state_dict(state["level_stats"])
+        else:  # a state that saved only the step (a constant period): where was the last average
+            last, k = self.step_index - 1, self.schedule.period_at(0)
+            w = self.warmup_steps
+            self.last_average = last - (last - w) % k if last >= w else w - k
+        if self.compressor is not None and "compressor" in state:
+            self.compressor.load_state_dict(state["compressor"])

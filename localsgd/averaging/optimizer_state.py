@@ -1,0 +1,62 @@
+"""What happens to the inner optimizer's state (momentum, Adam moments) at a sync.
+
+torch's averagers leave it local: each worker keeps its own momentum, which then points along its
+own shard's gradients. `average` averages it over the same group as the parameters; `reset`
+drops it, so every worker restarts its momentum from the averaged model.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from localsgd.averaging.comm import CommStats, all_reduce_mean_, supports_avg
+from localsgd.averaging.flat import FlatBuffers
+
+OPTIMIZER_STATE_MODES = ("local", "average", "reset")
+
+
+class OptimizerStateSync:
+    """A hook for an averager's `hooks`: called after every average with (group, group size).
+
+    For `average`, the optimizer's floating-point state tensors (not Adam's `step` counter)
+    become views of persistent flat buffers the first time, rebuilt only if the optimizer
+    replaced them (e.g. `load_state_dict`); their bytes count in `stats`, in the same round.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, mode: str, stats: CommStats | None = None):
+        if mode not in OPTIMIZER_STATE_MODES:
+            raise ValueError(
+                f"optimizer_state must be one of {', '.join(OPTIMIZER_STATE_MODES)}, got {mode!r}"
+            )
+        self.optimizer = optimizer
+        self.mode = mode
+        self.stats = stats
+        self.flat: FlatBuffers | None = None
+        self.bound_ids: list[int] = []
+
+    def _state_tensors(self) -> list[torch.Tensor]:
+        out = []
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                for key, value in self.optimizer.state.get(p, {}).items():
+                    if key != "step" and torch.is_tensor(value) and value.is_floating_point():
+                        out.append(value)
+        return out
+
+    def __call__(self, group: dist.ProcessGroup | None, group_size: int) -> None:
+        if self.mode == "local":
+            return
+        if self.mode == "reset":
+            self.optimizer.state.clear()
+            return
+        tensors = self._state_tensors()
+        if not tensors:
+            return  # no state yet (no step taken, or plain SGD without momentum)
+        ids = [id(t) for t in tensors]
+        if self.flat is None or ids != self.bound_ids or not self.flat.is_bound():
+            self.flat = FlatBuffers(tensors)
+            self.bound_ids = ids
+        use_avg = supports_avg(group)
+        for flat in self.flat.buffers:
+            all_reduce_mean_(flat, group, group_size, use_avg, self.stats)

@@ -1,0 +1,99 @@
+"""Period schedules: how many local steps run between two averages, possibly changing over time.
+
+A schedule answers `period_at(step)`; an averager averages when at least that many steps have
+passed since its last average (which, for a constant period, is exactly torch's rule). Adaptive
+schedules change the period in `update(loss)`, called after each average with the training loss
+averaged over the workers as part of that same sync, so every rank takes the same decision.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+class ConstantPeriod:
+    """k fixed for the whole run (torch's `PeriodicModelAverager`)."""
+
+    needs_loss = False
+
+    def __init__(self, period: int):
+        if period < 1:
+            raise ValueError(f"period must be an integer >= 1, got {period!r}")
+        self.period = period
+
+    def period_at(self, step: int) -> int:
+        return self.period
+
+    def update(self, loss: float | None) -> None:
+        """Constant: nothing to learn from the sync."""
+
+    def state_dict(self) -> dict:
+        return {"period": self.period}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.period = int(state["period"])
+
+
+class StepPeriod(ConstantPeriod):
+    """k multiplied by `factor` at each of `milestones` (Lin et al. grow k with the LR decay)."""
+
+    def __init__(self, period: int, factor: int, milestones: list[int]):
+        super().__init__(period)
+        if factor < 1:
+            raise ValueError(f"factor must be an integer >= 1, got {factor!r}")
+        self.factor = factor
+        self.milestones = sorted(int(m) for m in milestones)
+
+    def period_at(self, step: int) -> int:
+        return self.period * self.factor ** sum(step >= m for m in self.milestones)
+
+
+class AdaptivePeriod(ConstantPeriod):
+    """Grows k while the synchronised training loss keeps falling, shrinks it when it stalls.
+
+    After each sync, `loss` is the mean over workers of each worker's mean training loss since
+    the previous sync. If it fell by at least `tolerance` (relative) below the previous one, k is
+    multiplied by `factor` (up to `max_period`): progress is steady, so communicate less. If it
+    did not, k is divided by `factor` (down to `min_period`): the replicas drift apart or the
+    optimisation stalls, so pull them together more often. The decision reads synchronised values
+    only, so it is the same on every rank.
+    """
+
+    needs_loss = True
+
+    def __init__(
+        self,
+        period: int,
+        min_period: int = 1,
+        max_period: int = 256,
+        factor: int = 2,
+        tolerance: float = 0.01,
+    ):
+        super().__init__(period)
+        if not 1 <= min_period <= period <= max_period:
+            raise ValueError(
+                f"need 1 <= min_period <= period <= max_period, got {min_period}, {period}, "
+                f"{max_period}"
+            )
+        if factor < 2:
+            raise ValueError(f"factor must be an integer >= 2, got {factor!r}")
+        self.min_period, self.max_period = min_period, max_period
+        self.factor, self.tolerance = factor, tolerance
+        self.last_loss = math.inf
+
+    def update(self, loss: float | None) -> None:
+        if loss is None or not math.isfinite(loss):
+            return
+        if math.isfinite(self.last_loss):
+            if loss <= self.last_loss * (1 - self.tolerance):
+                self.period = min(self.max_period, self.period * self.factor)
+            else:
+                self.period = max(self.min_period, self.period // self.factor)
+        self.last_loss = loss
+
+    def state_dict(self) -> dict:
+        return {"period": self.period, "last_loss": self.last_loss}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.period = int(state["period"])
+        self.last_loss = float(state["last_loss"])

@@ -1,0 +1,104 @@
+"""The trainer's synchroniser, built from the `sync` config in one place.
+
+`sync.levels` gives a `HierarchicalAverager`; `sync.outer` (diloco | slowmo) an `OuterAverager`;
+otherwise a `PeriodicAverager`, each with the period schedule, the communication precision and
+the optimizer-state policy the config names. `localsgd.config.validate` has already refused bad
+combinations; the averagers check their own arguments again.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from localsgd.averaging import (
+    OUTER_DEFAULTS,
+    AdaptivePeriod,
+    CommStats,
+    ConstantPeriod,
+    HierarchicalAverager,
+    OptimizerStateSync,
+    OuterAverager,
+    PeriodicAverager,
+    StepPeriod,
+)
+
+
+def _opt(sync: Any, key: str, default: Any) -> Any:
+    value = getattr(sync, key, None)
+    return default if value is None else value
+
+
+def resolve_group_size(value: Any, world_size: int, local_world_size: int) -> int:
+    """A level's `group_size`: an integer, `world` (every rank) or `node` (torchrun's
+    LOCAL_WORLD_SIZE: the processes on one machine)."""
+    if value == "world":
+        return world_size
+    if value == "node":
+        return local_world_size
+    return int(value)
+
+
+def build_schedule(sync: Any) -> ConstantPeriod:
+    name = _opt(sync, "schedule", "constant")
+    if name == "step":
+        return StepPeriod(sync.period, sync.period_factor, list(sync.period_milestones))
+    if name == "adaptive":
+        return AdaptivePeriod(
+            sync.period,
+            min_period=sync.min_period,
+            max_period=sync.max_period,
+            factor=sync.period_factor,
+            tolerance=sync.adaptive_tolerance,
+        )
+    return ConstantPeriod(sync.period)
+
+
+def build_averager(
+    sync: Any,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    world_size: int,
+    local_world_size: int,
+    stats: CommStats,
+):
+    """The averager the `sync` config asks for, its optimizer-state hook attached."""
+    comm_dtype = _opt(sync, "comm_dtype", "float32")
+    levels = list(_opt(sync, "levels", []))
+    outer = _opt(sync, "outer", "none")
+    if levels:
+        levels = [lv if isinstance(lv, dict) else vars(lv) for lv in levels]
+        sizes = {
+            int(lv["period"]): resolve_group_size(lv["group_size"], world_size, local_world_size)
+            for lv in levels
+        }
+        averager = HierarchicalAverager(
+            model, sizes, sync.warmup_steps, stats=stats, comm_dtype=comm_dtype
+        )
+    elif outer != "none":
+        defaults = OUTER_DEFAULTS[outer]
+        averager = OuterAverager(
+            model,
+            sync.period,
+            sync.warmup_steps,
+            stats=stats,
+            outer_lr=_opt(sync, "outer_lr", defaults["lr"]),
+            outer_momentum=_opt(sync, "outer_momentum", defaults["momentum"]),
+            outer_nesterov=_opt(sync, "outer_nesterov", defaults["nesterov"]),
+            schedule=build_schedule(sync),
+            comm_dtype=comm_dtype,
+        )
+    else:
+        averager = PeriodicAverager(
+            model,
+            sync.period,
+            sync.warmup_steps,
+            stats=stats,
+            schedule=build_schedule(sync),
+            comm_dtype=comm_dtype,
+        )
+    mode = _opt(sync, "optimizer_state", "local")
+    if mode != "local":
+        averager.hooks.append(OptimizerStateSync(optimizer, mode, stats))
+    return averager

@@ -1,0 +1,221 @@
+"""Averaging strategies: hierarchical, period schedules, outer optimizers, compression, optimizer
+state. Each test would fail without the feature it names."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.model_averaging.hierarchical_model_averager import (
+    HierarchicalModelAverager,
+)
+
+from localsgd.averaging import (
+    AdaptivePeriod,
+    HierarchicalAverager,
+    OptimizerStateSync,
+    OuterAverager,
+    PeriodicAverager,
+    StepPeriod,
+)
+from tests.dist_harness import run_distributed
+
+pytestmark = pytest.mark.slow
+
+
+def _model(bn: bool = False) -> torch.nn.Module:
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)]
+    if bn:
+        layers.insert(1, torch.nn.BatchNorm1d(16))
+    return torch.nn.Sequential(*layers)
+
+
+def _train_step(model, opt, gen) -> torch.Tensor:
+    x, y = torch.randn(8, 6, generator=gen), torch.randint(0, 3, (8,), generator=gen)
+    opt.zero_grad()
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def _flat(model) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1) for t in model.state_dict().values()]).float()
+
+
+def _gather(t: torch.Tensor) -> list[torch.Tensor]:
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t)
+    return out
+
+
+def _hierarchical_worker(rank, world_size, warmup, steps):
+    levels = OrderedDict([(2, 2), (4, 4)])
+    models = {k: _model() for k in ("ours", "torch", "bf16")}
+    opts = {k: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for k, m in models.items()}
+    ours = HierarchicalAverager(models["ours"], levels, warmup)
+    reference = HierarchicalModelAverager(levels, warmup_steps=warmup)
+    bf16 = HierarchicalAverager(models["bf16"], levels, warmup, comm_dtype="bfloat16")
+    gens = {k: torch.Generator().manual_seed(100 + rank) for k in models}
+    decisions, same_pair, same_all = [], [], []
+    for _ in range(steps):
+        for k in models:
+            _train_step(models[k], opts[k], gens[k])
+        decisions.append(ours.level_at(ours.step_index))
+        ours.step()
+        reference.average_parameters(models["torch"].parameters())
+        bf16.step()
+        replicas = _gather(_flat(models["bf16"]))
+        same_pair.append(torch.equal(replicas[0], replicas[1]))
+        same_all.append(all(torch.equal(replicas[0], r) for r in replicas[1:]))
+    assert reference.step == ours.step_index == steps
+    return {
+        "ours": _flat(models["ours"]),
+        "torch": _flat(models["torch"]),
+        "bf16": _flat(models["bf16"]),
+        "decisions": decisions,
+        "levels": ours.comm_levels(),
+        "bf16_levels": bf16.comm_levels(),
+        "same_pair": same_pair,
+        "same_all": same_all,
+    }
+
+
+@pytest.mark.timeout(120)
+def test_hierarchical_matches_torch_and_bf16_keeps_groups_identical():
+    warmup, steps = 3, 14
+    results = run_distributed(_hierarchical_worker, 4, warmup, steps)
+    # torch's rule: s >= warmup, the largest period dividing s (not s - warmup) wins
+    expected = [
+        None if s < warmup else 1 if s % 4 == 0 else 0 if s % 2 == 0 else None for s in range(steps)
+    ]
+    numel = _flat(_model()).numel()
+    for r in results:
+        assert r["decisions"] == expected
+        torch.testing.assert_close(r["ours"], r["torch"], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(r["bf16"], r["ours"], rtol=0, atol=2e-3)
+        rounds = [expected.count(0), expected.count(1)]
+        assert [lv["rounds"] for lv in r["levels"]] == rounds
+        assert [lv["bytes"] for lv in r["levels"]] == [4 * numel * n for n in rounds]
+        assert [lv["bytes"] for lv in r["bf16_levels"]] == [2 * numel * n for n in rounds]
+        assert [(lv["group_size"], lv["period"]) for lv in r["levels"]] == [(2, 2), (4, 4)]
+        # narrow syncs make pairs identical, only wide ones everyone; local steps make all differ
+        assert r["same_pair"] == [d is not None for d in expected]
+        assert r["same_all"] == [d == 1 for d in expected]
+    # the last step (13) was local: replicas differ, so the closeness above is not vacuous
+    assert not torch.equal(results[0]["ours"], results[1]["ours"])
+    assert not torch.equal(results[0]["ours"], results[2]["ours"])
+
+
+def _outer_worker(rank, world_size, steps):
+    models = {k: _model(bn=True) for k in ("plain", "outer1", "diloco", "diloco_bf16")}
+    opts = {k: torch.optim.SGD(m.parameters(), lr=0.1) for k, m in models.items()}
+    averagers = {
+        "plain": PeriodicAverager(models["plain"], period=3),
+        "outer1": OuterAverager(
+            models["outer1"], 3, outer_lr=1.0, outer_momentum=0.0, outer_nesterov=False
+        ),
+        "diloco": OuterAverager(models["diloco"], 3),
+        "diloco_bf16": OuterAverager(models["diloco_bf16"], 3, comm_dtype="bfloat16"),
+    }
+    gens = {k: torch.Generator().manual_seed(7 + rank) for k in models}
+    identical = []
+    for _ in range(steps):
+        for k in models:
+            _train_step(models[k], opts[k], gens[k])
+            averagers[k].step()
+        identical.append(all(torch.equal(*_gather(_flat(models["diloco"]))[:2]) for _ in [0]))
+    momentum = averagers["diloco"].outer_optimizer.state_dict()["state"][0]["momentum_buffer"]
+    return {
+        **{k: _flat(m) for k, m in models.items()},
+        "identical": identical,
+        "momentum": momentum.clone(),
+        "bytes": {k: a.stats.bytes for k, a in averagers.items()},
+    }
+
+
+@pytest.mark.timeout(120)
+def test_diloco_with_outer_lr_1_and_no_momentum_is_plain_averaging():
+    steps = 10
+    results = run_distributed(_outer_worker, 2, steps)
+    for r in results:
+        torch.testing.assert_close(r["outer1"], r["plain"], rtol=1e-5, atol=1e-6)
+        # DiLoCo's Nesterov momentum really changes the trajectory ...
+        assert (r["diloco"] - r["plain"]).abs().max() > 1e-3
+        # ... its compressed pseudo-gradient stays close and moves half the bytes
+        torch.testing.assert_close(r["diloco_bf16"], r["diloco"], rtol=0, atol=2e-2)
+        assert r["bytes"]["diloco_bf16"] * 2 == r["bytes"]["diloco"] == r["bytes"]["plain"]
+        assert r["identical"] == [s % 3 == 0 for s in range(steps)]
+    # the outer state is the same on every rank
+    assert torch.equal(results[0]["momentum"], results[1]["momentum"])
+
+
+def _schedule_worker(rank, world_size, steps):
+    model = _model()
+    adaptive = PeriodicAverager(model, period=2, schedule=AdaptivePeriod(2, 1, 16, 2, 0.05))
+    decisions, periods, local_periods = [], [], []
+    local = AdaptivePeriod(2, 1, 16, 2, 0.05)  # what this rank alone would decide
+    local_sum, local_count = 0.0, 0
+    for s in range(steps):
+        # the mean falls, then jumps; even ranks alone see it stall early, odd ones never
+        base = 2.0 * 0.8 ** min(s, 20) + (0.3 if s > 40 else 0.0)
+        loss = torch.tensor(base + (-1) ** rank * min(s, 30) / 30)
+        adaptive.observe_loss(loss)
+        local_sum += float(loss)
+        local_count += 1
+        decisions.append(adaptive.step())
+        if decisions[-1]:
+            local.update(local_sum / local_count)
+            local_sum, local_count = 0.0, 0
+        periods.append(adaptive.period)
+        local_periods.append(local.period)
+    step_model = _model()
+    stepped = PeriodicAverager(step_model, period=2, schedule=StepPeriod(2, 4, [6]))
+    step_decisions = [stepped.step() for _ in range(22)]
+    return decisions, periods, local_periods, step_decisions
+
+
+@pytest.mark.timeout(120)
+def test_schedule_decisions_are_identical_on_every_rank():
+    results = run_distributed(_schedule_worker, 4, 60)
+    decisions, periods = results[0][0], results[0][1]
+    assert all(r[0] == decisions and r[1] == periods for r in results)
+    assert max(periods) > 2 and min(periods[30:]) < max(periods)  # grew, then shrank
+    # from local losses alone the ranks would have chosen different periods
+    assert len({tuple(r[2]) for r in results}) > 1
+    # step schedule: k=2 until step 6, then 8 (since the last average at step 4)
+    assert [s for s, d in enumerate(results[0][3]) if d] == [0, 2, 4, 12, 20]
+
+
+def _state_worker(rank, world_size):
+    out = {}
+    for mode in ("local", "average", "reset"):
+        model = _model()
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        averager = PeriodicAverager(model, period=4)
+        averager.hooks.append(OptimizerStateSync(opt, mode, averager.stats))
+        gen = torch.Generator().manual_seed(rank)
+        for _ in range(5):  # syncs after steps 0 and 4, the last step
+            _train_step(model, opt, gen)
+            averager.step()
+        states = [v for s in opt.state.values() for k, v in s.items() if k != "step"]
+        flat = torch.cat([t.reshape(-1) for t in states]) if states else torch.zeros(0)
+        out[mode] = {"state": flat, "bytes": averager.stats.bytes, "numel": averager.flat.numel}
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_optimizer_state_policies():
+    results = run_distributed(_state_worker, 2)
+    for mode in ("local", "average", "reset"):
+        a, b = results[0][mode], results[1][mode]
+        if mode == "reset":
+            assert a["state"].numel() == 0 and b["state"].numel() == 0
+        else:
+            assert torch.equal(a["state"], b["state"]) == (mode == "average")
+        # AdamW's exp_avg and exp_avg_sq ride along with the parameters when averaged
+        per_sync = 4 * a["numel"] * (3 if mode == "average" else 1)
+        assert a["bytes"] == 2 * per_sync
