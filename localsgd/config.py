@@ -38,7 +38,9 @@ class TrainerConfig:
 
 @dataclass
 class SyncLevel:
-    group_size: Any = MISSING  # an integer, `node` (torchrun's LOCAL_WORLD_SIZE) or `world`
+    # an integer, `world`, or `node` (the default: torchrun's LOCAL_WORLD_SIZE, the processes
+    # on one machine; without torchrun all spawned workers are on one machine)
+    group_size: Any = "node"
     period: int = MISSING
 
 
@@ -275,6 +277,11 @@ def validate_sync(cfg: Any, ws: int | None, local_ws: int | None) -> None:
             size = local_ws if local_ws is not None else ws
         sizes.append(size)
         periods.append(lp)
+    if ws is not None:
+        for i, size in enumerate(sizes):
+            _require(
+                ws % size == 0, f"sync.levels[{i}].group_size", f"a divisor of {ws} workers", size
+            )
     for i in range(1, len(levels)):
         _require(
             periods[i] > periods[i - 1],
@@ -290,10 +297,6 @@ def validate_sync(cfg: Any, ws: int | None, local_ws: int | None) -> None:
                 sizes[i],
             )
     if ws is not None:
-        for i, size in enumerate(sizes):
-            _require(
-                ws % size == 0, f"sync.levels[{i}].group_size", f"a divisor of {ws} workers", size
-            )
         _require(
             sizes[-1] == ws,
             f"sync.levels[{len(levels) - 1}].group_size",

@@ -1,0 +1,116 @@
+"""The `sync` strategy keys: experiment files compose and validate, bad combinations are refused
+in one line (in `validate`, and from the CLI before any worker starts)."""
+
+from __future__ import annotations
+
+import pytest
+
+from localsgd.config import ConfigError, validate
+from tests.conftest import compose_config
+from tests.test_cli import run_cli
+
+LEVELS_OK = "sync.levels=[{group_size:2,period:2},{group_size:world,period:8}]"
+
+
+@pytest.mark.parametrize(
+    "name,expected",
+    [
+        ("hierarchical", {"levels": [{"group_size": 2, "period": 4}, {"group_size": "world"}]}),
+        ("diloco", {"outer": "diloco"}),
+        ("slowmo", {"outer": "slowmo"}),
+        ("adaptive_period", {"schedule": "adaptive"}),
+    ],
+)
+def test_experiment_files_compose_and_validate(name, expected):
+    cfg = compose_config([f"+experiment={name}"])
+    validate(cfg, world_size=4)
+    for key, value in expected.items():
+        if key == "levels":
+            assert cfg["sync"]["levels"][0] == value[0]
+            assert cfg["sync"]["levels"][1]["group_size"] == "world"
+        else:
+            assert cfg["sync"][key] == value
+
+
+@pytest.mark.parametrize(
+    "overrides,world,key",
+    [
+        (["sync.levels=[{group_size:3,period:2},{group_size:world,period:8}]"], 6, None),
+        (
+            ["sync.levels=[{group_size:3,period:2},{group_size:world,period:8}]"],
+            4,
+            "sync.levels[0].group_size",
+        ),
+        (
+            ["sync.levels=[{group_size:2,period:8},{group_size:world,period:8}]"],
+            4,
+            "sync.levels[1].period",
+        ),
+        (
+            ["sync.levels=[{group_size:2,period:2},{group_size:3,period:8}]"],
+            6,
+            "sync.levels[1].group_size",
+        ),
+        (
+            ["sync.levels=[{group_size:2,period:2},{group_size:4,period:8}]"],
+            8,
+            "sync.levels[1].group_size",
+        ),
+        (
+            ["sync.levels=[{group_size:node,period:2},{group_size:world,period:8}]"],
+            4,
+            "sync.levels[1].group_size",
+        ),
+        ([LEVELS_OK, "sync.outer=diloco"], 4, "sync.outer"),
+        ([LEVELS_OK, "sync.schedule=adaptive"], 4, "sync.schedule"),
+        (["sync.comm_dtype=int8"], 4, "sync.comm_dtype"),
+        (["sync.outer=adam"], 4, "sync.outer"),
+        (["sync.optimizer_state=keep"], 4, "sync.optimizer_state"),
+        (["sync.schedule=cyclic"], 4, "sync.schedule"),
+        (["sync.schedule=adaptive", "sync.period=4", "sync.max_period=2"], 4, "sync.max_period"),
+        (["sync.schedule=adaptive", "sync.period_factor=1"], 4, "sync.period_factor"),
+        (["sync.outer=diloco", "sync.outer_lr=0"], 4, "sync.outer_lr"),
+        (["sync.outer=slowmo", "sync.outer_momentum=1.0"], 4, "sync.outer_momentum"),
+    ],
+)
+def test_validate_refuses_bad_strategy_settings(overrides, world, key):
+    cfg = compose_config(overrides)
+    if key is None:
+        validate(cfg, world_size=world)
+        return
+    with pytest.raises(ConfigError, match=r"^" + key.replace("[", r"\[").replace("]", r"\]")):
+        validate(cfg, world_size=world)
+
+
+def test_node_level_resolves_to_local_world_size():
+    cfg = compose_config(["sync.levels=[{group_size:node,period:2},{group_size:world,period:8}]"])
+    validate(cfg, world_size=4, local_world_size=2)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "override,key",
+    [
+        (
+            "sync.levels=[{group_size:3,period:2},{group_size:world,period:8}]",
+            "sync.levels[0].group_size",
+        ),
+        ("sync.comm_dtype=int8", "sync.comm_dtype"),
+    ],
+)
+def test_cli_refuses_bad_strategy_in_one_line(tmp_path, override, key):
+    proc = run_cli([override, "dist.world_size=4", f"hydra.run.dir={tmp_path / 'run'}"])
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {key} "), proc.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.timeout(60)
+def test_cli_refuses_outer_with_levels(tmp_path):
+    proc = run_cli([LEVELS_OK, "sync.outer=diloco", f"hydra.run.dir={tmp_path / 'run'}"])
+    assert proc.returncode == 2
+    assert (
+        proc.stderr.strip()
+        == "error: sync.outer must be none when sync.levels is set, got 'diloco'"
+    )
