@@ -3,6 +3,7 @@ state. Each test would fail without the feature it names."""
 
 from __future__ import annotations
 
+import tempfile
 from collections import OrderedDict
 
 import pytest
@@ -20,7 +21,11 @@ from localsgd.averaging import (
     PeriodicAverager,
     StepPeriod,
 )
-from tests.dist_harness import run_distributed
+from localsgd.launch import WorkerInfo
+from localsgd.trainer import Trainer
+from tests.conftest import compose_config
+from tests.dist_harness import CollectiveCounter, run_distributed
+from tests.test_trainer import SMALL
 
 pytestmark = pytest.mark.slow
 
@@ -123,11 +128,18 @@ def _outer_worker(rank, world_size, steps):
     }
     gens = {k: torch.Generator().manual_seed(7 + rank) for k in models}
     identical = []
-    for _ in range(steps):
+    for s in range(steps):
+        if s == 5:  # between syncs: a restored copy must continue exactly
+            models["resumed"] = _model(bn=True)
+            averagers["resumed"] = OuterAverager(models["resumed"], 3)
+            models["resumed"].load_state_dict(models["diloco"].state_dict())
+            averagers["resumed"].load_state_dict(averagers["diloco"].state_dict())
+            opts["resumed"] = torch.optim.SGD(models["resumed"].parameters(), lr=0.1)
+            gens["resumed"] = torch.Generator().set_state(gens["diloco"].get_state())
         for k in models:
             _train_step(models[k], opts[k], gens[k])
             averagers[k].step()
-        identical.append(all(torch.equal(*_gather(_flat(models["diloco"]))[:2]) for _ in [0]))
+        identical.append(torch.equal(*_gather(_flat(models["diloco"]))))
     momentum = averagers["diloco"].outer_optimizer.state_dict()["state"][0]["momentum_buffer"]
     return {
         **{k: _flat(m) for k, m in models.items()},
@@ -149,6 +161,7 @@ def test_diloco_with_outer_lr_1_and_no_momentum_is_plain_averaging():
         torch.testing.assert_close(r["diloco_bf16"], r["diloco"], rtol=0, atol=2e-2)
         assert r["bytes"]["diloco_bf16"] * 2 == r["bytes"]["diloco"] == r["bytes"]["plain"]
         assert r["identical"] == [s % 3 == 0 for s in range(steps)]
+        assert torch.equal(r["resumed"], r["diloco"])
     # the outer state is the same on every rank
     assert torch.equal(results[0]["momentum"], results[1]["momentum"])
 
@@ -219,3 +232,58 @@ def test_optimizer_state_policies():
         # AdamW's exp_avg and exp_avg_sq ride along with the parameters when averaged
         per_sync = 4 * a["numel"] * (3 if mode == "average" else 1)
         assert a["bytes"] == 2 * per_sync
+
+
+def _trainer_worker(rank, world_size, configs):
+    out = []
+    for cfg in configs:
+        with tempfile.TemporaryDirectory() as run_dir:
+            info = WorkerInfo(rank, world_size, rank, world_size)
+            trainer = Trainer(cfg, info, torch.device("cpu"), run_dir)
+            per_step, in_sync, same_all = [], [], []
+            for step in range(cfg["trainer"]["max_steps"]):
+                with CollectiveCounter() as counter:
+                    trainer.train_step(step)
+                per_step.append(counter.count)
+                in_sync.append(trainer.in_sync)
+                flat = torch.cat([b.reshape(-1) for b in trainer.averager.flat.buffers])
+                same_all.append(all(torch.equal(flat, g) for g in _gather(flat)))
+            out.append(
+                {
+                    "per_step": per_step,
+                    "in_sync": in_sync,
+                    "same_all": same_all,
+                    "levels": trainer.averager.comm_levels(),
+                    "rounds": trainer.comm.rounds,
+                }
+            )
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_trainer_with_hierarchical_levels_and_adaptive_period():
+    steps = 18
+    hierarchical = compose_config(
+        SMALL
+        + [
+            f"trainer.max_steps={steps}",
+            "sync.levels=[{group_size:2,period:2},{group_size:world,period:8}]",
+        ]
+    )
+    adaptive = compose_config(
+        SMALL
+        + [f"trainer.max_steps={steps}", "sync.schedule=adaptive", "sync.period=2"]
+        + ["sync.optimizer_state=average", "sync.comm_dtype=bfloat16"]
+    )
+    results = run_distributed(_trainer_worker, 4, [hierarchical, adaptive])
+    level = [1 if s % 8 == 0 else 0 if s % 2 == 0 else None for s in range(steps)]
+    for hier, _ in results:
+        assert hier["per_step"] == [int(lv is not None) for lv in level]  # one all-reduce a sync
+        assert hier["in_sync"] == hier["same_all"] == [lv == 1 for lv in level]
+        assert [lv["rounds"] for lv in hier["levels"]] == [level.count(0), level.count(1)]
+    adaptive_runs = [r[1] for r in results]
+    # one all-reduce for the parameters (and the piggybacked loss), one for the optimizer state
+    assert all(c in (0, 2) for c in adaptive_runs[0]["per_step"])
+    assert all(r["per_step"] == adaptive_runs[0]["per_step"] for r in adaptive_runs)
+    assert adaptive_runs[0]["in_sync"] == adaptive_runs[0]["same_all"]
+    assert adaptive_runs[0]["rounds"] == sum(adaptive_runs[0]["in_sync"])

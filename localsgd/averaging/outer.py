@@ -13,6 +13,8 @@ extrapolated by momentum (a running variance could go negative).
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.distributed as dist
 
@@ -115,4 +117,6 @@ class OuterAverager(PeriodicAverager):
         super().load_state_dict(state)
         for anchor, saved in zip(self.anchors, state["anchors"], strict=True):
             anchor.copy_(saved)
-        self.outer_optimizer.load_state_dict(state["outer_optimizer"])
+        # deep-copied: torch's load_state_dict would otherwise share the momentum tensors with
+        # `state`, e.g. with the live averager it was taken from
+        self.outer_optimizer.load_state_dict(copy.deepcopy(state["outer_optimizer"]))
