@@ -15,6 +15,7 @@ from torch.distributed.algorithms.model_averaging.hierarchical_model_averager im
 
 from localsgd.averaging import (
     AdaptivePeriod,
+    GradientAverager,
     HierarchicalAverager,
     OptimizerStateSync,
     OuterAverager,
@@ -141,7 +142,30 @@ def _outer_worker(rank, world_size, steps):
             averagers[k].step()
         identical.append(torch.equal(*_gather(_flat(models["diloco"]))))
     momentum = averagers["diloco"].outer_optimizer.state_dict()["state"][0]["momentum_buffer"]
+    # After a synchronous warmup the first outer step starts from the warmed-up model
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    averager = OuterAverager(model, 3, warmup_steps=4)
+    grads = GradientAverager(model)
+    gen = torch.Generator().manual_seed(rank)
+    for s in range(5):
+        x, y = torch.randn(8, 6, generator=gen), torch.randint(0, 3, (8,), generator=gen)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        if averager.in_warmup:
+            grads.all_reduce()
+        opt.step()
+        if s == 3:
+            warmed = _flat(model)
+        if s == 4:
+            mean_local = _flat(model)
+            dist.all_reduce(mean_local)
+            mean_local /= world_size
+        averager.step()
+    # Nesterov's first step: anchor - lr * (1 + momentum) * pseudo-gradient
+    expected = warmed - 0.7 * 1.9 * (warmed - mean_local)
     return {
+        "after_warmup": (_flat(model), expected),
         **{k: _flat(m) for k, m in models.items()},
         "identical": identical,
         "momentum": momentum.clone(),
@@ -162,6 +186,7 @@ def test_diloco_with_outer_lr_1_and_no_momentum_is_plain_averaging():
         assert r["bytes"]["diloco_bf16"] * 2 == r["bytes"]["diloco"] == r["bytes"]["plain"]
         assert r["identical"] == [s % 3 == 0 for s in range(steps)]
         assert torch.equal(r["resumed"], r["diloco"])
+        torch.testing.assert_close(*r["after_warmup"], rtol=1e-5, atol=1e-6)
     # the outer state is the same on every rank
     assert torch.equal(results[0]["momentum"], results[1]["momentum"])
 

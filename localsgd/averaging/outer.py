@@ -7,7 +7,8 @@ anchor. The anchor, the pseudo-gradient and the optimizer state are the same on 
 same bytes in, the same deterministic update), so the replicas stay bit-identical.
 
 With outer SGD at lr 1 and no momentum the new anchor is `anchor - (anchor - mean(local))`, i.e.
-plain averaging. Floating-point buffers (BatchNorm statistics) are averaged plainly, never
+plain averaging. After a synchronous warmup the anchor is the warmed-up model (see `reanchor`).
+Floating-point buffers (BatchNorm statistics) are averaged plainly, never
 extrapolated by momentum (a running variance could go negative).
 """
 
@@ -101,8 +102,9 @@ class OuterAverager(PeriodicAverager):
         for flat, anchor in zip(self.flat.buffers, self.anchors, strict=True):
             flat.copy_(anchor)
 
-    def broadcast_(self, src: int = 0) -> None:
-        super().broadcast_(src)
+    def reanchor(self) -> None:
+        # Without this, the first outer step after a warmup would take the whole warmup's
+        # progress as one pseudo-gradient and extrapolate it by the outer momentum.
         for flat, anchor in zip(self.flat.buffers, self.anchors, strict=True):
             anchor.copy_(flat)
 
