@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -59,7 +60,8 @@ def main() -> None:
     text = "\n".join(lines) + "\n"
     if opts.out:
         with open(opts.out, "w", encoding="utf-8") as f:
-            f.write(f"`python experiments/compare_comm_dtype.py --seed {opts.seed}`\n\n" + text)
+            command = " ".join(shlex.quote(a) for a in ["python", *sys.argv])
+            f.write(f"`{command}`\n\n" + text)
 
 
 if __name__ == "__main__":
