@@ -144,9 +144,7 @@ def _get(cfg: Any, key: str) -> Any:
     return node
 
 
-def validate(
-    cfg: Any, world_size: int | None = None, local_world_size: int | None = None
-) -> None:
+def validate(cfg: Any, world_size: int | None = None, local_world_size: int | None = None) -> None:
     """Raise ConfigError on the first setting out of range. `cfg` is a DictConfig or a plain dict.
 
     `world_size` is the real one under torchrun; otherwise `dist.world_size` will be spawned.

@@ -118,8 +118,6 @@ class HierarchicalAverager:
     def step(self) -> bool:
         """Call after each optimizer step; averages at the level the rule picks. Returns whether
         any level averaged."""
-        if self.step_index == self.warmup_steps - 1 and self.compressor is not None:
-            self.compressor.reset(self.flat.buffers)  # a synchronous warmup: replicas identical
         level = self.level_at(self.step_index)
         if level is not None:
             self.average_level(level)

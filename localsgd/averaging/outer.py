@@ -7,7 +7,8 @@ anchor. The anchor, the pseudo-gradient and the optimizer state are the same on 
 same bytes in, the same deterministic update), so the replicas stay bit-identical.
 
 With outer SGD at lr 1 and no momentum the new anchor is `anchor - (anchor - mean(local))`, i.e.
-plain averaging. After a synchronous warmup the anchor is the warmed-up model (see `reanchor`).
+plain averaging. The first sync after a warmup is a plain average too: the anchor is still the
+initial model, and extrapolating the whole warmup's progress by the outer momentum would overshoot.
 Floating-point buffers (BatchNorm statistics) are averaged plainly, never
 extrapolated by momentum (a running variance could go negative).
 """
@@ -90,6 +91,8 @@ class OuterAverager(PeriodicAverager):
         )
 
     def _reduce(self) -> None:
+        # the first sync after a warmup (the rule fires at step `warmup_steps`), see the module doc
+        plain = self.warmup_steps > 0 and self.step_index == self.warmup_steps
         for flat, anchor, low, n in zip(
             self.flat.buffers, self.anchors, self.low, self.param_numels, strict=True
         ):
@@ -97,14 +100,14 @@ class OuterAverager(PeriodicAverager):
             all_reduce_mean_through_(
                 flat, low, self.process_group, self.world_size, self.use_avg, self.stats
             )
-            anchor[n:].sub_(flat[n:])  # buffers: plain average
-        self.outer_optimizer.step()
+            start = 0 if plain else n  # buffers (or everything) are averaged plainly
+            anchor[start:].sub_(flat[start:])
+        if not plain:
+            self.outer_optimizer.step()
         for flat, anchor in zip(self.flat.buffers, self.anchors, strict=True):
             flat.copy_(anchor)
 
     def reanchor(self) -> None:
-        # Without this, the first outer step after a warmup would take the whole warmup's
-        # progress as one pseudo-gradient and extrapolate it by the outer momentum.
         for flat, anchor in zip(self.flat.buffers, self.anchors, strict=True):
             anchor.copy_(flat)
 

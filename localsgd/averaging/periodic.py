@@ -97,8 +97,6 @@ class PeriodicAverager:
 
     def step(self) -> bool:
         """Call after each optimizer step; averages when the rule says. Returns whether it did."""
-        if self.step_index == self.warmup_steps - 1:
-            self.reanchor()  # the synchronous warmup ends with identical replicas
         averaged = self.should_average(self.step_index)
         if averaged:
             self.average()
@@ -145,9 +143,8 @@ class PeriodicAverager:
         self.reanchor()
 
     def reanchor(self) -> None:
-        """The replicas are identical now (after the initial broadcast, and, assuming the warmup is
-        synchronous as in post-local SGD, after its last step): take them as the anchor that
-        compressed and outer-optimizer averaging measure the change from."""
+        """The replicas are identical now (after the initial broadcast): take them as the anchor
+        that compressed and outer-optimizer averaging measure the change from."""
         if self.compressor is not None:
             self.compressor.reset(self.flat.buffers)
 
