@@ -34,9 +34,7 @@ def install_sigterm_handler() -> None:
 
 class StopAgreement:
     def __init__(self, store: dist.Store | None, run_id: str):
-        if store is None and dist.is_initialized():
-            store = dist.distributed_c10d._get_default_store()
-        self.store = store
+        self.store = store  # the rendezvous store; None: a lone process decides alone
         self.key = f"localsgd/stop/{run_id}"
         self.stop_at: int | None = None
         self.proposed = False

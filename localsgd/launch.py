@@ -57,14 +57,19 @@ def pick_backend(requested: str, device: torch.device) -> str:
 
 def init_process_group(
     info: WorkerInfo, backend: str, timeout_s: float, store: dist.Store | None = None
-) -> None:
+) -> dist.Store:
+    """Join the process group; returns the store it rendezvoused through."""
     timeout = datetime.timedelta(seconds=timeout_s)
     if store is None:  # torchrun: env:// rendezvous
-        dist.init_process_group(backend, timeout=timeout)
-    else:
-        dist.init_process_group(
-            backend, store=store, rank=info.rank, world_size=info.world_size, timeout=timeout
-        )
+        store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
+        # torchrun's store outlives a restart, and gloo would read the dead workers' addresses
+        # left in it (connectFullMesh times out): each attempt gets keys of its own.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"localsgd/attempt-{attempt}", store)
+    dist.init_process_group(
+        backend, store=store, rank=info.rank, world_size=info.world_size, timeout=timeout
+    )
+    return store
 
 
 def resolve_world_size(requested: int | None, device: str) -> int:

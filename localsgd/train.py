@@ -52,7 +52,7 @@ def run_worker(
         torch.backends.cudnn.benchmark = False
     device = pick_device(cfg["dist"]["device"], info.local_rank)
     backend = pick_backend(cfg["dist"]["backend"], device)
-    init_process_group(info, backend, cfg["dist"]["timeout_s"], store)
+    store = init_process_group(info, backend, cfg["dist"]["timeout_s"], store)
     try:
         run_dir = agree_on_run_dir(run_dir, info.rank)
         resume = agree_on(resume)
