@@ -53,12 +53,16 @@ def train_size(cfg: Any) -> int | None:
 def check_data(cfg: Any, world_size: int) -> None:
     name = _get(cfg, "data.name")
     if name == "cifar10":
-        from localsgd.data.datasets import _cifar_folder
+        from localsgd.data.datasets import _CIFAR_URL, _cifar_folder
 
+        root = str(_get(cfg, "data.root"))
         try:
-            _cifar_folder(str(_get(cfg, "data.root")))
-        except FileNotFoundError as e:
-            raise ConfigError(str(e)) from None
+            _cifar_folder(root)
+        except FileNotFoundError:
+            raise ConfigError(
+                f"data.root must be a folder holding the CIFAR-10 python batches "
+                f"(cifar-10-python.tar.gz from {_CIFAR_URL}, extracted), got {root!r}"
+            ) from None
     if name == "text":
         path = str(_get(cfg, "data.path"))
         if not path or not os.path.isfile(os.path.expanduser(path)):
@@ -91,12 +95,14 @@ def resolve_resume(
         if os.path.isdir(checkpoint.checkpoint_root(path)):  # a run directory: its newest
             found = checkpoint.newest_complete(path, world_size, warn)
             if found is None:
-                raise ConfigError(f"trainer.resume: {resume} holds no complete checkpoint")
+                raise ConfigError(
+                    f"trainer.resume must name a complete checkpoint; {resume} holds none"
+                )
             return found
         try:
             checkpoint.verify(path, world_size)
         except checkpoint.CheckpointError as e:
-            raise ConfigError(f"trainer.resume: checkpoint {e}") from None
+            raise ConfigError(f"trainer.resume must name a complete checkpoint; {e}") from None
         return path
     if run_dir is None:
         return None

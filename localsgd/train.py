@@ -102,11 +102,12 @@ def preflight(cfg, run_dir: str | None, quiet: bool = False) -> str | None:
     world_size = world_size_of(cfg)
     validate(cfg, world_size=world_size)
     check_data(cfg, world_size)
+    resume = resolve_resume(cfg, world_size, run_dir, quiet)
     if run_dir is not None and os.path.exists(os.path.join(run_dir, "summary.json")):
         raise ConfigError(
             f"hydra.run.dir: {run_dir} already holds a finished run; choose another directory"
         )
-    return resolve_resume(cfg, world_size, run_dir, quiet)
+    return resume
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
