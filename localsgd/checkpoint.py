@@ -68,8 +68,17 @@ def listed_steps(run_dir: str) -> list[int]:
     return sorted(steps, reverse=True)
 
 
-def save(run_dir: str, step: int, rank: int, world_size: int, state: dict, keep: int) -> str:
-    """Every rank calls this at the same step with its own `state`; returns the folder."""
+def save(
+    run_dir: str,
+    step: int,
+    rank: int,
+    world_size: int,
+    state: dict,
+    keep: int,
+    config: dict | None = None,
+) -> str:
+    """Every rank calls this at the same step with its own `state`; returns the folder.
+    `config` (the run's resolved config) goes into the marker, to refuse resuming a changed run."""
     folder = step_dir(run_dir, step)
     os.makedirs(folder, exist_ok=True)
     _write_atomic(rank_file(folder, rank), lambda f: torch.save(state, f))
@@ -79,10 +88,8 @@ def save(run_dir: str, step: int, rank: int, world_size: int, state: dict, keep:
             os.path.basename(rank_file(folder, r)): os.path.getsize(rank_file(folder, r))
             for r in range(world_size)
         }
-        marker = {"step": step, "world_size": world_size, "files": sizes}
-        _write_atomic(
-            os.path.join(folder, MARKER), lambda f: f.write(json.dumps(marker).encode())
-        )
+        marker = {"step": step, "world_size": world_size, "files": sizes, "config": config}
+        _write_atomic(os.path.join(folder, MARKER), lambda f: f.write(json.dumps(marker).encode()))
         prune(run_dir, keep)
     return folder
 
@@ -131,6 +138,46 @@ def verify(folder: str, world_size: int | None = None) -> dict:
         if not isinstance(state, dict) or state.get("step") != marker["step"]:
             raise CheckpointError(f"{path} is corrupt (not a localsgd rank state)")
     return marker
+
+
+# Settings that shape the trajectory: resuming with any of them changed would not continue the
+# same run (or would not even load). max_steps may change (a run extended), as may logging,
+# checkpointing, timeouts and the resume setting itself.
+TRAJECTORY_KEYS = (
+    "seed",
+    "data",
+    "model",
+    "optim",
+    "sync.period",
+    "sync.warmup_steps",
+    "trainer.batch_size",
+)
+
+
+def _flatten(node: Any, prefix: str) -> dict[str, Any]:
+    if isinstance(node, dict):
+        out = {}
+        for k, v in node.items():
+            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    return {prefix: node}
+
+
+def config_mismatch(marker: dict, config: dict) -> str | None:
+    """The first trajectory setting that differs between a checkpoint and `config` (plain
+    dicts), as "key: checkpoint value -> this run's value", or None."""
+    saved = marker.get("config")
+    if saved is None:
+        return None
+    for key in TRAJECTORY_KEYS:
+        old, new = saved, config
+        for part in key.split("."):
+            old, new = old.get(part), new.get(part)
+        old_flat, new_flat = _flatten(old, key), _flatten(new, key)
+        for k in sorted(set(old_flat) | set(new_flat)):
+            if old_flat.get(k) != new_flat.get(k):
+                return f"{k}: {old_flat.get(k)!r} in the checkpoint, {new_flat.get(k)!r} now"
+    return None
 
 
 def newest_complete(run_dir: str, world_size: int | None, warn=None) -> str | None:

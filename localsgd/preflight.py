@@ -81,6 +81,18 @@ def check_data(cfg: Any, world_size: int) -> None:
 def resolve_resume(
     cfg: Any, world_size: int, run_dir: str | None, quiet: bool = False
 ) -> str | None:
+    found = _find_resume(cfg, world_size, run_dir, quiet)
+    if found is not None:
+        diff = checkpoint.config_mismatch(checkpoint.verify(found, world_size), _plain(cfg))
+        if diff is not None:
+            raise ConfigError(
+                f"trainer.resume must continue the same run, but {found} differs in {diff}; "
+                f"keep those settings, or start afresh in another hydra.run.dir"
+            )
+    return found
+
+
+def _find_resume(cfg: Any, world_size: int, run_dir: str | None, quiet: bool = False) -> str | None:
     """The checkpoint folder to start from, or None to start fresh; ConfigError if the setting
     names something unusable. `run_dir` None: not known yet (only the explicit path is checked)."""
     warn = None if quiet else _warn
@@ -114,6 +126,19 @@ def resolve_resume(
             )
         return None
     return checkpoint.newest_complete(run_dir, world_size, warn)
+
+
+def _plain(cfg: Any) -> dict:
+    """The config as nested plain dicts (Hydra's own node left out)."""
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.is_config(cfg):
+        return cfg
+    return {
+        k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k]) else cfg[k]
+        for k in cfg
+        if k != "hydra"
+    }
 
 
 def _warn(message: str) -> None:

@@ -279,6 +279,7 @@ class Trainer:
             self.info.world_size,
             state,
             self.cfg.trainer.keep_checkpoints,
+            config=self.config,
         )
 
     def load_checkpoint(self, folder: str) -> None:

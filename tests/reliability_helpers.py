@@ -50,9 +50,7 @@ def tagged_env(fault: str | None = None) -> tuple[dict, str]:
 def run(cmd: list[str], fault: str | None = None, timeout: float = 120):
     """Run `cmd` from the repository root; returns (CompletedProcess, processes left behind)."""
     env, tag = tagged_env(fault)
-    proc = subprocess.run(
-        cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
-    )
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     return proc, survivors(tag)
 
 

@@ -46,6 +46,7 @@ CASES = [
     ("data.name=text data.path=/nonexistent/corpus.txt", "data.path"),
     ("trainer.resume=/nonexistent/checkpoints/step-5", "trainer.resume"),
     ("CORRUPT", "trainer.resume"),
+    ("CHANGED model.hidden=[32]", "trainer.resume"),  # a checkpoint of another model
     ("trainer.checkpoint_every=-1", "trainer.checkpoint_every"),
     ("trainer.keep_checkpoints=0", "trainer.keep_checkpoints"),
     ("trainer.nan_policy=ignore", "trainer.nan_policy"),
@@ -59,6 +60,7 @@ def test_bad_input_is_one_line_and_touches_no_earlier_run(
 ):
     if override == "CORRUPT":
         override = f"trainer.resume={corrupt_checkpoint}"
+    override = override.replace("CHANGED", f"trainer.resume={reference_run}")
     before = _snapshot(reference_run)
     # Aimed at the earlier run's directory, as a mistyped resume command would be.
     proc, _ = cli(BASE + override.split() + [f"hydra.run.dir={reference_run}"], timeout=60)

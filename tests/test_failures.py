@@ -45,8 +45,7 @@ def test_nan_policy_skip_skips_the_step_and_replicas_stay_identical(tmp_path):
     # step 3 is in the synchronous warmup: the skipping rank must still step with the averaged
     # gradients, which sync.check_replicas verifies after every sync.
     proc, _ = cli(
-        BASE
-        + [f"hydra.run.dir={run_dir}", "trainer.nan_policy=skip", "sync.check_replicas=true"],
+        BASE + [f"hydra.run.dir={run_dir}", "trainer.nan_policy=skip", "sync.check_replicas=true"],
         fault="nan:0:3",
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
