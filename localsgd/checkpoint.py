@@ -180,6 +180,11 @@ def config_mismatch(marker: dict, config: dict) -> str | None:
     return None
 
 
+def has_marked(run_dir: str) -> bool:
+    """Whether some checkpoint folder carries a marker (was complete once)."""
+    return any(_marker(step_dir(run_dir, s)) is not None for s in listed_steps(run_dir))
+
+
 def newest_complete(run_dir: str, world_size: int | None, warn=None) -> str | None:
     """The newest checkpoint in `run_dir` that verifies; a broken one is reported through `warn`
     and skipped, so a kill during a write falls back to the previous checkpoint."""

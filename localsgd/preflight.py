@@ -125,7 +125,14 @@ def _find_resume(cfg: Any, world_size: int, run_dir: str | None, quiet: bool = F
                 f"earlier run; use trainer.resume=auto or another hydra.run.dir"
             )
         return None
-    return checkpoint.newest_complete(run_dir, world_size, warn)
+    found = checkpoint.newest_complete(run_dir, world_size, warn)
+    if found is None and checkpoint.has_marked(run_dir):
+        # Starting afresh would overwrite the earlier run's metrics and checkpoints.
+        raise ConfigError(
+            f"trainer.resume=auto found no usable checkpoint in {run_dir} (all are broken or "
+            f"from another world size); use another hydra.run.dir"
+        )
+    return found
 
 
 def _plain(cfg: Any) -> dict:
