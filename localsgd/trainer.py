@@ -212,7 +212,8 @@ class Trainer:
                     if self.is_main:
                         writer.write({"step": self.step, **self.evaluate()})
                     self.next_eval = (self.step // c.eval_every + 1) * c.eval_every
-                stopping = self.stop.should_stop(self.step)
+                # (a stop agreed for the very last step just lets the run finish)
+                stopping = self.stop.should_stop(self.step) and self.step < c.max_steps
                 due = every > 0 and (self.step % every == 0 or self.step == c.max_steps)
                 if due or stopping:
                     self.save_checkpoint(time.perf_counter() - start)
