@@ -133,3 +133,19 @@ def test_same_config_and_seed_give_bit_identical_parameters(tmp_path, reference_
     proc, _ = cli(BASE + ["trainer.deterministic=true", f"hydra.run.dir={run_dir}"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert same_model(run_dir / "model.pt", reference_run / "model.pt")
+
+
+def test_auto_resume_never_overwrites_a_run_whose_checkpoints_are_all_broken(tmp_path):
+    from localsgd.config import ConfigError
+    from localsgd.preflight import resolve_resume
+
+    cfg = {"trainer": {"resume": "auto"}}
+    assert resolve_resume(cfg, 2, str(tmp_path), quiet=True) is None  # nothing there: fresh
+    _fake_checkpoint(tmp_path, 5, complete=False)  # killed while writing the first one
+    assert resolve_resume(cfg, 2, str(tmp_path), quiet=True) is None
+    with pytest.raises(ConfigError, match="^trainer.resume=never .* holds checkpoints"):
+        resolve_resume({"trainer": {"resume": "never"}}, 2, str(tmp_path))
+    good = _fake_checkpoint(tmp_path, 10)
+    assert resolve_resume(cfg, 2, str(tmp_path), quiet=True) == good
+    with pytest.raises(ConfigError, match="^trainer.resume=auto found no usable checkpoint"):
+        resolve_resume(cfg, 4, str(tmp_path), quiet=True)  # written by 2 workers, now 4
