@@ -98,15 +98,14 @@ class ReplicasDiverged(RuntimeError):
     pass
 
 
-def replica_checksum(buffers: list[torch.Tensor]) -> torch.Tensor:
-    """Two int64 sums over the raw bits (plain and position-weighted): equal bits, equal sums;
-    any single flipped bit changes the plain sum."""
-    sums = torch.zeros(2, dtype=torch.int64, device=buffers[0].device)
-    for flat in buffers:
-        bits = flat.detach().reshape(-1).view(_int_dtype(flat.dtype)).to(torch.int64)
-        weights = torch.arange(bits.numel(), device=bits.device, dtype=torch.int64) % 65521 + 1
-        sums[0] += bits.sum()
-        sums[1] += (bits * weights).sum()
+def replica_checksum(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Two int64 sums over the raw bits (all words, odd-position words), accumulated without a
+    converted copy: equal bits give equal sums, and any single changed word changes the first."""
+    sums = torch.zeros(2, dtype=torch.int64, device=tensors[0].device)
+    for t in tensors:
+        bits = t.detach().reshape(-1).view(_int_dtype(t.dtype))
+        sums[0] += bits.sum(dtype=torch.int64)
+        sums[1] += bits[1::2].sum(dtype=torch.int64)
     return sums
 
 
