@@ -4,6 +4,7 @@ diverged replicas are caught; torchrun runs (two "nodes", an elastic restart) be
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import time
 
@@ -138,3 +139,21 @@ def test_torchrun_worker_failure_ends_the_job_naming_the_rank(tmp_path, kind):
     else:
         assert "rank      : 1" in out and "Signal 9" in out, out[-3000:]
     assert not left
+
+
+@pytest.mark.timeout(180)
+def test_torchrun_forwards_sigterm_and_the_workers_checkpoint_at_an_agreed_step(tmp_path):
+    run_dir = tmp_path / "run"
+    proc, left = run(
+        _torchrun(1, free_port(), []) + BASE + [f"hydra.run.dir={run_dir}"],
+        fault="sigterm:1:8",  # to torchrun's agent, which sends SIGTERM to both workers
+        timeout=150,
+    )
+    out = proc.stdout + proc.stderr
+    # torchrun re-raises the signal itself (exit 1); the workers stopped cleanly and saved.
+    stopped = re.search(r"SIGTERM: stopped after step (\d+)", out)
+    assert stopped and int(stopped[1]) in (12, 17, 22), out[-3000:]
+    assert "Traceback" not in out.split("SIGTERM: stopped")[0]
+    folder = checkpoint.step_dir(str(run_dir), int(stopped[1]))
+    checkpoint.verify(folder, world_size=2)
+    assert not (run_dir / "summary.json").exists() and not left
