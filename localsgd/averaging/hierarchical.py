@@ -112,6 +112,11 @@ class HierarchicalAverager:
                 return i
         return None
 
+    def next_sync(self, step_index: int) -> int:
+        """The first step index >= `step_index` after which every rank averages (widest level)."""
+        s = max(step_index, self.warmup_steps)
+        return s + (-s) % self.levels[-1].period
+
     def observe_loss(self, loss: torch.Tensor) -> None:
         """No schedule adapts here; accepted so the trainer need not care which averager it has."""
 

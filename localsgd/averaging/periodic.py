@@ -88,6 +88,14 @@ class PeriodicAverager:
             and step_index - self.last_average >= self.schedule.period_at(step_index)
         )
 
+    def next_sync(self, step_index: int) -> int:
+        """The first step index >= `step_index` after which this averager will average, as the
+        schedule stands now (an adaptive one changes only at a sync)."""
+        s = max(step_index, self.warmup_steps)
+        while not self.should_average(s):
+            s += 1
+        return s
+
     def observe_loss(self, loss: torch.Tensor) -> None:
         """Feed this step's training loss to a schedule that adapts to it (no-op otherwise).
         Summed on the device: nothing is read back until the next sync."""
@@ -168,6 +176,9 @@ class PeriodicAverager:
             "schedule": self.schedule.state_dict(),
             "level_stats": self.level_stats.state_dict(),
         }
+        if self.loss_slot is not None:  # the loss summed since the last sync, for an exact resume
+            state["loss_slot"] = self.loss_slot.detach().clone()
+            state["loss_count"] = self.loss_count
         if self.compressor is not None:
             state["compressor"] = self.compressor.state_dict()
         return state
@@ -184,3 +195,6 @@ class PeriodicAverager:
             self.last_average = last - (last - w) % k if last >= w else w - k
         if self.compressor is not None and "compressor" in state:
             self.compressor.load_state_dict(state["compressor"])
+        if self.loss_slot is not None and "loss_slot" in state:
+            self.loss_slot.copy_(state["loss_slot"])
+            self.loss_count = int(state["loss_count"])
