@@ -3,6 +3,7 @@ state. Each test would fail without the feature it names."""
 
 from __future__ import annotations
 
+import json
 import tempfile
 from collections import OrderedDict
 
@@ -308,3 +309,29 @@ def test_trainer_with_hierarchical_levels_and_adaptive_period():
     assert all(r["per_step"] == adaptive_runs[0]["per_step"] for r in adaptive_runs)
     assert adaptive_runs[0]["in_sync"] == adaptive_runs[0]["same_all"]
     assert adaptive_runs[0]["rounds"] == sum(adaptive_runs[0]["in_sync"])
+
+
+@pytest.mark.timeout(300)
+def test_diloco_adaptive_bf16_run_resumes_bit_identical_after_a_kill(tmp_path):
+    from tests.reliability_helpers import BASE, cli, same_model
+
+    args = BASE + [
+        "sync.warmup_steps=0",
+        "sync.period=2",
+        "sync.schedule=adaptive",
+        "sync.outer=diloco",
+        "sync.comm_dtype=bfloat16",
+        "sync.optimizer_state=average",
+    ]
+    reference, run_dir = tmp_path / "reference", tmp_path / "run"
+    proc, _ = cli(args + [f"hydra.run.dir={reference}"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc, left = cli(args + [f"hydra.run.dir={run_dir}"], fault="kill:0:13")
+    assert proc.returncode == 1 and not left, proc.stderr[-2000:]
+    proc, _ = cli(args + [f"hydra.run.dir={run_dir}"])
+    assert proc.returncode == 0 and "step-10" in proc.stderr, proc.stderr[-3000:]
+    assert same_model(run_dir / "model.pt", reference / "model.pt")
+    ours = json.loads((run_dir / "summary.json").read_text())
+    ref = json.loads((reference / "summary.json").read_text())
+    for key in ("comm_rounds", "comm_bytes", "comm_levels", "test_accuracy"):
+        assert ours[key] == ref[key], key
