@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import sys
 
@@ -16,6 +17,7 @@ import hydra
 import torch.distributed as dist
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from localsgd.config import Config, ConfigError, validate
@@ -30,6 +32,7 @@ from localsgd.launch import (
     torchrun_info,
     under_torchrun,
 )
+from localsgd.loggers import offline_runs
 from localsgd.overrides import check_overrides
 
 ConfigStore.instance().store(name="config_schema", node=Config)
@@ -64,6 +67,16 @@ def agree_on_run_dir(run_dir: str, rank: int) -> str:
     return chosen[0]
 
 
+def name_wandb_run(wandb_cfg: dict) -> None:
+    """Fill in what only the launching process knows: the run name from the command-line
+    overrides, and the multirun sweep as the group, so a sweep is one group on the dashboard."""
+    hydra_cfg = HydraConfig.get()
+    if wandb_cfg["name"] is None:
+        wandb_cfg["name"] = hydra_cfg.job.override_dirname or None
+    if wandb_cfg["group"] is None and hydra_cfg.mode == RunMode.MULTIRUN:
+        wandb_cfg["group"] = hydra_cfg.sweep.dir
+
+
 def fail(message: str, code: int = 2) -> None:
     print(f"error: {message}", file=sys.stderr)
     sys.exit(code)
@@ -81,6 +94,7 @@ def main(cfg: DictConfig) -> float | None:
     if os.path.exists(summary_path):
         fail(f"hydra.run.dir: {run_dir} already holds a finished run; choose another directory")
     plain = OmegaConf.to_container(cfg, resolve=True)
+    name_wandb_run(plain["logger"]["wandb"])
     if torchrun:
         run_worker(torchrun_info(), None, plain, run_dir)
         if int(os.environ["RANK"]) != 0:
@@ -109,7 +123,10 @@ def main(cfg: DictConfig) -> float | None:
             )
         )
     )
-    return summary["test_accuracy"]
+    if plain["logger"]["wandb"]["mode"] == "offline":
+        for path in offline_runs(run_dir):
+            print(f"wandb offline run: upload it with `wandb sync {shlex.quote(path)}`")
+    return summary["test_accuracy"]  # the objective a Hydra sweeper (e.g. Optuna) maximises
 
 
 def cli() -> None:

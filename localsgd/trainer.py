@@ -13,8 +13,10 @@ import torch.nn.functional as F
 
 from localsgd.averaging import CommStats, GradientAverager, PeriodicAverager
 from localsgd.data import Dataset, ShardSampler, load_dataset, shard_indices
+from localsgd.drift import DriftMeter
 from localsgd.launch import WorkerInfo
-from localsgd.metrics import MetricsWriter, progress_bar, write_json
+from localsgd.loggers import build_loggers
+from localsgd.metrics import progress_bar, write_json
 from localsgd.models import build_model
 from localsgd.optim import build_optimizer, lr_at, set_lr
 
@@ -72,6 +74,7 @@ class Trainer:
         self.grad_averager = (
             GradientAverager(self.model, stats=self.comm) if c.sync.warmup_steps > 0 else None
         )
+        self.drift = DriftMeter(self.averager.flat.buffers) if c.trainer.track_drift else None
         self.optimizer = build_optimizer(self.model.parameters(), c.optim)
         self.step = 0
         self.in_sync = True  # replicas identical right now
@@ -91,7 +94,12 @@ class Trainer:
         if synchronous:
             self.grad_averager.all_reduce()  # post-local SGD's warmup: plain mini-batch SGD
         self.optimizer.step()
+        measure = self.drift is not None and self.averager.should_average(self.averager.step_index)
+        if measure:
+            self.drift.before()
         averaged = self.averager.step()
+        if measure:
+            self.drift.after()
         self.in_sync = synchronous or averaged
         return loss.detach()
 
@@ -117,15 +125,28 @@ class Trainer:
             "comm_seconds": round(self.comm.seconds, 6),
         }
 
+    def rate_record(self, interval_s: float, steps: int, total_s: float) -> dict[str, Any]:
+        """Throughput since the last log line, the share of time spent communicating so far, and
+        the mean replica drift over the averages since the last log line (when there were any)."""
+        samples = steps * self.cfg.trainer.batch_size * self.info.world_size
+        record = {
+            "samples_per_s": round(samples / max(interval_s, 1e-9), 1),
+            "comm_share": round(self.comm.seconds / max(total_s, 1e-9), 4),
+        }
+        drift = self.drift.take() if self.drift is not None else None
+        if drift is not None:
+            record["drift"] = drift
+        return record
+
     def train(self) -> dict[str, Any] | None:
         c = self.cfg.trainer
-        writer = (
-            MetricsWriter(os.path.join(self.run_dir, "metrics.jsonl")) if self.is_main else None
-        )
+        logger = build_loggers(self.config, self.run_dir, self.is_main)
+        failed = True
         bar = progress_bar(c.max_steps, self.step, self.is_main and c.progress)
         start = time.perf_counter()
         loss_sum, loss_count = torch.zeros((), device=self.device), 0
         next_eval = c.eval_every
+        last_time, last_step = start, self.step
         try:
             while self.step < c.max_steps:
                 # Summed on device, read at log steps only: `.item()` every step would stall CUDA.
@@ -136,20 +157,23 @@ class Trainer:
                     loss = (loss_sum / loss_count).item()
                     loss_sum.zero_()
                     loss_count = 0
+                    now = time.perf_counter()
                     record = {
                         "step": self.step,
                         "loss": loss,
                         "lr": self.optimizer.param_groups[0]["lr"],
                         "samples": self.step * c.batch_size * self.info.world_size,
-                        "wall_time_s": round(time.perf_counter() - start, 3),
+                        "wall_time_s": round(now - start, 3),
                         **self.comm_record(),
+                        **self.rate_record(now - last_time, self.step - last_step, now - start),
                     }
-                    writer.write(record)
+                    last_time, last_step = now, self.step
+                    logger.log(record)
                     bar.set_postfix(loss=f"{loss:.4f}", syncs=self.comm.rounds, refresh=False)
                 # The averaged model exists only right after a sync, so evaluation waits for one.
                 if self.step >= next_eval and self.in_sync and self.step < c.max_steps:
                     if self.is_main:
-                        writer.write({"step": self.step, **self.evaluate()})
+                        logger.log({"step": self.step, **self.evaluate()})
                     next_eval = (self.step // c.eval_every + 1) * c.eval_every
                 bar.update(1)
             if not self.in_sync:
@@ -157,9 +181,10 @@ class Trainer:
                 self.in_sync = True
             wall = time.perf_counter() - start
             if not self.is_main:
+                failed = False
                 return None
             result = self.evaluate()
-            writer.write({"step": self.step, **result})
+            logger.log({"step": self.step, **result})
             self.save_model()
             summary = {
                 **result,
@@ -174,11 +199,12 @@ class Trainer:
                 "model": self.cfg.model.name,
             }
             write_json(os.path.join(self.run_dir, "summary.json"), summary)
+            logger.summary(summary)
+            failed = False
             return summary
         finally:
             bar.close()
-            if writer is not None:
-                writer.close()
+            logger.close(failed)  # wandb.finish() even on error: the next multirun job starts clean
 
     def save_model(self) -> None:
         # Cloned, so the file holds each tensor alone rather than views of the shared flat buffer.
