@@ -103,7 +103,11 @@ def main(cfg: DictConfig) -> float | None:
         world_size = resolve_world_size(plain["dist"]["world_size"], plain["dist"]["device"])
         plain["dist"]["world_size"] = world_size
         try:
-            spawn(run_worker, world_size, plain["dist"]["timeout_s"], args=(plain, run_dir))
+            # By module name: under hydra/launcher=local|slurm, submitit runs this function in a
+            # process whose `__main__` is not this file, where `__main__.run_worker` is no name.
+            from localsgd.train import run_worker as worker
+
+            spawn(worker, world_size, plain["dist"]["timeout_s"], args=(plain, run_dir))
         except WorkerFailed as e:
             fail(str(e), code=1)
     with open(summary_path, encoding="utf-8") as f:
