@@ -199,6 +199,17 @@ def validate(cfg: Any, world_size: int | None = None) -> None:
     _choice(cfg, "data.name", DATASETS)
     _choice(cfg, "data.partition", PARTITIONS)
     _choice(cfg, "model.name", MODELS)
+    data_name = _get(cfg, "data.name")
+    if data_name == "cifar10":
+        root = _get(cfg, "data.root")
+        _require(
+            bool(root),
+            "data.root",
+            "the folder holding cifar-10-batches-py (from https://www.cs.toronto.edu/~kriz/cifar.html)",
+            root,
+        )
+    if data_name == "text":
+        _require(bool(_get(cfg, "data.path")), "data.path", "a plain-text file", "")
     num_samples = _get(cfg, "data.num_samples")
     _require(num_samples >= 10, "data.num_samples", "an integer >= 10", num_samples)
     alpha = _get(cfg, "data.alpha")
