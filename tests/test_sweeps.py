@@ -7,6 +7,7 @@ import json
 import statistics
 
 import pytest
+import yaml
 
 from localsgd.report import main as report_main
 from tests.test_cli import FAST, run_cli
@@ -105,3 +106,27 @@ def test_submitit_local_launcher_reproduces_the_basic_launcher_job(basic_sweep, 
     assert [{k: v for k, v in json.loads(m).items() if k not in strip} for m in job["metrics"]] == [
         {k: v for k, v in json.loads(m).items() if k not in strip} for m in reference["metrics"]
     ]
+
+
+@pytest.mark.timeout(300)
+def test_optuna_search_maximises_the_returned_test_accuracy(tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = run_cli(
+        [
+            "-m",
+            "+experiment=optuna_lr",
+            "hydra.sweeper.n_trials=2",
+            *SWEEP,
+            f"hydra.sweep.dir={sweep}",
+        ]  # fmt: skip
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    accuracies = [
+        json.loads((job / "summary.json").read_text())["test_accuracy"]
+        for job in sweep.iterdir()
+        if (job / "summary.json").is_file()
+    ]
+    assert len(accuracies) == 2
+    best = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
+    assert best["best_value"] == max(accuracies)
+    assert 0.01 <= best["best_params"]["optim.lr"] <= 1.0
