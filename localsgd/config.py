@@ -37,12 +37,18 @@ class TrainerConfig:
     # replica drift at each average: one persistent model-sized scratch buffer and one extra
     # scalar all-reduce per average (none between averages)
     track_drift: bool = True
+    checkpoint_every: int = 500  # steps between checkpoints, plus one at the end; 0 = none
+    keep_checkpoints: int = 2  # complete checkpoints kept (older ones are deleted)
+    resume: str = "auto"  # auto (newest complete checkpoint in the run dir) | never | a path
+    nan_policy: str = "error"  # error: stop at a non-finite loss | skip: skip that step
+    deterministic: bool = False  # torch.use_deterministic_algorithms (CUDA); CPU is anyway
 
 
 @dataclass
 class SyncConfig:
     period: int = 16  # k: average parameters every k optimizer steps
     warmup_steps: int = 0  # synchronous (gradient all-reduce) steps before local SGD starts
+    check_replicas: bool = False  # after each sync, verify replicas are bit-identical (a gather)
 
 
 @dataclass
@@ -123,6 +129,7 @@ LR_SCHEDULES = ("constant", "cosine", "step")
 BACKENDS = ("auto", "gloo", "nccl")
 DEVICES = ("auto", "cpu", "cuda")
 WANDB_MODES = ("offline", "online", "disabled")
+NAN_POLICIES = ("error", "skip")
 
 
 def _require(ok: bool, key: str, allowed: str, value: Any) -> None:
@@ -164,6 +171,19 @@ def validate(cfg: Any, world_size: int | None = None) -> None:
     ):
         value = _get(cfg, key)
         _require(value >= 1, key, "an integer >= 1", value)
+    for key in ("trainer.checkpoint_every",):
+        value = _get(cfg, key)
+        _require(value >= 0, key, "an integer >= 0 (0 = no checkpoints)", value)
+    keep = _get(cfg, "trainer.keep_checkpoints")
+    _require(keep >= 1, "trainer.keep_checkpoints", "an integer >= 1", keep)
+    _choice(cfg, "trainer.nan_policy", NAN_POLICIES)
+    resume = _get(cfg, "trainer.resume")
+    _require(
+        isinstance(resume, str) and resume != "",
+        "trainer.resume",
+        "auto, never or the path of a checkpoint folder",
+        resume,
+    )
     warmup = _get(cfg, "sync.warmup_steps")
     _require(
         warmup >= 0,
@@ -199,17 +219,6 @@ def validate(cfg: Any, world_size: int | None = None) -> None:
     _choice(cfg, "data.name", DATASETS)
     _choice(cfg, "data.partition", PARTITIONS)
     _choice(cfg, "model.name", MODELS)
-    data_name = _get(cfg, "data.name")
-    if data_name == "cifar10":
-        root = _get(cfg, "data.root")
-        _require(
-            bool(root),
-            "data.root",
-            "the folder holding cifar-10-batches-py (from https://www.cs.toronto.edu/~kriz/cifar.html)",
-            root,
-        )
-    if data_name == "text":
-        _require(bool(_get(cfg, "data.path")), "data.path", "a plain-text file", "")
     num_samples = _get(cfg, "data.num_samples")
     _require(num_samples >= 10, "data.num_samples", "an integer >= 10", num_samples)
     alpha = _get(cfg, "data.alpha")
@@ -218,3 +227,8 @@ def validate(cfg: Any, world_size: int | None = None) -> None:
     _require(0 < test_fraction < 1, "data.test_fraction", "in (0, 1)", test_fraction)
     cpw = _get(cfg, "data.classes_per_worker")
     _require(cpw >= 1, "data.classes_per_worker", "an integer >= 1", cpw)
+    for key, low in (("data.seq_len", 1), ("data.num_features", 1), ("data.num_classes", 2)):
+        value = _get(cfg, key)
+        _require(value >= low, key, f"an integer >= {low}", value)
+    noise = _get(cfg, "data.noise")
+    _require(noise >= 0, "data.noise", ">= 0", noise)

@@ -35,8 +35,8 @@ def strategy_name(cfg: dict) -> str:
 class JsonlLogger:
     """One JSON object per line in `metrics.jsonl`; the summary goes to summary.json elsewhere."""
 
-    def __init__(self, path: str):
-        self.writer = MetricsWriter(path)
+    def __init__(self, path: str, append: bool = False):
+        self.writer = MetricsWriter(path, append=append)
 
     def log(self, record: dict[str, Any]) -> None:
         self.writer.write(record)
@@ -110,10 +110,11 @@ class Loggers:
             raise errors[0]
 
 
-def build_loggers(cfg: dict, run_dir: str, is_main: bool) -> Loggers:
+def build_loggers(cfg: dict, run_dir: str, is_main: bool, append: bool = False) -> Loggers:
+    """`append`: a resumed run continues `metrics.jsonl` (its wandb run is a new one)."""
     if not is_main:
         return Loggers([])
-    loggers: list[Logger] = [JsonlLogger(os.path.join(run_dir, "metrics.jsonl"))]
+    loggers: list[Logger] = [JsonlLogger(os.path.join(run_dir, "metrics.jsonl"), append)]
     if cfg["logger"]["wandb"]["mode"] != "disabled":
         try:
             loggers.append(WandbLogger(cfg, run_dir))
