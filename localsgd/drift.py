@@ -56,3 +56,11 @@ class DriftMeter:
         self.total.zero_()
         self.count = 0
         return value
+
+    def state_dict(self) -> dict:
+        """The drift pending for the next log line, so a resumed run logs what it would have."""
+        return {"total": self.total.detach().clone(), "count": self.count}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.total.copy_(state["total"])
+        self.count = int(state["count"])

@@ -301,6 +301,7 @@ class Trainer:
             "loss_count": self.loss_count,
             "skipped_steps": self.skipped_steps,
             "elapsed_s": elapsed,
+            "drift": self.drift.state_dict() if self.drift is not None else None,
         }
         checkpoint.save(
             self.run_dir,
@@ -327,6 +328,8 @@ class Trainer:
         self.loss_count = int(state["loss_count"])
         self.skipped_steps = int(state["skipped_steps"])
         self.elapsed_before = float(state["elapsed_s"])
+        if self.drift is not None and state.get("drift") is not None:
+            self.drift.load_state_dict(state["drift"])
 
     def save_model(self) -> None:
         # Cloned, so the file holds each tensor alone rather than views of the shared flat buffer.
