@@ -35,6 +35,7 @@ BASE = [
     "sync.period=5",
     "dist.world_size=2",
     "dist.timeout_s=30",
+    "logger.wandb.mode=disabled",  # wandb is not the subject here (tests/test_loggers.py)
 ]
 
 
