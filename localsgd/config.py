@@ -34,6 +34,9 @@ class TrainerConfig:
     log_every: int = 25
     eval_batch_size: int = 1000
     progress: bool = True  # rank-0 progress bar
+    # replica drift at each average: one persistent model-sized scratch buffer and one extra
+    # scalar all-reduce per average (none between averages)
+    track_drift: bool = True
     checkpoint_every: int = 500  # steps between checkpoints, plus one at the end; 0 = none
     keep_checkpoints: int = 2  # complete checkpoints kept (older ones are deleted)
     resume: str = "auto"  # auto (newest complete checkpoint in the run dir) | never | a path
@@ -114,6 +117,21 @@ class ModelConfig:
 
 
 @dataclass
+class WandbConfig:
+    mode: str = "offline"  # offline (no account or network; `wandb sync` later) | online | disabled
+    project: str = "localsgd"
+    entity: str | None = None
+    tags: list[str] = field(default_factory=list)
+    name: str | None = None  # null = from the command-line overrides
+    group: str | None = None  # null = the multirun sweep directory (one group per sweep)
+
+
+@dataclass
+class LoggerConfig:
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass
 class Config:
     seed: int = 0
     dist: DistConfig = field(default_factory=DistConfig)
@@ -122,6 +140,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
 
 
 DATASETS = ("mnist1d", "digits", "synthetic", "cifar10", "text")
@@ -131,6 +150,7 @@ OPTIMIZERS = ("sgd", "adamw")
 LR_SCHEDULES = ("constant", "cosine", "step")
 BACKENDS = ("auto", "gloo", "nccl")
 DEVICES = ("auto", "cpu", "cuda")
+WANDB_MODES = ("offline", "online", "disabled")
 NAN_POLICIES = ("error", "skip")
 
 
@@ -217,6 +237,8 @@ def validate(cfg: Any, world_size: int | None = None, local_world_size: int | No
     )
     if _get(cfg, "optim.nesterov"):
         _require(momentum > 0, "optim.nesterov", "false when optim.momentum is 0", True)
+
+    _choice(cfg, "logger.wandb.mode", WANDB_MODES)
 
     _choice(cfg, "data.name", DATASETS)
     _choice(cfg, "data.partition", PARTITIONS)

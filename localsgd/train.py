@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import sys
 
@@ -16,6 +17,7 @@ import hydra
 import torch.distributed as dist
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from localsgd.config import Config, ConfigError, validate
@@ -30,6 +32,7 @@ from localsgd.launch import (
     torchrun_info,
     under_torchrun,
 )
+from localsgd.loggers import offline_runs
 from localsgd.overrides import CONF_DIR, check_overrides
 from localsgd.preflight import check_data, resolve_resume
 
@@ -86,6 +89,16 @@ def agree_on_run_dir(run_dir: str, rank: int) -> str:
     return chosen[0]
 
 
+def name_wandb_run(wandb_cfg: dict) -> None:
+    """Fill in what only the launching process knows: the run name from the command-line
+    overrides, and the multirun sweep as the group, so a sweep is one group on the dashboard."""
+    hydra_cfg = HydraConfig.get()
+    if wandb_cfg["name"] is None:
+        wandb_cfg["name"] = hydra_cfg.job.override_dirname or None
+    if wandb_cfg["group"] is None and hydra_cfg.mode == RunMode.MULTIRUN:
+        wandb_cfg["group"] = hydra_cfg.sweep.dir
+
+
 def fail(message: str, code: int = 2) -> None:
     print(f"error: {message}", file=sys.stderr)
     sys.exit(code)
@@ -121,6 +134,7 @@ def main(cfg: DictConfig) -> float | None:
         fail(str(e))
     summary_path = os.path.join(run_dir, "summary.json")
     plain = OmegaConf.to_container(cfg, resolve=True)
+    name_wandb_run(plain["logger"]["wandb"])
     if resume is not None:
         print(f"resuming from {resume}", file=sys.stderr, flush=True)
     if torchrun:
@@ -136,9 +150,11 @@ def main(cfg: DictConfig) -> float | None:
         world_size = resolve_world_size(plain["dist"]["world_size"], plain["dist"]["device"])
         plain["dist"]["world_size"] = world_size
         try:
-            spawn(
-                run_worker, world_size, plain["dist"]["timeout_s"], args=(plain, run_dir, resume)
-            )
+            # By module name: under hydra/launcher=local|slurm, submitit runs this function in a
+            # process whose `__main__` is not this file, where `__main__.run_worker` is no name.
+            from localsgd.train import run_worker as worker
+
+            spawn(worker, world_size, plain["dist"]["timeout_s"], args=(plain, run_dir, resume))
         except WorkerFailed as e:
             fail(str(e), code=1)
     if not os.path.exists(summary_path):  # stopped by SIGTERM after a checkpoint
@@ -161,7 +177,10 @@ def main(cfg: DictConfig) -> float | None:
             )
         )
     )
-    return summary["test_accuracy"]
+    if plain["logger"]["wandb"]["mode"] == "offline":
+        for path in offline_runs(run_dir):
+            print(f"wandb offline run: upload it with `wandb sync {shlex.quote(path)}`")
+    return summary["test_accuracy"]  # the objective a Hydra sweeper (e.g. Optuna) maximises
 
 
 def precheck(args: list[str]) -> None:

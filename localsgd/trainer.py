@@ -15,9 +15,11 @@ import torch.nn.functional as F
 from localsgd import checkpoint
 from localsgd.averaging import CommStats, GradientAverager
 from localsgd.data import Dataset, ShardSampler, load_dataset, shard_indices
+from localsgd.drift import DriftMeter
 from localsgd.failures import Fault, NonFiniteTracker, StopAgreement, check_replicas
 from localsgd.launch import WorkerInfo
-from localsgd.metrics import MetricsWriter, progress_bar, trim_metrics, write_json
+from localsgd.loggers import build_loggers
+from localsgd.metrics import progress_bar, trim_metrics, write_json
 from localsgd.models import build_model
 from localsgd.optim import build_optimizer, lr_at, set_lr
 from localsgd.strategies import build_averager
@@ -84,6 +86,7 @@ class Trainer:
         self.grad_averager = (
             GradientAverager(self.model, stats=self.comm) if c.sync.warmup_steps > 0 else None
         )
+        self.drift = DriftMeter(self.averager.flat.buffers) if c.trainer.track_drift else None
         self.step = 0
         self.in_sync = True  # replicas identical right now
         torch.manual_seed(c.seed + 1000 * info.rank + 1)  # dropout etc. differ per rank
@@ -129,7 +132,14 @@ class Trainer:
         self.skipped_steps += skip
         if not skip:
             self.averager.observe_loss(loss)  # only an adaptive period schedule reads it
+        # drift is measured around averages that bring every replica together (the widest level)
+        index = self.averager.step_index
+        measure = self.drift is not None and self.averager.next_sync(index) == index
+        if measure:
+            self.drift.before()
         self.averager.step()
+        if measure:
+            self.drift.after()
         self.in_sync = synchronous or self.averager.all_in_sync
         if self.fault.fires("desync", step):
             with torch.no_grad():
@@ -173,14 +183,29 @@ class Trainer:
             "comm_seconds": round(self.comm.seconds, 6),
         }
 
+    def rate_record(self, interval_s: float, steps: int, total_s: float) -> dict[str, Any]:
+        """Throughput since the last log line, the share of time spent communicating so far, and
+        the mean replica drift over the averages since the last log line (when there were any)."""
+        samples = steps * self.cfg.trainer.batch_size * self.info.world_size
+        record = {
+            "samples_per_s": round(samples / max(interval_s, 1e-9), 1),
+            "comm_share": round(self.comm.seconds / max(total_s, 1e-9), 4),
+        }
+        drift = self.drift.take() if self.drift is not None else None
+        if drift is not None:
+            record["drift"] = drift
+        return record
+
     def train(self) -> dict[str, Any] | None:
         c = self.cfg.trainer
         metrics_path = os.path.join(self.run_dir, "metrics.jsonl")
         if self.is_main and self.resumed_from is not None:
             trim_metrics(metrics_path, self.step)  # lines past the checkpoint are redone
-        writer = MetricsWriter(metrics_path, append=self.step > 0) if self.is_main else None
+        logger = build_loggers(self.config, self.run_dir, self.is_main, append=self.step > 0)
+        failed = True
         bar = progress_bar(c.max_steps, self.step, self.is_main and c.progress)
         start = time.perf_counter() - self.elapsed_before
+        last_time, last_step = time.perf_counter(), self.step
         every = c.checkpoint_every
         try:
             while self.step < c.max_steps:
@@ -199,20 +224,23 @@ class Trainer:
                     loss = (self.loss_sum / max(1, self.loss_count)).item()
                     self.loss_sum.zero_()
                     self.loss_count = 0
+                    now = time.perf_counter()
                     record = {
                         "step": self.step,
                         "loss": loss,
                         "lr": self.optimizer.param_groups[0]["lr"],
                         "samples": self.step * c.batch_size * self.info.world_size,
-                        "wall_time_s": round(time.perf_counter() - start, 3),
+                        "wall_time_s": round(now - start, 3),
                         **self.comm_record(),
+                        **self.rate_record(now - last_time, self.step - last_step, now - start),
                     }
-                    writer.write(record)
+                    last_time, last_step = now, self.step
+                    logger.log(record)
                     bar.set_postfix(loss=f"{loss:.4f}", syncs=self.comm.rounds, refresh=False)
                 # The averaged model exists only right after a sync, so evaluation waits for one.
                 if self.step >= self.next_eval and self.in_sync and self.step < c.max_steps:
                     if self.is_main:
-                        writer.write({"step": self.step, **self.evaluate()})
+                        logger.log({"step": self.step, **self.evaluate()})
                     self.next_eval = (self.step // c.eval_every + 1) * c.eval_every
                 # (a stop agreed for the very last step just lets the run finish)
                 stopping = self.stop.should_stop(self.step) and self.step < c.max_steps
@@ -227,6 +255,7 @@ class Trainer:
                             file=sys.stderr,
                             flush=True,
                         )
+                    failed = False  # a clean stop, not a failure
                     return None
                 bar.update(1)
             if not self.in_sync:
@@ -234,9 +263,10 @@ class Trainer:
                 self.in_sync = True
             wall = time.perf_counter() - start
             if not self.is_main:
+                failed = False
                 return None
             result = self.evaluate()
-            writer.write({"step": self.step, **result})
+            logger.log({"step": self.step, **result})
             self.save_model()
             summary = {
                 **result,
@@ -253,11 +283,12 @@ class Trainer:
                 "model": self.cfg.model.name,
             }
             write_json(os.path.join(self.run_dir, "summary.json"), summary)
+            logger.summary(summary)
+            failed = False
             return summary
         finally:
             bar.close()
-            if writer is not None:
-                writer.close()
+            logger.close(failed)  # wandb.finish() even on error: the next multirun job starts clean
 
     def save_checkpoint(self, elapsed: float) -> None:
         self.nonfinite.check(self.info.rank)  # a checkpoint never holds a diverged state
@@ -275,6 +306,7 @@ class Trainer:
             "loss_count": self.loss_count,
             "skipped_steps": self.skipped_steps,
             "elapsed_s": elapsed,
+            "drift": self.drift.state_dict() if self.drift is not None else None,
         }
         checkpoint.save(
             self.run_dir,
@@ -301,6 +333,8 @@ class Trainer:
         self.loss_count = int(state["loss_count"])
         self.skipped_steps = int(state["skipped_steps"])
         self.elapsed_before = float(state["elapsed_s"])
+        if self.drift is not None and state.get("drift") is not None:
+            self.drift.load_state_dict(state["drift"])
 
     def save_model(self) -> None:
         # Cloned, so the file holds each tensor alone rather than views of the shared flat buffer.

@@ -21,6 +21,7 @@ FAST = [
     "model.hidden=[64]",
     "trainer.progress=false",
     "dist.timeout_s=60",
+    "logger.wandb.mode=disabled",
 ]
 
 
@@ -91,6 +92,7 @@ def test_post_local_sgd_run_writes_model_summary_and_metrics(tmp_path):
         ("+experiment=nope", "experiment"),
         ("data.partition=random", "data.partition"),
         ("optim.name=lion", "optim.name"),
+        ("logger.wandb.mode=cloud", "logger.wandb.mode"),
     ],
 )
 @pytest.mark.timeout(60)

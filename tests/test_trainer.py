@@ -56,19 +56,26 @@ def _schedule_worker(rank, world_size, cfg):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("period,warmup", [(4, 5), (3, 0)])
-def test_collectives_only_at_syncs_and_replicas_identical_after_each(period, warmup):
+@pytest.mark.parametrize("period,warmup,drift", [(4, 5, True), (3, 0, False)])
+def test_collectives_only_at_syncs_and_replicas_identical_after_each(period, warmup, drift):
     steps = 23
     cfg = compose_config(
         SMALL
-        + [f"sync.period={period}", f"sync.warmup_steps={warmup}", f"trainer.max_steps={steps}"]
+        + [
+            f"sync.period={period}",
+            f"sync.warmup_steps={warmup}",
+            f"trainer.max_steps={steps}",
+            f"trainer.track_drift={drift}",
+        ]
     )
     results = run_distributed(_schedule_worker, 4, cfg)
     warm = [s < warmup for s in range(steps)]
     avg = [s >= warmup and (s - warmup) % period == 0 for s in range(steps)]
     for r in results:
-        # one flat buffer each: one all-reduce per warmup step, one per average, none otherwise
-        assert r["per_step"] == [int(w or a) for w, a in zip(warm, avg, strict=True)]
+        # one flat buffer each: one all-reduce per warmup step, one per average (plus the drift
+        # meter's scalar one when it is on), none otherwise
+        expected = [int(w) + (1 + drift) * int(a) for w, a in zip(warm, avg, strict=True)]
+        assert r["per_step"] == expected
         assert r["identical"] == [w or a for w, a in zip(warm, avg, strict=True)]
         assert r["rounds"] == warmup + math.ceil((steps - warmup) / period)
         assert r["bytes"] == 4 * r["numel"] * r["rounds"]

@@ -1,0 +1,218 @@
+"""`python -m localsgd.report DIR [DIR ...]`: tables and plots from finished runs and sweeps.
+
+Every directory under the given ones that holds a `summary.json` is a run; its config comes from
+`.hydra/config.yaml` (and `.hydra/overrides.yaml`). Runs that differ only in `seed` form one row:
+mean +- std over the seeds of the test accuracy, communication rounds and bytes, and wall time.
+Writes `report.md`, `report.csv` and three PNGs into `--out` (default: the first directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import statistics
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+# Keys that say nothing about what was trained: never a reason to split runs into rows.
+IGNORED = ("seed", "logger.", "trainer.progress", "dist.timeout_s", "dist.backend", "dist.device")
+PERIOD = "sync.period"
+
+
+@dataclass
+class Run:
+    path: str
+    summary: dict[str, Any]
+    config: dict[str, Any]  # flattened: "sync.period" -> 16
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def seed(self) -> Any:
+        return self.config.get("seed", 0)
+
+
+def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(node, dict):
+        out: dict[str, Any] = {}
+        for key, value in node.items():
+            out.update(flatten(value, f"{prefix}{key}."))
+        return out
+    return {prefix[:-1]: tuple(node) if isinstance(node, list) else node}
+
+
+def load_run(path: str) -> Run:
+    with open(os.path.join(path, "summary.json"), encoding="utf-8") as f:
+        summary = json.load(f)
+    config: dict[str, Any] = {}
+    config_file = os.path.join(path, ".hydra", "config.yaml")
+    if os.path.isfile(config_file):
+        with open(config_file, encoding="utf-8") as f:
+            config = flatten(yaml.safe_load(f) or {})
+    else:  # a run without Hydra's record: what the summary says is all we know
+        config = {PERIOD: summary.get("period"), "sync.warmup_steps": summary.get("warmup_steps")}
+    overrides_file = os.path.join(path, ".hydra", "overrides.yaml")
+    if os.path.isfile(overrides_file):  # the overrides win where config.yaml is missing a key
+        with open(overrides_file, encoding="utf-8") as f:
+            for item in yaml.safe_load(f) or []:
+                key, _, value = str(item).lstrip("+").partition("=")
+                config.setdefault(key, yaml.safe_load(value))
+    metrics = []
+    metrics_file = os.path.join(path, "metrics.jsonl")
+    if os.path.isfile(metrics_file):
+        with open(metrics_file, encoding="utf-8") as f:
+            metrics = [json.loads(line) for line in f if line.strip()]
+    return Run(path, summary, config, metrics)
+
+
+def find_runs(roots: Iterable[str]) -> list[Run]:
+    runs = []
+    for root in roots:
+        if not os.path.isdir(root):
+            raise FileNotFoundError(f"{root}: no such directory")
+        for folder, subdirs, files in os.walk(root):
+            subdirs[:] = sorted(d for d in subdirs if d not in ("wandb", ".hydra"))
+            if "summary.json" in files:
+                runs.append(load_run(folder))
+    return runs
+
+
+def varying_keys(runs: list[Run]) -> list[str]:
+    """The config keys whose values differ between runs, seeds and bookkeeping excluded."""
+    keys = sorted({k for r in runs for k in r.config})
+    out = []
+    for key in keys:
+        if key == "seed" or key.startswith(IGNORED) or key.startswith("hydra"):
+            continue
+        if len({repr(r.config.get(key)) for r in runs}) > 1:
+            out.append(key)
+    return out
+
+
+def label(config: dict[str, Any], keys: list[str]) -> str:
+    parts = []
+    for key in keys:
+        value = config.get(key)
+        if key == PERIOD and value is not None and value >= config.get("trainer.max_steps", 1e18):
+            parts.append(f"{key}={value} (one-shot)")
+        else:
+            parts.append(f"{key}={value}")
+    return ", ".join(parts) or "all runs"
+
+
+@dataclass
+class Group:
+    """Runs with the same config except the seed."""
+
+    label: str
+    config: dict[str, Any]
+    runs: list[Run]
+
+    def values(self, key: str) -> list[float]:
+        return [float(r.summary[key]) for r in self.runs if r.summary.get(key) is not None]
+
+
+def group_runs(runs: list[Run]) -> tuple[list[Group], list[str]]:
+    keys = varying_keys(runs)
+    groups: dict[tuple, Group] = {}
+    for run in runs:
+        ident = tuple(repr(run.config.get(k)) for k in keys)
+        if ident not in groups:
+            groups[ident] = Group(label(run.config, keys), run.config, [])
+        groups[ident].runs.append(run)
+
+    def order(g: Group) -> tuple:
+        rest = tuple(repr(g.config.get(k)) for k in keys if k != PERIOD)
+        return rest, g.config.get(PERIOD) or 0
+
+    return sorted(groups.values(), key=order), keys
+
+
+def mean_std(values: list[float]) -> tuple[float, float]:
+    if not values:
+        return math.nan, math.nan
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+COLUMNS = (
+    ("test_accuracy", "test accuracy", "{:.4f}"),
+    ("comm_rounds", "comm rounds", "{:.0f}"),
+    ("comm_bytes", "comm MB", "{:.2f}"),
+    ("wall_time_s", "wall time s", "{:.1f}"),
+)
+
+
+def table_rows(groups: list[Group]) -> list[dict[str, Any]]:
+    rows = []
+    for g in groups:
+        row: dict[str, Any] = {"config": g.label, "seeds": len(g.runs)}
+        for key, _, _ in COLUMNS:
+            values = g.values(key)
+            if key == "comm_bytes":
+                values = [v / 1e6 for v in values]
+            row[key], row[key + "_std"] = mean_std(values)
+        rows.append(row)
+    return rows
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    head = "| config | seeds | " + " | ".join(title for _, title, _ in COLUMNS) + " |"
+    lines = [head, "|" + "---|" * (2 + len(COLUMNS))]
+    for row in rows:
+        cells = [row["config"], str(row["seeds"])]
+        for key, _, fmt in COLUMNS:
+            cells.append(f"{fmt.format(row[key])} ± {fmt.format(row[key + '_std'])}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_csv(path: str, rows: list[dict[str, Any]]) -> None:
+    fields = ["config", "seeds"] + [k for key, _, _ in COLUMNS for k in (key, key + "_std")]
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m localsgd.report", description=__doc__)
+    parser.add_argument("dirs", nargs="+", help="sweep or run directories (searched recursively)")
+    parser.add_argument("--out", help="where to write the report (default: the first directory)")
+    parser.add_argument("--no-plots", action="store_true", help="tables only")
+    args = parser.parse_args(argv)
+    try:
+        runs = find_runs(args.dirs)
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not runs:
+        print(
+            f"error: no finished run (summary.json) under {', '.join(args.dirs)}", file=sys.stderr
+        )
+        return 2
+    out = args.out or args.dirs[0]
+    os.makedirs(out, exist_ok=True)
+    groups, keys = group_runs(runs)
+    rows = table_rows(groups)
+    text = markdown(rows)
+    with open(os.path.join(out, "report.md"), "w", encoding="utf-8") as f:
+        f.write(f"{len(runs)} runs from {', '.join(args.dirs)}; mean ± std over seeds\n\n{text}")
+    write_csv(os.path.join(out, "report.csv"), rows)
+    print(text, end="")
+    written = ["report.md", "report.csv"]
+    if not args.no_plots:
+        from localsgd.report_plots import plot_all  # matplotlib only when plotting
+
+        written += plot_all(groups, keys, out)
+    print(f"wrote {', '.join(os.path.join(out, name) for name in written)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""Hydra multirun sweeps end to end, and `python -m localsgd.report` on the sweep they make."""
+
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+
+import pytest
+import yaml
+
+from localsgd.report import main as report_main
+from tests.test_cli import FAST, run_cli
+
+pytestmark = pytest.mark.slow
+
+SWEEP = FAST + ["dist.world_size=2", "trainer.max_steps=24", "trainer.eval_every=8"]
+
+
+def _jobs(sweep) -> dict[str, dict]:
+    """Each job directory's overrides -> its summary and metrics."""
+    jobs = {}
+    for job in sorted(p for p in sweep.iterdir() if (p / "summary.json").is_file()):
+        overrides = (job / ".hydra" / "overrides.yaml").read_text()
+        key = (
+            ",".join(line[2:] for line in overrides.splitlines() if line.startswith("- seed="))
+            + ","
+            + ",".join(
+                line[2:] for line in overrides.splitlines() if line.startswith("- sync.period=")
+            )
+        )
+        metrics = (job / "metrics.jsonl").read_text().splitlines()
+        jobs[key] = {"summary": json.loads((job / "summary.json").read_text()), "metrics": metrics}
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def basic_sweep(tmp_path_factory):
+    sweep = tmp_path_factory.mktemp("basic") / "sweep"
+    proc = run_cli(["-m", *SWEEP, "sync.period=1,4", "seed=0,1", f"hydra.sweep.dir={sweep}"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return sweep
+
+
+@pytest.mark.timeout(300)
+def test_basic_launcher_sweep_gives_each_job_its_own_run(basic_sweep):
+    jobs = _jobs(basic_sweep)
+    assert sorted(jobs) == ["seed=0,sync.period=1", "seed=0,sync.period=4",
+                            "seed=1,sync.period=1", "seed=1,sync.period=4"]  # fmt: skip
+    for key, job in jobs.items():
+        period = 1 if key.endswith("period=1") else 4
+        assert job["summary"]["period"] == period
+        assert job["summary"]["comm_rounds"] == -(-24 // period) + (23 % period != 0)
+    # the seed changes the run; the period changes the communication
+    assert jobs["seed=0,sync.period=4"]["metrics"] != jobs["seed=1,sync.period=4"]["metrics"]
+
+
+@pytest.mark.timeout(300)
+def test_report_tables_and_plots_from_a_real_sweep(basic_sweep, tmp_path, capsys):
+    out = tmp_path / "report"
+    assert report_main([str(basic_sweep), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "| sync.period=1 | 2 |" in printed and "| sync.period=4 | 2 |" in printed
+
+    jobs = _jobs(basic_sweep)
+    rows = {r["config"]: r for r in csv.DictReader((out / "report.csv").open())}
+    assert sorted(rows) == ["sync.period=1", "sync.period=4"]
+    for period in (1, 4):
+        acc = [jobs[f"seed={s},sync.period={period}"]["summary"]["test_accuracy"] for s in (0, 1)]
+        row = rows[f"sync.period={period}"]
+        assert row["seeds"] == "2"
+        assert float(row["test_accuracy"]) == pytest.approx(statistics.fmean(acc))
+        assert float(row["test_accuracy_std"]) == pytest.approx(statistics.stdev(acc))
+        rounds = jobs[f"seed=0,sync.period={period}"]["summary"]["comm_rounds"]
+        assert float(row["comm_rounds"]) == rounds
+    assert (out / "report.md").read_text().count("\n| sync.period=") == 2
+    for name in ("accuracy_vs_step.png", "loss_vs_comm_bytes.png", "accuracy_vs_k.png"):
+        data = (out / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_report_refuses_a_directory_without_runs(tmp_path, capsys):
+    assert report_main([str(tmp_path)]) == 2
+    assert "no finished run" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(300)
+def test_submitit_local_launcher_reproduces_the_basic_launcher_job(basic_sweep, tmp_path):
+    """A job in its own fresh process (submitit) equals the same job run after others in one
+    process (basic launcher): nothing leaks from one multirun job into the next."""
+    sweep = tmp_path / "sweep"
+    proc = run_cli(
+        [
+            "-m",
+            *SWEEP,
+            "hydra/launcher=local",
+            "sync.period=4",
+            "seed=1",
+            f"hydra.sweep.dir={sweep}",
+        ]  # fmt: skip
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (job,) = _jobs(sweep).values()
+    reference = _jobs(basic_sweep)["seed=1,sync.period=4"]
+    strip = ("wall_time_s", "comm_seconds", "samples_per_s", "comm_share")
+    assert [{k: v for k, v in json.loads(m).items() if k not in strip} for m in job["metrics"]] == [
+        {k: v for k, v in json.loads(m).items() if k not in strip} for m in reference["metrics"]
+    ]
+
+
+@pytest.mark.timeout(300)
+def test_optuna_search_maximises_the_returned_test_accuracy(tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = run_cli(
+        [
+            "-m",
+            "+experiment=optuna_lr",
+            "hydra.sweeper.n_trials=2",
+            *SWEEP,
+            f"hydra.sweep.dir={sweep}",
+        ]  # fmt: skip
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    accuracies = [
+        json.loads((job / "summary.json").read_text())["test_accuracy"]
+        for job in sweep.iterdir()
+        if (job / "summary.json").is_file()
+    ]
+    assert len(accuracies) == 2
+    best = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
+    assert best["best_value"] == max(accuracies)
+    assert 0.01 <= best["best_params"]["optim.lr"] <= 1.0
