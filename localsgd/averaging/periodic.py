@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from localsgd.averaging.comm import CommStats, all_reduce_mean_, supports_avg
+from localsgd.averaging.comm import CommStats, SimulatedLink, all_reduce_mean_, supports_avg
 from localsgd.averaging.flat import FlatBuffers, averaged_tensors
 
 
@@ -26,6 +26,7 @@ class PeriodicAverager:
         warmup_steps: int = 0,
         process_group: dist.ProcessGroup | None = None,
         stats: CommStats | None = None,
+        link: SimulatedLink | None = None,
     ):
         if period < 1:
             raise ValueError(f"period must be an integer >= 1, got {period!r}")
@@ -38,6 +39,7 @@ class PeriodicAverager:
         self.use_avg = supports_avg(process_group)
         self.flat = FlatBuffers(averaged_tensors(module))
         self.stats = stats if stats is not None else CommStats()
+        self.link = link  # a simulated slow network, or None
         self.step_index = 0
 
     @property
@@ -65,7 +67,9 @@ class PeriodicAverager:
     def average(self) -> None:
         """Average now, outside the schedule (e.g. once more before the final evaluation)."""
         for flat in self.flat.buffers:
-            all_reduce_mean_(flat, self.process_group, self.world_size, self.use_avg, self.stats)
+            all_reduce_mean_(
+                flat, self.process_group, self.world_size, self.use_avg, self.stats, link=self.link
+            )
         self.stats.rounds += 1
 
     def state_dict(self) -> dict:
