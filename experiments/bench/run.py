@@ -27,13 +27,13 @@ from experiments.bench.common import load_average, machine  # noqa: E402
 FULL = {
     "worlds": [2, 4],
     "sizes": [1_000_000, 10_000_000, 50_000_000],
-    "avg_reps": 12,
+    "avg_reps": 10,
     "features": 1024,
     "hidden": [2048, 2048, 2048],  # ~10.5M parameters
     "batch": 32,
-    "steps": 128,
+    "steps": 96,
     "train_reps": 3,
-    "memory_steps": 32,
+    "memory_steps": 24,
 }
 TINY = {
     "worlds": [2],
