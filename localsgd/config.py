@@ -34,12 +34,18 @@ class TrainerConfig:
     log_every: int = 25
     eval_batch_size: int = 1000
     progress: bool = True  # rank-0 progress bar
+    checkpoint_every: int = 500  # steps between checkpoints, plus one at the end; 0 = none
+    keep_checkpoints: int = 2  # complete checkpoints kept (older ones are deleted)
+    resume: str = "auto"  # auto (newest complete checkpoint in the run dir) | never | a path
+    nan_policy: str = "error"  # error: stop at a non-finite loss | skip: skip that step
+    deterministic: bool = False  # torch.use_deterministic_algorithms (CUDA); CPU is anyway
 
 
 @dataclass
 class SyncConfig:
     period: int = 16  # k: average parameters every k optimizer steps
     warmup_steps: int = 0  # synchronous (gradient all-reduce) steps before local SGD starts
+    check_replicas: bool = False  # after each sync, verify replicas are bit-identical (a gather)
 
 
 @dataclass
@@ -119,6 +125,7 @@ OPTIMIZERS = ("sgd", "adamw")
 LR_SCHEDULES = ("constant", "cosine", "step")
 BACKENDS = ("auto", "gloo", "nccl")
 DEVICES = ("auto", "cpu", "cuda")
+NAN_POLICIES = ("error", "skip")
 
 
 def _require(ok: bool, key: str, allowed: str, value: Any) -> None:
@@ -160,6 +167,19 @@ def validate(cfg: Any, world_size: int | None = None) -> None:
     ):
         value = _get(cfg, key)
         _require(value >= 1, key, "an integer >= 1", value)
+    for key in ("trainer.checkpoint_every",):
+        value = _get(cfg, key)
+        _require(value >= 0, key, "an integer >= 0 (0 = no checkpoints)", value)
+    keep = _get(cfg, "trainer.keep_checkpoints")
+    _require(keep >= 1, "trainer.keep_checkpoints", "an integer >= 1", keep)
+    _choice(cfg, "trainer.nan_policy", NAN_POLICIES)
+    resume = _get(cfg, "trainer.resume")
+    _require(
+        isinstance(resume, str) and resume != "",
+        "trainer.resume",
+        "auto, never or the path of a checkpoint folder",
+        resume,
+    )
     warmup = _get(cfg, "sync.warmup_steps")
     _require(
         warmup >= 0,
@@ -215,3 +235,8 @@ def validate(cfg: Any, world_size: int | None = None) -> None:
     _require(0 < test_fraction < 1, "data.test_fraction", "in (0, 1)", test_fraction)
     cpw = _get(cfg, "data.classes_per_worker")
     _require(cpw >= 1, "data.classes_per_worker", "an integer >= 1", cpw)
+    for key, low in (("data.seq_len", 1), ("data.num_features", 1), ("data.num_classes", 2)):
+        value = _get(cfg, key)
+        _require(value >= low, key, f"an integer >= {low}", value)
+    noise = _get(cfg, "data.noise")
+    _require(noise >= 0, "data.noise", ">= 0", noise)

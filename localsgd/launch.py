@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import datetime
 import os
+import signal
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -54,14 +57,19 @@ def pick_backend(requested: str, device: torch.device) -> str:
 
 def init_process_group(
     info: WorkerInfo, backend: str, timeout_s: float, store: dist.Store | None = None
-) -> None:
+) -> dist.Store:
+    """Join the process group; returns the store it rendezvoused through."""
     timeout = datetime.timedelta(seconds=timeout_s)
     if store is None:  # torchrun: env:// rendezvous
-        dist.init_process_group(backend, timeout=timeout)
-    else:
-        dist.init_process_group(
-            backend, store=store, rank=info.rank, world_size=info.world_size, timeout=timeout
-        )
+        store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
+        # torchrun's store outlives a restart, and gloo would read the dead workers' addresses
+        # left in it (connectFullMesh times out): each attempt gets keys of its own.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"localsgd/attempt-{attempt}", store)
+    dist.init_process_group(
+        backend, store=store, rank=info.rank, world_size=info.world_size, timeout=timeout
+    )
+    return store
 
 
 def resolve_world_size(requested: int | None, device: str) -> int:
@@ -76,6 +84,7 @@ def resolve_world_size(requested: int | None, device: str) -> int:
 def _spawned(
     local_rank: int, world_size: int, port: int, timeout_s: float, fn: Callable, args: tuple
 ) -> None:
+    _die_with_parent()
     torch.set_num_threads(1)
     store = dist.TCPStore(
         "127.0.0.1",
@@ -86,6 +95,18 @@ def _spawned(
     )
     info = WorkerInfo(local_rank, world_size, local_rank, world_size)
     fn(info, store, *args)
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this worker if the launcher dies, so no worker outlives a killed job."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+# After one worker fails, the others get SIGTERM and this long to exit, then SIGKILL (torch's
+# default waits 30 s, and a worker in a long local phase would not notice a dead peer sooner).
+_FAILURE_GRACE_S = 2.0
 
 
 class WorkerFailed(RuntimeError):
@@ -108,14 +129,24 @@ def spawn(fn: Callable, world_size: int, timeout_s: float, args: tuple = ()) -> 
     )
     # One thread per worker: more would oversubscribe the cores the workers share.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    previous = signal.getsignal(signal.SIGTERM)
     try:
-        mp.start_processes(
+        context = mp.start_processes(
             _spawned,
             args=(world_size, store.port, timeout_s, fn, args),
             nprocs=world_size,
-            join=True,
+            join=False,
             start_method="spawn",
         )
+
+        def forward(signum, frame):  # SLURM / the user stops the launcher: workers checkpoint
+            for p in context.processes:
+                if p.is_alive():
+                    os.kill(p.pid, signal.SIGTERM)
+
+        signal.signal(signal.SIGTERM, forward)
+        while not context.join(grace_period=_FAILURE_GRACE_S):
+            pass
     except mp.ProcessRaisedException as e:
         last = [line for line in str(e).strip().splitlines() if line.strip()][-1]
         raise WorkerFailed(f"worker rank {e.error_index} failed: {last}") from None
@@ -124,5 +155,6 @@ def spawn(fn: Callable, world_size: int, timeout_s: float, args: tuple = ()) -> 
             f"worker rank {e.error_index} died with exit code {e.exit_code}"
         ) from None
     finally:
+        signal.signal(signal.SIGTERM, previous)
         del store
         sys.stdout.flush()

@@ -24,6 +24,18 @@ class MetricsWriter:
         self.file.close()
 
 
+def trim_metrics(path: str, last_step: int) -> None:
+    """Drop the lines logged after `last_step` (a resumed run redoes those steps), atomically."""
+    if not os.path.exists(path):
+        return
+    with open(path, encoding="utf-8") as f:
+        lines = [line for line in f if line.strip() and json.loads(line)["step"] <= last_step]
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(lines)
+    os.replace(tmp, path)
+
+
 def write_json(path: str, obj: dict[str, Any]) -> None:
     """Write atomically, so a reader never sees half a file."""
     tmp = path + ".tmp"

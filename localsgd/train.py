@@ -30,23 +30,45 @@ from localsgd.launch import (
     torchrun_info,
     under_torchrun,
 )
-from localsgd.overrides import check_overrides
+from localsgd.overrides import CONF_DIR, check_overrides
+from localsgd.preflight import check_data, resolve_resume
 
 ConfigStore.instance().store(name="config_schema", node=Config)
 
 
-def run_worker(info: WorkerInfo, store: dist.Store | None, cfg: dict, run_dir: str) -> None:
+def run_worker(
+    info: WorkerInfo, store: dist.Store | None, cfg: dict, run_dir: str, resume: str | None
+) -> None:
     """One worker, from process-group setup to teardown."""
+    import torch
+
+    from localsgd.failures import install_sigterm_handler
     from localsgd.trainer import Trainer  # workers import the heavy parts, the CLI stays quick
 
+    install_sigterm_handler()  # SIGTERM: checkpoint at an agreed step, then exit cleanly
+    if cfg["trainer"]["deterministic"]:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS starts
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
     device = pick_device(cfg["dist"]["device"], info.local_rank)
     backend = pick_backend(cfg["dist"]["backend"], device)
-    init_process_group(info, backend, cfg["dist"]["timeout_s"], store)
+    store = init_process_group(info, backend, cfg["dist"]["timeout_s"], store)
     try:
         run_dir = agree_on_run_dir(run_dir, info.rank)
-        Trainer(cfg, info, device, run_dir).train()
+        resume = agree_on(resume)
+        Trainer(cfg, info, device, run_dir, resume_from=resume, store=store).train()
     finally:
         dist.destroy_process_group()
+
+
+def agree_on(value):
+    """Rank 0's value on every rank (e.g. which checkpoint to resume from under torchrun, where
+    each rank looked for itself)."""
+    if dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def agree_on_run_dir(run_dir: str, rank: int) -> str:
@@ -69,29 +91,58 @@ def fail(message: str, code: int = 2) -> None:
     sys.exit(code)
 
 
+def world_size_of(cfg) -> int:
+    if under_torchrun():
+        return int(os.environ["WORLD_SIZE"])
+    return resolve_world_size(cfg.dist.world_size, cfg.dist.device)
+
+
+def preflight(cfg, run_dir: str | None, quiet: bool = False) -> str | None:
+    """Every check that can fail before a worker starts; returns the checkpoint to resume."""
+    world_size = world_size_of(cfg)
+    validate(cfg, world_size=world_size)
+    check_data(cfg, world_size)
+    resume = resolve_resume(cfg, world_size, run_dir, quiet)
+    if run_dir is not None and os.path.exists(os.path.join(run_dir, "summary.json")):
+        raise ConfigError(
+            f"hydra.run.dir: {run_dir} already holds a finished run; choose another directory"
+        )
+    return resume
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
     torchrun = under_torchrun()
+    run_dir = HydraConfig.get().runtime.output_dir
     try:
-        validate(cfg, world_size=int(os.environ["WORLD_SIZE"]) if torchrun else None)
+        resume = preflight(cfg, run_dir)
     except ConfigError as e:
         fail(str(e))
-    run_dir = HydraConfig.get().runtime.output_dir
     summary_path = os.path.join(run_dir, "summary.json")
-    if os.path.exists(summary_path):
-        fail(f"hydra.run.dir: {run_dir} already holds a finished run; choose another directory")
     plain = OmegaConf.to_container(cfg, resolve=True)
+    if resume is not None:
+        print(f"resuming from {resume}", file=sys.stderr, flush=True)
     if torchrun:
-        run_worker(torchrun_info(), None, plain, run_dir)
-        if int(os.environ["RANK"]) != 0:
+        info = torchrun_info()
+        try:
+            run_worker(info, None, plain, run_dir, resume)
+        except Exception as e:  # one line naming the rank; torchrun then stops the others
+            last = (str(e).strip().splitlines() or [""])[-1]
+            fail(f"worker rank {info.rank} failed: {type(e).__name__}: {last}", code=1)
+        if info.rank != 0:
             return None
     else:
         world_size = resolve_world_size(plain["dist"]["world_size"], plain["dist"]["device"])
         plain["dist"]["world_size"] = world_size
         try:
-            spawn(run_worker, world_size, plain["dist"]["timeout_s"], args=(plain, run_dir))
+            spawn(
+                run_worker, world_size, plain["dist"]["timeout_s"], args=(plain, run_dir, resume)
+            )
         except WorkerFailed as e:
             fail(str(e), code=1)
+    if not os.path.exists(summary_path):  # stopped by SIGTERM after a checkpoint
+        print(f"run dir: {run_dir} (interrupted; resumable)")
+        return None
     with open(summary_path, encoding="utf-8") as f:
         summary = json.load(f)
     print(f"run dir: {run_dir}")
@@ -112,9 +163,32 @@ def main(cfg: DictConfig) -> float | None:
     return summary["test_accuracy"]
 
 
+def precheck(args: list[str]) -> None:
+    """Compose and check the config before Hydra starts, since Hydra writes `.hydra/` into the
+    run directory first: a bad command must leave an earlier run's files untouched. Multirun
+    and Hydra's own flags are left to the per-job check in `main`."""
+    if any(a.startswith("-") for a in args):
+        return
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            cfg = compose("config", overrides=args, return_hydra_config=True)
+    except (HydraException, OmegaConfBaseException) as e:
+        raise ConfigError(str(e).strip().splitlines()[0]) from None
+    try:
+        run_dir = OmegaConf.select(cfg, "hydra.run.dir")
+    except OmegaConfBaseException:
+        run_dir = None  # e.g. an interpolation only a running Hydra job can resolve
+    preflight(cfg, run_dir, quiet=True)  # `main` repeats it and warns then
+
+
 def cli() -> None:
     try:
         check_overrides(sys.argv[1:])
+        precheck(sys.argv[1:])
     except ConfigError as e:
         fail(str(e))
     main()

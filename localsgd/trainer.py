@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 from types import SimpleNamespace
 from typing import Any
@@ -11,10 +12,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from localsgd import checkpoint
 from localsgd.averaging import CommStats, GradientAverager, PeriodicAverager, SimulatedLink
 from localsgd.data import Dataset, ShardSampler, load_dataset, shard_indices
+from localsgd.failures import Fault, NonFiniteTracker, StopAgreement, check_replicas
 from localsgd.launch import WorkerInfo
-from localsgd.metrics import MetricsWriter, progress_bar, write_json
+from localsgd.metrics import MetricsWriter, progress_bar, trim_metrics, write_json
 from localsgd.models import build_model
 from localsgd.optim import build_optimizer, lr_at, set_lr
 
@@ -35,7 +38,15 @@ def loss_and_correct(
 
 
 class Trainer:
-    def __init__(self, cfg: dict, info: WorkerInfo, device: torch.device, run_dir: str):
+    def __init__(
+        self,
+        cfg: dict,
+        info: WorkerInfo,
+        device: torch.device,
+        run_dir: str,
+        resume_from: str | None = None,
+        store: dist.Store | None = None,
+    ):
         self.config = cfg
         self.cfg = c = namespace(cfg)
         self.info = info
@@ -85,27 +96,70 @@ class Trainer:
         self.step = 0
         self.in_sync = True  # replicas identical right now
         torch.manual_seed(c.seed + 1000 * info.rank + 1)  # dropout etc. differ per rank
+        # Loop state a checkpoint carries besides the modules (the LR is a function of the step).
+        self.next_eval = c.trainer.eval_every
+        self.loss_sum = torch.zeros((), device=device)
+        self.loss_count = 0
+        self.skipped_steps = 0
+        self.elapsed_before = 0.0  # training seconds spent before the last resume
+        self.resumed_from = resume_from
+        if resume_from is not None:
+            self.load_checkpoint(resume_from)
+        self.fault = Fault(info.rank)
+        self.nonfinite = NonFiniteTracker(device)
+        self.stop = StopAgreement(store, f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}")
 
     @property
     def param_count(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
 
-    def train_step(self, step: int) -> torch.Tensor:
+    def train_step(self, step: int) -> torch.Tensor | None:
+        """One optimizer step; returns the loss, or None when nan_policy=skip skipped it."""
+        self.fault.before_step(step)
         set_lr(self.optimizer, lr_at(step, self.cfg.optim, self.cfg.trainer.max_steps))
         idx = self.sampler.next_batch().to(self.device)
         loss, _ = loss_and_correct(self.model(self.train_x[idx]), self.train_y[idx])
+        if self.fault.fires("nan", step):
+            loss = loss * float("nan")
+        skip = False
+        if self.cfg.trainer.nan_policy == "skip":
+            skip = not bool(torch.isfinite(loss))  # a host sync per step, only under this policy
+        else:
+            self.nonfinite.observe(loss.detach(), step)
         synchronous = self.averager.in_warmup
         # In the warmup the gradients are views of GradientAverager's flat buffer: zero them in
         # place. Afterwards drop them: zeroing and then accumulating into old gradients costs two
         # extra passes over the model per step (~10% of a step for a 10M MLP on CPU).
         self.optimizer.zero_grad(set_to_none=not synchronous)
-        loss.backward()
+        if not skip:
+            loss.backward()
         if synchronous:
             self.grad_averager.all_reduce()  # post-local SGD's warmup: plain mini-batch SGD
-        self.optimizer.step()
+        # In the warmup a skipping rank adds zero gradients but still steps, or replicas split.
+        if not skip or synchronous:
+            self.optimizer.step()
+        self.skipped_steps += skip
         averaged = False if self.comm_disabled else self.averager.step()
         self.in_sync = synchronous or averaged
-        return loss.detach()
+        if self.fault.fires("desync", step):
+            with torch.no_grad():
+                next(self.model.parameters()).view(-1)[0] += 1e-3
+        return None if skip else loss.detach()
+
+    def next_sync(self, step: int) -> int | None:
+        """The first step index >= `step` whose update communicates, or None if none is left."""
+        warmup, period = self.cfg.sync.warmup_steps, self.cfg.sync.period
+        nxt = step if step < warmup else step + (warmup - step) % period
+        return nxt if nxt < self.cfg.trainer.max_steps else None
+
+    def after_sync(self, step: int) -> None:
+        if self.cfg.sync.check_replicas:
+            # In the warmup only the parameters are kept identical (BatchNorm statistics stay
+            # local until the first average), so only they are compared there.
+            warm = step < self.cfg.sync.warmup_steps
+            tensors = list(self.model.parameters()) if warm else self.averager.flat.buffers
+            check_replicas(tensors, step, self.info.rank)
+        self.stop.after_sync()
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -131,23 +185,30 @@ class Trainer:
 
     def train(self) -> dict[str, Any] | None:
         c = self.cfg.trainer
-        writer = (
-            MetricsWriter(os.path.join(self.run_dir, "metrics.jsonl")) if self.is_main else None
-        )
+        metrics_path = os.path.join(self.run_dir, "metrics.jsonl")
+        if self.is_main and self.resumed_from is not None:
+            trim_metrics(metrics_path, self.step)  # lines past the checkpoint are redone
+        writer = MetricsWriter(metrics_path, append=self.step > 0) if self.is_main else None
         bar = progress_bar(c.max_steps, self.step, self.is_main and c.progress)
-        start = time.perf_counter()
-        loss_sum, loss_count = torch.zeros((), device=self.device), 0
-        next_eval = c.eval_every
+        start = time.perf_counter() - self.elapsed_before
+        every = c.checkpoint_every
         try:
             while self.step < c.max_steps:
+                self.stop.before_step(self.step, self.next_sync(self.step))
                 # Summed on device, read at log steps only: `.item()` every step would stall CUDA.
-                loss_sum += self.train_step(self.step)
-                loss_count += 1
+                loss = self.train_step(self.step)
+                if loss is not None:
+                    self.loss_sum += loss
+                    self.loss_count += 1
                 self.step += 1
+                if self.in_sync:
+                    self.after_sync(self.step - 1)
+                if self.step % c.log_every == 0 or self.step == c.max_steps:
+                    self.nonfinite.check(self.info.rank)
                 if self.is_main and (self.step % c.log_every == 0 or self.step == c.max_steps):
-                    loss = (loss_sum / loss_count).item()
-                    loss_sum.zero_()
-                    loss_count = 0
+                    loss = (self.loss_sum / max(1, self.loss_count)).item()
+                    self.loss_sum.zero_()
+                    self.loss_count = 0
                     record = {
                         "step": self.step,
                         "loss": loss,
@@ -159,11 +220,25 @@ class Trainer:
                     writer.write(record)
                     bar.set_postfix(loss=f"{loss:.4f}", syncs=self.comm.rounds, refresh=False)
                 # The averaged model exists only right after a sync, so evaluation waits for one.
-                if self.step >= next_eval and self.in_sync and self.step < c.max_steps:
+                if self.step >= self.next_eval and self.in_sync and self.step < c.max_steps:
                     if self.is_main:  # wall time taken before the evaluation, for time-to-accuracy
                         wall = round(time.perf_counter() - start, 3)
                         writer.write({"step": self.step, "wall_time_s": wall, **self.evaluate()})
-                    next_eval = (self.step // c.eval_every + 1) * c.eval_every
+                    self.next_eval = (self.step // c.eval_every + 1) * c.eval_every
+                # (a stop agreed for the very last step just lets the run finish)
+                stopping = self.stop.should_stop(self.step) and self.step < c.max_steps
+                due = every > 0 and (self.step % every == 0 or self.step == c.max_steps)
+                if due or stopping:
+                    self.save_checkpoint(time.perf_counter() - start)
+                if stopping:
+                    if self.is_main:
+                        print(
+                            f"SIGTERM: stopped after step {self.step} with a checkpoint; run the "
+                            f"same command again to resume",
+                            file=sys.stderr,
+                            flush=True,
+                        )
+                    return None
                 bar.update(1)
             if not self.in_sync and not self.comm_disabled:
                 self.averager.average()  # the final model is the average of the replicas
@@ -183,6 +258,7 @@ class Trainer:
                 "period": self.cfg.sync.period,
                 "warmup_steps": self.cfg.sync.warmup_steps,
                 "params": self.param_count,
+                "skipped_steps": self.skipped_steps,
                 "dataset": self.cfg.data.name,
                 "model": self.cfg.model.name,
             }
@@ -192,6 +268,49 @@ class Trainer:
             bar.close()
             if writer is not None:
                 writer.close()
+
+    def save_checkpoint(self, elapsed: float) -> None:
+        self.nonfinite.check(self.info.rank)  # a checkpoint never holds a diverged state
+        state = {
+            "step": self.step,
+            "model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
+            "optimizer": self.optimizer.state_dict(),
+            "averager": self.averager.state_dict(),
+            "comm": self.comm.state_dict(),
+            "sampler": self.sampler.state_dict(),
+            "rng": checkpoint.rng_state(),
+            "in_sync": self.in_sync,
+            "next_eval": self.next_eval,
+            "loss_sum": self.loss_sum.detach().clone(),
+            "loss_count": self.loss_count,
+            "skipped_steps": self.skipped_steps,
+            "elapsed_s": elapsed,
+        }
+        checkpoint.save(
+            self.run_dir,
+            self.step,
+            self.info.rank,
+            self.info.world_size,
+            state,
+            self.cfg.trainer.keep_checkpoints,
+            config=self.config,
+        )
+
+    def load_checkpoint(self, folder: str) -> None:
+        state = checkpoint.load(folder, self.info.rank, self.device)
+        self.model.load_state_dict(state["model"])  # copies into the flat buffers' views
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.averager.load_state_dict(state["averager"])
+        self.comm.load_state_dict(state["comm"])
+        self.sampler.load_state_dict(state["sampler"])
+        checkpoint.set_rng_state(state["rng"])
+        self.step = int(state["step"])
+        self.in_sync = bool(state["in_sync"])
+        self.next_eval = int(state["next_eval"])
+        self.loss_sum = state["loss_sum"].to(self.device)
+        self.loss_count = int(state["loss_count"])
+        self.skipped_steps = int(state["skipped_steps"])
+        self.elapsed_before = float(state["elapsed_s"])
 
     def save_model(self) -> None:
         # Cloned, so the file holds each tensor alone rather than views of the shared flat buffer.

@@ -22,3 +22,6 @@ def compose_config(overrides: list[str]) -> dict:
 @pytest.fixture
 def small_config():
     return compose_config
+
+
+from tests.reliability_helpers import reference_run  # noqa: E402, F401  (a session fixture)

@@ -47,6 +47,7 @@ def job_overrides(features: int, hidden: list[int], batch: int) -> list[str]:
         f"model.hidden=[{','.join(map(str, hidden))}]",
         f"trainer.batch_size={batch}",
         "trainer.progress=false",
+        "trainer.checkpoint_every=0",  # the hand loop saves nothing either
         "optim.lr=0.01",
         "optim.schedule=constant",
         "optim.lr_warmup_steps=0",

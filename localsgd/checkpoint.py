@@ -1,0 +1,241 @@
+"""Checkpoints: one state file per rank in `checkpoints/step-N/`, complete once rank 0 marks it.
+
+Layout: `RUN_DIR/checkpoints/step-N/rank-R.pt` (every rank's own state: replicas differ between
+syncs) and `COMPLETE`, a small JSON file rank 0 writes after a barrier, i.e. once every rank's file
+is on disk. Each file is written to a temporary name, fsynced and renamed, so a process killed
+mid-write leaves either nothing or a whole file under the real name, and a checkpoint without its
+marker is never used. Only checkpoint steps run the barrier; the local phase stays collective-free.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+CHECKPOINTS = "checkpoints"
+MARKER = "COMPLETE"
+_PREFIX = "step-"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, partial or corrupt; the message is one line naming it."""
+
+
+def checkpoint_root(run_dir: str) -> str:
+    return os.path.join(run_dir, CHECKPOINTS)
+
+
+def step_dir(run_dir: str, step: int) -> str:
+    return os.path.join(checkpoint_root(run_dir), f"{_PREFIX}{step}")
+
+
+def rank_file(folder: str, rank: int) -> str:
+    return os.path.join(folder, f"rank-{rank}.pt")
+
+
+def _fsync_dir(folder: str) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: str, write) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(path))
+
+
+def listed_steps(run_dir: str) -> list[int]:
+    """Steps of every `step-N` folder, complete or not, newest first."""
+    root = checkpoint_root(run_dir)
+    if not os.path.isdir(root):
+        return []
+    steps = []
+    for name in os.listdir(root):
+        if name.startswith(_PREFIX) and name[len(_PREFIX) :].isdigit():
+            steps.append(int(name[len(_PREFIX) :]))
+    return sorted(steps, reverse=True)
+
+
+def save(
+    run_dir: str,
+    step: int,
+    rank: int,
+    world_size: int,
+    state: dict,
+    keep: int,
+    config: dict | None = None,
+) -> str:
+    """Every rank calls this at the same step with its own `state`; returns the folder.
+    `config` (the run's resolved config) goes into the marker, to refuse resuming a changed run."""
+    folder = step_dir(run_dir, step)
+    os.makedirs(folder, exist_ok=True)
+    _write_atomic(rank_file(folder, rank), lambda f: torch.save(state, f))
+    dist.barrier()  # every rank's file is renamed into place before the marker exists
+    if rank == 0:
+        sizes = {
+            os.path.basename(rank_file(folder, r)): os.path.getsize(rank_file(folder, r))
+            for r in range(world_size)
+        }
+        marker = {"step": step, "world_size": world_size, "files": sizes, "config": config}
+        _write_atomic(os.path.join(folder, MARKER), lambda f: f.write(json.dumps(marker).encode()))
+        prune(run_dir, keep)
+    return folder
+
+
+def prune(run_dir: str, keep: int) -> None:
+    """Keep the newest `keep` complete checkpoints; drop older ones and older partial ones."""
+    complete = [s for s in listed_steps(run_dir) if _marker(step_dir(run_dir, s)) is not None]
+    if not complete:
+        return
+    kept = set(complete[:keep])
+    oldest_kept = min(kept)
+    for s in listed_steps(run_dir):
+        if s not in kept and s < oldest_kept:
+            shutil.rmtree(step_dir(run_dir, s), ignore_errors=True)
+
+
+def _marker(folder: str) -> dict | None:
+    try:
+        with open(os.path.join(folder, MARKER), encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def verify(folder: str, world_size: int | None = None) -> dict:
+    """Check a checkpoint folder is complete and loadable; return its marker or raise
+    CheckpointError with one line saying what is wrong."""
+    if not os.path.isdir(folder):
+        raise CheckpointError(f"{folder} does not exist")
+    marker = _marker(folder)
+    if marker is None:
+        raise CheckpointError(f"{folder} is partial: no valid {MARKER} marker")
+    if world_size is not None and marker["world_size"] != world_size:
+        raise CheckpointError(
+            f"{folder} was written by {marker['world_size']} workers but this run has "
+            f"{world_size}; resume with the same dist.world_size"
+        )
+    for name, size in marker["files"].items():
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path) or os.path.getsize(path) != size:
+            raise CheckpointError(f"{path} is missing or truncated")
+        try:  # mmap: checks the archive without reading every tensor into memory
+            state = torch.load(path, weights_only=True, mmap=True)
+        except Exception as e:
+            raise CheckpointError(f"{path} is corrupt ({type(e).__name__})") from None
+        if not isinstance(state, dict) or state.get("step") != marker["step"]:
+            raise CheckpointError(f"{path} is corrupt (not a localsgd rank state)")
+    return marker
+
+
+# Settings that shape the trajectory: resuming with any of them changed would not continue the
+# same run (or would not even load). max_steps may change (a run extended), as may logging,
+# checkpointing, timeouts and the resume setting itself.
+TRAJECTORY_KEYS = (
+    "seed",
+    "data",
+    "model",
+    "optim",
+    "sync.period",
+    "sync.warmup_steps",
+    "comm.disabled",
+    "trainer.batch_size",
+)
+
+
+def _flatten(node: Any, prefix: str) -> dict[str, Any]:
+    if isinstance(node, dict):
+        out = {}
+        for k, v in node.items():
+            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    return {prefix: node}
+
+
+def config_mismatch(marker: dict, config: dict) -> str | None:
+    """The first trajectory setting that differs between a checkpoint and `config` (plain
+    dicts), as "key: checkpoint value -> this run's value", or None."""
+    saved = marker.get("config")
+    if saved is None:
+        return None
+    for key in TRAJECTORY_KEYS:
+        old, new = saved, config
+        for part in key.split("."):
+            old, new = old.get(part), new.get(part)
+        old_flat, new_flat = _flatten(old, key), _flatten(new, key)
+        for k in sorted(set(old_flat) | set(new_flat)):
+            if old_flat.get(k) != new_flat.get(k):
+                return f"{k}: {old_flat.get(k)!r} in the checkpoint, {new_flat.get(k)!r} now"
+    return None
+
+
+def has_marked(run_dir: str) -> bool:
+    """Whether some checkpoint folder carries a marker (was complete once)."""
+    return any(_marker(step_dir(run_dir, s)) is not None for s in listed_steps(run_dir))
+
+
+def newest_complete(run_dir: str, world_size: int | None, warn=None) -> str | None:
+    """The newest checkpoint in `run_dir` that verifies; a broken one is reported through `warn`
+    and skipped, so a kill during a write falls back to the previous checkpoint."""
+    for s in listed_steps(run_dir):
+        folder = step_dir(run_dir, s)
+        try:
+            verify(folder, world_size)
+            return folder
+        except CheckpointError as e:
+            if warn is not None:
+                warn(f"skipping checkpoint: {e}")
+    return None
+
+
+def load(folder: str, rank: int, device: torch.device) -> dict[str, Any]:
+    return torch.load(rank_file(folder, rank), map_location=device, weights_only=True)
+
+
+# RNG states: the torch generators always; Python's and NumPy's as plain lists and tensors, so the
+# file stays loadable with weights_only=True.
+def rng_state() -> dict:
+    import random
+
+    import numpy as np
+
+    _, keys, pos, has_gauss, cached = np.random.get_state()
+    version, py_state, gauss = random.getstate()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "numpy": {
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached": float(cached),
+        },
+        "python": {"version": version, "state": list(py_state), "gauss": gauss},
+    }
+
+
+def set_rng_state(state: dict) -> None:
+    import random
+
+    import numpy as np
+
+    torch.set_rng_state(state["torch"].cpu())
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
+    n = state["numpy"]
+    keys = n["keys"].numpy().astype(np.uint32)
+    np.random.set_state(("MT19937", keys, n["pos"], n["has_gauss"], n["cached"]))
+    p = state["python"]
+    random.setstate((p["version"], tuple(p["state"]), p["gauss"]))

@@ -1,0 +1,71 @@
+"""Bad input is refused before any worker starts (and before Hydra writes into the run
+directory): exit code 2, one line naming the setting and what is allowed, no traceback, and no
+file of an earlier run changed."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+
+import pytest
+
+from tests.reliability_helpers import BASE, cli
+
+
+def _snapshot(folder) -> dict[str, tuple[str, int]]:
+    out = {}
+    for root, _, files in os.walk(folder):
+        for name in files:
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                out[path] = (hashlib.sha256(f.read()).hexdigest(), os.stat(path).st_mtime_ns)
+    return out
+
+
+@pytest.fixture(scope="module")
+def corrupt_checkpoint(reference_run, tmp_path_factory):
+    """A copy of the reference run's last checkpoint with one rank's file cut short."""
+    folder = tmp_path_factory.mktemp("corrupt") / "step-24"
+    shutil.copytree(reference_run / "checkpoints" / "step-24", folder)
+    path = folder / "rank-1.pt"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    return folder
+
+
+CASES = [
+    ("sync.period=0", "sync.period"),
+    ("optim.lr=abc", "optim.lr"),
+    ("dist.world_size=0", "dist.world_size"),
+    ("dist.timeout_s=0", "dist.timeout_s"),
+    ("trainer.batch_size=241", "trainer.batch_size"),  # 480 train samples / 2 workers = 240
+    ("data=imagenet", "data"),
+    ("+experiment=nope", "experiment"),
+    ("data.name=cifar10 data.root=/nonexistent/cifar", "data.root"),
+    ("data.name=text data.path=/nonexistent/corpus.txt", "data.path"),
+    ("trainer.resume=/nonexistent/checkpoints/step-5", "trainer.resume"),
+    ("CORRUPT", "trainer.resume"),
+    ("CHANGED model.hidden=[32]", "trainer.resume"),  # a checkpoint of another model
+    ("trainer.checkpoint_every=-1", "trainer.checkpoint_every"),
+    ("trainer.keep_checkpoints=0", "trainer.keep_checkpoints"),
+    ("trainer.nan_policy=ignore", "trainer.nan_policy"),
+]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("override,key", CASES)
+def test_bad_input_is_one_line_and_touches_no_earlier_run(
+    override, key, reference_run, corrupt_checkpoint
+):
+    if override == "CORRUPT":
+        override = f"trainer.resume={corrupt_checkpoint}"
+    override = override.replace("CHANGED", f"trainer.resume={reference_run}")
+    before = _snapshot(reference_run)
+    # Aimed at the earlier run's directory, as a mistyped resume command would be.
+    proc, _ = cli(BASE + override.split() + [f"hydra.run.dir={reference_run}"], timeout=60)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {key} "), proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert _snapshot(reference_run) == before

@@ -1,0 +1,151 @@
+"""Checkpoints and resume: a run killed or stopped anywhere ends bit-identical to one that never
+was; partial checkpoints are never used; the same config and seed give the same model."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import pytest
+import torch
+
+from localsgd import checkpoint
+from tests.reliability_helpers import BASE, cli, same_model, train_records
+
+
+def _fake_checkpoint(run_dir, step: int, world_size: int = 2, complete: bool = True) -> str:
+    folder = checkpoint.step_dir(str(run_dir), step)
+    os.makedirs(folder)
+    sizes = {}
+    for r in range(world_size):
+        path = checkpoint.rank_file(folder, r)
+        torch.save({"step": step, "model": {"w": torch.ones(3) * r}}, path)
+        sizes[os.path.basename(path)] = os.path.getsize(path)
+    if complete:
+        marker = {"step": step, "world_size": world_size, "files": sizes}
+        with open(os.path.join(folder, checkpoint.MARKER), "w") as f:
+            json.dump(marker, f)
+    return folder
+
+
+def test_newest_complete_skips_partial_and_truncated_checkpoints(tmp_path):
+    warnings = []
+    good = _fake_checkpoint(tmp_path, 10)
+    assert checkpoint.newest_complete(str(tmp_path), 2, warnings.append) == good
+    _fake_checkpoint(tmp_path, 20, complete=False)  # killed before rank 0 wrote the marker
+    truncated = _fake_checkpoint(tmp_path, 30)
+    path = checkpoint.rank_file(truncated, 1)
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)  # e.g. a disk that filled up
+    assert checkpoint.newest_complete(str(tmp_path), 2, warnings.append) == good
+    assert len(warnings) == 2 and "step-30" in warnings[0] and "step-20" in warnings[1]
+    with pytest.raises(checkpoint.CheckpointError, match="written by 2 workers"):
+        checkpoint.verify(good, world_size=4)
+    garbage = _fake_checkpoint(tmp_path, 40)
+    path = checkpoint.rank_file(garbage, 0)
+    size = os.path.getsize(path)
+    with open(path, "wb") as f:
+        f.write(b"\0" * size)  # same size, wrong bytes
+    with pytest.raises(checkpoint.CheckpointError, match="corrupt"):
+        checkpoint.verify(garbage, world_size=2)
+
+
+def test_prune_keeps_the_newest_complete_and_newer_partial_ones(tmp_path):
+    for step in (5, 10, 15):
+        _fake_checkpoint(tmp_path, step)
+    _fake_checkpoint(tmp_path, 3, complete=False)
+    _fake_checkpoint(tmp_path, 20, complete=False)  # being written right now by a later save
+    checkpoint.prune(str(tmp_path), keep=2)
+    assert checkpoint.listed_steps(str(tmp_path)) == [20, 15, 10]
+
+
+def test_rng_states_round_trip_through_a_weights_only_file(tmp_path):
+    import random
+
+    import numpy as np
+
+    torch.manual_seed(1)
+    np.random.seed(2)
+    random.seed(3)
+    path = tmp_path / "rng.pt"
+    torch.save(checkpoint.rng_state(), path)
+    expected = (torch.rand(3), np.random.rand(3), random.random())
+    checkpoint.set_rng_state(torch.load(path, weights_only=True))
+    assert torch.equal(torch.rand(3), expected[0])
+    assert np.array_equal(np.random.rand(3), expected[1]) and random.random() == expected[2]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sigkilled_runs_resume_bit_identical_in_warmup_and_between_syncs(tmp_path, reference_run):
+    run_dir = tmp_path / "run"
+    args = BASE + [f"hydra.run.dir={run_dir}"]
+    # Rank 1 dies before step 7: the newest checkpoint (step 5) is inside the warmup.
+    proc, left = cli(args, fault="kill:1:7")
+    assert proc.returncode == 1 and "worker rank 1 died" in proc.stderr, proc.stderr[-2000:]
+    assert not left, "a worker outlived the failed job"
+    assert not (run_dir / "summary.json").exists()
+    # Rank 0 dies before step 13: resumed from step 5, it checkpointed at 10, between syncs.
+    proc, left = cli(args, fault="kill:0:13")
+    assert proc.returncode == 1 and "worker rank 0 died" in proc.stderr, proc.stderr[-2000:]
+    assert "resuming from" in proc.stderr and "step-5" in proc.stderr
+    assert not left
+    proc, left = cli(args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.search(r"resuming from \S*step-10", proc.stderr), proc.stderr[-2000:]
+
+    assert same_model(run_dir / "model.pt", reference_run / "model.pt")
+    ours = json.loads((run_dir / "summary.json").read_text())
+    ref = json.loads((reference_run / "summary.json").read_text())
+    for key in ("comm_rounds", "comm_bytes", "test_loss", "test_accuracy", "steps"):
+        assert ours[key] == ref[key], key
+    # metrics.jsonl was appended to, the lines of steps redone after a kill replaced, not doubled
+    assert train_records(run_dir) == train_records(reference_run)
+    assert checkpoint.listed_steps(str(run_dir)) == [24, 20]  # trainer.keep_checkpoints=2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_sigterm_checkpoints_at_an_agreed_step_and_exits_cleanly(tmp_path, reference_run):
+    run_dir = tmp_path / "run"
+    args = BASE + [f"hydra.run.dir={run_dir}"]
+    # Rank 1 sends SIGTERM to the launcher before step 8, as SLURM would before pre-emption; the
+    # launcher forwards it and the ranks agree to stop after the next sync (step 11).
+    # (Signals arrive asynchronously: on a loaded machine the agreed sync may be a later one.)
+    proc, left = cli(args, fault="sigterm:1:8")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    stopped = re.search(r"SIGTERM: stopped after step (\d+)", proc.stderr)
+    assert stopped and int(stopped[1]) in (12, 17, 22), proc.stderr[-2000:]
+    assert not left and not (run_dir / "summary.json").exists()
+    step = int(stopped[1])
+    assert checkpoint.listed_steps(str(run_dir))[0] == step
+    checkpoint.verify(checkpoint.step_dir(str(run_dir), step), world_size=2)
+    proc, _ = cli(args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert same_model(run_dir / "model.pt", reference_run / "model.pt")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_same_config_and_seed_give_bit_identical_parameters(tmp_path, reference_run):
+    run_dir = tmp_path / "run"
+    proc, _ = cli(BASE + ["trainer.deterministic=true", f"hydra.run.dir={run_dir}"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert same_model(run_dir / "model.pt", reference_run / "model.pt")
+
+
+def test_auto_resume_never_overwrites_a_run_whose_checkpoints_are_all_broken(tmp_path):
+    from localsgd.config import ConfigError
+    from localsgd.preflight import resolve_resume
+
+    cfg = {"trainer": {"resume": "auto"}}
+    assert resolve_resume(cfg, 2, str(tmp_path), quiet=True) is None  # nothing there: fresh
+    _fake_checkpoint(tmp_path, 5, complete=False)  # killed while writing the first one
+    assert resolve_resume(cfg, 2, str(tmp_path), quiet=True) is None
+    with pytest.raises(ConfigError, match="^trainer.resume=never .* holds checkpoints"):
+        resolve_resume({"trainer": {"resume": "never"}}, 2, str(tmp_path))
+    good = _fake_checkpoint(tmp_path, 10)
+    assert resolve_resume(cfg, 2, str(tmp_path), quiet=True) == good
+    with pytest.raises(ConfigError, match="^trainer.resume=auto found no usable checkpoint"):
+        resolve_resume(cfg, 4, str(tmp_path), quiet=True)  # written by 2 workers, now 4
