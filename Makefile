@@ -33,8 +33,8 @@ lint: $(STAMP)  ## ruff
 format: $(STAMP)  ## ruff format + import sorting
 	$(BIN)/ruff check --fix .
 
-bench: $(STAMP)  ## averaging-cost benchmark (writes experiments/bench_averaging.md)
-	$(BIN)/python experiments/bench_averaging.py --out experiments/bench_averaging.md
+bench: $(STAMP)  ## the performance suite, ~10 min (writes experiments/bench/RESULTS.md)
+	$(BIN)/python experiments/bench/run.py $(ARGS)
 
 clean:  ## remove .venv and run outputs
 	rm -rf $(VENV) outputs multirun

@@ -163,6 +163,7 @@ TRAJECTORY_KEYS = (
     "sync.outer_nesterov",
     "sync.optimizer_state",
     "sync.comm_dtype",
+    "comm.disabled",
     "trainer.batch_size",
 )
 

@@ -74,6 +74,21 @@ class SyncConfig:
 
 
 @dataclass
+class SimulateConfig:
+    # a slower network than the real one: every collective lasts >= latency + bytes / bandwidth
+    bandwidth_gbps: float | None = None  # null: no bandwidth limit
+    latency_ms: float = 0.0  # 0 with bandwidth_gbps null: no simulation
+
+
+@dataclass
+class CommConfig:
+    simulate: SimulateConfig = field(default_factory=SimulateConfig)
+    # true: no collective after the initial broadcast (no averaging, no final average); the
+    # workers train independently and rank 0's own model is evaluated. A throughput baseline only.
+    disabled: bool = False
+
+
+@dataclass
 class OptimConfig:
     name: str = "sgd"  # sgd | adamw
     lr: float = 0.1
@@ -137,6 +152,7 @@ class Config:
     dist: DistConfig = field(default_factory=DistConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -215,6 +231,19 @@ def validate(cfg: Any, world_size: int | None = None, local_world_size: int | No
     )
 
     validate_sync(cfg, ws, local_world_size)
+    bandwidth = _get(cfg, "comm.simulate.bandwidth_gbps")
+    _require(
+        bandwidth is None or bandwidth > 0,
+        "comm.simulate.bandwidth_gbps",
+        "> 0 (Gbit/s), or null for no limit",
+        bandwidth,
+    )
+    latency = _get(cfg, "comm.simulate.latency_ms")
+    _require(latency >= 0, "comm.simulate.latency_ms", ">= 0", latency)
+    if _get(cfg, "comm.disabled"):
+        _require(
+            warmup == 0, "sync.warmup_steps", "0 when comm.disabled is true (nothing syncs)", warmup
+        )
 
     _choice(cfg, "optim.name", OPTIMIZERS)
     _choice(cfg, "optim.schedule", LR_SCHEDULES)

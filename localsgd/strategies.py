@@ -21,6 +21,7 @@ from localsgd.averaging import (
     OptimizerStateSync,
     OuterAverager,
     PeriodicAverager,
+    SimulatedLink,
     StepPeriod,
 )
 
@@ -62,8 +63,10 @@ def build_averager(
     world_size: int,
     local_world_size: int,
     stats: CommStats,
+    link: SimulatedLink | None = None,
 ):
-    """The averager the `sync` config asks for, its optimizer-state hook attached."""
+    """The averager the `sync` config asks for, its optimizer-state hook attached. A simulated
+    slow `link` applies to plain and outer-optimizer averaging (not yet to hierarchical levels)."""
     comm_dtype = _opt(sync, "comm_dtype", "float32")
     levels = list(_opt(sync, "levels", []))
     outer = _opt(sync, "outer", "none")
@@ -88,6 +91,7 @@ def build_averager(
             outer_nesterov=_opt(sync, "outer_nesterov", defaults["nesterov"]),
             schedule=build_schedule(sync),
             comm_dtype=comm_dtype,
+            link=link,
         )
     else:
         averager = PeriodicAverager(
@@ -97,6 +101,7 @@ def build_averager(
             stats=stats,
             schedule=build_schedule(sync),
             comm_dtype=comm_dtype,
+            link=link,
         )
     mode = _opt(sync, "optimizer_state", "local")
     if mode != "local":

@@ -1,6 +1,6 @@
 """Model averaging for local SGD, usable on its own like torch's averagers (no Hydra, no wandb)."""
 
-from localsgd.averaging.comm import CommStats, all_reduce_mean_
+from localsgd.averaging.comm import CommStats, SimulatedLink, all_reduce_mean_
 from localsgd.averaging.compress import COMM_DTYPES, LowPrecisionMean
 from localsgd.averaging.flat import FlatBuffers, averaged_tensors
 from localsgd.averaging.gradients import GradientAverager
@@ -24,6 +24,7 @@ __all__ = [
     "OptimizerStateSync",
     "OuterAverager",
     "PeriodicAverager",
+    "SimulatedLink",
     "StepPeriod",
     "all_reduce_mean_",
     "averaged_tensors",

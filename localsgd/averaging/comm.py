@@ -1,4 +1,4 @@
-"""The one collective the averagers use, and the counters they keep."""
+"""The one collective the averagers use, the counters they keep, and a simulated slow link."""
 
 from __future__ import annotations
 
@@ -28,6 +28,40 @@ class CommStats:
         )
 
 
+@dataclass(frozen=True)
+class SimulatedLink:
+    """A network slower than the real one: every collective lasts at least
+    `latency_ms + payload bytes / bandwidth`, the payload being the bytes one worker puts into it.
+
+    The real collective runs first (so results are real); then the caller sleeps whatever is
+    left of the simulated time. Only the sleep is simulated, so a link faster than the real
+    transport changes nothing. Lets one machine show how a strategy behaves on a 100 Mbit/s or
+    cross-continent link.
+    """
+
+    bandwidth_gbps: float | None = None  # None: unlimited (latency only)
+    latency_ms: float = 0.0
+
+    def __post_init__(self):
+        if self.bandwidth_gbps is not None and not self.bandwidth_gbps > 0:
+            raise ValueError(
+                f"comm.simulate.bandwidth_gbps must be > 0 (or null), got {self.bandwidth_gbps!r}"
+            )
+        if not self.latency_ms >= 0:
+            raise ValueError(f"comm.simulate.latency_ms must be >= 0, got {self.latency_ms!r}")
+
+    def seconds(self, nbytes: int) -> float:
+        """How long a collective of `nbytes` per worker takes on this link."""
+        transfer = 0.0 if self.bandwidth_gbps is None else nbytes * 8 / (self.bandwidth_gbps * 1e9)
+        return self.latency_ms / 1e3 + transfer
+
+    def wait_out(self, start: float, nbytes: int) -> None:
+        """Sleep until `start + seconds(nbytes)` (start from `time.perf_counter()`)."""
+        left = start + self.seconds(nbytes) - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
+
+
 def supports_avg(group: dist.ProcessGroup | None) -> bool:
     """NCCL averages inside the reduction; gloo has no ReduceOp.AVG."""
     return dist.get_backend(group) == dist.Backend.NCCL
@@ -45,13 +79,14 @@ def all_reduce_mean_(
     use_avg: bool,
     stats: CommStats | None = None,
     bucket_bytes: int = BUCKET_BYTES,
+    link: SimulatedLink | None = None,
 ) -> None:
     """Replace `flat` in place by its mean over the group.
 
     NCCL averages inside the reduction. On gloo each bucket (a view of `flat`) is divided and
     then all-reduced asynchronously, all buckets in flight together. Dividing before the sum (as
     torch's `average_parameters` does) keeps the result identical on every rank, since every rank
-    reduces the same bytes.
+    reduces the same bytes. With a `link`, the call lasts at least the link's time for `flat`.
     """
     start = time.perf_counter()
     if use_avg:
@@ -63,6 +98,8 @@ def all_reduce_mean_(
             works.append(dist.all_reduce(bucket, group=group, async_op=True))
         for work in works:
             work.wait()
+    if link is not None:
+        link.wait_out(start, flat.numel() * flat.element_size())
     if stats is not None:
         stats.bytes += flat.numel() * flat.element_size()
         stats.seconds += time.perf_counter() - start

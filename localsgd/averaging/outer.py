@@ -20,7 +20,7 @@ import copy
 import torch
 import torch.distributed as dist
 
-from localsgd.averaging.comm import CommStats
+from localsgd.averaging.comm import CommStats, SimulatedLink
 from localsgd.averaging.compress import all_reduce_mean_through_
 from localsgd.averaging.periodic import PeriodicAverager
 from localsgd.averaging.schedule import ConstantPeriod
@@ -53,6 +53,7 @@ class OuterAverager(PeriodicAverager):
         outer_nesterov: bool = True,
         schedule: ConstantPeriod | None = None,
         comm_dtype: str | torch.dtype = torch.float32,
+        link: SimulatedLink | None = None,
     ):
         super().__init__(
             module,
@@ -62,6 +63,7 @@ class OuterAverager(PeriodicAverager):
             stats,
             schedule=schedule,
             comm_dtype=comm_dtype,
+            link=link,
         )
         self.compressor = None  # the pseudo-gradient is what gets compressed, below
         param_ids = {id(p) for p in module.parameters()}

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from localsgd.averaging.comm import CommStats, all_reduce_mean_, supports_avg
+from localsgd.averaging.comm import CommStats, SimulatedLink, all_reduce_mean_, supports_avg
 from localsgd.averaging.compress import LowPrecisionMean, comm_dtype_of
 from localsgd.averaging.flat import FlatBuffers, averaged_tensors
 from localsgd.averaging.schedule import ConstantPeriod
@@ -43,6 +43,7 @@ class PeriodicAverager:
         *,
         schedule: ConstantPeriod | None = None,
         comm_dtype: str | torch.dtype = torch.float32,
+        link: SimulatedLink | None = None,
     ):
         if period < 1:
             raise ValueError(f"period must be an integer >= 1, got {period!r}")
@@ -69,6 +70,7 @@ class PeriodicAverager:
         self.stats = stats if stats is not None else CommStats()
         self.level_stats = CommStats()  # the averages alone (`stats` may be shared with warmup)
         self.hooks: list[AverageHook] = []
+        self.link = link  # a simulated slow network, or None
         self.step_index = 0
         self.all_in_sync = True  # every rank holds the same tensors (right after an average)
         self.last_average = warmup_steps - self.schedule.period_at(warmup_steps)
@@ -142,7 +144,9 @@ class PeriodicAverager:
             )
             return
         for flat in self.flat.buffers:
-            all_reduce_mean_(flat, self.process_group, self.world_size, self.use_avg, self.stats)
+            all_reduce_mean_(
+                flat, self.process_group, self.world_size, self.use_avg, self.stats, link=self.link
+            )
 
     def broadcast_(self, src: int = 0) -> None:
         """Give every rank rank `src`'s tensors (not counted as training communication)."""

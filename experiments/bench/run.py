@@ -1,0 +1,121 @@
+"""The performance suite: runs every benchmark and writes experiments/bench/RESULTS.md.
+
+    python experiments/bench/run.py            # the full suite, ~10 min on 2 cores (make bench)
+    python experiments/bench/run.py --tiny     # every item at toy size, under a minute (a test)
+
+All figures are ratios of things measured side by side in the same processes, interleaved over
+repetitions; absolute times are context only (the machine may be shared). Items:
+1-2 averaging cost and low-precision all-reduce (averaging.py), 3 trainer throughput vs k,
+4 framework overhead, 5 memory (training.py). Item 6 (sync.overlap) is not implemented.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if ROOT not in sys.path:  # run as a script: make `experiments.bench` importable (and in workers)
+    sys.path.insert(0, ROOT)
+
+from experiments.bench import averaging, training  # noqa: E402
+from experiments.bench.common import load_average, machine  # noqa: E402
+
+FULL = {
+    "worlds": [2, 4],
+    "sizes": [1_000_000, 10_000_000, 50_000_000],
+    "avg_reps": 10,
+    "features": 1024,
+    "hidden": [2048, 2048, 2048],  # ~10.5M parameters
+    "batch": 32,
+    "steps": 96,
+    "train_reps": 3,
+    "memory_steps": 24,
+}
+TINY = {
+    "worlds": [2],
+    "sizes": [10_000],
+    "avg_reps": 2,
+    "features": 16,
+    "hidden": [32],
+    "batch": 8,
+    "steps": 8,
+    "train_reps": 1,
+    "memory_steps": 4,
+}
+
+NOT_MEASURED = """## Not measured here
+
+- CUDA/NCCL: this machine has no GPU. On NCCL the averager uses `ReduceOp.AVG` in one call (no
+  division pass, no buckets); none of that path's timings are in this file.
+- The hierarchical averager and compressed (bf16/fp16) averaging as a strategy: not on main when
+  this suite was written; item 2 gives the limit such a strategy approaches, a raw all-reduce of a
+  persistent low-precision buffer (on gloo the reduction of bf16/fp16 runs in software).
+- accelerate's LocalSGD: accelerate is not installed.
+- Item 6, `sync.overlap` (an all-reduce in flight while the next steps compute, applied one step
+  later): not implemented; see the README's Performance section.
+"""
+
+
+def compose_base(p: dict) -> dict:
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    import localsgd.train  # noqa: F401  (registers the config schema)
+
+    with initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base="1.3"):
+        cfg = compose(
+            "config", overrides=training.job_overrides(p["features"], p["hidden"], p["batch"])
+        )
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def main(argv: list[str] | None = None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="toy sizes: proves the suite runs")
+    parser.add_argument("--out", default=os.path.join(ROOT, "experiments/bench/RESULTS.md"))
+    parser.add_argument("--timeout", type=float, default=600.0, help="gloo/store timeout (s)")
+    args = parser.parse_args(argv)
+    p = TINY if args.tiny else FULL
+    shown = sys.argv[1:] if argv is None else argv
+    command = " ".join(["python experiments/bench/run.py", *shown])
+    started = datetime.datetime.now(datetime.timezone.utc)
+    load_start = load_average()
+    t0 = time.perf_counter()
+
+    rows = averaging.run(p["worlds"], p["sizes"], p["avg_reps"], args.timeout)
+    print(f"averaging done after {time.perf_counter() - t0:.0f} s", flush=True)
+    result = training.run(
+        compose_base(p), p["steps"], p["train_reps"], p["memory_steps"], args.timeout
+    )
+    print(f"training done after {time.perf_counter() - t0:.0f} s", flush=True)
+
+    lines = [
+        "# Performance suite results",
+        "",
+        f"- command: `{command}`",
+        f"- started: {started.isoformat(timespec='seconds')}; whole suite: "
+        f"{time.perf_counter() - t0:.0f} s",
+        f"- machine: {machine()}",
+        f"- load average (1/5/15 min) at start: {load_start}; at end: {load_average()} "
+        "(other jobs shared the cores when this is above the core count)",
+        "",
+        *averaging.render(rows, p["avg_reps"]),
+        "",
+        *training.render(result),
+        "",
+        NOT_MEASURED,
+    ]
+    text = "\n".join(lines)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        f.write(text)
+    print(text, end="")
+    return text
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""The performance machinery: the simulated slow link, switching communication off, and the
+benchmark suite at toy size (it must run end to end; no speed is asserted anywhere)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+import torch
+
+from localsgd.averaging import CommStats, PeriodicAverager, SimulatedLink, all_reduce_mean_
+from localsgd.config import ConfigError, validate
+from localsgd.launch import WorkerInfo
+from localsgd.trainer import Trainer
+from tests.conftest import ROOT, compose_config
+from tests.dist_harness import CollectiveCounter, run_distributed
+
+
+def test_link_time_is_latency_plus_bytes_over_bandwidth():
+    link = SimulatedLink(bandwidth_gbps=0.1, latency_ms=10)
+    assert link.seconds(1_250_000) == pytest.approx(0.01 + 0.1)  # 10 Mbit at 100 Mbit/s
+    assert SimulatedLink(latency_ms=5).seconds(10**9) == pytest.approx(0.005)
+    with pytest.raises(ValueError, match="comm.simulate.bandwidth_gbps"):
+        SimulatedLink(bandwidth_gbps=0)
+    with pytest.raises(ValueError, match="comm.simulate.latency_ms"):
+        SimulatedLink(latency_ms=-1)
+
+
+@pytest.mark.parametrize(
+    "override,key",
+    [
+        ("comm.simulate.bandwidth_gbps=0", "comm.simulate.bandwidth_gbps"),
+        ("comm.simulate.latency_ms=-2", "comm.simulate.latency_ms"),
+        ("comm.disabled=true", "sync.warmup_steps"),  # with sync.warmup_steps=5 below
+    ],
+)
+def test_bad_comm_settings_are_refused(override, key):
+    cfg = compose_config([override, "sync.warmup_steps=5"])
+    with pytest.raises(ConfigError, match=rf"^{key} must be"):
+        validate(cfg)
+
+
+def _simulated_worker(rank, world_size, bandwidth_gbps, latency_ms):
+    link = SimulatedLink(bandwidth_gbps, latency_ms)
+    flat = torch.full((250_000,), float(rank + 1))  # 1 MB
+    real = torch.full((250_000,), float(rank + 1))
+    stats = CommStats()
+    all_reduce_mean_(real, None, world_size, False)
+    start = time.perf_counter()
+    all_reduce_mean_(flat, None, world_size, False, stats, link=link)
+    simulated_s = time.perf_counter() - start
+    model = torch.nn.Linear(100, 100)
+    averager = PeriodicAverager(model, period=1, link=link)
+    start = time.perf_counter()
+    averager.step()
+    averager_s = time.perf_counter() - start
+    return {
+        "simulated_s": simulated_s,
+        "averager_s": averager_s,
+        "stats_s": stats.seconds,
+        "mean_ok": bool(torch.equal(flat, real)),
+        "model_bytes": averager.stats.bytes,
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_simulated_link_makes_each_collective_last_at_least_its_time():
+    bandwidth_gbps, latency_ms = 0.05, 50.0
+    expected = SimulatedLink(bandwidth_gbps, latency_ms).seconds(1_000_000)  # 0.21 s
+    for r in run_distributed(_simulated_worker, 2, bandwidth_gbps, latency_ms):
+        assert r["mean_ok"]  # the real collective ran: same mean as without the link
+        assert r["simulated_s"] >= expected
+        assert r["stats_s"] >= expected  # the counters see the simulated time
+        model_time = SimulatedLink(bandwidth_gbps, latency_ms).seconds(r["model_bytes"])
+        assert r["averager_s"] >= model_time
+
+
+def _disabled_worker(rank, world_size, cfg):
+    with tempfile.TemporaryDirectory() as run_dir:
+        info = WorkerInfo(rank, world_size, rank, world_size)
+        trainer = Trainer(cfg, info, torch.device("cpu"), run_dir)
+        with CollectiveCounter() as counter:
+            summary = trainer.train()
+        return {"collectives": counter.count, "rounds": trainer.comm.rounds, "summary": summary}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_comm_disabled_runs_no_collective_at_all():
+    cfg = compose_config(
+        [
+            "data=synthetic",
+            "data.num_samples=400",
+            "model=mlp",
+            "model.hidden=[16]",
+            "trainer.max_steps=12",
+            "trainer.eval_every=4",
+            "trainer.progress=false",
+            "trainer.checkpoint_every=0",  # each rank has its own tmp dir here
+            "sync.period=2",
+            "comm.disabled=true",
+        ]
+    )
+    results = run_distributed(_disabled_worker, 2, cfg)
+    assert [r["collectives"] for r in results] == [0, 0]
+    assert [r["rounds"] for r in results] == [0, 0]
+    assert results[0]["summary"]["comm_bytes"] == 0 and results[0]["summary"]["steps"] == 12
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_benchmark_suite_runs_at_tiny_size(tmp_path):
+    out = tmp_path / "RESULTS.md"
+    proc = subprocess.run(
+        [sys.executable, "experiments/bench/run.py", "--tiny", "--out", str(out)],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=230,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = out.read_text()
+    for heading in ("## 1-2. Averaging cost", "## 3. Trainer throughput", "## 4. Framework",
+                    "## 5. Worker memory", "## Not measured here"):  # fmt: skip
+        assert heading in text
+    rows = [line for line in text.splitlines() if line.startswith("| 2 | 9.7k | 52 |")]
+    assert len(rows) == 1  # the averaging table's one tiny row, every method timed
+    assert len(rows[0].split("|")) == 2 + 4 + 6
+    for variant in ("k=1", "k=4", "k=16", "k=64", "off"):
+        assert any(line.startswith(f"| {variant} |") for line in text.splitlines())
