@@ -6,8 +6,9 @@ interleaved round-robin across repetitions (so noise hits all of them alike), wi
 
   raw         one `dist.all_reduce` of a preallocated flat fp32 buffer of the same size (the limit)
   ours        `PeriodicAverager(model, period=1).average()`: in place over a persistent flat
-              buffer, divided and all-reduced in ~4 MB buckets in flight together (on gloo)
-  one-shot    the same flat buffer, `div_` then one blocking all-reduce (the unbucketed way)
+              buffer, `div_` then one all-reduce (on gloo)
+  bucketed    the same flat buffer divided and all-reduced in ~4 MB buckets, all in flight
+              together (an alternative we measured and did not adopt)
   torch       `torch.distributed.algorithms.model_averaging.utils.average_parameters`
   per-tensor  one `all_reduce` per parameter tensor, then a division (the seed's way)
   raw-bf16    one all-reduce of a persistent bf16 buffer of as many elements (item 2's limit)
@@ -32,7 +33,8 @@ from torch.distributed.algorithms.model_averaging.utils import average_parameter
 from experiments.bench.common import fmt_params, median, rotated, run_world, transient_mib
 from localsgd.averaging import PeriodicAverager
 
-METHODS = ("raw", "ours", "one-shot", "torch", "per-tensor", "raw-bf16", "raw-fp16")
+BUCKET_ELEMENTS = 1 << 20  # 4 MB of fp32
+METHODS = ("raw", "ours", "bucketed", "torch", "per-tensor", "raw-bf16", "raw-fp16")
 N_LAYERS = 26  # each layer: a weight (2-D, or 4-D conv-like) and a bias -> 52 tensors
 
 
@@ -71,21 +73,25 @@ def _bench_size(target: int, reps: int, world_size: int) -> dict:
     numel = sum(p.numel() for p in model_ours.parameters())
     n_tensors = len(list(model_ours.parameters()))
     averager = PeriodicAverager(model_ours, period=1, process_group=group)
-    one_shot = PeriodicAverager(Blob(target), period=1, process_group=group)
-    one_shot_flat = one_shot.flat.buffers[0]
+    bucketed = PeriodicAverager(Blob(target), period=1, process_group=group)
+    bucketed_flat = bucketed.flat.buffers[0]
     # Values in [0, 1): summing without dividing grows them by world_size per call, so the raw
     # buffers are rescaled every few reps (outside the timed calls) to stay far from overflow.
     raw = {dt: torch.rand(numel).to(dt) for dt in (torch.float32, torch.bfloat16, torch.float16)}
     naive_params = list(model_naive.parameters())
 
-    def one_shot_average():
-        one_shot_flat.div_(world_size)
-        dist.all_reduce(one_shot_flat, group=group)
+    def bucketed_average():
+        works = []
+        for bucket in bucketed_flat.split(BUCKET_ELEMENTS):
+            bucket.div_(world_size)
+            works.append(dist.all_reduce(bucket, group=group, async_op=True))
+        for work in works:
+            work.wait()
 
     calls = {
         "raw": lambda: dist.all_reduce(raw[torch.float32], group=group),
         "ours": averager.average,
-        "one-shot": one_shot_average,
+        "bucketed": bucketed_average,
         "torch": lambda: average_parameters(model_torch.parameters(), group),
         "per-tensor": lambda: _per_tensor(naive_params, group, world_size),
         "raw-bf16": lambda: dist.all_reduce(raw[torch.bfloat16], group=group),

@@ -67,37 +67,28 @@ def supports_avg(group: dist.ProcessGroup | None) -> bool:
     return dist.get_backend(group) == dist.Backend.NCCL
 
 
-# gloo progresses several queued operations at once, so the division of one bucket overlaps the
-# transfer of the previous ones; buckets much smaller than this pay a fixed per-operation cost.
-BUCKET_BYTES = 4 << 20
-
-
 def all_reduce_mean_(
     flat: torch.Tensor,
     group: dist.ProcessGroup | None,
     world_size: int,
     use_avg: bool,
     stats: CommStats | None = None,
-    bucket_bytes: int = BUCKET_BYTES,
     link: SimulatedLink | None = None,
 ) -> None:
-    """Replace `flat` in place by its mean over the group.
+    """Replace `flat` in place by its mean over the group, with one all-reduce.
 
-    NCCL averages inside the reduction. On gloo each bucket (a view of `flat`) is divided and
-    then all-reduced asynchronously, all buckets in flight together. Dividing before the sum (as
-    torch's `average_parameters` does) keeps the result identical on every rank, since every rank
-    reduces the same bytes. With a `link`, the call lasts at least the link's time for `flat`.
+    NCCL averages inside the reduction. gloo has no AVG: the buffer is divided in place first (as
+    torch's `average_parameters` does), which keeps the result identical on every rank, since
+    every rank reduces the same bytes. (Splitting it into asynchronous ~4 MB buckets so that the
+    division overlaps the transfer was measured: slower on a quiet machine, see
+    experiments/bench/RESULTS.md.) With a `link`, the call lasts at least the link's time.
     """
     start = time.perf_counter()
     if use_avg:
         dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=group)
     else:
-        works = []
-        for bucket in flat.split(max(1, bucket_bytes // flat.element_size())):
-            bucket.div_(world_size)
-            works.append(dist.all_reduce(bucket, group=group, async_op=True))
-        for work in works:
-            work.wait()
+        flat.div_(world_size)
+        dist.all_reduce(flat, group=group)
     if link is not None:
         link.wait_out(start, flat.numel() * flat.element_size())
     if stats is not None:
