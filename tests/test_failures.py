@@ -85,7 +85,9 @@ def _torchrun(nodes: int, port: int, extra: list[str]) -> list[str]:
 def test_torchrun_two_nodes_train_into_one_run_directory(tmp_path):
     run_dir = tmp_path / "run"
     port = free_port()
-    args = BASE + [f"hydra.run.dir={run_dir}", "dist.world_size=null"]
+    # the narrow hierarchical level defaults to the node: pairs here, torchrun's LOCAL_WORLD_SIZE
+    levels = "sync.levels=[{group_size:node,period:2},{group_size:world,period:4}]"
+    args = BASE + [f"hydra.run.dir={run_dir}", "dist.world_size=null", levels]
     env, tag = tagged_env()
     nodes = [
         subprocess.Popen(
@@ -102,6 +104,7 @@ def test_torchrun_two_nodes_train_into_one_run_directory(tmp_path):
     assert [n.returncode for n in nodes] == [0, 0], "\n".join(o[-2000:] for o in outputs)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == 4 and summary["steps"] == 24
+    assert [lv["group_size"] for lv in summary["comm_levels"]] == [2, 4]
     assert checkpoint.newest_complete(str(run_dir), 4) == checkpoint.step_dir(str(run_dir), 24)
     assert not survivors(tag)
 

@@ -48,6 +48,8 @@ def job_overrides(features: int, hidden: list[int], batch: int) -> list[str]:
         f"trainer.batch_size={batch}",
         "trainer.progress=false",
         "trainer.checkpoint_every=0",  # the hand loop saves nothing either
+        "trainer.track_drift=false",  # a diagnostic: one model copy and norm per sync
+        "logger.wandb.mode=disabled",
         "optim.lr=0.01",
         "optim.schedule=constant",
         "optim.lr_warmup_steps=0",
