@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -39,11 +40,13 @@ class StopAgreement:
         self.stop_at: int | None = None
         self.proposed = False
 
-    def before_step(self, step: int, next_sync: int | None) -> None:
-        """`next_sync`: the first step index >= `step` that communicates (None if none is left)."""
+    def before_step(self, step: int, find_next_sync: Callable[[int], int | None]) -> None:
+        """`find_next_sync(step)`: the first step index >= `step` that communicates (None if none
+        is left); called only once a signal arrived, since it is not free every step."""
         if not _signalled or self.proposed or self.stop_at is not None:
             return
         self.proposed = True
+        next_sync = find_next_sync(step)
         if next_sync is None:
             return  # no sync left: the run ends (with its final checkpoint) before anyone could
         if self.store is None:

@@ -149,8 +149,8 @@ class Trainer:
             self.in_sync = synchronous
         else:
             # drift is measured around averages that bring every replica together (widest level)
-            index = self.averager.step_index
-            measure = self.drift is not None and self.averager.next_sync(index) == index
+            averager = self.averager
+            measure = self.drift is not None and averager.averages_all(averager.step_index)
             if measure:
                 self.drift.before()
             self.averager.step()
@@ -225,7 +225,7 @@ class Trainer:
         every = c.checkpoint_every
         try:
             while self.step < c.max_steps:
-                self.stop.before_step(self.step, self.next_sync(self.step))
+                self.stop.before_step(self.step, self.next_sync)
                 # Summed on device, read at log steps only: `.item()` every step would stall CUDA.
                 loss = self.train_step(self.step)
                 if loss is not None:

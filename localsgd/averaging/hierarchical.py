@@ -112,6 +112,10 @@ class HierarchicalAverager:
                 return i
         return None
 
+    def averages_all(self, step_index: int) -> bool:
+        """Whether the average after step `step_index` is the widest level's."""
+        return self.level_at(step_index) == len(self.levels) - 1
+
     def next_sync(self, step_index: int) -> int:
         """The first step index >= `step_index` after which every rank averages (widest level)."""
         s = max(step_index, self.warmup_steps)

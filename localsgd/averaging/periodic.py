@@ -90,6 +90,10 @@ class PeriodicAverager:
             and step_index - self.last_average >= self.schedule.period_at(step_index)
         )
 
+    def averages_all(self, step_index: int) -> bool:
+        """Whether the average after step `step_index` brings every rank together."""
+        return self.should_average(step_index)
+
     def next_sync(self, step_index: int) -> int:
         """The first step index >= `step_index` after which this averager will average, as the
         schedule stands now (an adaptive one changes only at a sync)."""
