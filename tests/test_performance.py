@@ -130,7 +130,25 @@ def test_benchmark_suite_runs_at_tiny_size(tmp_path):
                     "## 5. Worker memory", "## Not measured here"):  # fmt: skip
         assert heading in text
     rows = [line for line in text.splitlines() if line.startswith("| 2 | 9.7k | 52 |")]
-    assert len(rows) == 1  # the averaging table's one tiny row, every method timed
-    assert len(rows[0].split("|")) == 2 + 4 + 6
+    assert len(rows) == 1  # the fp32 averaging table's one tiny row, every method timed
+    assert len(rows[0].split("|")) == 2 + 4 + 5 and "n/a" not in rows[0]
+    for method in ("gloo-avg", "ours-bf16", "ours-fp16", "torch-hier-world"):
+        assert any(line.startswith(f"| {method} |") for line in text.splitlines())
     for variant in ("k=1", "k=4", "k=16", "k=64", "off"):
         assert any(line.startswith(f"| {variant} |") for line in text.splitlines())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_averaging_benchmark_times_both_hierarchical_levels_at_world_4():
+    from experiments.bench import averaging
+
+    reps = 1
+    (row,) = averaging.run([4], [10_000], reps, timeout_s=100)
+    # The workers checked each hierarchical call averages over its intended group (else they
+    # raise); per level, ours counted the check, the warm-up, the memory reading and the reps.
+    assert row["hier_rounds"] == [reps + 3, reps + 3]
+    assert set(row["max"]) == set(averaging.METHODS)
+    text = "\n".join(averaging.render([row], reps))
+    hier = [line for line in text.splitlines() if line.startswith("| 4 | 9.7k |")]
+    assert len(hier) == 3 and not any("n/a" in line for line in hier)
