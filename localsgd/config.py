@@ -71,6 +71,9 @@ class SyncConfig:
     optimizer_state: str = "local"  # local | average | reset, at each sync
     comm_dtype: str = "float32"  # float32 | bfloat16 | float16
     check_replicas: bool = False  # after each sync, verify replicas are bit-identical (a gather)
+    # launch each average asynchronously and apply it one step later, keeping that step's progress
+    overlap: bool = False
+    bucket_mb: float = 25.0  # overlap: the all-reduce is launched per bucket of this many MiB
 
 
 @dataclass
@@ -293,6 +296,24 @@ OPTIMIZER_STATES = ("local", "average", "reset")
 COMM_DTYPES = ("float32", "bfloat16", "float16")
 
 
+def _validate_overlap(cfg: Any, has_levels: bool) -> None:
+    """Delayed averaging is built for plain periodic averaging only."""
+    bucket = _get(cfg, "sync.bucket_mb")
+    _require(bucket > 0, "sync.bucket_mb", "> 0", bucket)
+    _require(not has_levels, "sync.overlap", "false when sync.levels is set", True)
+    for key, allowed in (
+        ("sync.outer", "none"),
+        ("sync.comm_dtype", "float32"),
+        ("sync.optimizer_state", "local"),
+    ):
+        value = _get(cfg, key)
+        _require(value == allowed, key, f"{allowed} when sync.overlap=true", value)
+    schedule = _get(cfg, "sync.schedule")
+    _require(
+        schedule != "adaptive", "sync.schedule", "constant or step when sync.overlap=true", schedule
+    )
+
+
 def validate_sync(cfg: Any, ws: int | None, local_ws: int | None) -> None:
     """The averaging strategy's keys and their combinations. `ws` None: not known yet."""
     for key, choices in (
@@ -333,6 +354,8 @@ def validate_sync(cfg: Any, ws: int | None, local_ws: int | None) -> None:
         _require(False, "sync.outer_nesterov", "false when sync.outer_momentum is 0", True)
 
     levels = list(_get(cfg, "sync.levels") or [])
+    if _get(cfg, "sync.overlap"):
+        _validate_overlap(cfg, bool(levels))
     if not levels:
         return
     outer = _get(cfg, "sync.outer")

@@ -102,6 +102,8 @@ def build_averager(
             schedule=build_schedule(sync),
             comm_dtype=comm_dtype,
             link=link,
+            overlap=bool(_opt(sync, "overlap", False)),
+            bucket_mb=float(_opt(sync, "bucket_mb", 25.0)),
         )
     mode = _opt(sync, "optimizer_state", "local")
     if mode != "local":

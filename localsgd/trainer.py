@@ -162,6 +162,12 @@ class Trainer:
                 next(self.model.parameters()).view(-1)[0] += 1e-3
         return None if skip else loss.detach()
 
+    @property
+    def merged(self) -> bool:
+        """With sync.overlap: the last step applied an average launched one step earlier (what
+        every rank received is identical; the replicas differ by their last local step)."""
+        return getattr(self.averager, "merged", False)
+
     def next_sync(self, step: int) -> int | None:
         """The first step index >= `step` whose update communicates, or None if none is left."""
         # a global sync: narrower hierarchical levels do not make the replicas identical
@@ -174,6 +180,8 @@ class Trainer:
             # local until the first average), so only they are compared there.
             warm = step < self.cfg.sync.warmup_steps
             tensors = list(self.model.parameters()) if warm else self.averager.flat.buffers
+            if self.merged and not self.in_sync:
+                tensors = self.averager.delayed.averages
             check_replicas(tensors, step, self.info.rank)
         self.stop.after_sync()
 
@@ -232,7 +240,7 @@ class Trainer:
                     self.loss_sum += loss
                     self.loss_count += 1
                 self.step += 1
-                if self.in_sync:
+                if self.in_sync or self.merged:
                     self.after_sync(self.step - 1)
                 if self.step % c.log_every == 0 or self.step == c.max_steps:
                     self.nonfinite.check(self.info.rank)
@@ -253,8 +261,10 @@ class Trainer:
                     last_time, last_step = now, self.step
                     logger.log(record)
                     bar.set_postfix(loss=f"{loss:.4f}", syncs=self.comm.rounds, refresh=False)
-                # The averaged model exists only right after a sync, so evaluation waits for one.
-                if self.step >= self.next_eval and self.in_sync and self.step < c.max_steps:
+                # The averaged model exists only right after a sync, so evaluation waits for one
+                # (with overlap: for a merge, which leaves rank 0 one local step from the average).
+                ready = self.in_sync or self.merged
+                if self.step >= self.next_eval and ready and self.step < c.max_steps:
                     if self.is_main:  # wall time taken before the evaluation, for time-to-accuracy
                         wall = round(time.perf_counter() - start, 3)
                         logger.log({"step": self.step, "wall_time_s": wall, **self.evaluate()})

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from localsgd.averaging.comm import CommStats, SimulatedLink, all_reduce_mean_, supports_avg
 from localsgd.averaging.compress import LowPrecisionMean, comm_dtype_of
 from localsgd.averaging.flat import FlatBuffers, averaged_tensors
+from localsgd.averaging.overlap import DelayedMean
 from localsgd.averaging.schedule import ConstantPeriod
 
 # Called after every average with (process group, its size): e.g. averaging optimizer state.
@@ -31,6 +32,10 @@ class PeriodicAverager:
     loss gets it piggybacked on the sync: one extra float in the flat buffer, fed through
     `observe_loss()`. `comm_dtype` (bfloat16 / float16) communicates in low precision, see
     `localsgd.averaging.compress`.
+
+    `overlap=True` launches each average asynchronously (in `bucket_mb` buckets) and applies it
+    one step later, keeping that step's local progress (see `localsgd.averaging.overlap`); the
+    replicas then never become bit-identical until a blocking `average()`.
     """
 
     def __init__(
@@ -44,11 +49,16 @@ class PeriodicAverager:
         schedule: ConstantPeriod | None = None,
         comm_dtype: str | torch.dtype = torch.float32,
         link: SimulatedLink | None = None,
+        overlap: bool = False,
+        bucket_mb: float = 25.0,
     ):
         if period < 1:
             raise ValueError(f"period must be an integer >= 1, got {period!r}")
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
+        needs_loss = schedule is not None and schedule.needs_loss
+        if overlap and (needs_loss or comm_dtype_of(comm_dtype) != torch.float32):
+            raise ValueError("overlap needs fp32 comm_dtype and a schedule without loss feedback")
         self.schedule = schedule if schedule is not None else ConstantPeriod(period)
         self.warmup_steps = warmup_steps
         self.process_group = process_group
@@ -68,6 +78,17 @@ class PeriodicAverager:
             else None
         )
         self.stats = stats if stats is not None else CommStats()
+        self.delayed: DelayedMean | None = None
+        if overlap:
+            self.delayed = DelayedMean(
+                self.flat.buffers,
+                process_group,
+                self.world_size,
+                self.use_avg,
+                int(bucket_mb * 2**20),
+                link,
+            )
+        self.merged = False  # this step applied a delayed average (overlap only)
         self.level_stats = CommStats()  # the averages alone (`stats` may be shared with warmup)
         self.hooks: list[AverageHook] = []
         self.link = link  # a simulated slow network, or None
@@ -91,16 +112,23 @@ class PeriodicAverager:
         )
 
     def averages_all(self, step_index: int) -> bool:
-        """Whether the average after step `step_index` brings every rank together."""
+        """Whether the average after step `step_index` brings every rank together (with
+        overlap: whether that step merges an average, every rank's, launched a step before)."""
+        if self.delayed is not None:
+            return self.delayed.pending
         return self.should_average(step_index)
 
     def next_sync(self, step_index: int) -> int:
         """The first step index >= `step_index` after which this averager will average, as the
-        schedule stands now (an adaptive one changes only at a sync)."""
+        schedule stands now (an adaptive one changes only at a sync); with overlap, the step
+        that will merge an average, the first at which the ranks wait for each other."""
+        if self.delayed is not None and self.delayed.pending and step_index == self.step_index:
+            return step_index  # this step waits for the average in flight
         s = max(step_index, self.warmup_steps)
         while not self.should_average(s):
             s += 1
-        return s
+        # with overlap the ranks wait for each other only where the average is merged
+        return s + 1 if self.delayed is not None else s
 
     def observe_loss(self, loss: torch.Tensor) -> None:
         """Feed this step's training loss to a schedule that adapts to it (no-op otherwise).
@@ -111,29 +139,49 @@ class PeriodicAverager:
 
     def step(self) -> bool:
         """Call after each optimizer step; averages when the rule says. Returns whether it did."""
+        self.merged = False
+        if self.delayed is not None and self.delayed.pending:
+            self._merge()
         averaged = self.should_average(self.step_index)
-        if averaged:
+        if averaged and self.delayed is not None:
+            before = self.stats.bytes
+            self.delayed.launch(self.flat.buffers, self.stats)
+            self._count_round(before)
+        elif averaged:
             self.average()
+        if averaged:
             self.last_average = self.step_index
-        self.all_in_sync = averaged
+        self.all_in_sync = averaged and self.delayed is None
         self.step_index += 1
         return averaged
+
+    def _merge(self) -> None:
+        self.delayed.merge(self.flat.buffers, self.stats)
+        for hook in self.hooks:
+            hook(self.process_group, self.world_size)
+        self.merged = True
+
+    def _count_round(self, bytes_before: int) -> None:
+        self.stats.rounds += 1
+        self.level_stats.rounds += 1
+        self.level_stats.bytes += self.stats.bytes - bytes_before
 
     def average_parameters(self, params=None) -> None:
         """torch's name for `step()`; the parameters are the module's, fixed at construction."""
         self.step()
 
     def average(self) -> None:
-        """Average now, outside the schedule (e.g. once more before the final evaluation)."""
+        """Average now, outside the schedule (e.g. once more before the final evaluation),
+        blocking; an average still in flight is merged first."""
+        if self.delayed is not None and self.delayed.pending:
+            self._merge()
         if self.loss_slot is not None and self.loss_count > 0:
             self.loss_slot.div_(self.loss_count)  # this worker's mean loss since the last sync
         before = self.stats.bytes
         self._reduce()
         for hook in self.hooks:
             hook(self.process_group, self.world_size)
-        self.stats.rounds += 1
-        self.level_stats.rounds += 1
-        self.level_stats.bytes += self.stats.bytes - before
+        self._count_round(before)
         self.all_in_sync = True
         if self.loss_slot is not None:
             synced = float(self.loss_slot.item()) if self.loss_count > 0 else None
@@ -189,6 +237,8 @@ class PeriodicAverager:
             state["loss_count"] = self.loss_count
         if self.compressor is not None:
             state["compressor"] = self.compressor.state_dict()
+        if self.delayed is not None:
+            state["delayed"] = self.delayed.state_dict()
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -203,6 +253,8 @@ class PeriodicAverager:
             self.last_average = last - (last - w) % k if last >= w else w - k
         if self.compressor is not None and "compressor" in state:
             self.compressor.load_state_dict(state["compressor"])
+        if self.delayed is not None:
+            self.delayed.load_state_dict(state.get("delayed", {}))
         if self.loss_slot is not None and "loss_slot" in state:
             self.loss_slot.copy_(state["loss_slot"])
             self.loss_count = int(state["loss_count"])

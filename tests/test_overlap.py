@@ -1,0 +1,141 @@
+"""sync.overlap: the average launched asynchronously at a sync and merged one step later."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from localsgd.averaging import PeriodicAverager
+from tests.dist_harness import CollectiveCounter, run_distributed
+
+pytestmark = pytest.mark.slow
+
+BUCKET_MB = 64 / 2**20  # 64-byte buckets: the model's 83 floats go out in several all-reduces
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+
+
+def _local_step(model, opt, gen) -> None:
+    x, y = torch.randn(8, 6, generator=gen), torch.randint(0, 3, (8,), generator=gen)
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+
+
+def _flat(model) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _delayed_worker(rank, world_size, period, warmup, steps):
+    """Ours with overlap next to the definition, written out with a blocking all-reduce."""
+    ours_model, ref_model = _model(), _model()
+    ours_opt = torch.optim.SGD(ours_model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.1, momentum=0.9)
+    ours = PeriodicAverager(
+        ours_model, period=period, warmup_steps=warmup, overlap=True, bucket_mb=BUCKET_MB
+    )
+    gen_ours = torch.Generator().manual_seed(100 + rank)  # different data on every rank
+    gen_ref = torch.Generator().manual_seed(100 + rank)
+    pending = None  # the reference's (state at the sync, its average)
+    launched, merged, collectives, max_gap, received = [], [], [], 0.0, []
+    for s in range(steps):
+        _local_step(ours_model, ours_opt, gen_ours)
+        with CollectiveCounter() as counter:
+            launched.append(ours.step())
+        collectives.append(counter.count)
+        merged.append(ours.merged)
+        if ours.merged:
+            received.append(torch.cat([a.clone() for a in ours.delayed.averages]))
+
+        _local_step(ref_model, ref_opt, gen_ref)
+        with torch.no_grad():
+            if pending is not None:  # x <- mean(x_s) + (x_{s+1} - x_s)
+                origin, average = pending
+                for p, o, a in zip(ref_model.parameters(), origin, average, strict=True):
+                    p.sub_(o).add_(a)
+                pending = None
+            if s >= warmup and (s - warmup) % period == 0:
+                origin = [p.detach().clone() for p in ref_model.parameters()]
+                average = [o.div(world_size) for o in origin]
+                for a in average:
+                    dist.all_reduce(a)
+                pending = (origin, average)
+        max_gap = max(max_gap, (_flat(ours_model) - _flat(ref_model)).abs().max().item())
+    before_final = _flat(ours_model)
+    ours.average()  # blocking: merges the one in flight, then averages
+    return {
+        "launched": launched,
+        "merged": merged,
+        "collectives": collectives,
+        "max_gap": max_gap,
+        "received": received,
+        "before_final": before_final,
+        "final": _flat(ours_model),
+        "rounds": ours.stats.rounds,
+        "buckets": len(range(0, ours.flat.numel, max(1, int(BUCKET_MB * 2**20) // 4))),
+    }
+
+
+@pytest.mark.timeout(120)
+def test_overlap_merges_the_average_one_step_late_and_keeps_local_progress():
+    period, warmup, steps = 3, 2, 12
+    results = run_distributed(_delayed_worker, 2, period, warmup, steps)
+    syncs = [s for s in range(steps) if s >= warmup and (s - warmup) % period == 0]
+    for r in results:
+        assert [s for s, x in enumerate(r["launched"]) if x] == syncs  # torch's step rule
+        assert [s for s, x in enumerate(r["merged"]) if x] == [s + 1 for s in syncs if s + 1 < steps]
+        # all-reduces only at a launch, one per bucket; none while the average is in flight
+        expected = [r["buckets"] if s in syncs else 0 for s in range(steps)]
+        assert r["collectives"] == expected and r["buckets"] > 1
+        assert r["max_gap"] == 0.0, "differs from x <- mean(x_s) + (x_{s+1} - x_s)"
+        assert r["rounds"] == len(syncs) + 1
+    # what every rank receives is bit-identical; the replicas differ by their own last step
+    for a, b in zip(results[0]["received"], results[1]["received"], strict=True):
+        assert torch.equal(a, b)
+    assert not torch.equal(results[0]["before_final"], results[1]["before_final"])
+    assert torch.equal(results[0]["final"], results[1]["final"])
+
+
+def _resume_worker(rank, world_size):
+    """A state_dict taken with an average in flight resumes to exactly the same trajectory."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    averager = PeriodicAverager(model, period=2, overlap=True, bucket_mb=BUCKET_MB)
+    gen = torch.Generator().manual_seed(7 + rank)
+    for _ in range(3):  # launches after steps 0 and 2; the second is in flight
+        _local_step(model, opt, gen)
+        averager.step()
+    assert averager.delayed.pending
+    state = averager.state_dict()
+    saved_model = {k: v.clone() for k, v in model.state_dict().items()}
+    saved_gen = gen.get_state()
+
+    twin = _model()
+    twin.load_state_dict(saved_model)
+    twin_opt = torch.optim.SGD(twin.parameters(), lr=0.1)
+    twin_avg = PeriodicAverager(twin, period=2, overlap=True, bucket_mb=BUCKET_MB)
+    twin_avg.load_state_dict(state)
+    twin_gen = torch.Generator().manual_seed(0)
+    twin_gen.set_state(saved_gen)
+    for _ in range(4):
+        _local_step(model, opt, gen)
+        averager.step()
+        _local_step(twin, twin_opt, twin_gen)
+        twin_avg.step()
+    return torch.equal(_flat(model), _flat(twin)), averager.step_index
+
+
+@pytest.mark.timeout(60)
+def test_overlap_state_dict_with_an_average_in_flight_resumes_exactly():
+    for same, step in run_distributed(_resume_worker, 2):
+        assert same and step == 7
+
+
+def test_overlap_refuses_what_it_does_not_support():
+    # refused before anything collective: no process group needed
+    with pytest.raises(ValueError, match="overlap needs fp32"):
+        PeriodicAverager(_model(), period=2, overlap=True, comm_dtype="bfloat16")

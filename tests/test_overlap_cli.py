@@ -1,0 +1,74 @@
+"""sync.overlap from the command line: rounds, drift, evaluation, exact resume, agreed stop."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from tests.reliability_helpers import BASE, cli, same_model
+
+pytestmark = pytest.mark.slow
+
+# BASE: 24 steps, 2 workers, warmup 6. With period 4 the averages launch after steps 6, 10, 14,
+# 18, 22 and merge one step later; the checkpoint at 15 steps holds the one launched at 14.
+OVERLAP = BASE + ["sync.period=4", "sync.overlap=true", "sync.bucket_mb=0.001"]
+
+
+@pytest.fixture(scope="module")
+def overlap_reference(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("overlap") / "run"
+    proc, left = cli(OVERLAP + [f"hydra.run.dir={run_dir}", "sync.check_replicas=true"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not left
+    return run_dir
+
+
+@pytest.mark.timeout(180)
+def test_overlap_from_the_cli_counts_rounds_and_resumes_bit_identical(tmp_path, overlap_reference):
+    summary = json.loads((overlap_reference / "summary.json").read_text())
+    # 6 warmup steps + 5 overlapped averages + the blocking final one (step 23 was local)
+    assert summary["comm_rounds"] == 6 + 5 + 1
+    assert summary["comm_levels"][0]["rounds"] == 5 + 1
+    records = [json.loads(x) for x in (overlap_reference / "metrics.jsonl").read_text().splitlines()]
+    assert any("drift" in r for r in records)  # measured where an average is merged
+    assert any("test_accuracy" in r for r in records[:-1])  # evaluated after a merge
+
+    run_dir = tmp_path / "run"
+    proc, _ = cli(OVERLAP + [f"hydra.run.dir={run_dir}"], fault="kill:0:17")
+    assert proc.returncode == 1 and "worker rank 0 died" in proc.stderr, proc.stderr[-2000:]
+    proc, _ = cli(OVERLAP + [f"hydra.run.dir={run_dir}"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.search(r"resuming from \S*step-15", proc.stderr), proc.stderr[-2000:]
+    assert same_model(run_dir / "model.pt", overlap_reference / "model.pt")
+
+
+@pytest.mark.timeout(180)
+def test_overlap_sigterm_stops_where_the_average_is_merged(tmp_path, overlap_reference):
+    run_dir = tmp_path / "run"
+    proc, left = cli(OVERLAP + [f"hydra.run.dir={run_dir}"], fault="sigterm:1:8")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    stopped = re.search(r"SIGTERM: stopped after step (\d+)", proc.stderr)
+    # launches after step indices 10, 14, 18, 22 merge one step later: 12, 16 or 20 steps done
+    assert stopped and int(stopped[1]) in (12, 16, 20), proc.stderr[-2000:]
+    assert not left and not (run_dir / "summary.json").exists()
+    proc, _ = cli(OVERLAP + [f"hydra.run.dir={run_dir}"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert same_model(run_dir / "model.pt", overlap_reference / "model.pt")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("sync.outer=diloco", "sync.outer must be none when sync.overlap=true, got 'diloco'"),
+        ("sync.comm_dtype=bfloat16", "sync.comm_dtype must be float32 when sync.overlap=true"),
+        ("sync.schedule=adaptive", "sync.schedule must be constant or step when sync.overlap"),
+        ("sync.bucket_mb=0", "sync.bucket_mb must be > 0, got 0"),
+    ],
+)
+def test_overlap_bad_combinations_are_one_line_errors(tmp_path, override, message):
+    proc, _ = cli(["sync.overlap=true", override, f"hydra.run.dir={tmp_path}"], timeout=60)
+    assert proc.returncode == 2
+    assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
