@@ -87,7 +87,8 @@ def test_overlap_merges_the_average_one_step_late_and_keeps_local_progress():
     syncs = [s for s in range(steps) if s >= warmup and (s - warmup) % period == 0]
     for r in results:
         assert [s for s, x in enumerate(r["launched"]) if x] == syncs  # torch's step rule
-        assert [s for s, x in enumerate(r["merged"]) if x] == [s + 1 for s in syncs if s + 1 < steps]
+        merges = [s + 1 for s in syncs if s + 1 < steps]
+        assert [s for s, x in enumerate(r["merged"]) if x] == merges
         # all-reduces only at a launch, one per bucket; none while the average is in flight
         expected = [r["buckets"] if s in syncs else 0 for s in range(steps)]
         assert r["collectives"] == expected and r["buckets"] > 1

@@ -31,7 +31,8 @@ def test_overlap_from_the_cli_counts_rounds_and_resumes_bit_identical(tmp_path, 
     # 6 warmup steps + 5 overlapped averages + the blocking final one (step 23 was local)
     assert summary["comm_rounds"] == 6 + 5 + 1
     assert summary["comm_levels"][0]["rounds"] == 5 + 1
-    records = [json.loads(x) for x in (overlap_reference / "metrics.jsonl").read_text().splitlines()]
+    lines = (overlap_reference / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(x) for x in lines]
     assert any("drift" in r for r in records)  # measured where an average is merged
     assert any("test_accuracy" in r for r in records[:-1])  # evaluated after a merge
 
