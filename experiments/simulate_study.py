@@ -1,7 +1,9 @@
 """Time to target accuracy on MNIST-1D over a simulated 10 Gbit/s and 100 Mbit/s network.
 
 Each run is `python -m localsgd.train` (4 CPU workers, the MLP) with `comm.simulate` set, so every
-collective lasts at least `latency + bytes / bandwidth`; the runs differ only in the link and k.
+collective lasts at least `latency + bytes / bandwidth`; the runs differ only in the link and the
+strategy: local SGD with k = 1, 16, 64, k = 16 with `sync.overlap`, and DiLoCo
+(`+experiment=diloco`: H = 50, inner AdamW, outer Nesterov).
 The wall clock of each evaluation (taken before it, in metrics.jsonl) gives accuracy against
 time. Writes experiments/simulate_study.{md,json,png}.
 
@@ -24,10 +26,16 @@ LINKS = {  # name: (bandwidth_gbps, latency_ms)
     "10 Gbit/s, 0.1 ms": (10.0, 0.1),
     "100 Mbit/s, 10 ms": (0.1, 10.0),
 }
-PERIODS = (1, 16, 64)
+VARIANTS = {  # name: overrides
+    "k=1": ["sync.period=1"],
+    "k=16": ["sync.period=16"],
+    "k=64": ["sync.period=64"],
+    "k=16 overlap": ["sync.period=16", "sync.overlap=true"],
+    "DiLoCo H=50": ["+experiment=diloco"],
+}
 
 
-def run_one(bandwidth: float, latency: float, k: int, args, run_dir: str) -> dict:
+def run_one(bandwidth: float, latency: float, variant: str, args, run_dir: str) -> dict:
     overrides = [
         "data=mnist1d",
         "model=mlp",
@@ -35,7 +43,7 @@ def run_one(bandwidth: float, latency: float, k: int, args, run_dir: str) -> dic
         f"trainer.max_steps={args.steps}",
         f"trainer.eval_every={args.eval_every}",
         "trainer.progress=false",
-        f"sync.period={k}",
+        *VARIANTS[variant],
         "sync.warmup_steps=0",
         f"comm.simulate.bandwidth_gbps={bandwidth}",
         f"comm.simulate.latency_ms={latency}",
@@ -53,9 +61,9 @@ def run_one(bandwidth: float, latency: float, k: int, args, run_dir: str) -> dic
         if proc.returncode == 0:
             break
         error = proc.stderr.strip().splitlines()[-1:] or ["no output"]
-        print(f"run k={k} at {bandwidth} Gbit/s, attempt {attempt}, failed: {error[0]}", flush=True)
+        print(f"run {variant} at {bandwidth} Gbit/s, try {attempt}, failed: {error[0]}", flush=True)
         if attempt == 2:
-            raise SystemExit(f"run k={k} at {bandwidth} Gbit/s failed twice")
+            raise SystemExit(f"run {variant} at {bandwidth} Gbit/s failed twice")
         run_dir += "-retry"  # a fresh directory: the CLI refuses to reuse a finished one
     with open(os.path.join(run_dir, "summary.json")) as f:
         summary = json.load(f)
@@ -78,11 +86,13 @@ def render(results: dict, args, command: str) -> str:
         f"- command: `{command}`",
         f"- date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
         f"- job: MNIST-1D, MLP [256, 256], {args.workers} CPU workers on one machine, "
-        f"{args.steps} steps, batch 32/worker, SGD momentum 0.9, cosine LR 0.1, evaluation every "
-        f"{args.eval_every} steps (at the next sync), seed {args.seed}",
+        f"{args.steps} steps, batch 32/worker, SGD momentum 0.9, cosine LR 0.1 (DiLoCo: inner "
+        f"AdamW lr 0.003, weight decay 0.1), evaluation every {args.eval_every} steps (at the next "
+        f"sync; with overlap, the next merge), seed {args.seed}",
         f"- target test accuracy: {args.target}",
         "",
-        "| link | k | time to target s | final accuracy | wall s | comm s (rank 0) | rounds |",
+        "| link | strategy | time to target s | final accuracy | wall s | comm s (rank 0) "
+        "| rounds |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for link, runs in results.items():
@@ -107,7 +117,7 @@ def plot(results: dict, target: float, path: str) -> None:
     for ax, (link, runs) in zip(axes, results.items(), strict=True):
         for k, run in runs.items():
             ts, accs = zip(*run["curve"], strict=True)
-            ax.plot(ts, accs, marker=".", label=f"k={k}")
+            ax.plot(ts, accs, marker=".", label=k)
         ax.axhline(target, color="grey", linestyle="--", linewidth=1)
         ax.set_title(link)
         ax.set_xlabel("wall time (s)")
@@ -144,11 +154,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for link, (bandwidth, latency) in LINKS.items():
             results[link] = {}
-            for k in PERIODS:
-                run_dir = os.path.join(tmp, f"{bandwidth}-{k}")
+            for i, k in enumerate(VARIANTS):
+                run_dir = os.path.join(tmp, f"{bandwidth}-{i}")
                 results[link][k] = run_one(bandwidth, latency, k, args, run_dir)
                 s = results[link][k]["summary"]
-                print(f"{link} k={k}: acc {s['test_accuracy']:.3f} in {s['wall_time_s']} s",
+                print(f"{link} {k}: acc {s['test_accuracy']:.3f} in {s['wall_time_s']} s",
                       flush=True)  # fmt: skip
     if args.tiny:
         print(render(results, args, command), end="")

@@ -5,8 +5,9 @@
 
 All figures are ratios of things measured side by side in the same processes, interleaved over
 repetitions; absolute times are context only (the machine may be shared). Items:
-1-2 averaging cost and low-precision all-reduce (averaging.py), 3 trainer throughput vs k,
-4 framework overhead, 5 memory (training.py). Item 6 (sync.overlap) is not implemented.
+1-2 averaging cost, low-precision and hierarchical averaging (averaging.py), 3 trainer throughput
+vs k, with and without `sync.overlap` (item 6), 4 framework overhead, 5 memory (training.py).
+Item 6's accuracy effect is measured by experiments/overlap_study.py (training runs).
 """
 
 from __future__ import annotations
@@ -49,14 +50,15 @@ TINY = {
 
 NOT_MEASURED = """## Not measured here
 
-- CUDA/NCCL: this machine has no GPU. On NCCL the averager uses `ReduceOp.AVG` in one call (no
-  division pass, no buckets); none of that path's timings are in this file.
-- The hierarchical averager and compressed (bf16/fp16) averaging as a strategy: not on main when
-  this suite was written; item 2 gives the limit such a strategy approaches, a raw all-reduce of a
-  persistent low-precision buffer (on gloo the reduction of bf16/fp16 runs in software).
+- CUDA/NCCL: this machine has no GPU. On NCCL the averager uses `ReduceOp.AVG` (no division
+  pass), bf16/fp16 are reduced on the GPU, and `sync.overlap` runs its all-reduces on NCCL's own
+  stream; none of those timings are in this file.
+- Compressed and hierarchical averaging are measured on gloo only; the hierarchical levels at world
+  4 only (pairs every step, all 4 every 2nd step), on one machine, so there is no slow inter-node
+  link for the narrow level to avoid.
 - accelerate's LocalSGD: accelerate is not installed.
-- Item 6, `sync.overlap` (an all-reduce in flight while the next steps compute, applied one step
-  later): not implemented; see the README's Performance section.
+- `sync.overlap`'s effect on accuracy, and on a network that is not the training's own CPU:
+  experiments/overlap_study.md.
 """
 
 
