@@ -103,7 +103,7 @@ def plot(results: dict, path: str) -> None:
     for row in results["rows"]:
         runs = row["runs"]
         short = "loopback" if row["link"].startswith("loopback") else "20 ms link"
-        labels.append(f"{short}\nk={row['k']} {row['mode']}")
+        labels.append(f"{short}\nk={row['k']}\n{row['mode']}")
         values = [r["test_accuracy"] for r in runs]
         acc.append(statistics.mean(values))
         acc_sd.append(statistics.stdev(values) if len(values) > 1 else 0.0)

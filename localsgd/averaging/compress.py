@@ -72,12 +72,9 @@ class LowPrecisionMean:
         stats: CommStats | None,
     ) -> None:
         for flat, anchor, low in zip(buffers, self.anchors[level], self.low, strict=True):
-            # The change since this group's last sync (small, so bf16 suffices), rounded to the
-            # low precision by the subtraction itself, and widened back by the addition: two
-            # passes fewer than subtracting, copying, copying back and adding.
-            torch.sub(flat, anchor, out=low)
-            all_reduce_mean_(low, group, world_size, use_avg, stats)
-            torch.add(anchor, low, out=flat)
+            flat.sub_(anchor)  # the change since this group's last sync: small, so bf16 suffices
+            all_reduce_mean_through_(flat, low, group, world_size, use_avg, stats)
+            flat.add_(anchor)
         for anchors in self.anchors[: level + 1]:
             for anchor, flat in zip(anchors, buffers, strict=True):
                 anchor.copy_(flat)
