@@ -289,6 +289,7 @@ class Trainer:
                 self.averager.average()  # the final model is the average of the replicas
                 self.in_sync = True
             wall = time.perf_counter() - start
+            self.loop_seconds = wall  # this rank's training loop (benchmarks take the slowest)
             if not self.is_main:
                 failed = False
                 return None
