@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Callable
 
 import torch
@@ -165,3 +166,8 @@ class Fault:
             os.kill(os.getpid(), signal.SIGKILL)
         if self.fires("sigterm", step):  # as SLURM would: to the launcher, which forwards it
             os.kill(os.getppid(), signal.SIGTERM)
+            # Wait for the forwarded signal, so that where the ranks stop does not depend on how
+            # fast the launcher relays it (a tiny job can otherwise end first).
+            deadline = time.monotonic() + 10.0
+            while not _signalled and time.monotonic() < deadline:
+                time.sleep(0.001)
