@@ -172,9 +172,9 @@ class PeriodicAverager:
 
     def average(self) -> None:
         """Average now, outside the schedule (e.g. once more before the final evaluation),
-        blocking; an average still in flight is merged first."""
+        blocking; an average still in flight is merged first (the hooks run once, after)."""
         if self.delayed is not None and self.delayed.pending:
-            self._merge()
+            self.delayed.merge(self.flat.buffers, self.stats)
         if self.loss_slot is not None and self.loss_count > 0:
             self.loss_slot.div_(self.loss_count)  # this worker's mean loss since the last sync
         before = self.stats.bytes
