@@ -140,35 +140,28 @@ def verify(folder: str, world_size: int | None = None) -> dict:
     return marker
 
 
-# Settings that shape the trajectory: resuming with any of them changed would not continue the
-# same run (or would not even load). max_steps may change (a run extended), as may logging,
-# checkpointing, timeouts and the resume setting itself.
-TRAJECTORY_KEYS = (
-    "seed",
-    "data",
-    "model",
-    "optim",
-    "sync.period",
-    "sync.warmup_steps",
-    "sync.levels",
-    "sync.schedule",
-    "sync.period_factor",
-    "sync.period_milestones",
-    "sync.min_period",
-    "sync.max_period",
-    "sync.adaptive_tolerance",
-    "sync.outer",
-    "sync.outer_lr",
-    "sync.outer_momentum",
-    "sync.outer_nesterov",
-    "sync.optimizer_state",
-    "sync.comm_dtype",
-    "comm.disabled",
-    "trainer.batch_size",
+# The settings a resume may change: they do not touch the trajectory (a run extended, how it is
+# logged, checkpointed, timed out or shown, a simulated network). Every other setting shapes the
+# trajectory, so a resume with it changed is refused: new settings are safe by default.
+RESUME_MAY_CHANGE = (
+    "trainer.max_steps",
+    "trainer.max_epochs",
+    "trainer.eval_every",
+    "trainer.eval_batch_size",
+    "trainer.log_every",
+    "trainer.progress",
+    "trainer.track_drift",
+    "trainer.checkpoint_every",
+    "trainer.keep_checkpoints",
+    "trainer.resume",
+    "dist.timeout_s",
+    "sync.check_replicas",
+    "comm.simulate",
+    "logger",
 )
 
 
-def _flatten(node: Any, prefix: str) -> dict[str, Any]:
+def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
     if isinstance(node, dict):
         out = {}
         for k, v in node.items():
@@ -177,20 +170,20 @@ def _flatten(node: Any, prefix: str) -> dict[str, Any]:
     return {prefix: node}
 
 
+def _may_change(key: str) -> bool:
+    return any(key == k or key.startswith(k + ".") for k in RESUME_MAY_CHANGE)
+
+
 def config_mismatch(marker: dict, config: dict) -> str | None:
-    """The first trajectory setting that differs between a checkpoint and `config` (plain
-    dicts), as "key: checkpoint value -> this run's value", or None."""
+    """The first setting outside `RESUME_MAY_CHANGE` that differs between a checkpoint and
+    `config` (plain dicts), as "key: checkpoint value, this run's value", or None."""
     saved = marker.get("config")
     if saved is None:
         return None
-    for key in TRAJECTORY_KEYS:
-        old, new = saved, config
-        for part in key.split("."):
-            old, new = old.get(part), new.get(part)
-        old_flat, new_flat = _flatten(old, key), _flatten(new, key)
-        for k in sorted(set(old_flat) | set(new_flat)):
-            if old_flat.get(k) != new_flat.get(k):
-                return f"{k}: {old_flat.get(k)!r} in the checkpoint, {new_flat.get(k)!r} now"
+    old_flat, new_flat = _flatten(saved), _flatten(config)
+    for k in sorted(set(old_flat) | set(new_flat)):
+        if not _may_change(k) and old_flat.get(k) != new_flat.get(k):
+            return f"{k}: {old_flat.get(k)!r} in the checkpoint, {new_flat.get(k)!r} now"
     return None
 
 

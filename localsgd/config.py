@@ -379,18 +379,20 @@ def validate_sync(cfg: Any, ws: int | None, local_ws: int | None) -> None:
             _require(
                 ws % size == 0, f"sync.levels[{i}].group_size", f"a divisor of {ws} workers", size
             )
+    # torch's rule, nothing stricter: the last listed level whose period divides the step wins
     for i in range(1, len(levels)):
         _require(
-            periods[i] > periods[i - 1],
+            periods[i] not in periods[:i],
             f"sync.levels[{i}].period",
-            f"greater than the narrower level's period {periods[i - 1]}",
+            f"different from the other levels' periods {periods[:i]}",
             periods[i],
         )
-        if sizes[i] is not None and sizes[i - 1] is not None:
+        grows = sizes[i] is None or sizes[i - 1] is None or sizes[i] >= sizes[i - 1]
+        if _get(cfg, "sync.comm_dtype") != "float32":
             _require(
-                sizes[i] > sizes[i - 1] and sizes[i] % sizes[i - 1] == 0,
+                grows,
                 f"sync.levels[{i}].group_size",
-                f"a multiple of the narrower level's group size {sizes[i - 1]}, and larger",
+                f">= the previous level's {sizes[i - 1]} with sync.comm_dtype other than float32",
                 sizes[i],
             )
     if ws is not None:

@@ -15,6 +15,7 @@ import torch
 from localsgd.averaging import (
     OUTER_DEFAULTS,
     AdaptivePeriod,
+    Averager,
     CommStats,
     ConstantPeriod,
     HierarchicalAverager,
@@ -64,9 +65,9 @@ def build_averager(
     local_world_size: int,
     stats: CommStats,
     link: SimulatedLink | None = None,
-):
-    """The averager the `sync` config asks for, its optimizer-state hook attached. A simulated
-    slow `link` applies to plain and outer-optimizer averaging (not yet to hierarchical levels)."""
+) -> Averager:
+    """The averager the `sync` config asks for, its optimizer-state hook attached; a simulated
+    slow `link` applies to every collective it makes."""
     comm_dtype = _opt(sync, "comm_dtype", "float32")
     levels = list(_opt(sync, "levels", []))
     outer = _opt(sync, "outer", "none")
@@ -77,14 +78,14 @@ def build_averager(
             for lv in levels
         }
         averager = HierarchicalAverager(
-            model, sizes, sync.warmup_steps, stats=stats, comm_dtype=comm_dtype
+            sizes, sync.warmup_steps, module=model, stats=stats, comm_dtype=comm_dtype, link=link
         )
     elif outer != "none":
         defaults = OUTER_DEFAULTS[outer]
         averager = OuterAverager(
-            model,
             sync.period,
             sync.warmup_steps,
+            module=model,
             stats=stats,
             outer_lr=_opt(sync, "outer_lr", defaults["lr"]),
             outer_momentum=_opt(sync, "outer_momentum", defaults["momentum"]),
@@ -95,9 +96,9 @@ def build_averager(
         )
     else:
         averager = PeriodicAverager(
-            model,
             sync.period,
             sync.warmup_steps,
+            module=model,
             stats=stats,
             schedule=build_schedule(sync),
             comm_dtype=comm_dtype,
@@ -107,5 +108,5 @@ def build_averager(
         )
     mode = _opt(sync, "optimizer_state", "local")
     if mode != "local":
-        averager.hooks.append(OptimizerStateSync(optimizer, mode, stats))
+        averager.hooks.append(OptimizerStateSync(optimizer, mode))
     return averager

@@ -150,10 +150,10 @@ class Trainer:
         else:
             # drift is measured around averages that bring every replica together (widest level)
             averager = self.averager
-            measure = self.drift is not None and averager.averages_all(averager.step_index)
+            measure = self.drift is not None and averager.averages_all(averager.step)
             if measure:
                 self.drift.before()
-            self.averager.step()
+            averager.maybe_average()
             if measure:
                 self.drift.after()
             self.in_sync = synchronous or self.averager.all_in_sync
@@ -166,7 +166,7 @@ class Trainer:
     def merged(self) -> bool:
         """With sync.overlap: the last step applied an average launched one step earlier (what
         every rank received is identical; the replicas differ by their last local step)."""
-        return getattr(self.averager, "merged", False)
+        return self.averager.merged
 
     def next_sync(self, step: int) -> int | None:
         """The first step index >= `step` whose update communicates, or None if none is left."""
@@ -179,9 +179,7 @@ class Trainer:
             # In the warmup only the parameters are kept identical (BatchNorm statistics stay
             # local until the first average), so only they are compared there.
             warm = step < self.cfg.sync.warmup_steps
-            tensors = list(self.model.parameters()) if warm else self.averager.flat.buffers
-            if self.merged and not self.in_sync:
-                tensors = self.averager.delayed.averages
+            tensors = list(self.model.parameters()) if warm else self.averager.common_tensors()
             check_replicas(tensors, step, self.info.rank)
         self.stop.after_sync()
 

@@ -35,7 +35,7 @@ def _parity_worker(rank, world_size, period, warmup, steps):
     ours_model, torch_model = _model(), _model()
     ours_opt = torch.optim.SGD(ours_model.parameters(), lr=0.1, momentum=0.9)
     torch_opt = torch.optim.SGD(torch_model.parameters(), lr=0.1, momentum=0.9)
-    ours = PeriodicAverager(ours_model, period=period, warmup_steps=warmup)
+    ours = PeriodicAverager(period, warmup, module=ours_model)
     with warnings.catch_warnings():  # torch discourages period=1, which we test on purpose
         warnings.simplefilter("ignore")
         reference = PeriodicModelAverager(period=period, warmup_steps=warmup)
@@ -45,7 +45,7 @@ def _parity_worker(rank, world_size, period, warmup, steps):
         x, y = _batch(gen)
         _sgd_step(ours_model, ours_opt, x, y)
         _sgd_step(torch_model, torch_opt, x, y)
-        decisions.append(ours.step())
+        decisions.append(ours.maybe_average())
         reference.average_parameters(torch_model.parameters())
     state = ours.state_dict()
     assert state["step"] == reference.step == steps
@@ -82,13 +82,13 @@ def _k1_worker(rank, world_size, steps):
     local_model, sync_model = _model(), _model()
     local_opt = torch.optim.SGD(local_model.parameters(), lr=0.2)
     sync_opt = torch.optim.SGD(sync_model.parameters(), lr=0.2)
-    averager = PeriodicAverager(local_model, period=1)
+    averager = PeriodicAverager(1, module=local_model)
     grads = GradientAverager(sync_model, stats=CommStats())
     gen = torch.Generator().manual_seed(7 + rank)
     for _ in range(steps):
         x, y = _batch(gen)
         _sgd_step(local_model, local_opt, x, y)
-        averager.step()
+        averager.maybe_average()
         sync_opt.zero_grad()  # set_to_none=True: the averager must still see the new gradients
         torch.nn.functional.cross_entropy(sync_model(x), y).backward()
         grads.all_reduce()
@@ -113,13 +113,13 @@ def _views_worker(rank, world_size):
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
     params = list(model.parameters())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    averager = PeriodicAverager(model, period=1)
+    averager = PeriodicAverager(1, module=model)
     assert [id(p) for p in model.parameters()] == [id(p) for p in params]
     assert averager.flat.is_bound() and len(averager.flat.buffers) == 1
     model(torch.randn(8, 4) + rank).sum().backward()
     opt.step()
     ptrs = [b.data_ptr() for b in averager.flat.buffers]
-    averager.step()
+    averager.maybe_average()
     assert [b.data_ptr() for b in averager.flat.buffers] == ptrs  # in place, nothing reallocated
     assert averager.flat.is_bound()
     bn = model[1]
@@ -140,12 +140,13 @@ def test_parameters_and_float_buffers_become_views_averaged_in_place():
 
 def _state_worker(rank, world_size):
     model = _model()
-    a = PeriodicAverager(model, period=4, warmup_steps=3)
+    a = PeriodicAverager(4, 3, module=model)
     for _ in range(6):
-        a.step()
-    b = PeriodicAverager(copy.deepcopy(model), period=4, warmup_steps=3)
+        a.maybe_average()
+    b = PeriodicAverager(4, 3, module=copy.deepcopy(model))
     b.load_state_dict(a.state_dict())
-    return [a.step() for _ in range(5)] == [b.step() for _ in range(5)], dist.get_world_size()
+    same = [a.maybe_average() for _ in range(5)] == [b.maybe_average() for _ in range(5)]
+    return same, dist.get_world_size()
 
 
 @pytest.mark.timeout(60)
@@ -155,6 +156,6 @@ def test_state_dict_keeps_the_step():
 
 def test_rejects_bad_period_and_warmup():
     with pytest.raises(ValueError, match="period"):
-        PeriodicAverager(_model(), period=0)
+        PeriodicAverager(0, module=_model())
     with pytest.raises(ValueError, match="warmup_steps"):
-        PeriodicAverager(_model(), period=2, warmup_steps=-1)
+        PeriodicAverager(2, -1, module=_model())

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from localsgd import checkpoint
+from tests.conftest import compose_config
 from tests.reliability_helpers import BASE, cli, same_model, train_records
 
 
@@ -149,3 +150,26 @@ def test_auto_resume_never_overwrites_a_run_whose_checkpoints_are_all_broken(tmp
     assert resolve_resume(cfg, 2, str(tmp_path), quiet=True) == good
     with pytest.raises(ConfigError, match="^trainer.resume=auto found no usable checkpoint"):
         resolve_resume(cfg, 4, str(tmp_path), quiet=True)  # written by 2 workers, now 4
+
+
+@pytest.mark.parametrize(
+    "override,refused",
+    [
+        ("sync.overlap=true", "sync.overlap"),
+        ("sync.bucket_mb=4", "sync.bucket_mb"),
+        ("sync.comm_dtype=bfloat16", "sync.comm_dtype"),
+        ("model.dropout=0.1", "model.dropout"),
+        ("data.partition=by_class", "data.partition"),
+        ("trainer.max_steps=5000", None),
+        ("comm.simulate.latency_ms=100", None),
+        ("logger.wandb.mode=disabled", None),
+        ("trainer.checkpoint_every=7", None),
+    ],
+)
+def test_resume_refuses_every_setting_outside_the_allowed_list(override, refused):
+    saved = {"config": compose_config([])}
+    diff = checkpoint.config_mismatch(saved, compose_config([override]))
+    if refused is None:
+        assert diff is None
+    else:
+        assert diff is not None and diff.startswith(f"{refused}: ")

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 def _drift_worker(rank, world_size):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
-    averager = PeriodicAverager(model, period=1)
+    averager = PeriodicAverager(1, module=model)
     meter = DriftMeter(averager.flat.buffers)
     scratch_ptrs = [s.data_ptr() for s in meter.scratch]
     # Replica r = the shared start + r * 1.5 * e (a unit vector): distances to the average differ
@@ -28,7 +28,7 @@ def _drift_worker(rank, world_size):
         with torch.no_grad():
             flat.add_(direction * 1.5 * rank)
         meter.before()
-        averager.step()
+        averager.maybe_average()
         meter.after()
         drifts.append(meter.take())
     return {

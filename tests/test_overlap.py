@@ -36,7 +36,7 @@ def _delayed_worker(rank, world_size, period, warmup, steps):
     ours_opt = torch.optim.SGD(ours_model.parameters(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.1, momentum=0.9)
     ours = PeriodicAverager(
-        ours_model, period=period, warmup_steps=warmup, overlap=True, bucket_mb=BUCKET_MB
+        period, warmup, module=ours_model, overlap=True, bucket_mb=BUCKET_MB
     )
     gen_ours = torch.Generator().manual_seed(100 + rank)  # different data on every rank
     gen_ref = torch.Generator().manual_seed(100 + rank)
@@ -45,11 +45,11 @@ def _delayed_worker(rank, world_size, period, warmup, steps):
     for s in range(steps):
         _local_step(ours_model, ours_opt, gen_ours)
         with CollectiveCounter() as counter:
-            launched.append(ours.step())
+            launched.append(ours.maybe_average())
         collectives.append(counter.count)
         merged.append(ours.merged)
         if ours.merged:
-            received.append(torch.cat([a.clone() for a in ours.delayed.averages]))
+            received.append(torch.cat([a.clone() for a in ours.reducer.averages]))
 
         _local_step(ref_model, ref_opt, gen_ref)
         with torch.no_grad():
@@ -105,12 +105,12 @@ def _resume_worker(rank, world_size):
     """A state_dict taken with an average in flight resumes to exactly the same trajectory."""
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    averager = PeriodicAverager(model, period=2, overlap=True, bucket_mb=BUCKET_MB)
+    averager = PeriodicAverager(2, module=model, overlap=True, bucket_mb=BUCKET_MB)
     gen = torch.Generator().manual_seed(7 + rank)
     for _ in range(3):  # launches after steps 0 and 2; the second is in flight
         _local_step(model, opt, gen)
-        averager.step()
-    assert averager.delayed.pending
+        averager.maybe_average()
+    assert averager.reducer.pending
     state = averager.state_dict()
     saved_model = {k: v.clone() for k, v in model.state_dict().items()}
     saved_gen = gen.get_state()
@@ -118,16 +118,16 @@ def _resume_worker(rank, world_size):
     twin = _model()
     twin.load_state_dict(saved_model)
     twin_opt = torch.optim.SGD(twin.parameters(), lr=0.1)
-    twin_avg = PeriodicAverager(twin, period=2, overlap=True, bucket_mb=BUCKET_MB)
+    twin_avg = PeriodicAverager(2, module=twin, overlap=True, bucket_mb=BUCKET_MB)
     twin_avg.load_state_dict(state)
     twin_gen = torch.Generator().manual_seed(0)
     twin_gen.set_state(saved_gen)
     for _ in range(4):
         _local_step(model, opt, gen)
-        averager.step()
+        averager.maybe_average()
         _local_step(twin, twin_opt, twin_gen)
-        twin_avg.step()
-    return torch.equal(_flat(model), _flat(twin)), averager.step_index
+        twin_avg.maybe_average()
+    return torch.equal(_flat(model), _flat(twin)), averager.step
 
 
 @pytest.mark.timeout(60)
@@ -139,4 +139,4 @@ def test_overlap_state_dict_with_an_average_in_flight_resumes_exactly():
 def test_overlap_refuses_what_it_does_not_support():
     # refused before anything collective: no process group needed
     with pytest.raises(ValueError, match="overlap needs fp32"):
-        PeriodicAverager(_model(), period=2, overlap=True, comm_dtype="bfloat16")
+        PeriodicAverager(2, module=_model(), overlap=True, comm_dtype="bfloat16")

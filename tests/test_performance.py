@@ -12,7 +12,17 @@ import time
 import pytest
 import torch
 
-from localsgd.averaging import CommStats, PeriodicAverager, SimulatedLink, all_reduce_mean_
+from localsgd.averaging import (
+    AdaptivePeriod,
+    CommStats,
+    Communicator,
+    GradientAverager,
+    HierarchicalAverager,
+    OptimizerStateSync,
+    OuterAverager,
+    PeriodicAverager,
+    SimulatedLink,
+)
 from localsgd.config import ConfigError, validate
 from localsgd.launch import WorkerInfo
 from localsgd.trainer import Trainer
@@ -49,14 +59,14 @@ def _simulated_worker(rank, world_size, bandwidth_gbps, latency_ms):
     flat = torch.full((250_000,), float(rank + 1))  # 1 MB
     real = torch.full((250_000,), float(rank + 1))
     stats = CommStats()
-    all_reduce_mean_(real, None, world_size, False)
+    Communicator().mean_(real)
     start = time.perf_counter()
-    all_reduce_mean_(flat, None, world_size, False, stats, link=link)
+    Communicator(None, stats, link).mean_(flat)
     simulated_s = time.perf_counter() - start
     model = torch.nn.Linear(100, 100)
-    averager = PeriodicAverager(model, period=1, link=link)
+    averager = PeriodicAverager(1, module=model, link=link)
     start = time.perf_counter()
-    averager.step()
+    averager.maybe_average()
     averager_s = time.perf_counter() - start
     return {
         "simulated_s": simulated_s,
@@ -78,6 +88,80 @@ def test_simulated_link_makes_each_collective_last_at_least_its_time():
         assert r["stats_s"] >= expected  # the counters see the simulated time
         model_time = SimulatedLink(bandwidth_gbps, latency_ms).seconds(r["model_bytes"])
         assert r["averager_s"] >= model_time
+
+
+LATENCY_S = 0.1
+
+
+def _strategy(name: str, link: SimulatedLink, world_size: int):
+    """(a model, a call that makes one average of this strategy, its collectives are blocking)"""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8))
+    if name == "gradients":  # the post-local SGD warmup's gradient averaging
+        grads = GradientAverager(model, link=link)
+        model(torch.randn(4, 8)).sum().backward()
+        return grads.all_reduce
+    if name == "hierarchical":
+        averager = HierarchicalAverager({1: 1, 2: world_size}, module=model, link=link)
+        averager.step = 2  # the world level
+    elif name == "diloco":
+        averager = OuterAverager(1, module=model, link=link)
+    elif name == "optimizer_state":
+        averager = PeriodicAverager(1, module=model, link=link)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()  # momentum buffers now exist, so the hook averages them: a 2nd collective
+        averager.hooks.append(OptimizerStateSync(opt, "average"))
+    else:
+        averager = PeriodicAverager(
+            1,
+            module=model,
+            link=link,
+            comm_dtype="bfloat16" if name == "bf16" else "float32",
+            overlap=name == "overlap",
+            schedule=AdaptivePeriod(1) if name == "adaptive" else None,
+        )
+    if name == "overlap":  # launched at one step, merged at the next: that is one average
+        return lambda: (averager.maybe_average(), averager.maybe_average())
+    return averager.maybe_average
+
+
+STRATEGIES = [
+    "periodic",
+    "bf16",
+    "adaptive",
+    "hierarchical",
+    "diloco",
+    "optimizer_state",
+    "overlap",
+    "gradients",
+]
+
+
+def _link_worker(rank, world_size):
+    link = SimulatedLink(latency_ms=LATENCY_S * 1e3)
+    out = {}
+    for name in STRATEGIES:
+        average = _strategy(name, link, world_size)
+        with CollectiveCounter() as counter:
+            start = time.perf_counter()
+            average()
+            elapsed = time.perf_counter() - start
+        out[name] = (counter.count, elapsed)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_every_strategy_communicates_through_the_simulated_link():
+    """Each strategy's collectives all go through the one Communicator, so each lasts at least
+    the link's latency: the time of one average >= (its number of collectives) x latency (the
+    overlap's bucketed all-reduces are one launch, which lasts at least one latency)."""
+    for result in run_distributed(_link_worker, 2):
+        for name, (collectives, elapsed) in result.items():
+            assert collectives >= 1, name
+            blocking = 1 if name == "overlap" else collectives
+            assert elapsed >= blocking * LATENCY_S, (name, collectives, elapsed)
 
 
 def _disabled_worker(rank, world_size, cfg):

@@ -63,22 +63,22 @@ def _hierarchical_worker(rank, world_size, warmup, steps):
     levels = OrderedDict([(2, 2), (4, 4)])
     models = {k: _model() for k in ("ours", "torch", "bf16")}
     opts = {k: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for k, m in models.items()}
-    ours = HierarchicalAverager(models["ours"], levels, warmup)
+    ours = HierarchicalAverager(levels, warmup, module=models["ours"])
     reference = HierarchicalModelAverager(levels, warmup_steps=warmup)
-    bf16 = HierarchicalAverager(models["bf16"], levels, warmup, comm_dtype="bfloat16")
+    bf16 = HierarchicalAverager(levels, warmup, module=models["bf16"], comm_dtype="bfloat16")
     gens = {k: torch.Generator().manual_seed(100 + rank) for k in models}
     decisions, same_pair, same_all = [], [], []
     for _ in range(steps):
         for k in models:
             _train_step(models[k], opts[k], gens[k])
-        decisions.append(ours.level_at(ours.step_index))
-        ours.step()
+        decisions.append(ours.level_at(ours.step))
+        ours.maybe_average()
         reference.average_parameters(models["torch"].parameters())
-        bf16.step()
+        bf16.maybe_average()
         replicas = _gather(_flat(models["bf16"]))
         same_pair.append(torch.equal(replicas[0], replicas[1]))
         same_all.append(all(torch.equal(replicas[0], r) for r in replicas[1:]))
-    assert reference.step == ours.step_index == steps
+    assert reference.step == ours.step == steps
     return {
         "ours": _flat(models["ours"]),
         "torch": _flat(models["torch"]),
@@ -121,32 +121,32 @@ def _outer_worker(rank, world_size, steps):
     models = {k: _model(bn=True) for k in ("plain", "outer1", "diloco", "diloco_bf16")}
     opts = {k: torch.optim.SGD(m.parameters(), lr=0.1) for k, m in models.items()}
     averagers = {
-        "plain": PeriodicAverager(models["plain"], period=3),
+        "plain": PeriodicAverager(3, module=models["plain"]),
         "outer1": OuterAverager(
-            models["outer1"], 3, outer_lr=1.0, outer_momentum=0.0, outer_nesterov=False
+            3, module=models["outer1"], outer_lr=1.0, outer_momentum=0.0, outer_nesterov=False
         ),
-        "diloco": OuterAverager(models["diloco"], 3),
-        "diloco_bf16": OuterAverager(models["diloco_bf16"], 3, comm_dtype="bfloat16"),
+        "diloco": OuterAverager(3, module=models["diloco"]),
+        "diloco_bf16": OuterAverager(3, module=models["diloco_bf16"], comm_dtype="bfloat16"),
     }
     gens = {k: torch.Generator().manual_seed(7 + rank) for k in models}
     identical = []
     for s in range(steps):
         if s == 5:  # between syncs: a restored copy must continue exactly
             models["resumed"] = _model(bn=True)
-            averagers["resumed"] = OuterAverager(models["resumed"], 3)
+            averagers["resumed"] = OuterAverager(3, module=models["resumed"])
             models["resumed"].load_state_dict(models["diloco"].state_dict())
             averagers["resumed"].load_state_dict(averagers["diloco"].state_dict())
             opts["resumed"] = torch.optim.SGD(models["resumed"].parameters(), lr=0.1)
             gens["resumed"] = torch.Generator().set_state(gens["diloco"].get_state())
         for k in models:
             _train_step(models[k], opts[k], gens[k])
-            averagers[k].step()
+            averagers[k].maybe_average()
         identical.append(torch.equal(*_gather(_flat(models["diloco"]))))
     momentum = averagers["diloco"].outer_optimizer.state_dict()["state"][0]["momentum_buffer"]
     # The first sync after a warmup is a plain average: the anchor is still the initial model
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    averager = OuterAverager(model, 3, warmup_steps=4)
+    averager = OuterAverager(3, warmup_steps=4, module=model)
     grads = GradientAverager(model)
     gen = torch.Generator().manual_seed(rank)
     for s in range(5):
@@ -160,7 +160,7 @@ def _outer_worker(rank, world_size, steps):
             mean_local = _flat(model)
             dist.all_reduce(mean_local)
             mean_local /= world_size
-        averager.step()
+        averager.maybe_average()
     return {
         "after_warmup": (_flat(model), mean_local),
         **{k: _flat(m) for k, m in models.items()},
@@ -190,7 +190,7 @@ def test_diloco_with_outer_lr_1_and_no_momentum_is_plain_averaging():
 
 def _schedule_worker(rank, world_size, steps):
     model = _model()
-    adaptive = PeriodicAverager(model, period=2, schedule=AdaptivePeriod(2, 1, 16, 2, 0.05))
+    adaptive = PeriodicAverager(2, module=model, schedule=AdaptivePeriod(2, 1, 16, 2, 0.05))
     decisions, periods, local_periods = [], [], []
     local = AdaptivePeriod(2, 1, 16, 2, 0.05)  # what this rank alone would decide
     local_sum, local_count = 0.0, 0
@@ -201,15 +201,15 @@ def _schedule_worker(rank, world_size, steps):
         adaptive.observe_loss(loss)
         local_sum += float(loss)
         local_count += 1
-        decisions.append(adaptive.step())
+        decisions.append(adaptive.maybe_average())
         if decisions[-1]:
             local.update(local_sum / local_count)
             local_sum, local_count = 0.0, 0
         periods.append(adaptive.period)
         local_periods.append(local.period)
     step_model = _model()
-    stepped = PeriodicAverager(step_model, period=2, schedule=StepPeriod(2, 4, [6]))
-    step_decisions = [stepped.step() for _ in range(22)]
+    stepped = PeriodicAverager(2, module=step_model, schedule=StepPeriod(2, 4, [6]))
+    step_decisions = [stepped.maybe_average() for _ in range(22)]
     return decisions, periods, local_periods, step_decisions
 
 
@@ -230,12 +230,12 @@ def _state_worker(rank, world_size):
     for mode in ("local", "average", "reset"):
         model = _model()
         opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-        averager = PeriodicAverager(model, period=4)
-        averager.hooks.append(OptimizerStateSync(opt, mode, averager.stats))
+        averager = PeriodicAverager(4, module=model)
+        averager.hooks.append(OptimizerStateSync(opt, mode))
         gen = torch.Generator().manual_seed(rank)
         for _ in range(5):  # syncs after steps 0 and 4, the last step
             _train_step(model, opt, gen)
-            averager.step()
+            averager.maybe_average()
         states = [v for s in opt.state.values() for k, v in s.items() if k != "step"]
         flat = torch.cat([t.reshape(-1) for t in states]) if states else torch.zeros(0)
         out[mode] = {"state": flat, "bytes": averager.stats.bytes, "numel": averager.flat.numel}

@@ -56,8 +56,23 @@ def test_experiment_files_compose_and_validate(name, expected):
             8,
             "sync.levels[1].group_size",
         ),
+        # torch accepts equal sizes (its own 3-level test has 4 -> 4 then 8 -> 4): so do we
+        (["sync.levels=[{group_size:node,period:2},{group_size:world,period:8}]"], 4, None),
         (
-            ["sync.levels=[{group_size:node,period:2},{group_size:world,period:8}]"],
+            [
+                "sync.levels=[{group_size:2,period:2},{group_size:4,period:4},"
+                "{group_size:world,period:8}]"
+            ],
+            4,
+            None,
+        ),
+        (["sync.levels=[{group_size:4,period:2},{group_size:world,period:8}]"], 4, None),
+        (
+            [
+                "sync.levels=[{group_size:2,period:2},{group_size:1,period:4},"
+                "{group_size:world,period:8}]",
+                "sync.comm_dtype=bfloat16",
+            ],
             4,
             "sync.levels[1].group_size",
         ),

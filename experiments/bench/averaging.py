@@ -7,7 +7,7 @@ interleaved round-robin across repetitions (so noise hits all of them alike), wi
 fp32 (item 1)
   raw         one `dist.all_reduce` (SUM) of a preallocated flat fp32 buffer of the same size
               (the limit)
-  ours        `PeriodicAverager(model, period=1).average()`: in place over a persistent flat
+  ours        `PeriodicAverager(1, module=model).average()`: in place over a persistent flat
               buffer, `div_` then one all-reduce (on gloo)
   gloo-avg    one `dist.all_reduce(op=ReduceOp.AVG)` of the raw fp32 buffer: gloo's own average,
               which runs a division pass itself (what separates any average from a raw sum)
@@ -21,7 +21,7 @@ low precision (item 2)
               last sync, communicated in bf16 (localsgd/averaging/compress.py)
   raw-fp16, ours-fp16   the same in fp16
 hierarchical (world 4 only: levels {period 1: groups of 2, period 2: all 4})
-  hier-world        `HierarchicalAverager.step()` at a step where the world level averages
+  hier-world        `HierarchicalAverager.maybe_average()` at a step where the world level averages
   torch-hier-world  torch's `HierarchicalModelAverager.average_parameters()`, the same step
   hier-pair, torch-hier-pair   the same at a step where only the 2-rank groups average
 Before timing, each hierarchical call is checked to average over the intended group (every rank
@@ -95,7 +95,7 @@ def _per_tensor(params: list[torch.Tensor], group, world_size: int) -> None:
 
 def _hierarchical_calls(target: int, world_size: int, torch_params: list[torch.Tensor]) -> dict:
     """The timed hierarchical calls, each checked to average over the intended group."""
-    ours = HierarchicalAverager(Blob(target), HIER_LEVELS)
+    ours = HierarchicalAverager(HIER_LEVELS, module=Blob(target))
     theirs = HierarchicalModelAverager(HIER_LEVELS)
     # torch's averages only parameters that have a `.grad` (as after a backward pass); a
     # zero-stride placeholder gives them one without allocating a model-size gradient.
@@ -103,8 +103,8 @@ def _hierarchical_calls(target: int, world_size: int, torch_params: list[torch.T
         p.grad = torch.zeros(()).expand_as(p)
 
     def ours_at(step: int):
-        ours.step_index = step
-        ours.step()
+        ours.step = step
+        ours.maybe_average()
 
     def theirs_at(step: int):
         theirs.step = step
@@ -133,12 +133,12 @@ def _bench_size(target: int, reps: int, world_size: int) -> dict:
     model_ours, model_torch, model_naive = Blob(target), Blob(target), Blob(target)
     numel = sum(p.numel() for p in model_ours.parameters())
     n_tensors = len(list(model_ours.parameters()))
-    averager = PeriodicAverager(model_ours, period=1, process_group=group)
+    averager = PeriodicAverager(1, process_group=group, module=model_ours)
     low_averagers = {
-        dt: PeriodicAverager(Blob(target), period=1, process_group=group, comm_dtype=dt)
+        dt: PeriodicAverager(1, process_group=group, module=Blob(target), comm_dtype=dt)
         for dt in (torch.bfloat16, torch.float16)
     }
-    bucketed = PeriodicAverager(Blob(target), period=1, process_group=group)
+    bucketed = PeriodicAverager(1, process_group=group, module=Blob(target))
     bucketed_flat = bucketed.flat.buffers[0]
     # Values in [0, 1): summing without dividing grows them by world_size per call, so the raw
     # buffers are rescaled every few reps (outside the timed calls) to stay far from overflow.
@@ -191,7 +191,7 @@ def _bench_size(target: int, reps: int, world_size: int) -> dict:
             for buf in raw.values():
                 buf.fill_(0.5)
     for dt, low in low_averagers.items():  # the compressed path really ran, at 2 bytes/element
-        if low.level_stats.bytes != low.level_stats.rounds * numel * dt.itemsize:
+        if low.level_stats[0].bytes != low.level_stats[0].rounds * numel * dt.itemsize:
             raise RuntimeError(f"the averager with comm_dtype={dt} did not communicate in it")
     hier_rounds = None
     if hier is not None:  # per level: the check, the warm-up, the memory reading, the reps

@@ -1,13 +1,21 @@
-"""Model averaging for local SGD, usable on its own like torch's averagers (no Hydra, no wandb)."""
+"""Model averaging for local SGD, usable on its own like torch's averagers (no Hydra, no wandb).
 
-from localsgd.averaging.comm import CommStats, SimulatedLink, all_reduce_mean_
+`PeriodicAverager` and `HierarchicalAverager` take torch's signatures and are instances of
+torch's `ModelAverager`; `OuterAverager` adds DiLoCo/SlowMo. Every collective goes through a
+`Communicator`.
+"""
+
+from localsgd.averaging.averager import Averager
+from localsgd.averaging.comm import CommStats, Communicator, SimulatedLink
 from localsgd.averaging.compress import COMM_DTYPES, LowPrecisionMean
 from localsgd.averaging.flat import FlatBuffers, averaged_tensors
 from localsgd.averaging.gradients import GradientAverager
 from localsgd.averaging.hierarchical import HierarchicalAverager
 from localsgd.averaging.optimizer_state import OPTIMIZER_STATE_MODES, OptimizerStateSync
-from localsgd.averaging.outer import OUTER_DEFAULTS, OuterAverager
+from localsgd.averaging.outer import OUTER_DEFAULTS, OuterAverager, OuterStep
+from localsgd.averaging.overlap import DelayedMean
 from localsgd.averaging.periodic import PeriodicAverager
+from localsgd.averaging.reduce import PlainMean, Reducer
 from localsgd.averaging.schedule import AdaptivePeriod, ConstantPeriod, StepPeriod
 
 __all__ = [
@@ -15,17 +23,22 @@ __all__ = [
     "OPTIMIZER_STATE_MODES",
     "OUTER_DEFAULTS",
     "AdaptivePeriod",
+    "Averager",
     "CommStats",
+    "Communicator",
     "ConstantPeriod",
+    "DelayedMean",
     "FlatBuffers",
     "GradientAverager",
     "HierarchicalAverager",
     "LowPrecisionMean",
     "OptimizerStateSync",
     "OuterAverager",
+    "OuterStep",
     "PeriodicAverager",
+    "PlainMean",
+    "Reducer",
     "SimulatedLink",
     "StepPeriod",
-    "all_reduce_mean_",
     "averaged_tensors",
 ]

@@ -1,4 +1,10 @@
-"""The one collective the averagers use, the counters they keep, and a simulated slow link."""
+"""The one object every collective of the averaging core goes through.
+
+A `Communicator` holds a process group, its size, whether the backend averages inside the
+reduction, the counters, and the simulated slow link. Plain, hierarchical, compressed, outer
+(DiLoCo/SlowMo) and delayed averaging, the warmup's gradient averaging and optimizer-state
+averaging all call it, so a simulated link applies to every one of them by construction.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
+from torch.torch_version import TorchVersion
 
 
 @dataclass
@@ -63,34 +70,108 @@ class SimulatedLink:
 
 
 def supports_avg(group: dist.ProcessGroup | None) -> bool:
-    """NCCL averages inside the reduction; gloo has no ReduceOp.AVG."""
-    return dist.get_backend(group) == dist.Backend.NCCL
+    """Whether the backend averages inside the reduction: NCCL always, gloo from torch 2.13 on
+    (measured here: its AVG returns the same bits as dividing first, see the bench)."""
+    backend = dist.get_backend(group)
+    if backend == dist.Backend.NCCL:
+        return True
+    return backend == dist.Backend.GLOO and TorchVersion(torch.__version__) >= (2, 13)
 
 
-def all_reduce_mean_(
-    flat: torch.Tensor,
-    group: dist.ProcessGroup | None,
-    world_size: int,
-    use_avg: bool,
-    stats: CommStats | None = None,
-    link: SimulatedLink | None = None,
-) -> None:
-    """Replace `flat` in place by its mean over the group, with one all-reduce.
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
-    NCCL averages inside the reduction. gloo has no AVG: the buffer is divided in place first (as
-    torch's `average_parameters` does), which keeps the result identical on every rank, since
-    every rank reduces the same bytes. (Splitting it into asynchronous ~4 MB buckets so that the
-    division overlaps the transfer was measured: slower on a quiet machine, see
-    experiments/bench/RESULTS.md.) With a `link`, the call lasts at least the link's time.
+
+class PendingMean:
+    """Asynchronous all-reduces launched by `Communicator.launch_mean_`; `wait()` finishes them
+    (and a simulated link's time)."""
+
+    def __init__(self, comm: Communicator, works: list, nbytes: int, start: float):
+        self.comm, self.works, self.nbytes, self.start = comm, works, nbytes, start
+
+    def wait(self) -> None:
+        begin = time.perf_counter()
+        for work in self.works:
+            work.wait()
+        if self.comm.link is not None:
+            self.comm.link.wait_out(self.start, self.nbytes)
+        self.works = []
+        self.comm.stats.seconds += time.perf_counter() - begin
+
+
+class Communicator:
+    """A process group with its size, AVG support, counters (`stats`, shared across levels and
+    with the warmup) and an optional simulated link.
+
+    Every method is a collective: every rank of the group must call it.
     """
-    start = time.perf_counter()
-    if use_avg:
-        dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=group)
-    else:
-        flat.div_(world_size)
-        dist.all_reduce(flat, group=group)
-    if link is not None:
-        link.wait_out(start, flat.numel() * flat.element_size())
-    if stats is not None:
-        stats.bytes += flat.numel() * flat.element_size()
-        stats.seconds += time.perf_counter() - start
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        stats: CommStats | None = None,
+        link: SimulatedLink | None = None,
+    ):
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.use_avg = supports_avg(group)
+        self.stats = stats if stats is not None else CommStats()
+        self.link = link
+
+    def subgroups(self, size: int) -> Communicator:
+        """This rank's group of `size` contiguous ranks of this group (as torch's
+        `dist.new_subgroups`), sharing the counters and the link. Collective over the default
+        group: every rank must call it in the same order."""
+        if size == self.size:
+            return self
+        ranks = dist.get_process_group_ranks(self.group) if self.group is not None else None
+        ranks = ranks if ranks is not None else list(range(self.size))
+        chunks = [ranks[i : i + size] for i in range(0, self.size, size)]
+        group, _ = dist.new_subgroups_by_enumeration(chunks)
+        return Communicator(group, self.stats, self.link)
+
+    def mean_(self, flat: torch.Tensor, through: torch.Tensor | None = None) -> None:
+        """Replace `flat` in place by its mean over the group, with one all-reduce.
+
+        With AVG the backend divides inside the reduction; otherwise the buffer is divided in
+        place first, as torch's `average_parameters` does. Either way every rank reduces the same
+        bytes, so the result is identical on every rank. `through`, a preallocated buffer of
+        another dtype, carries the communication in that precision (bytes counted at it).
+        """
+        start = time.perf_counter()
+        wire = flat if through is None else through.copy_(flat)
+        if self.use_avg:
+            dist.all_reduce(wire, op=dist.ReduceOp.AVG, group=self.group)
+        else:
+            wire.div_(self.size)
+            dist.all_reduce(wire, group=self.group)
+        if through is not None:
+            flat.copy_(wire)
+        self._account(start, _nbytes(wire))
+
+    def launch_mean_(self, pieces: list[torch.Tensor]) -> PendingMean:
+        """Start averaging each of `pieces` in place, asynchronously, one all-reduce each; the
+        caller must `wait()` the result before reading them."""
+        start = time.perf_counter()
+        op = dist.ReduceOp.AVG if self.use_avg else dist.ReduceOp.SUM
+        works = []
+        for piece in pieces:
+            if not self.use_avg:
+                piece.div_(self.size)
+            works.append(dist.all_reduce(piece, op=op, group=self.group, async_op=True))
+        nbytes = sum(_nbytes(p) for p in pieces)
+        self.stats.bytes += nbytes
+        self.stats.seconds += time.perf_counter() - start
+        return PendingMean(self, works, nbytes, start)
+
+    def broadcast_(self, flat: torch.Tensor, src: int = 0) -> None:
+        """Every rank gets rank `src`'s `flat` (setup, not training communication: not counted,
+        and not slowed by the link)."""
+        dist.broadcast(flat, src=src, group=self.group)
+
+    def _account(self, start: float, nbytes: int) -> None:
+        if self.link is not None:
+            self.link.wait_out(start, nbytes)
+        self.stats.bytes += nbytes
+        self.stats.seconds += time.perf_counter() - start
+

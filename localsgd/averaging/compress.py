@@ -11,9 +11,10 @@ same on every rank, bit for bit. The low-precision buffers are allocated once.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from localsgd.averaging.comm import CommStats, all_reduce_mean_
+from localsgd.averaging.comm import Communicator
+from localsgd.averaging.flat import Relayout
+from localsgd.averaging.reduce import Reducer
 
 COMM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -26,25 +27,16 @@ def comm_dtype_of(value: str | torch.dtype) -> torch.dtype:
     return COMM_DTYPES[value]
 
 
-def all_reduce_mean_through_(
-    flat: torch.Tensor,
-    low: torch.Tensor | None,
-    group: dist.ProcessGroup | None,
-    world_size: int,
-    use_avg: bool,
-    stats: CommStats | None,
-) -> None:
-    """`all_reduce_mean_(flat)`, communicated through the preallocated `low` when given (bytes
-    are counted at its precision)."""
-    if low is None:
-        all_reduce_mean_(flat, group, world_size, use_avg, stats)
-        return
-    low.copy_(flat)
-    all_reduce_mean_(low, group, world_size, use_avg, stats)
-    flat.copy_(low)
+def wire_buffers(buffers: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor | None]:
+    """Preallocated buffers that carry each flat buffer's communication in `dtype` (None: the
+    buffer goes on the wire as it is)."""
+    return [
+        None if b.dtype == dtype else torch.empty(b.numel(), dtype=dtype, device=b.device)
+        for b in buffers
+    ]
 
 
-class LowPrecisionMean:
+class LowPrecisionMean(Reducer):
     """Averages flat buffers through low-precision copies of their change since the last sync.
 
     `levels` anchors are kept for hierarchical averaging: anchor `l` is the state right after the
@@ -54,26 +46,21 @@ class LowPrecisionMean:
     def __init__(self, buffers: list[torch.Tensor], dtype: torch.dtype, levels: int = 1):
         self.dtype = dtype
         self.anchors = [[b.detach().clone() for b in buffers] for _ in range(levels)]
-        self.low = [torch.empty(b.numel(), dtype=dtype, device=b.device) for b in buffers]
+        self.low = wire_buffers(buffers, dtype)
 
     def reset(self, buffers: list[torch.Tensor]) -> None:
-        """All ranks now hold the same `buffers` (e.g. after the initial broadcast)."""
         for anchors in self.anchors:
             for anchor, flat in zip(anchors, buffers, strict=True):
                 anchor.copy_(flat)
 
-    def all_reduce_mean_(
-        self,
-        buffers: list[torch.Tensor],
-        level: int,
-        group: dist.ProcessGroup | None,
-        world_size: int,
-        use_avg: bool,
-        stats: CommStats | None,
-    ) -> None:
+    def relayout(self, convert: Relayout) -> None:
+        self.anchors = [convert(anchors) for anchors in self.anchors]
+        self.low = wire_buffers(self.anchors[0], self.dtype)
+
+    def reduce_(self, buffers: list[torch.Tensor], comm: Communicator, level: int, step: int):
         for flat, anchor, low in zip(buffers, self.anchors[level], self.low, strict=True):
             flat.sub_(anchor)  # the change since this group's last sync: small, so bf16 suffices
-            all_reduce_mean_through_(flat, low, group, world_size, use_avg, stats)
+            comm.mean_(flat, through=low)
             flat.add_(anchor)
         for anchors in self.anchors[: level + 1]:
             for anchor, flat in zip(anchors, buffers, strict=True):

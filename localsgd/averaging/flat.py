@@ -2,11 +2,13 @@
 
 Averaging then costs one in-place collective per buffer and allocates nothing, where torch's
 `average_parameters` concatenates a fresh model-sized tensor and rebinds every `p.data` per call.
+A tensor can leave its buffer behind our back (`p.data = x`, `module.double()`,
+`vector_to_parameters`, `load_state_dict(assign=True)`); `rebind()` finds and repairs that.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -21,6 +23,10 @@ def _unique(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
+# Converts a list of flat tensors laid out like the old buffers into the new layout.
+Relayout = Callable[[list[torch.Tensor]], list[torch.Tensor]]
+
+
 class FlatBuffers:
     """Rebinds each tensor's `.data` to a slice of a flat buffer; the tensor objects stay the same.
 
@@ -30,21 +36,36 @@ class FlatBuffers:
 
     def __init__(self, tensors: Iterable[torch.Tensor]):
         self.tensors = _unique(tensors)
-        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-        for t in self.tensors:
-            groups.setdefault((t.device, t.dtype), []).append(t)
-        self.groups = list(groups.values())
+        self._build()
+
+    def _build(self) -> None:
+        groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+        for i, t in enumerate(self.tensors):
+            groups.setdefault((t.device, t.dtype), []).append(i)
         self.buffers: list[torch.Tensor] = []
-        for members in self.groups:
-            device, dtype = members[0].device, members[0].dtype
-            flat = torch.empty(sum(t.numel() for t in members), device=device, dtype=dtype)
+        self.views: list[torch.Tensor] = [None] * len(self.tensors)  # type: ignore[list-item]
+        self.slots: list[tuple[int, int, int]] = [None] * len(self.tensors)  # type: ignore[list-item]
+        for g, ((device, dtype), members) in enumerate(groups.items()):
+            flat = torch.empty(
+                sum(self.tensors[i].numel() for i in members), device=device, dtype=dtype
+            )
             offset = 0
-            for t in members:
+            for i in members:
+                t = self.tensors[i]
                 view = flat[offset : offset + t.numel()].view(t.shape)
                 view.copy_(t.detach())
                 t.data = view
+                self.views[i], self.slots[i] = view, (g, offset, t.numel())
                 offset += t.numel()
             self.buffers.append(flat)
+
+    @property
+    def groups(self) -> list[list[torch.Tensor]]:
+        """The tensors of each buffer, in buffer order."""
+        out: list[list[torch.Tensor]] = [[] for _ in self.buffers]
+        for t, (g, _, _) in zip(self.tensors, self.slots, strict=True):
+            out[g].append(t)
+        return out
 
     @property
     def numel(self) -> int:
@@ -56,18 +77,55 @@ class FlatBuffers:
 
     def is_bound(self) -> bool:
         """True while every tensor still lives in its buffer (`p.data = x` would unbind one)."""
-        for flat, members in zip(self.buffers, self.groups, strict=True):
-            offset = 0
-            for t in members:
-                if t.data_ptr() != flat[offset:].data_ptr():
-                    return False
-                offset += t.numel()
-        return True
+        return all(
+            t.data_ptr() == v.data_ptr() for t, v in zip(self.tensors, self.views, strict=True)
+        )
+
+    def replace(self, current: list[torch.Tensor]) -> None:
+        """Follow tensor objects that were swapped out (`load_state_dict(assign=True)` puts new
+        Parameters into the module): `current` lists the tensors in the original order."""
+        current = _unique(current)
+        if len(current) != len(self.tensors):
+            raise ValueError(
+                f"the module now has {len(current)} averaged tensors, the averager was built for "
+                f"{len(self.tensors)}: build a new averager after adding or removing parameters"
+            )
+        self.tensors = current
+
+    def rebind(self) -> Relayout | None:
+        """Put every tensor that left its slot back: copy its current value into the slot, then
+        make it a view again (one `data_ptr` compare per tensor). A tensor whose dtype, device or
+        shape changed (`module.double()`) makes the buffers be rebuilt around the new layout;
+        then the returned function converts state kept in the old layout (anchors), else None."""
+        relayout = False
+        for t, v in zip(self.tensors, self.views, strict=True):
+            if t.data_ptr() == v.data_ptr():
+                continue
+            if t.dtype == v.dtype and t.device == v.device and t.shape == v.shape:
+                v.copy_(t.detach())
+                t.data = v
+            else:
+                relayout = True
+        if not relayout:
+            return None
+        old_slots = self.slots
+        self._build()
+        new_slots, new_buffers = self.slots, self.buffers
+
+        def convert(old: list[torch.Tensor]) -> list[torch.Tensor]:
+            new = [torch.empty_like(b) for b in new_buffers]
+            for (g0, o0, n0), (g1, o1, n1) in zip(old_slots, new_slots, strict=True):
+                if n0 != n1:
+                    raise ValueError("a tensor changed its number of elements: state is lost")
+                new[g1][o1 : o1 + n1].copy_(old[g0][o0 : o0 + n0])
+            return new
+
+        return convert
 
 
 def averaged_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
-    """What a model average covers: every parameter and every floating-point buffer (BatchNorm's
-    running statistics); integer buffers such as `num_batches_tracked` are left local."""
-    params = list(module.parameters())
+    """What a model average covers: every floating-point parameter and buffer (BatchNorm's
+    running statistics); integer tensors such as `num_batches_tracked` are left local."""
+    params = [p for p in module.parameters() if torch.is_floating_point(p)]
     buffers = [b for b in module.buffers() if torch.is_floating_point(b)]
     return params + buffers

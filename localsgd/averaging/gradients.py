@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from localsgd.averaging.comm import CommStats, SimulatedLink, all_reduce_mean_, supports_avg
+from localsgd.averaging.comm import CommStats, Communicator, SimulatedLink
 
 
 class GradientAverager:
@@ -25,11 +25,8 @@ class GradientAverager:
         link: SimulatedLink | None = None,
     ):
         self.params = [p for p in module.parameters() if p.requires_grad]
-        self.process_group = process_group
-        self.world_size = dist.get_world_size(process_group)
-        self.use_avg = supports_avg(process_group)
-        self.stats = stats if stats is not None else CommStats()
-        self.link = link  # a simulated slow network, or None
+        self.comm = Communicator(process_group, stats, link)
+        self.stats = self.comm.stats
         groups: dict[tuple[torch.device, torch.dtype], list[torch.nn.Parameter]] = {}
         for p in self.params:
             groups.setdefault((p.device, p.dtype), []).append(p)
@@ -60,7 +57,5 @@ class GradientAverager:
         """Replace every gradient by its mean over the group; one communication round."""
         self._rebind()
         for flat in self.buffers:
-            all_reduce_mean_(
-                flat, self.process_group, self.world_size, self.use_avg, self.stats, link=self.link
-            )
+            self.comm.mean_(flat)
         self.stats.rounds += 1

@@ -8,30 +8,29 @@ drops it, so every worker restarts its momentum from the averaged model.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from localsgd.averaging.comm import CommStats, all_reduce_mean_, supports_avg
+from localsgd.averaging.comm import Communicator
 from localsgd.averaging.flat import FlatBuffers
 
 OPTIMIZER_STATE_MODES = ("local", "average", "reset")
 
 
 class OptimizerStateSync:
-    """A hook for an averager's `hooks`: called after every average with (group, group size).
+    """A hook for an averager's `hooks`: called after every average with the level's
+    `Communicator`, through which the state is averaged (so it counts and obeys a slow link).
 
     For `average`, the optimizer's floating-point state tensors (not Adam's `step` counter)
     become views of persistent flat buffers the first time, rebuilt only if the optimizer
-    replaced them (e.g. `load_state_dict`); their bytes count in `stats`, in the same round.
+    replaced them (e.g. `load_state_dict`); their bytes count in the same round.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, mode: str, stats: CommStats | None = None):
+    def __init__(self, optimizer: torch.optim.Optimizer, mode: str):
         if mode not in OPTIMIZER_STATE_MODES:
             raise ValueError(
                 f"optimizer_state must be one of {', '.join(OPTIMIZER_STATE_MODES)}, got {mode!r}"
             )
         self.optimizer = optimizer
         self.mode = mode
-        self.stats = stats
         self.flat: FlatBuffers | None = None
         self.bound_ids: list[int] = []
 
@@ -44,7 +43,7 @@ class OptimizerStateSync:
                         out.append(value)
         return out
 
-    def __call__(self, group: dist.ProcessGroup | None, group_size: int) -> None:
+    def __call__(self, comm: Communicator) -> None:
         if self.mode == "local":
             return
         if self.mode == "reset":
@@ -57,6 +56,5 @@ class OptimizerStateSync:
         if self.flat is None or ids != self.bound_ids or not self.flat.is_bound():
             self.flat = FlatBuffers(tensors)
             self.bound_ids = ids
-        use_avg = supports_avg(group)
         for flat in self.flat.buffers:
-            all_reduce_mean_(flat, group, group_size, use_avg, self.stats)
+            comm.mean_(flat)

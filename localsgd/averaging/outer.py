@@ -20,9 +20,11 @@ import copy
 import torch
 import torch.distributed as dist
 
-from localsgd.averaging.comm import CommStats, SimulatedLink
-from localsgd.averaging.compress import all_reduce_mean_through_
+from localsgd.averaging.comm import CommStats, Communicator, SimulatedLink
+from localsgd.averaging.compress import comm_dtype_of, wire_buffers
+from localsgd.averaging.flat import FlatBuffers, Relayout
 from localsgd.averaging.periodic import PeriodicAverager
+from localsgd.averaging.reduce import Reducer
 from localsgd.averaging.schedule import ConstantPeriod
 
 OUTER_DEFAULTS = {  # the papers' settings
@@ -31,23 +33,94 @@ OUTER_DEFAULTS = {  # the papers' settings
 }
 
 
+class OuterStep(Reducer):
+    """The reducer of `OuterAverager`: the mean pseudo-gradient fed to an outer `torch.optim.SGD`
+    over the anchor (communicated in `comm_dtype`; anchor and outer state stay fp32)."""
+
+    def __init__(
+        self,
+        flat: FlatBuffers,
+        warmup_steps: int,
+        lr: float,
+        momentum: float,
+        nesterov: bool,
+        comm_dtype: torch.dtype,
+    ):
+        self.warmup_steps = warmup_steps
+        self.anchors: list[torch.Tensor] = []
+        self.param_numels: list[int] = []
+        outer_params = []
+        for buffer, members in zip(flat.buffers, flat.groups, strict=True):
+            anchor = buffer.detach().clone()
+            # averaged_tensors lists parameters first, so they lead every buffer
+            n = sum(t.numel() for t in members if isinstance(t, torch.nn.Parameter))
+            if n > 0:
+                view = anchor[:n]
+                view.grad = buffer[:n]  # the pseudo-gradient is computed in place in the buffer
+                outer_params.append(view)
+            self.anchors.append(anchor)
+            self.param_numels.append(n)
+        self.low = wire_buffers(flat.buffers, comm_dtype)
+        self.optimizer = torch.optim.SGD(
+            outer_params, lr=lr, momentum=momentum, nesterov=nesterov
+        )
+
+    def reduce_(self, buffers: list[torch.Tensor], comm: Communicator, level: int, step: int):
+        # the first sync after a warmup (the rule fires at step `warmup_steps`), see the module doc
+        plain = self.warmup_steps > 0 and step == self.warmup_steps
+        for flat, anchor, low, n in zip(
+            buffers, self.anchors, self.low, self.param_numels, strict=True
+        ):
+            torch.sub(anchor, flat, out=flat)  # pseudo-gradient
+            comm.mean_(flat, through=low)
+            start = 0 if plain else n  # buffers (or everything) are averaged plainly
+            anchor[start:].sub_(flat[start:])
+        if not plain:
+            self.optimizer.step()
+        for flat, anchor in zip(buffers, self.anchors, strict=True):
+            flat.copy_(anchor)
+
+    def reset(self, buffers: list[torch.Tensor]) -> None:
+        for flat, anchor in zip(buffers, self.anchors, strict=True):
+            anchor.copy_(flat)
+
+    def relayout(self, convert: Relayout) -> None:
+        raise ValueError(
+            "a parameter changed dtype or device under an outer optimizer (DiLoCo/SlowMo): "
+            "move the model (model.to(...)) before building the averager"
+        )
+
+    def state_dict(self) -> dict:
+        return {
+            "anchors": [a.clone() for a in self.anchors],
+            "outer_optimizer": self.optimizer.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        for anchor, saved in zip(self.anchors, state["anchors"], strict=True):
+            anchor.copy_(saved)
+        # deep-copied: torch's load_state_dict would otherwise share the momentum tensors with
+        # `state`, e.g. with the live averager it was taken from
+        self.optimizer.load_state_dict(copy.deepcopy(state["outer_optimizer"]))
+
+
 class OuterAverager(PeriodicAverager):
     """`PeriodicAverager` whose average feeds the pseudo-gradient to an outer SGD.
 
     `outer_lr`, `outer_momentum`, `outer_nesterov` configure the outer `torch.optim.SGD`
     (DiLoCo: 0.7, 0.9, Nesterov; SlowMo: slow learning rate alpha, slow momentum beta).
-    With `comm_dtype` bfloat16/float16 the pseudo-gradient is communicated in that precision;
-    the anchor and the outer state stay in fp32.
+    With `comm_dtype` bfloat16/float16 the pseudo-gradient is communicated in that precision.
+    The anchor must exist from the start, so `module` is required.
     """
 
     def __init__(
         self,
-        module: torch.nn.Module,
         period: int,
         warmup_steps: int = 0,
         process_group: dist.ProcessGroup | None = None,
-        stats: CommStats | None = None,
         *,
+        module: torch.nn.Module,
+        stats: CommStats | None = None,
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
         outer_nesterov: bool = True,
@@ -55,75 +128,23 @@ class OuterAverager(PeriodicAverager):
         comm_dtype: str | torch.dtype = torch.float32,
         link: SimulatedLink | None = None,
     ):
+        dtype = comm_dtype_of(comm_dtype)
+
+        def outer_step(flat: FlatBuffers) -> Reducer:
+            return OuterStep(flat, warmup_steps, outer_lr, outer_momentum, outer_nesterov, dtype)
+
         super().__init__(
-            module,
             period,
             warmup_steps,
             process_group,
-            stats,
+            module=module,
+            stats=stats,
             schedule=schedule,
-            comm_dtype=comm_dtype,
             link=link,
-        )
-        self.compressor = None  # the pseudo-gradient is what gets compressed, below
-        param_ids = {id(p) for p in module.parameters()}
-        self.anchors: list[torch.Tensor] = []
-        self.low: list[torch.Tensor | None] = []
-        self.param_numels: list[int] = []
-        outer_params = []
-        for flat, members in zip(self.flat.buffers, self.flat.groups, strict=True):
-            anchor = flat.detach().clone()
-            # averaged_tensors lists parameters first, so they lead every buffer
-            n = sum(t.numel() for t in members if id(t) in param_ids)
-            if n > 0:
-                view = anchor[:n]
-                view.grad = flat[:n]  # the pseudo-gradient is computed in place in `flat`
-                outer_params.append(view)
-            self.anchors.append(anchor)
-            self.param_numels.append(n)
-            low = None
-            if self.comm_dtype != torch.float32:
-                low = torch.empty(flat.numel(), dtype=self.comm_dtype, device=flat.device)
-            self.low.append(low)
-        self.outer_optimizer = torch.optim.SGD(
-            outer_params,
-            lr=outer_lr,
-            momentum=outer_momentum,
-            nesterov=outer_nesterov,
+            reducer=outer_step,
         )
 
-    def _reduce(self) -> None:
-        # the first sync after a warmup (the rule fires at step `warmup_steps`), see the module doc
-        plain = self.warmup_steps > 0 and self.step_index == self.warmup_steps
-        for flat, anchor, low, n in zip(
-            self.flat.buffers, self.anchors, self.low, self.param_numels, strict=True
-        ):
-            torch.sub(anchor, flat, out=flat)  # pseudo-gradient
-            all_reduce_mean_through_(
-                flat, low, self.process_group, self.world_size, self.use_avg, self.stats
-            )
-            start = 0 if plain else n  # buffers (or everything) are averaged plainly
-            anchor[start:].sub_(flat[start:])
-        if not plain:
-            self.outer_optimizer.step()
-        for flat, anchor in zip(self.flat.buffers, self.anchors, strict=True):
-            flat.copy_(anchor)
+    @property
+    def outer_optimizer(self) -> torch.optim.Optimizer:
+        return self.reducer.optimizer
 
-    def reanchor(self) -> None:
-        for flat, anchor in zip(self.flat.buffers, self.anchors, strict=True):
-            anchor.copy_(flat)
-
-    def state_dict(self) -> dict:
-        return {
-            **super().state_dict(),
-            "anchors": [a.clone() for a in self.anchors],
-            "outer_optimizer": self.outer_optimizer.state_dict(),
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        super().load_state_dict(state)
-        for anchor, saved in zip(self.anchors, state["anchors"], strict=True):
-            anchor.copy_(saved)
-        # deep-copied: torch's load_state_dict would otherwise share the momentum tensors with
-        # `state`, e.g. with the live averager it was taken from
-        self.outer_optimizer.load_state_dict(copy.deepcopy(state["outer_optimizer"]))

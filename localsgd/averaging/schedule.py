@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 
 class ConstantPeriod:
     """k fixed for the whole run (torch's `PeriodicModelAverager`)."""
 
-    needs_loss = False
+    needs_loss = False  # reads the training loss, through a slot in the averaged buffer
+    varies = False  # the period can change during the run
 
     def __init__(self, period: int):
         if period < 1:
@@ -27,6 +30,19 @@ class ConstantPeriod:
     def update(self, loss: float | None) -> None:
         """Constant: nothing to learn from the sync."""
 
+    def loss_slots(self, device: torch.device) -> list[torch.Tensor]:
+        """Tensors to average along with the model: the loss slot of a schedule that reads it."""
+        return []
+
+    def observe_loss(self, loss: torch.Tensor) -> None:
+        pass
+
+    def before_sync(self) -> None:
+        pass
+
+    def after_sync(self) -> None:
+        pass
+
     def state_dict(self) -> dict:
         return {"period": self.period}
 
@@ -36,6 +52,8 @@ class ConstantPeriod:
 
 class StepPeriod(ConstantPeriod):
     """k multiplied by `factor` at each of `milestones` (Lin et al. grow k with the LR decay)."""
+
+    varies = True
 
     def __init__(self, period: int, factor: int, milestones: list[int]):
         super().__init__(period)
@@ -60,6 +78,7 @@ class AdaptivePeriod(ConstantPeriod):
     """
 
     needs_loss = True
+    varies = True
 
     def __init__(
         self,
@@ -80,6 +99,28 @@ class AdaptivePeriod(ConstantPeriod):
         self.min_period, self.max_period = min_period, max_period
         self.factor, self.tolerance = factor, tolerance
         self.last_loss = math.inf
+        self.loss_slot: torch.Tensor | None = None  # this worker's loss summed since the sync
+        self.loss_count = 0
+
+    def loss_slots(self, device: torch.device) -> list[torch.Tensor]:
+        if self.loss_slot is None:
+            self.loss_slot = torch.zeros(1, device=device)
+        return [self.loss_slot]
+
+    def observe_loss(self, loss: torch.Tensor) -> None:
+        """Summed on the device: nothing is read back until the next sync."""
+        self.loss_slot.add_(loss.detach())
+        self.loss_count += 1
+
+    def before_sync(self) -> None:
+        if self.loss_count > 0:
+            self.loss_slot.div_(self.loss_count)  # this worker's mean loss since the last sync
+
+    def after_sync(self) -> None:
+        synced = float(self.loss_slot.item()) if self.loss_count > 0 else None
+        self.loss_slot.zero_()
+        self.loss_count = 0
+        self.update(synced)
 
     def update(self, loss: float | None) -> None:
         if loss is None or not math.isfinite(loss):
@@ -92,8 +133,14 @@ class AdaptivePeriod(ConstantPeriod):
         self.last_loss = loss
 
     def state_dict(self) -> dict:
-        return {"period": self.period, "last_loss": self.last_loss}
+        state = {"period": self.period, "last_loss": self.last_loss, "loss_count": self.loss_count}
+        if self.loss_slot is not None:  # the loss summed since the last sync, for an exact resume
+            state["loss_slot"] = self.loss_slot.detach().clone()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.period = int(state["period"])
         self.last_loss = float(state["last_loss"])
+        self.loss_count = int(state.get("loss_count", 0))
+        if self.loss_slot is not None and "loss_slot" in state:
+            self.loss_slot.copy_(state["loss_slot"])

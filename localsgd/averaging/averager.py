@@ -1,0 +1,263 @@
+"""The averager contract and the skeleton every strategy shares.
+
+An `Averager` is torch's `ModelAverager`: an integer `step` counter and `average_parameters(
+params)`, called once after every `optimizer.step()`. It is composed of three parts:
+
+- the rule for *when* (`level_at(step)`: which level averages after that step, if any), given by
+  the subclass (`PeriodicAverager`, `HierarchicalAverager`);
+- a `Communicator` per level for *who* (the last level spans the whole process group);
+- a reducer for *what* (`localsgd.averaging.reduce`): plain, low-precision, outer or delayed.
+
+The tensors averaged become views of persistent flat buffers, built from `module=` at
+construction or from the parameters of the first `average_parameters(params)` call. Before each
+average every tensor is checked to still live in its buffer and is put back if it left (torch
+averages whatever the parameters are now, so must we).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.model_averaging.averagers import ModelAverager
+
+from localsgd.averaging.comm import CommStats, Communicator
+from localsgd.averaging.flat import FlatBuffers, averaged_tensors
+from localsgd.averaging.reduce import Reducer
+
+# Called after every average with the level's communicator: e.g. averaging optimizer state.
+AverageHook = Callable[[Communicator], None]
+ReducerFactory = Callable[[FlatBuffers], Reducer]
+
+
+def parameters_of(params: Iterable) -> list[torch.Tensor]:
+    """The floating-point tensors in `params`: parameters, or an optimizer's param groups
+    (dicts), as torch's averagers accept. An integer parameter cannot be averaged; like an
+    integer buffer it stays local."""
+    out: list[torch.Tensor] = []
+    for item in params:
+        if isinstance(item, dict):
+            out.extend(item["params"])
+        elif isinstance(item, torch.Tensor):
+            out.append(item)
+        else:
+            raise TypeError(
+                f"average_parameters() takes parameters or param groups (dicts), got {type(item)}"
+            )
+    return [t for t in out if torch.is_floating_point(t)]
+
+
+class Averager(ModelAverager):
+    """What the trainer depends on. Subclasses give `level_at`, `next_sync` and `period_of`."""
+
+    def __init__(
+        self,
+        levels: list[Communicator],
+        process_group: dist.ProcessGroup | None,
+        *,
+        module: torch.nn.Module | None,
+        reducer: ReducerFactory | None,
+    ):
+        super().__init__(process_group)  # `self.step = 0`, as torch's
+        self.levels = levels  # levels[-1] spans the whole process group
+        self.comm = levels[-1]
+        self.stats = self.comm.stats  # shared by every level (and the warmup, in the trainer)
+        self.level_stats = [CommStats() for _ in levels]  # each level's averages alone
+        self.world_size = self.comm.size
+        self.module = module
+        self.make_reducer = reducer if reducer is not None else (lambda flat: Reducer())
+        self.flat: FlatBuffers | None = None
+        self.reducer: Reducer = Reducer()
+        self.param_count = 0  # the first `param_count` tensors are the parameters
+        self.hooks: list[AverageHook] = []
+        self.all_in_sync = True  # every rank holds the same tensors (right after a full average)
+        self.merged = False  # this step applied a delayed average (overlap only)
+        if module is not None:
+            self._bind(parameters_of(module.parameters()), averaged_tensors(module))
+
+    # --- the rule, given by the subclass -------------------------------------------------------
+
+    def level_at(self, step: int) -> int | None:
+        """Index of the level that averages after step `step`, or None."""
+        raise NotImplementedError
+
+    def next_sync(self, step: int) -> int:
+        """The first step >= `step` after which every rank takes part in an average (with a
+        delayed reducer: the step that merges it, where the ranks wait for each other)."""
+        raise NotImplementedError
+
+    def period_of(self, level: int) -> int:
+        raise NotImplementedError
+
+    def extra_tensors(self, device: torch.device) -> list[torch.Tensor]:
+        """Tensors that ride along in the averages (an adaptive schedule's loss slot)."""
+        return []
+
+    def _before_reduce(self) -> None:
+        pass
+
+    def _after_reduce(self, scheduled: bool) -> None:
+        pass
+
+    # --- binding -------------------------------------------------------------------------------
+
+    def _bind(self, params: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:
+        self.param_count = len(params)
+        device = tensors[0].device if tensors else torch.device("cpu")
+        self.flat = FlatBuffers(tensors + self.extra_tensors(device))
+        self.reducer = self.make_reducer(self.flat)
+
+    def _bound(self) -> FlatBuffers:
+        if self.flat is None:
+            raise ValueError(
+                "the averager holds no parameters yet: pass them to average_parameters(params) "
+                "or build it with module=..."
+            )
+        return self.flat
+
+    def _follow_module(self) -> None:
+        """`load_state_dict(assign=True)` swaps new Parameter objects into the module."""
+        if self.module is None:
+            return
+        held = self._bound().tensors
+        current = averaged_tensors(self.module) + self.extra_tensors(held[0].device)
+        if len(current) != len(held) or any(a is not b for a, b in zip(current, held, strict=True)):
+            self.flat.replace(current)
+
+    def ensure_bound(self) -> None:
+        """Put back every tensor that left its buffer (cheap: one pointer compare per tensor)."""
+        self._follow_module()
+        convert = self._bound().rebind()
+        if convert is not None:
+            self.reducer.relayout(convert)
+
+    def _check_params(self, given: list[torch.Tensor]) -> None:
+        held = self._bound().tensors[: self.param_count]
+        held_ids = {id(t) for t in held}
+        foreign = sum(id(t) not in held_ids for t in given)
+        if foreign or len({id(t) for t in given}) != len(held_ids):
+            raise ValueError(
+                f"average_parameters() got {len(given)} parameters ({foreign} not held), the "
+                f"averager holds {len(held)}: it averages the tensors it was built with; build a "
+                "new averager for other parameters"
+            )
+
+    # --- the torch API and the trainer's ---------------------------------------------------
+
+    def average_parameters(self, params: Iterable | None = None) -> None:
+        """torch's call: after every optimizer step; averages when the rule says, then advances
+        `step`. The first call with `params` decides what is averaged (when no `module=` was
+        given); later calls must pass the same parameters."""
+        if params is not None:
+            given = parameters_of(params)
+            if self.flat is None:
+                self._bind(given, given)
+            else:
+                self._follow_module()
+                self._check_params(given)
+        self.maybe_average()
+
+    def maybe_average(self) -> bool:
+        """`average_parameters()` without the parameters: merges an average in flight, averages
+        when the rule says, advances `step`. Returns whether it averaged (or launched one)."""
+        flat = self._bound()
+        self.merged = False
+        if self.reducer.pending:
+            self.ensure_bound()
+            self.reducer.finish_(flat.buffers)
+            self._run_hooks(self.comm)
+            self.merged = True
+        level = self.level_at(self.step)
+        if level is not None:
+            self._average(level, delayed=self.reducer.delays, scheduled=True)
+        self.all_in_sync = (
+            level is not None and not self.reducer.delays and self.levels[level] is self.comm
+        )
+        self.step += 1
+        return level is not None
+
+    def average(self) -> None:
+        """Average across every rank now, blocking, outside the schedule (e.g. before the final
+        evaluation); an average still in flight is merged first (the hooks run once, after)."""
+        if self.reducer.pending:
+            self.ensure_bound()
+            self.reducer.finish_(self._bound().buffers)
+        self._average(len(self.levels) - 1, delayed=False, scheduled=False)
+        self.all_in_sync = True
+
+    def _average(self, level: int, delayed: bool, scheduled: bool) -> None:
+        self.ensure_bound()
+        buffers = self.flat.buffers
+        comm = self.levels[level]
+        before = self.stats.bytes
+        self._before_reduce()
+        if delayed:
+            self.reducer.launch_(buffers, comm)
+        else:
+            self.reducer.reduce_(buffers, comm, level, self.step)
+            self._run_hooks(comm)
+        self.stats.rounds += 1
+        self.level_stats[level].rounds += 1
+        self.level_stats[level].bytes += self.stats.bytes - before
+        self._after_reduce(scheduled)
+
+    def _run_hooks(self, comm: Communicator) -> None:
+        for hook in self.hooks:
+            hook(comm)
+
+    def averages_all(self, step: int) -> bool:
+        """Whether every rank ends step `step` holding the common average (with a delayed
+        reducer: whether that step merges one, launched a step before by every rank)."""
+        if self.reducer.delays:
+            return self.reducer.pending
+        level = self.level_at(step)
+        return level is not None and self.levels[level] is self.comm
+
+    @property
+    def in_warmup(self) -> bool:
+        """True while the next optimizer step belongs to the synchronous warmup."""
+        return self.step < self.warmup_steps
+
+    def common_tensors(self) -> list[torch.Tensor]:
+        """Flat tensors every rank holds identically right now: the buffers after a full
+        average; after a delayed merge, the average received (the buffers hold local progress)."""
+        if self.merged and not self.all_in_sync:
+            return self.reducer.averages
+        return self._bound().buffers
+
+    def observe_loss(self, loss: torch.Tensor) -> None:
+        """Feed this step's training loss to a schedule that adapts to it (no-op otherwise)."""
+
+    def broadcast_(self, src: int = 0) -> None:
+        """Give every rank rank `src`'s tensors (setup: not counted as training communication)."""
+        for flat in self._bound().buffers:
+            self.comm.broadcast_(flat, src)
+        self.reducer.reset(self.flat.buffers)
+
+    def comm_levels(self) -> list[dict]:
+        """Per-level communication of the averages, for summaries."""
+        return [
+            {
+                "group_size": comm.size,
+                "period": self.period_of(i),
+                "rounds": stats.rounds,
+                "bytes": stats.bytes,
+            }
+            for i, (comm, stats) in enumerate(zip(self.levels, self.level_stats, strict=True))
+        ]
+
+    def state_dict(self) -> dict:
+        return {
+            "step": self.step,
+            "warmup_steps": self.warmup_steps,
+            "levels": [s.state_dict() for s in self.level_stats],
+            "reducer": self.reducer.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])
+        for stats, saved in zip(self.level_stats, state.get("levels", []), strict=False):
+            stats.load_state_dict(saved)
+        if self.flat is not None:
+            self.reducer.load_state_dict(state.get("reducer", {}))
