@@ -125,8 +125,14 @@ def _contract_worker(rank, world_size):
         averager.average_parameters(list(model.parameters())[:1])
     except ValueError as e:
         out["subset"] = str(e)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(rank)  # no .grad anywhere: torch's averager would skip every one
     averager.step = 7  # torch's PostLocalSGDOptimizer.load_state_dict sets it so
     out["after_set"] = averager.maybe_average()  # (7 - 1) % 2 == 0: averages, as torch would
+    out["grad_none_averaged"] = all(
+        torch.equal(p, torch.full_like(p, (world_size - 1) / 2)) for p in model.parameters()
+    )
     hier = HierarchicalAverager({2: 2, 4: world_size}, module=_model())
     out["hier_is_model_averager"] = isinstance(hier, ModelAverager)
     outer = OuterAverager(2, module=_model())
@@ -145,3 +151,4 @@ def test_averager_contract_matches_torch_and_refuses_foreign_parameters():
         assert "\n" not in r["foreign"] and "build a new averager" in r["foreign"]
         assert "not held" in r["subset"]
         assert r["after_set"] is True
+        assert r["grad_none_averaged"]
