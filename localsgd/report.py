@@ -1,9 +1,12 @@
-"""`python -m localsgd.report DIR [DIR ...]`: tables and plots from finished runs and sweeps.
+"""`python -m localsgd.report PATH [PATH ...]`: tables and plots from finished runs and sweeps.
 
-Every directory under the given ones that holds a `summary.json` is a run; its config comes from
-`.hydra/config.yaml` (and `.hydra/overrides.yaml`). Runs that differ only in `seed` form one row:
-mean +- std over the seeds of the test accuracy, communication rounds and bytes, and wall time.
-Writes `report.md`, `report.csv` and three PNGs into `--out` (default: the first directory).
+A PATH is a directory or a run table. Every directory under a given one that holds a
+`summary.json` is a run; its config comes from `.hydra/config.yaml` (and `.hydra/overrides.yaml`).
+A run table (`*.jsonl`, written by `--export`) holds one run per line: its name, overrides,
+config, summary and metrics curve, which is all a report needs, so a study keeps one file instead
+of a Hydra output tree. Runs that differ only in `seed` form one row: mean +- std over the seeds of
+the test accuracy, communication rounds and bytes, and wall time. Writes `report.md`, `report.csv`
+and three PNGs into `--out` (default: the first directory, or the table's folder).
 """
 
 from __future__ import annotations
@@ -71,11 +74,66 @@ def load_run(path: str) -> Run:
     return Run(path, summary, config, metrics)
 
 
+# What a run table keeps of each metrics record: what the tables and plots read.
+CURVE_KEYS = (
+    "step",
+    "loss",
+    "test_loss",
+    "test_accuracy",
+    "comm_rounds",
+    "comm_bytes",
+    "wall_time_s",
+)
+
+
+def table_row(run: Run, root: str) -> dict[str, Any]:
+    """One line of a run table: the metrics as columns (a list per key, None where a record
+    lacks it), so the curve costs one key name per run rather than per record."""
+    overrides: list[str] = []
+    overrides_file = os.path.join(run.path, ".hydra", "overrides.yaml")
+    if os.path.isfile(overrides_file):
+        with open(overrides_file, encoding="utf-8") as f:
+            overrides = [str(o) for o in yaml.safe_load(f) or []]
+    keys = [k for k in CURVE_KEYS if any(k in m for m in run.metrics)]
+    return {
+        "run": os.path.relpath(run.path, os.path.dirname(os.path.abspath(root))),
+        "overrides": overrides,
+        "config": {k: list(v) if isinstance(v, tuple) else v for k, v in run.config.items()},
+        "summary": run.summary,
+        "curve": {k: [m.get(k) for m in run.metrics] for k in keys},
+    }
+
+
+def read_table(path: str) -> list[Run]:
+    runs = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                curve = row["curve"]
+                length = max((len(v) for v in curve.values()), default=0)
+                metrics = [
+                    {k: v[i] for k, v in curve.items() if v[i] is not None} for i in range(length)
+                ]
+                config = {
+                    k: tuple(v) if isinstance(v, list) else v for k, v in row["config"].items()
+                }
+                runs.append(Run(row["run"], row["summary"], config, metrics))
+            except (ValueError, KeyError, TypeError, IndexError) as e:
+                raise ValueError(f"{path}:{n}: not a run-table row ({e})") from None
+    return runs
+
+
 def find_runs(roots: Iterable[str]) -> list[Run]:
     runs = []
     for root in roots:
+        if os.path.isfile(root) and root.endswith(".jsonl"):
+            runs.extend(read_table(root))
+            continue
         if not os.path.isdir(root):
-            raise FileNotFoundError(f"{root}: no such directory")
+            raise FileNotFoundError(f"{root}: no such directory or run table (.jsonl)")
         for folder, subdirs, files in os.walk(root):
             subdirs[:] = sorted(d for d in subdirs if d not in ("wandb", ".hydra"))
             if "summary.json" in files:
@@ -182,13 +240,18 @@ def write_csv(path: str, rows: list[dict[str, Any]]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m localsgd.report", description=__doc__)
-    parser.add_argument("dirs", nargs="+", help="sweep or run directories (searched recursively)")
+    parser.add_argument(
+        "dirs", nargs="+", help="sweep or run directories (searched recursively), or run tables"
+    )
     parser.add_argument("--out", help="where to write the report (default: the first directory)")
     parser.add_argument("--no-plots", action="store_true", help="tables only")
+    parser.add_argument(
+        "--export", metavar="FILE", help="write the runs found as one run table (.jsonl) and stop"
+    )
     args = parser.parse_args(argv)
     try:
         runs = find_runs(args.dirs)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if not runs:
@@ -196,7 +259,22 @@ def main(argv: list[str] | None = None) -> int:
             f"error: no finished run (summary.json) under {', '.join(args.dirs)}", file=sys.stderr
         )
         return 2
-    out = args.out or args.dirs[0]
+    if args.export:
+        if not args.export.endswith(".jsonl") or os.path.exists(args.export):
+            print(
+                f"error: --export must name a new .jsonl file, got {args.export}", file=sys.stderr
+            )
+            return 2
+        with open(args.export, "w", encoding="utf-8") as f:
+            for run in runs:
+                root = next(
+                    d for d in args.dirs if os.path.abspath(run.path).startswith(os.path.abspath(d))
+                )
+                f.write(json.dumps(table_row(run, root)) + "\n")
+        print(f"wrote {len(runs)} runs to {args.export}")
+        return 0
+    first = args.dirs[0]
+    out = args.out or (os.path.dirname(first) or "." if os.path.isfile(first) else first)
     os.makedirs(out, exist_ok=True)
     groups, keys = group_runs(runs)
     rows = table_rows(groups)

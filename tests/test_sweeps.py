@@ -79,6 +79,24 @@ def test_report_tables_and_plots_from_a_real_sweep(basic_sweep, tmp_path, capsys
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
 
 
+@pytest.mark.timeout(300)
+def test_a_run_table_gives_the_same_report_as_the_sweep_directory(basic_sweep, tmp_path, capsys):
+    table = tmp_path / "runs.jsonl"
+    assert report_main([str(basic_sweep), "--export", str(table)]) == 0
+    assert len(table.read_text().splitlines()) == 4  # one line per run
+    assert report_main([str(basic_sweep), "--export", str(table)]) == 2  # never overwritten
+    assert "must name a new .jsonl file" in capsys.readouterr().err
+    from_dir, from_table = tmp_path / "a", tmp_path / "b"
+    assert report_main([str(basic_sweep), "--out", str(from_dir)]) == 0
+    assert report_main([str(table), "--out", str(from_table)]) == 0
+    assert (from_dir / "report.csv").read_text() == (from_table / "report.csv").read_text()
+    for name in ("accuracy_vs_step.png", "loss_vs_comm_bytes.png", "accuracy_vs_k.png"):
+        assert (from_table / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (tmp_path / "bad.jsonl").write_text('{"run": "x"}\n')
+    assert report_main([str(tmp_path / "bad.jsonl")]) == 2
+    assert "bad.jsonl:1: not a run-table row" in capsys.readouterr().err
+
+
 def test_report_refuses_a_directory_without_runs(tmp_path, capsys):
     assert report_main([str(tmp_path)]) == 2
     assert "no finished run" in capsys.readouterr().err
