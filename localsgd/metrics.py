@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from typing import Any
 
 from tqdm import tqdm
@@ -46,6 +47,10 @@ def write_json(path: str, obj: dict[str, Any]) -> None:
 
 
 def progress_bar(total: int, initial: int, enabled: bool) -> tqdm:
+    # tqdm's default lock holds a multiprocessing semaphore, which a worker leaving by os._exit
+    # never releases: the resource tracker then reports it leaked after every run. Each worker
+    # draws (at most) its own bar, so a thread lock is all that is needed.
+    tqdm.set_lock(threading.RLock())
     return tqdm(
         total=total,
         initial=initial,
