@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable
 
@@ -30,8 +31,19 @@ def _on_sigterm(signum, frame) -> None:
     _signalled = True
 
 
+def _on_sigint(signum, frame) -> None:
+    if _signalled:  # a second Ctrl-C: abort now, without a checkpoint or a traceback
+        print("Ctrl-C: aborted; the last complete checkpoint is kept", file=sys.stderr, flush=True)
+        os._exit(130)
+    _on_sigterm(signum, frame)
+
+
 def install_sigterm_handler() -> None:
+    """SIGTERM asks for the agreed stop. So does a first Ctrl-C where it reaches this process
+    (under torchrun; workers we spawn ignore SIGINT and leave it to the launcher)."""
     signal.signal(signal.SIGTERM, _on_sigterm)
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        signal.signal(signal.SIGINT, _on_sigint)
 
 
 class StopAgreement:

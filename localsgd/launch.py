@@ -84,6 +84,9 @@ def resolve_world_size(requested: int | None, device: str) -> int:
 def _spawned(
     local_rank: int, world_size: int, port: int, timeout_s: float, fn: Callable, args: tuple
 ) -> None:
+    # Ctrl-C reaches the whole process group; the launcher alone decides what it means (a stop
+    # at the next sync, then an abort), so a worker never dies of KeyboardInterrupt mid-step.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent()
     torch.set_num_threads(1)
     store = dist.TCPStore(
@@ -135,7 +138,8 @@ def spawn(fn: Callable, world_size: int, timeout_s: float, args: tuple = ()) -> 
     )
     # One thread per worker: more would oversubscribe the cores the workers share.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    previous = signal.getsignal(signal.SIGTERM)
+    previous = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    interrupts = 0
     try:
         context = mp.start_processes(
             _spawned,
@@ -150,7 +154,27 @@ def spawn(fn: Callable, world_size: int, timeout_s: float, args: tuple = ()) -> 
                 if p.is_alive():
                     os.kill(p.pid, signal.SIGTERM)
 
+        def interrupt(signum, frame):  # Ctrl-C: the first stops like SIGTERM, the second aborts
+            nonlocal interrupts
+            interrupts += 1
+            if interrupts == 1:
+                print(
+                    "Ctrl-C: stopping at the next sync with a checkpoint (run the same command "
+                    "again to resume; Ctrl-C again to abort without one)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                forward(signum, frame)
+                return
+            for p in context.processes:
+                if p.is_alive():
+                    os.kill(p.pid, signal.SIGKILL)
+            print("Ctrl-C: aborted; the last complete checkpoint is kept", file=sys.stderr)
+            sys.stderr.flush()
+            os._exit(130)  # no traceback from Hydra's frames: the workers are gone
+
         signal.signal(signal.SIGTERM, forward)
+        signal.signal(signal.SIGINT, interrupt)
         while not context.join(grace_period=_FAILURE_GRACE_S):
             pass
     except mp.ProcessRaisedException as e:
@@ -161,6 +185,7 @@ def spawn(fn: Callable, world_size: int, timeout_s: float, args: tuple = ()) -> 
             f"worker rank {e.error_index} died with exit code {e.exit_code}"
         ) from None
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGTERM, previous[0])
+        signal.signal(signal.SIGINT, previous[1])
         del store
         sys.stdout.flush()
