@@ -136,9 +136,13 @@ class ModelConfig:
 
 @dataclass
 class WandbConfig:
-    mode: str = "offline"  # offline (no account or network; `wandb sync` later) | online | disabled
-    project: str = "localsgd"
+    # null: wandb's own WANDB_MODE / WANDB_PROJECT / WANDB_ENTITY / WANDB_DIR decide, and where
+    # those are unset too: offline (no account or network; `wandb sync` later), project localsgd,
+    # the run directory
+    mode: str | None = None  # offline | online | disabled
+    project: str | None = None
     entity: str | None = None
+    dir: str | None = None
     tags: list[str] = field(default_factory=list)
     name: str | None = None  # null = from the command-line overrides
     group: str | None = None  # null = the multirun sweep directory (one group per sweep)
@@ -270,7 +274,8 @@ def validate(cfg: Any, world_size: int | None = None, local_world_size: int | No
     if _get(cfg, "optim.nesterov"):
         _require(momentum > 0, "optim.nesterov", "false when optim.momentum is 0", True)
 
-    _choice(cfg, "logger.wandb.mode", WANDB_MODES)
+    if _get(cfg, "logger.wandb.mode") is not None:
+        _choice(cfg, "logger.wandb.mode", WANDB_MODES)
 
     _choice(cfg, "data.name", DATASETS)
     _choice(cfg, "data.partition", PARTITIONS)

@@ -7,7 +7,9 @@ training loop calls the same methods everywhere and no rank but 0 touches files 
 from __future__ import annotations
 
 import glob
+import json
 import os
+import uuid
 from typing import Any, Protocol
 
 from localsgd.metrics import MetricsWriter
@@ -20,6 +22,43 @@ class Logger(Protocol):
     def log(self, record: dict[str, Any]) -> None: ...
     def summary(self, values: dict[str, Any]) -> None: ...
     def close(self, failed: bool) -> None: ...
+
+
+# Where a `logger.wandb` key is null, wandb's own environment variable decides, as wandb users
+# expect (WANDB_MODE=disabled is the usual way to keep scripts and CI off wandb); where that is
+# unset too, the fallback. An explicit config value always wins.
+WANDB_ENV = {
+    "mode": "WANDB_MODE",
+    "project": "WANDB_PROJECT",
+    "entity": "WANDB_ENTITY",
+    "dir": "WANDB_DIR",
+}
+WANDB_FALLBACK = {"mode": "offline", "project": "localsgd"}
+WANDB_MODE_ALIASES = {"dryrun": "offline", "run": "online"}  # wandb's older names
+RUN_ID_FILE = "wandb_run_id"  # in the run directory: a resumed run continues the same wandb run
+
+
+def resolve_wandb_settings(w: dict, env: dict[str, str] | None = None) -> None:
+    """Fill each unset key of the `logger.wandb` dict `w` in place (in the launcher, once)."""
+    env = os.environ if env is None else env
+    for key, var in WANDB_ENV.items():
+        if w.get(key) is None:
+            w[key] = env.get(var) or WANDB_FALLBACK.get(key)
+    w["mode"] = WANDB_MODE_ALIASES.get(w["mode"], w["mode"])
+    if w["mode"] not in ("offline", "online", "disabled"):
+        raise ValueError(f"WANDB_MODE must be offline, online or disabled, got {w['mode']!r}")
+
+
+def wandb_run_id(run_dir: str) -> str:
+    """The wandb run id of this run directory, made on its first start and kept for resumes."""
+    path = os.path.join(run_dir, RUN_ID_FILE)
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            return f.read().strip()
+    run_id = uuid.uuid4().hex[:12]  # wandb's alphabet: lower-case letters and digits
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(run_id + "\n")
+    return run_id
 
 
 def strategy_name(cfg: dict) -> str:
@@ -49,9 +88,10 @@ class JsonlLogger:
 
 
 class WandbLogger:
-    """A wandb run in the run directory: config = the resolved Hydra config, one run per job."""
+    """A wandb run in the run directory: config = the resolved Hydra config, one run per job
+    (resumes included: the run id lives in the run directory)."""
 
-    def __init__(self, cfg: dict, run_dir: str):
+    def __init__(self, cfg: dict, run_dir: str, replay: list[dict[str, Any]] | None = None):
         import wandb  # imported only where used: the other ranks never load it
 
         w = cfg["logger"]["wandb"]
@@ -64,7 +104,9 @@ class WandbLogger:
             group=w["group"],
             job_type=strategy_name(cfg),
             config=cfg,
-            dir=run_dir,
+            dir=w.get("dir") or run_dir,
+            id=wandb_run_id(run_dir),
+            resume="allow",  # a resumed run (trainer.resume) continues the same curve
             # no console capture or system sampling: they cost a thread and CPU in every worker
             settings=wandb.Settings(console="off", x_disable_stats=True, silent=True),
         )
@@ -72,6 +114,12 @@ class WandbLogger:
         for axis in STEP_AXES:
             self.run.define_metric(axis)
         self.run.define_metric("*", step_metric="step")
+        # A resumed run re-sends the curve up to its checkpoint: a SIGKILL can lose what wandb
+        # still buffered for the killed launch, and wandb keeps one value per step anyway (the
+        # values are the same: the resume is exact). Online, wandb already has steps < run.step.
+        for record in replay or []:
+            if record["step"] >= self.run.step:
+                self.log(record)
 
     def log(self, record: dict[str, Any]) -> None:
         # wandb's own step is the optimizer step, so train and eval lines of a step share a row
@@ -110,14 +158,21 @@ class Loggers:
             raise errors[0]
 
 
+def read_records(jsonl: JsonlLogger) -> list[dict[str, Any]]:
+    with open(jsonl.writer.path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
 def build_loggers(cfg: dict, run_dir: str, is_main: bool, append: bool = False) -> Loggers:
-    """`append`: a resumed run continues `metrics.jsonl` (its wandb run is a new one)."""
+    """`append`: a resumed run continues `metrics.jsonl` (and its wandb run, by the id kept in
+    the run directory)."""
     if not is_main:
         return Loggers([])
     loggers: list[Logger] = [JsonlLogger(os.path.join(run_dir, "metrics.jsonl"), append)]
+    resolve_wandb_settings(cfg["logger"]["wandb"])  # done by the launcher; not by every caller
     if cfg["logger"]["wandb"]["mode"] != "disabled":
         try:
-            loggers.append(WandbLogger(cfg, run_dir))
+            loggers.append(WandbLogger(cfg, run_dir, read_records(loggers[0]) if append else []))
         except BaseException:
             Loggers(loggers).close(failed=True)
             raise

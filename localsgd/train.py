@@ -32,7 +32,7 @@ from localsgd.launch import (
     torchrun_info,
     under_torchrun,
 )
-from localsgd.loggers import offline_runs
+from localsgd.loggers import offline_runs, resolve_wandb_settings
 from localsgd.overrides import CONF_DIR, check_overrides
 from localsgd.preflight import check_data, resolve_resume
 
@@ -93,6 +93,7 @@ def name_wandb_run(wandb_cfg: dict) -> None:
     """Fill in what only the launching process knows: the run name from the command-line
     overrides, and the multirun sweep as the group, so a sweep is one group on the dashboard."""
     hydra_cfg = HydraConfig.get()
+    resolve_wandb_settings(wandb_cfg)
     if wandb_cfg["name"] is None:
         wandb_cfg["name"] = hydra_cfg.job.override_dirname or None
     if wandb_cfg["group"] is None and hydra_cfg.mode == RunMode.MULTIRUN:
@@ -134,7 +135,10 @@ def main(cfg: DictConfig) -> float | None:
         fail(str(e))
     summary_path = os.path.join(run_dir, "summary.json")
     plain = OmegaConf.to_container(cfg, resolve=True)
-    name_wandb_run(plain["logger"]["wandb"])
+    try:
+        name_wandb_run(plain["logger"]["wandb"])
+    except ValueError as e:
+        fail(str(e))
     if resume is not None:
         print(f"resuming from {resume}", file=sys.stderr, flush=True)
     if torchrun:
