@@ -165,6 +165,9 @@ TRAJECTORY_KEYS = (
     "sync.comm_dtype",
     "comm.disabled",
     "trainer.batch_size",
+    "trainer.precision",
+    "trainer.accumulate_grad_batches",
+    "trainer.gradient_clip_val",
 )
 
 

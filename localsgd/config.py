@@ -42,6 +42,11 @@ class TrainerConfig:
     resume: str = "auto"  # auto (newest complete checkpoint in the run dir) | never | a path
     nan_policy: str = "error"  # error: stop at a non-finite loss | skip: skip that step
     deterministic: bool = False  # torch.use_deterministic_algorithms (CUDA); CPU is anyway
+    # the recipe, named as in Lightning (localsgd/recipe.py)
+    precision: str = "32-true"  # 32-true | bf16-mixed | 16-mixed (autocast; params stay fp32)
+    gradient_clip_val: float | None = None  # clip the gradient norm to this; null / 0 = off
+    accumulate_grad_batches: int = 1  # batches per optimizer step; sync.period counts steps
+    compile: bool = False  # torch.compile the model's training forward
 
 
 @dataclass
@@ -171,6 +176,7 @@ BACKENDS = ("auto", "gloo", "nccl")
 DEVICES = ("auto", "cpu", "cuda")
 WANDB_MODES = ("offline", "online", "disabled")
 NAN_POLICIES = ("error", "skip")
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")  # localsgd.recipe.PRECISIONS' keys
 
 
 def _require(ok: bool, key: str, allowed: str, value: Any) -> None:
@@ -218,6 +224,16 @@ def validate(cfg: Any, world_size: int | None = None, local_world_size: int | No
     keep = _get(cfg, "trainer.keep_checkpoints")
     _require(keep >= 1, "trainer.keep_checkpoints", "an integer >= 1", keep)
     _choice(cfg, "trainer.nan_policy", NAN_POLICIES)
+    _choice(cfg, "trainer.precision", PRECISIONS)
+    accumulate = _get(cfg, "trainer.accumulate_grad_batches")
+    _require(accumulate >= 1, "trainer.accumulate_grad_batches", "an integer >= 1", accumulate)
+    clip = _get(cfg, "trainer.gradient_clip_val")
+    _require(
+        clip is None or clip >= 0,
+        "trainer.gradient_clip_val",
+        ">= 0 (0 or null: no clipping)",
+        clip,
+    )
     resume = _get(cfg, "trainer.resume")
     _require(
         isinstance(resume, str) and resume != "",

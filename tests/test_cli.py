@@ -93,6 +93,11 @@ def test_post_local_sgd_run_writes_model_summary_and_metrics(tmp_path):
         ("data.partition=random", "data.partition"),
         ("optim.name=lion", "optim.name"),
         ("logger.wandb.mode=cloud", "logger.wandb.mode"),
+        ("trainer.precision=16", "trainer.precision"),
+        ("trainer.precision=fp8-mixed", "trainer.precision"),
+        ("trainer.accumulate_grad_batches=0", "trainer.accumulate_grad_batches"),
+        ("trainer.gradient_clip_val=-1", "trainer.gradient_clip_val"),
+        ("trainer.compile=maybe", "trainer.compile"),
     ],
 )
 @pytest.mark.timeout(60)
