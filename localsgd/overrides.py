@@ -7,6 +7,7 @@ report; these checks catch the common cases first and say the key and what is al
 from __future__ import annotations
 
 import os
+from importlib import resources
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
@@ -15,7 +16,10 @@ from omegaconf.errors import OmegaConfBaseException
 
 from localsgd.config import Config, ConfigError
 
-CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+# The package `localsgd.conf`: `conf/` of the source tree, mapped into the package by
+# pyproject.toml, so the same name finds it in a checkout, an editable install and a wheel.
+CONF_PACKAGE = "localsgd.conf"
+CONF_DIR = str(resources.files(CONF_PACKAGE))
 
 
 def group_options(group: str) -> list[str]:

@@ -33,7 +33,7 @@ from localsgd.launch import (
     under_torchrun,
 )
 from localsgd.loggers import offline_runs
-from localsgd.overrides import CONF_DIR, check_overrides
+from localsgd.overrides import CONF_DIR, CONF_PACKAGE, check_overrides
 from localsgd.preflight import check_data, resolve_resume
 
 ConfigStore.instance().store(name="config_schema", node=Config)
@@ -124,7 +124,8 @@ def preflight(cfg, run_dir: str | None, quiet: bool = False) -> str | None:
     return resume
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+# pkg://: the configs are the package localsgd.conf, in a checkout and in an installed wheel alike
+@hydra.main(version_base="1.3", config_path=f"pkg://{CONF_PACKAGE}", config_name="config")
 def main(cfg: DictConfig) -> float | None:
     torchrun = under_torchrun()
     run_dir = HydraConfig.get().runtime.output_dir
