@@ -148,6 +148,7 @@ TRAJECTORY_KEYS = (
     "data",
     "model",
     "optim",
+    "lr_schedule",
     "sync.period",
     "sync.warmup_steps",
     "sync.levels",

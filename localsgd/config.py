@@ -28,7 +28,7 @@ class DistConfig:
 
 @dataclass
 class TrainerConfig:
-    max_steps: int = 1000  # optimizer steps per worker
+    max_steps: int = 3000  # optimizer steps per worker
     batch_size: int = 32  # per worker
     eval_every: int = 250  # evaluate the averaged model at the first sync at or after each multiple
     log_every: int = 25
@@ -96,18 +96,48 @@ class CommConfig:
     disabled: bool = False
 
 
+# The optimizer and the LR schedule are built with hydra.utils.instantiate from `_target_`
+# (any torch.optim class, or your own, with its keyword arguments beside it). These dataclasses
+# are the schemas of the shipped presets (conf/optim/, conf/lr_schedule/) and hold their
+# defaults; a config of your own with another `_target_` needs no schema.
 @dataclass
-class OptimConfig:
-    name: str = "sgd"  # sgd | adamw
-    lr: float = 0.1
+class SGDConfig:
+    _target_: str = "torch.optim.SGD"
+    lr: float = 0.1  # the peak learning rate; the schedule scales it
     momentum: float = 0.9
     nesterov: bool = False
-    weight_decay: float = 0.0
+    weight_decay: float = 1e-4
+
+
+@dataclass
+class AdamWConfig:  # DiLoCo's inner optimizer (Douillard et al. 2023)
+    _target_: str = "torch.optim.AdamW"
+    lr: float = 4e-4
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    schedule: str = "cosine"  # constant | cosine | step
-    lr_warmup_steps: int = 0  # linear LR ramp from 0, independent of sync.warmup_steps
-    min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
-    decay_steps: list[int] = field(default_factory=list)  # for schedule=step
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+
+
+# Schedules: `lr_schedule(step)` is the factor of each parameter group's `lr` at that optimizer
+# step (localsgd/optim.py); `max_steps` comes from trainer.max_steps when it is built.
+@dataclass
+class WarmupCosineConfig:
+    _target_: str = "localsgd.optim.WarmupCosine"
+    warmup_steps: int = 50  # linear ramp from 0, independent of sync.warmup_steps
+    min_lr_ratio: float = 0.0  # cosine floor as a fraction of the peak
+
+
+@dataclass
+class ConstantLRConfig:
+    _target_: str = "localsgd.optim.WarmupConstant"
+    warmup_steps: int = 0
+
+
+@dataclass
+class StepLRConfig:
+    _target_: str = "localsgd.optim.WarmupStep"
+    warmup_steps: int = 0
+    decay_steps: list[int] = field(default_factory=list)  # multiply by decay_factor at each
     decay_factor: float = 0.1
 
 
@@ -161,17 +191,68 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     comm: CommConfig = field(default_factory=CommConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
+    optim: Any = MISSING  # a `_target_` config: conf/optim/ (sgd | adamw) or your own
+    lr_schedule: Any = MISSING  # a `_target_` config: conf/lr_schedule/ or your own
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
 
 
+# The structured configs conf/ builds on: the root schema and the presets' schemas, which the
+# group files extend (`defaults: [sgd_schema, _self_]`).
+SCHEMAS = {
+    (None, "config_schema"): Config,
+    ("optim", "sgd_schema"): SGDConfig,
+    ("optim", "adamw_schema"): AdamWConfig,
+    ("lr_schedule", "warmup_cosine_schema"): WarmupCosineConfig,
+    ("lr_schedule", "constant_schema"): ConstantLRConfig,
+    ("lr_schedule", "step_schema"): StepLRConfig,
+}
+
+
+def register_schemas() -> None:
+    """Put the schemas into Hydra's ConfigStore (before composing anything)."""
+    from hydra.core.config_store import ConfigStore
+
+    store = ConfigStore.instance()
+    for (group, name), node in SCHEMAS.items():
+        store.store(group=group, name=name, node=node)
+
+
+def typed(cfg: Any) -> Config:
+    """The config as `Config` dataclass objects, what the workers get: from Hydra's DictConfig
+    or a plain dict (resolved). `optim` / `lr_schedule` become their schema's dataclass, or a
+    plain dict for a `_target_` config without one."""
+    from omegaconf import OmegaConf
+
+    if isinstance(cfg, Config):
+        return cfg
+    if not OmegaConf.is_config(cfg):
+        cfg = OmegaConf.merge(OmegaConf.structured(Config), cfg)
+    return OmegaConf.to_object(cfg)  # resolves interpolations
+
+
+def plain(cfg: Any) -> dict:
+    """The config as nested plain dicts and lists (checkpoint markers, wandb, .hydra files)."""
+    import dataclasses
+
+    if dataclasses.is_dataclass(cfg):
+        return dataclasses.asdict(cfg)
+    from omegaconf import OmegaConf
+
+    if OmegaConf.is_config(cfg):
+        # key by key: Hydra's own node (present with return_hydra_config) is left out
+        return {
+            k: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v
+            for k, v in cfg.items()
+            if k != "hydra"
+        }
+    return cfg
+
+
 DATASETS = ("mnist1d", "digits", "synthetic", "cifar10", "text")
 MODELS = ("mlp", "cnn", "resnet20", "transformer")
 PARTITIONS = ("iid", "by_class", "dirichlet")
-OPTIMIZERS = ("sgd", "adamw")
-LR_SCHEDULES = ("constant", "cosine", "step")
 BACKENDS = ("auto", "gloo", "nccl")
 DEVICES = ("auto", "cpu", "cuda")
 WANDB_MODES = ("offline", "online", "disabled")
@@ -249,6 +330,8 @@ def validate(cfg: Any, world_size: int | None = None, local_world_size: int | No
         warmup,
     )
 
+    from localsgd.checks import validate_optim, validate_sync  # they import this module
+
     validate_sync(cfg, ws, local_world_size)
     bandwidth = _get(cfg, "comm.simulate.bandwidth_gbps")
     _require(
@@ -264,28 +347,7 @@ def validate(cfg: Any, world_size: int | None = None, local_world_size: int | No
             warmup == 0, "sync.warmup_steps", "0 when comm.disabled is true (nothing syncs)", warmup
         )
 
-    _choice(cfg, "optim.name", OPTIMIZERS)
-    _choice(cfg, "optim.schedule", LR_SCHEDULES)
-    lr = _get(cfg, "optim.lr")
-    _require(lr > 0, "optim.lr", "> 0", lr)
-    momentum = _get(cfg, "optim.momentum")
-    _require(0 <= momentum < 1, "optim.momentum", "in [0, 1)", momentum)
-    wd = _get(cfg, "optim.weight_decay")
-    _require(wd >= 0, "optim.weight_decay", ">= 0", wd)
-    lr_warmup = _get(cfg, "optim.lr_warmup_steps")
-    _require(lr_warmup >= 0, "optim.lr_warmup_steps", "an integer >= 0", lr_warmup)
-    floor = _get(cfg, "optim.min_lr_ratio")
-    _require(0 <= floor <= 1, "optim.min_lr_ratio", "in [0, 1]", floor)
-    betas = list(_get(cfg, "optim.betas"))
-    _require(
-        len(betas) == 2 and all(0 <= b < 1 for b in betas),
-        "optim.betas",
-        "two numbers in [0, 1)",
-        betas,
-    )
-    if _get(cfg, "optim.nesterov"):
-        _require(momentum > 0, "optim.nesterov", "false when optim.momentum is 0", True)
-
+    validate_optim(cfg)
     _choice(cfg, "logger.wandb.mode", WANDB_MODES)
 
     _choice(cfg, "data.name", DATASETS)
@@ -304,115 +366,3 @@ def validate(cfg: Any, world_size: int | None = None, local_world_size: int | No
         _require(value >= low, key, f"an integer >= {low}", value)
     noise = _get(cfg, "data.noise")
     _require(noise >= 0, "data.noise", ">= 0", noise)
-
-
-SCHEDULES = ("constant", "step", "adaptive")
-OUTERS = ("none", "diloco", "slowmo")
-OPTIMIZER_STATES = ("local", "average", "reset")
-COMM_DTYPES = ("float32", "bfloat16", "float16")
-
-
-def _validate_overlap(cfg: Any, has_levels: bool) -> None:
-    """Delayed averaging is built for plain periodic averaging only."""
-    bucket = _get(cfg, "sync.bucket_mb")
-    _require(bucket > 0, "sync.bucket_mb", "> 0", bucket)
-    _require(not has_levels, "sync.overlap", "false when sync.levels is set", True)
-    for key, allowed in (
-        ("sync.outer", "none"),
-        ("sync.comm_dtype", "float32"),
-        ("sync.optimizer_state", "local"),
-    ):
-        value = _get(cfg, key)
-        _require(value == allowed, key, f"{allowed} when sync.overlap=true", value)
-    schedule = _get(cfg, "sync.schedule")
-    _require(
-        schedule != "adaptive", "sync.schedule", "constant or step when sync.overlap=true", schedule
-    )
-
-
-def validate_sync(cfg: Any, ws: int | None, local_ws: int | None) -> None:
-    """The averaging strategy's keys and their combinations. `ws` None: not known yet."""
-    for key, choices in (
-        ("sync.schedule", SCHEDULES),
-        ("sync.outer", OUTERS),
-        ("sync.optimizer_state", OPTIMIZER_STATES),
-        ("sync.comm_dtype", COMM_DTYPES),
-    ):
-        _choice(cfg, key, choices)
-    schedule = _get(cfg, "sync.schedule")
-    factor = _get(cfg, "sync.period_factor")
-    period = _get(cfg, "sync.period")
-    if schedule == "step":
-        _require(factor >= 1, "sync.period_factor", "an integer >= 1", factor)
-        milestones = list(_get(cfg, "sync.period_milestones"))
-        _require(
-            all(m >= 0 for m in milestones), "sync.period_milestones", "steps >= 0", milestones
-        )
-    if schedule == "adaptive":
-        _require(factor >= 2, "sync.period_factor", "an integer >= 2 for adaptive", factor)
-        lo, hi = _get(cfg, "sync.min_period"), _get(cfg, "sync.max_period")
-        _require(lo >= 1, "sync.min_period", "an integer >= 1", lo)
-        _require(
-            lo <= period <= hi, "sync.max_period", f">= sync.period ({period}) >= min_period", hi
-        )
-        tol = _get(cfg, "sync.adaptive_tolerance")
-        _require(0 <= tol < 1, "sync.adaptive_tolerance", "in [0, 1)", tol)
-    outer_lr = _get(cfg, "sync.outer_lr")
-    _require(outer_lr is None or outer_lr > 0, "sync.outer_lr", "> 0 (or null)", outer_lr)
-    outer_momentum = _get(cfg, "sync.outer_momentum")
-    _require(
-        outer_momentum is None or 0 <= outer_momentum < 1,
-        "sync.outer_momentum",
-        "in [0, 1) (or null)",
-        outer_momentum,
-    )
-    if _get(cfg, "sync.outer_nesterov") and outer_momentum == 0:
-        _require(False, "sync.outer_nesterov", "false when sync.outer_momentum is 0", True)
-
-    levels = list(_get(cfg, "sync.levels") or [])
-    if _get(cfg, "sync.overlap"):
-        _validate_overlap(cfg, bool(levels))
-    if not levels:
-        return
-    outer = _get(cfg, "sync.outer")
-    _require(outer == "none", "sync.outer", "none when sync.levels is set", outer)
-    _require(schedule == "constant", "sync.schedule", "constant when sync.levels is set", schedule)
-    sizes, periods = [], []
-    for i, level in enumerate(levels):
-        size, lp = _get(level, "group_size"), _get(level, "period")
-        key = f"sync.levels[{i}]"
-        ok = size in ("world", "node") or (isinstance(size, int) and size >= 1)
-        _require(ok, f"{key}.group_size", "an integer >= 1, node or world", size)
-        _require(isinstance(lp, int) and lp >= 1, f"{key}.period", "an integer >= 1", lp)
-        if size == "world":
-            size = ws
-        elif size == "node":
-            size = local_ws if local_ws is not None else ws
-        sizes.append(size)
-        periods.append(lp)
-    if ws is not None:
-        for i, size in enumerate(sizes):
-            _require(
-                ws % size == 0, f"sync.levels[{i}].group_size", f"a divisor of {ws} workers", size
-            )
-    for i in range(1, len(levels)):
-        _require(
-            periods[i] > periods[i - 1],
-            f"sync.levels[{i}].period",
-            f"greater than the narrower level's period {periods[i - 1]}",
-            periods[i],
-        )
-        if sizes[i] is not None and sizes[i - 1] is not None:
-            _require(
-                sizes[i] > sizes[i - 1] and sizes[i] % sizes[i - 1] == 0,
-                f"sync.levels[{i}].group_size",
-                f"a multiple of the narrower level's group size {sizes[i - 1]}, and larger",
-                sizes[i],
-            )
-    if ws is not None:
-        _require(
-            sizes[-1] == ws,
-            f"sync.levels[{len(levels) - 1}].group_size",
-            f"world (the widest level spans all {ws} workers)",
-            sizes[-1],
-        )

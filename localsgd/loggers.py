@@ -10,6 +10,7 @@ import glob
 import os
 from typing import Any, Protocol
 
+from localsgd.config import Config, SyncConfig, plain
 from localsgd.metrics import MetricsWriter
 
 # x axes a wandb chart may use instead of the step: samples seen and bytes communicated
@@ -22,14 +23,20 @@ class Logger(Protocol):
     def close(self, failed: bool) -> None: ...
 
 
-def strategy_name(cfg: dict) -> str:
-    """What wandb's `job_type` says: the averaging strategy this config runs."""
-    sync = cfg["sync"]
-    if sync.get("strategy"):  # an explicit strategy key, where the config has one
-        return str(sync["strategy"])
-    if sync["warmup_steps"] > 0:
+def strategy_name(sync: SyncConfig) -> str:
+    """What wandb's `job_type` says: the averaging strategy the `sync` config runs, named as its
+    conf/sync/ preset (read from what the config does, so `sync.outer=diloco` on the command
+    line is labelled diloco too). The most specific feature wins: levels, an outer optimizer, an
+    adaptive period, a synchronous warmup, then k=1 or plain local SGD."""
+    if sync.levels:
+        return "hierarchical"
+    if sync.outer != "none":
+        return sync.outer
+    if sync.schedule == "adaptive":
+        return "adaptive"
+    if sync.warmup_steps > 0:
         return "post_local_sgd"
-    return "sync_sgd" if sync["period"] == 1 else "local_sgd"
+    return "sync_sgd" if sync.period == 1 else "local_sgd"
 
 
 class JsonlLogger:
@@ -51,19 +58,19 @@ class JsonlLogger:
 class WandbLogger:
     """A wandb run in the run directory: config = the resolved Hydra config, one run per job."""
 
-    def __init__(self, cfg: dict, run_dir: str):
+    def __init__(self, cfg: Config, run_dir: str):
         import wandb  # imported only where used: the other ranks never load it
 
-        w = cfg["logger"]["wandb"]
+        w = cfg.logger.wandb
         self.run = wandb.init(
-            mode=w["mode"],
-            project=w["project"],
-            entity=w["entity"],
-            tags=list(w["tags"]) or None,
-            name=w["name"],
-            group=w["group"],
-            job_type=strategy_name(cfg),
-            config=cfg,
+            mode=w.mode,
+            project=w.project,
+            entity=w.entity,
+            tags=list(w.tags) or None,
+            name=w.name,
+            group=w.group,
+            job_type=strategy_name(cfg.sync),
+            config=plain(cfg),
             dir=run_dir,
             # no console capture or system sampling: they cost a thread and CPU in every worker
             settings=wandb.Settings(console="off", x_disable_stats=True, silent=True),
@@ -110,12 +117,12 @@ class Loggers:
             raise errors[0]
 
 
-def build_loggers(cfg: dict, run_dir: str, is_main: bool, append: bool = False) -> Loggers:
+def build_loggers(cfg: Config, run_dir: str, is_main: bool, append: bool = False) -> Loggers:
     """`append`: a resumed run continues `metrics.jsonl` (its wandb run is a new one)."""
     if not is_main:
         return Loggers([])
     loggers: list[Logger] = [JsonlLogger(os.path.join(run_dir, "metrics.jsonl"), append)]
-    if cfg["logger"]["wandb"]["mode"] != "disabled":
+    if cfg.logger.wandb.mode != "disabled":
         try:
             loggers.append(WandbLogger(cfg, run_dir))
         except BaseException:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import sys
 import time
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -14,6 +13,7 @@ import torch.nn.functional as F
 
 from localsgd import checkpoint
 from localsgd.averaging import CommStats, GradientAverager, SimulatedLink
+from localsgd.config import Config, plain
 from localsgd.data import Dataset, ShardSampler, load_dataset, shard_indices
 from localsgd.drift import DriftMeter
 from localsgd.failures import Fault, NonFiniteTracker, StopAgreement, check_replicas
@@ -21,16 +21,9 @@ from localsgd.launch import WorkerInfo
 from localsgd.loggers import build_loggers
 from localsgd.metrics import progress_bar, trim_metrics, write_json
 from localsgd.models import build_model
-from localsgd.optim import build_optimizer, lr_at, set_lr
+from localsgd.optim import build_optimizer, build_schedule, set_lr
 from localsgd.recipe import Recipe
 from localsgd.strategies import build_averager
-
-
-def namespace(obj: Any) -> Any:
-    """Plain nested dicts (what crosses the process boundary) to attribute access."""
-    if isinstance(obj, dict):
-        return SimpleNamespace(**{k: namespace(v) for k, v in obj.items()})
-    return obj
 
 
 def loss_and_correct(
@@ -44,15 +37,15 @@ def loss_and_correct(
 class Trainer:
     def __init__(
         self,
-        cfg: dict,
+        cfg: Config,
         info: WorkerInfo,
         device: torch.device,
         run_dir: str,
         resume_from: str | None = None,
         store: dist.Store | None = None,
     ):
-        self.config = cfg
-        self.cfg = c = namespace(cfg)
+        self.cfg = c = cfg
+        self.config = plain(cfg)  # for wandb and the checkpoint marker
         self.info = info
         self.device = device
         self.run_dir = run_dir
@@ -85,6 +78,7 @@ class Trainer:
         )
         self.comm_disabled = c.comm.disabled
         self.optimizer = build_optimizer(self.model.parameters(), c.optim)
+        self.lr_schedule = build_schedule(c.lr_schedule, c.trainer.max_steps)
         self.averager = build_averager(
             c.sync, self.model, self.optimizer, info.world_size, info.local_world_size, self.comm,
             link,
@@ -159,7 +153,7 @@ class Trainer:
         """One optimizer step (of `accumulate_grad_batches` batches); returns the loss, or None
         when nan_policy=skip skipped it."""
         self.fault.before_step(step)
-        set_lr(self.optimizer, lr_at(step, self.cfg.optim, self.cfg.trainer.max_steps))
+        set_lr(self.optimizer, self.lr_schedule, step)
         synchronous = self.averager.in_warmup
         # In the warmup the gradients are views of GradientAverager's flat buffer: zero them in
         # place. Afterwards drop them: zeroing and then accumulating into old gradients costs two
@@ -263,7 +257,7 @@ class Trainer:
         metrics_path = os.path.join(self.run_dir, "metrics.jsonl")
         if self.is_main and self.resumed_from is not None:
             trim_metrics(metrics_path, self.step)  # lines past the checkpoint are redone
-        logger = build_loggers(self.config, self.run_dir, self.is_main, append=self.step > 0)
+        logger = build_loggers(self.cfg, self.run_dir, self.is_main, append=self.step > 0)
         failed = True
         bar = progress_bar(c.max_steps, self.step, self.is_main and c.progress)
         start = time.perf_counter() - self.elapsed_before

@@ -93,7 +93,7 @@ def _precision_worker(rank, world_size, cfg):
     with tempfile.TemporaryDirectory() as run_dir:
         t = _trainer(cfg, rank, world_size, run_dir)
         losses, identical_after_sync = [], []
-        for step in range(cfg["trainer"]["max_steps"]):
+        for step in range(cfg.trainer.max_steps):
             losses.append(float(t.train_step(step)))
             if t.in_sync:
                 identical_after_sync.append(_identical(_flat(t)))
@@ -150,7 +150,7 @@ def _clip_worker(rank, world_size, clipped, plain):
 def test_gradient_clip_val_bounds_the_gradient_norm():
     # plain SGD at lr 1 with a constant schedule: the update is minus the (clipped) gradient
     base = TINY + ["optim.lr=1.0", "optim.momentum=0", "optim.weight_decay=0"]
-    base += ["optim.schedule=constant", "optim.lr_warmup_steps=0", "trainer.batch_size=16"]
+    base += ["lr_schedule=constant", "trainer.batch_size=16"]
     (r,) = run_distributed(
         _clip_worker,
         1,
