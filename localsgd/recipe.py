@@ -54,6 +54,18 @@ class Recipe:
         # state_dict keys, the averagers' views and checkpoints are the same with or without it.
         self.forward = torch.compile(model) if compile else model
 
+    @classmethod
+    def from_config(cls, model: torch.nn.Module, device: torch.device, trainer) -> Recipe:
+        """From the `trainer` config (localsgd.config.TrainerConfig)."""
+        return cls(
+            model,
+            device,
+            precision=trainer.precision,
+            gradient_clip_val=trainer.gradient_clip_val,
+            accumulate_grad_batches=trainer.accumulate_grad_batches,
+            compile=trainer.compile,
+        )
+
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.dtype is None:
             return contextlib.nullcontext()  # nothing at all on the default path

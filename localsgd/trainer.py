@@ -92,15 +92,8 @@ class Trainer:
             else None
         )
         self.drift = DriftMeter(self.averager.flat.buffers) if c.trainer.track_drift else None
-        t = c.trainer  # built after the averager: its flat-buffer views are what gets compiled
-        self.recipe = Recipe(
-            self.model,
-            device,
-            precision=t.precision,
-            gradient_clip_val=t.gradient_clip_val,
-            accumulate_grad_batches=t.accumulate_grad_batches,
-            compile=t.compile,
-        )
+        # after the averager: its flat-buffer views are what gets compiled
+        self.recipe = Recipe.from_config(self.model, device, c.trainer)
         self.step = 0
         self.in_sync = True  # replicas identical right now
         torch.manual_seed(c.seed + 1000 * info.rank + 1)  # dropout etc. differ per rank
@@ -327,7 +320,7 @@ class Trainer:
                 return None
             result = self.evaluate()
             logger.log({"step": self.step, **result})
-            self.save_model()
+            checkpoint.save_model(self.model, self.run_dir)
             summary = {
                 **result,
                 "steps": self.step,
@@ -397,10 +390,3 @@ class Trainer:
         if self.drift is not None and state.get("drift") is not None:
             self.drift.load_state_dict(state["drift"])
         self.recipe.load_state_dict(state.get("scaler"))
-
-    def save_model(self) -> None:
-        # Cloned, so the file holds each tensor alone rather than views of the shared flat buffer.
-        state = {k: v.detach().clone().cpu() for k, v in self.model.state_dict().items()}
-        path = os.path.join(self.run_dir, "model.pt")
-        torch.save(state, path + ".tmp")
-        os.replace(path + ".tmp", path)
