@@ -80,7 +80,7 @@ def check_overrides(args: list[str]) -> None:
                 OmegaConf.update(schema, key, value, merge=True)
             except (OmegaConfBaseException, ValueError) as e:
                 if OmegaConf.select(schema, key, default="<missing>") == "<missing>":
-                    raise ConfigError(f"{key} is not a setting (see conf/config.yaml)") from None
+                    raise ConfigError(f"{key} is not a setting (see localsgd/config.py)") from None
                 node = OmegaConf.select(schema, key)
                 kind = type(node).__name__ if node is not None else "a valid value"
                 raise ConfigError(f"{key} must be of type {kind}, got {value!r}") from e

@@ -183,3 +183,18 @@ def test_an_optimizer_of_your_own_through_config_dir(tmp_path):
     saved = yaml.safe_load((run_dir / ".hydra" / "config.yaml").read_text())
     assert saved["optim"] == {"_target_": "torch.optim.Adagrad", "lr": 0.05, "lr_decay": 0.001}
     assert (run_dir / "summary.json").exists()
+
+
+@pytest.mark.parametrize(
+    "changed",
+    ["lr_schedule.warmup_steps=10", "optim=adamw", "trainer.precision=bf16-mixed",
+     "trainer.accumulate_grad_batches=2", "trainer.gradient_clip_val=1.0"],  # fmt: skip
+)
+def test_a_checkpoint_refuses_a_run_whose_recipe_or_schedule_changed(changed):
+    from localsgd.checkpoint import config_mismatch
+    from localsgd.config import plain
+
+    saved = {"config": plain(compose_config([]))}
+    diff = config_mismatch(saved, plain(compose_config([changed])))
+    assert diff is not None and diff.startswith(changed.split("=")[0].split(".")[0]), diff
+    assert config_mismatch(saved, plain(compose_config(["trainer.max_steps=5000"]))) is None
