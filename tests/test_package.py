@@ -119,3 +119,27 @@ def test_installed_wheel_trains_50_steps_from_another_directory(installed, tmp_p
     )
     assert report.returncode == 0, report.stderr[-2000:]
     assert (run_dir / "report.md").exists()
+
+
+@pytest.mark.timeout(120)
+def test_a_checkout_runs_without_any_install(tmp_path):
+    # a bare copy of the source tree: `conf/` beside the package, nothing installed from it
+    checkout = tmp_path / "checkout"
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for name in ("localsgd", "conf"):
+        shutil.copytree(os.path.join(ROOT, name), checkout / name, ignore=ignore)
+    env = {**os.environ, "PYTHONPATH": str(checkout)}
+    code = "import localsgd.conf as c; print(c.__file__)"
+    where = subprocess.run([sys.executable, "-c", code], cwd=checkout, env=env,
+                           capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert where.stdout.strip() == str(checkout / "conf" / "__init__.py"), where.stderr[-2000:]
+    proc = subprocess.run(
+        [sys.executable, "-m", "localsgd.train", "--cfg", "job", "optim=adamw"],
+        cwd=checkout,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert yaml.safe_load(proc.stdout)["optim"]["_target_"] == "torch.optim.AdamW"
