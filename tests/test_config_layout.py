@@ -198,3 +198,10 @@ def test_a_checkpoint_refuses_a_run_whose_recipe_or_schedule_changed(changed):
     diff = config_mismatch(saved, plain(compose_config([changed])))
     assert diff is not None and diff.startswith(changed.split("=")[0].split(".")[0]), diff
     assert config_mismatch(saved, plain(compose_config(["trainer.max_steps=5000"]))) is None
+
+
+def test_a_strategy_experiment_is_its_presets():
+    assert compose_config(["+experiment=diloco"]) == compose_config(
+        ["sync=diloco", "optim=adamw", "optim.lr=0.003"]
+    )
+    assert compose_config(["+experiment=adaptive_period"]) == compose_config(["sync=adaptive"])

@@ -250,3 +250,33 @@ def test_16_mixed_run_killed_mid_run_resumes_bit_identical(tmp_path):
     assert same_model(run_dir / "model.pt", reference / "model.pt")
     state = torch.load(run_dir / "checkpoints" / "step-24" / "rank-0.pt", weights_only=True)
     assert state["scaler"]["scale"] > 0  # the GradScaler's state is in every checkpoint
+
+
+def _lockstep_worker(rank, world_size, cfg):
+    import os
+
+    os.environ["LOCALSGD_FAULT"] = "nan:1:2"  # rank 1's gradients overflow at warmup step 2
+    with tempfile.TemporaryDirectory() as run_dir:
+        t = _trainer(cfg, rank, world_size, run_dir)
+        scales, identical = [], []
+        for step in range(4):
+            before = _flat(t).clone()
+            t.train_step(step)
+            scales.append(t.recipe.scaler.get_scale())
+            identical.append(_identical(_flat(t)))
+            if step == 2:
+                skipped = torch.equal(before, _flat(t))
+        return {"scales": scales, "identical": identical, "skipped": skipped}
+
+
+@pytest.mark.timeout(90)
+def test_16_mixed_scalers_stay_in_lockstep_through_an_overflow_in_the_warmup():
+    cfg = compose_config(
+        TINY + ["trainer.precision=16-mixed", "trainer.batch_size=16", "sync.warmup_steps=4"]
+    )
+    results = run_distributed(_lockstep_worker, 2, cfg)
+    for r in results:
+        # the all-reduced gradient overflowed on both ranks: both skip that step and halve
+        assert r["skipped"]
+        assert r["scales"] == [65536.0, 65536.0, 32768.0, 32768.0]
+        assert all(r["identical"])
