@@ -195,6 +195,7 @@ def _compile_worker(rank, world_size, compiled, eager):
                 t.train_step(step)
             out[name] = _flat(t)
             out[f"{name}_type"] = type(t.recipe.forward).__name__
+            out[f"{name}_keys"] = list(t.model.state_dict())  # what checkpoints and model.pt hold
     return out
 
 
@@ -210,6 +211,7 @@ def test_compile_trains_the_same_model_through_torch_compile():
     )
     assert r["compiled_type"] == "OptimizedModule" and r["eager_type"] != "OptimizedModule"
     assert torch.allclose(r["compiled"], r["eager"], rtol=1e-4, atol=1e-6)
+    assert r["compiled_keys"] == r["eager_keys"]  # no `_orig_mod.` prefix in checkpoints
 
 
 @pytest.mark.timeout(180)
