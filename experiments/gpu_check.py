@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -292,6 +293,14 @@ def make_train(device: str, tmp: str) -> str:
     )
 
 
+BUDGET_S = 300
+
+
+def _over_budget(signum, frame) -> None:
+    print(f"FAIL gpu-check: not done within {BUDGET_S} s", flush=True)
+    os._exit(1)  # spawned workers die with this process (PR_SET_PDEATHSIG)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu", action="store_true", help="run the checks on CPU/gloo instead")
@@ -304,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     device = "cpu" if args.cpu else "cuda"
+    signal.signal(signal.SIGALRM, _over_budget)
+    signal.alarm(BUDGET_S)  # the whole check stays within five minutes, even if a step hangs
     if device == "cuda":
         print(f"gpu-check: {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, "
               f"torch {torch.__version__}, CUDA {torch.version.cuda}", flush=True)  # fmt: skip
