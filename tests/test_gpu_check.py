@@ -15,8 +15,8 @@ from tests.conftest import ROOT
 SCRIPT = os.path.join(ROOT, "experiments", "gpu_check.py")
 
 
-def _run(*args: str, timeout: float) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+def _run(*args: str, timeout: float, **extra_env: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **extra_env}
     return subprocess.run(
         [sys.executable, SCRIPT, *args],
         cwd=ROOT,
@@ -72,3 +72,22 @@ def test_a_failing_check_is_one_fail_line_and_the_rest_still_run(capsys):
     assert lines[1].startswith("PASS fine: ok (")
     assert lines[2] == "SKIP cuda only: no CUDA RNG on CPU"
     assert checks.failed == 1  # main() exits 1 when this is not 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_check_past_the_budget_fails_the_whole_run_and_leaves_no_process():
+    from tests.reliability_helpers import survivors, tagged_env
+
+    env, tag = tagged_env()
+    proc = subprocess.run(
+        [sys.executable, SCRIPT, "--cpu"],
+        cwd=ROOT,
+        env={**env, "GPU_CHECK_BUDGET_S": "3"},
+        capture_output=True,  # returns only once no process holds the pipes any more
+        text=True,
+        timeout=100,
+    )
+    assert proc.returncode == 1
+    assert proc.stdout.strip().splitlines()[-1] == "FAIL gpu-check: not done within 3 s"
+    assert not survivors(tag)
