@@ -6,7 +6,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 ARGS    ?=
 
-.PHONY: help install train test test-fast lint format bench clean
+.PHONY: help install train test test-fast lint format bench gpu-check clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  make %-10s %s\n", $$1, $$2}'
@@ -35,6 +35,9 @@ format: $(STAMP)  ## ruff format + import sorting
 
 bench: $(STAMP)  ## the performance suite, ~10 min (writes experiments/bench/RESULTS.md)
 	$(BIN)/python experiments/bench/run.py $(ARGS)
+
+gpu-check: $(STAMP)  ## on a CUDA machine: NCCL, mixed precision, pinned memory, CUDA RNG, resume, train (<5 min)
+	$(BIN)/python experiments/gpu_check.py $(ARGS)
 
 clean:  ## remove .venv and run outputs
 	rm -rf $(VENV) outputs multirun

@@ -206,6 +206,15 @@ def newest_complete(run_dir: str, world_size: int | None, warn=None) -> str | No
     return None
 
 
+def save_model(model: torch.nn.Module, run_dir: str) -> None:
+    """The final model as `model.pt`, written atomically."""
+    # Cloned, so the file holds each tensor alone rather than views of the shared flat buffer.
+    state = {k: v.detach().clone().cpu() for k, v in model.state_dict().items()}
+    path = os.path.join(run_dir, "model.pt")
+    torch.save(state, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
 def load(folder: str, rank: int, device: torch.device) -> dict[str, Any]:
     return torch.load(rank_file(folder, rank), map_location=device, weights_only=True)
 

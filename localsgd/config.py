@@ -28,7 +28,7 @@ class DistConfig:
 
 @dataclass
 class TrainerConfig:
-    max_steps: int = 1000  # optimizer steps per worker
+    max_steps: int = 3000  # optimizer steps per worker
     batch_size: int = 32  # per worker
     eval_every: int = 250  # evaluate the averaged model at the first sync at or after each multiple
     log_every: int = 25
@@ -42,6 +42,11 @@ class TrainerConfig:
     resume: str = "auto"  # auto (newest complete checkpoint in the run dir) | never | a path
     nan_policy: str = "error"  # error: stop at a non-finite loss | skip: skip that step
     deterministic: bool = False  # torch.use_deterministic_algorithms (CUDA); CPU is anyway
+    # the recipe, named as in Lightning (localsgd/recipe.py)
+    precision: str = "32-true"  # 32-true | bf16-mixed | 16-mixed (autocast; params stay fp32)
+    gradient_clip_val: float | None = None  # clip the gradient norm to this; null / 0 = off
+    accumulate_grad_batches: int = 1  # batches per optimizer step; sync.period counts steps
+    compile: bool = False  # torch.compile the model's training forward
 
 
 @dataclass
@@ -91,18 +96,48 @@ class CommConfig:
     disabled: bool = False
 
 
+# The optimizer and the LR schedule are built with hydra.utils.instantiate from `_target_`
+# (any torch.optim class, or your own, with its keyword arguments beside it). These dataclasses
+# are the schemas of the shipped presets (conf/optim/, conf/lr_schedule/) and hold their
+# defaults; a config of your own with another `_target_` needs no schema.
 @dataclass
-class OptimConfig:
-    name: str = "sgd"  # sgd | adamw
-    lr: float = 0.1
+class SGDConfig:
+    _target_: str = "torch.optim.SGD"
+    lr: float = 0.1  # the peak learning rate; the schedule scales it
     momentum: float = 0.9
     nesterov: bool = False
-    weight_decay: float = 0.0
+    weight_decay: float = 1e-4
+
+
+@dataclass
+class AdamWConfig:  # DiLoCo's inner optimizer (Douillard et al. 2023)
+    _target_: str = "torch.optim.AdamW"
+    lr: float = 4e-4
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    schedule: str = "cosine"  # constant | cosine | step
-    lr_warmup_steps: int = 0  # linear LR ramp from 0, independent of sync.warmup_steps
-    min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
-    decay_steps: list[int] = field(default_factory=list)  # for schedule=step
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+
+
+# Schedules: `lr_schedule(step)` is the factor of each parameter group's `lr` at that optimizer
+# step (localsgd/optim.py); `max_steps` comes from trainer.max_steps when it is built.
+@dataclass
+class WarmupCosineConfig:
+    _target_: str = "localsgd.optim.WarmupCosine"
+    warmup_steps: int = 50  # linear ramp from 0, independent of sync.warmup_steps
+    min_lr_ratio: float = 0.0  # cosine floor as a fraction of the peak
+
+
+@dataclass
+class ConstantLRConfig:
+    _target_: str = "localsgd.optim.WarmupConstant"
+    warmup_steps: int = 0
+
+
+@dataclass
+class StepLRConfig:
+    _target_: str = "localsgd.optim.WarmupStep"
+    warmup_steps: int = 0
+    decay_steps: list[int] = field(default_factory=list)  # multiply by decay_factor at each
     decay_factor: float = 0.1
 
 
@@ -160,21 +195,73 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     comm: CommConfig = field(default_factory=CommConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
+    optim: Any = MISSING  # a `_target_` config: conf/optim/ (sgd | adamw) or your own
+    lr_schedule: Any = MISSING  # a `_target_` config: conf/lr_schedule/ or your own
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
 
 
+# The structured configs conf/ builds on: the root schema and the presets' schemas, which the
+# group files extend (`defaults: [sgd_schema, _self_]`).
+SCHEMAS = {
+    (None, "config_schema"): Config,
+    ("optim", "sgd_schema"): SGDConfig,
+    ("optim", "adamw_schema"): AdamWConfig,
+    ("lr_schedule", "warmup_cosine_schema"): WarmupCosineConfig,
+    ("lr_schedule", "constant_schema"): ConstantLRConfig,
+    ("lr_schedule", "step_schema"): StepLRConfig,
+}
+
+
+def register_schemas() -> None:
+    """Put the schemas into Hydra's ConfigStore (before composing anything)."""
+    from hydra.core.config_store import ConfigStore
+
+    store = ConfigStore.instance()
+    for (group, name), node in SCHEMAS.items():
+        store.store(group=group, name=name, node=node)
+
+
+def typed(cfg: Any) -> Config:
+    """The config as `Config` dataclass objects, what the workers get: from Hydra's DictConfig
+    or a plain dict (resolved). `optim` / `lr_schedule` become their schema's dataclass, or a
+    plain dict for a `_target_` config without one."""
+    from omegaconf import OmegaConf
+
+    if isinstance(cfg, Config):
+        return cfg
+    if not OmegaConf.is_config(cfg):
+        cfg = OmegaConf.merge(OmegaConf.structured(Config), cfg)
+    return OmegaConf.to_object(cfg)  # resolves interpolations
+
+
+def plain(cfg: Any) -> dict:
+    """The config as nested plain dicts and lists (checkpoint markers, wandb, .hydra files)."""
+    import dataclasses
+
+    if dataclasses.is_dataclass(cfg):
+        return dataclasses.asdict(cfg)
+    from omegaconf import OmegaConf
+
+    if OmegaConf.is_config(cfg):
+        # key by key: Hydra's own node (present with return_hydra_config) is left out
+        return {
+            k: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v
+            for k, v in cfg.items()
+            if k != "hydra"
+        }
+    return cfg
+
+
 DATASETS = ("mnist1d", "digits", "synthetic", "cifar10", "text")
 MODELS = ("mlp", "cnn", "resnet20", "transformer")
 PARTITIONS = ("iid", "by_class", "dirichlet")
-OPTIMIZERS = ("sgd", "adamw")
-LR_SCHEDULES = ("constant", "cosine", "step")
 BACKENDS = ("auto", "gloo", "nccl")
 DEVICES = ("auto", "cpu", "cuda")
 WANDB_MODES = ("offline", "online", "disabled")
 NAN_POLICIES = ("error", "skip")
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")  # localsgd.recipe.PRECISIONS' keys
 
 
 def _require(ok: bool, key: str, allowed: str, value: Any) -> None:
@@ -222,6 +309,16 @@ def validate(cfg: Any, world_size: int | None = None, local_world_size: int | No
     keep = _get(cfg, "trainer.keep_checkpoints")
     _require(keep >= 1, "trainer.keep_checkpoints", "an integer >= 1", keep)
     _choice(cfg, "trainer.nan_policy", NAN_POLICIES)
+    _choice(cfg, "trainer.precision", PRECISIONS)
+    accumulate = _get(cfg, "trainer.accumulate_grad_batches")
+    _require(accumulate >= 1, "trainer.accumulate_grad_batches", "an integer >= 1", accumulate)
+    clip = _get(cfg, "trainer.gradient_clip_val")
+    _require(
+        clip is None or clip >= 0,
+        "trainer.gradient_clip_val",
+        ">= 0 (0 or null: no clipping)",
+        clip,
+    )
     resume = _get(cfg, "trainer.resume")
     _require(
         isinstance(resume, str) and resume != "",
@@ -236,6 +333,8 @@ def validate(cfg: Any, world_size: int | None = None, local_world_size: int | No
         "an integer >= 0 (0 = local SGD from the first step)",
         warmup,
     )
+
+    from localsgd.checks import validate_optim, validate_sync  # they import this module
 
     validate_sync(cfg, ws, local_world_size)
     bandwidth = _get(cfg, "comm.simulate.bandwidth_gbps")
@@ -252,28 +351,7 @@ def validate(cfg: Any, world_size: int | None = None, local_world_size: int | No
             warmup == 0, "sync.warmup_steps", "0 when comm.disabled is true (nothing syncs)", warmup
         )
 
-    _choice(cfg, "optim.name", OPTIMIZERS)
-    _choice(cfg, "optim.schedule", LR_SCHEDULES)
-    lr = _get(cfg, "optim.lr")
-    _require(lr > 0, "optim.lr", "> 0", lr)
-    momentum = _get(cfg, "optim.momentum")
-    _require(0 <= momentum < 1, "optim.momentum", "in [0, 1)", momentum)
-    wd = _get(cfg, "optim.weight_decay")
-    _require(wd >= 0, "optim.weight_decay", ">= 0", wd)
-    lr_warmup = _get(cfg, "optim.lr_warmup_steps")
-    _require(lr_warmup >= 0, "optim.lr_warmup_steps", "an integer >= 0", lr_warmup)
-    floor = _get(cfg, "optim.min_lr_ratio")
-    _require(0 <= floor <= 1, "optim.min_lr_ratio", "in [0, 1]", floor)
-    betas = list(_get(cfg, "optim.betas"))
-    _require(
-        len(betas) == 2 and all(0 <= b < 1 for b in betas),
-        "optim.betas",
-        "two numbers in [0, 1)",
-        betas,
-    )
-    if _get(cfg, "optim.nesterov"):
-        _require(momentum > 0, "optim.nesterov", "false when optim.momentum is 0", True)
-
+    validate_optim(cfg)
     if _get(cfg, "logger.wandb.mode") is not None:
         _choice(cfg, "logger.wandb.mode", WANDB_MODES)
 
@@ -293,117 +371,3 @@ def validate(cfg: Any, world_size: int | None = None, local_world_size: int | No
         _require(value >= low, key, f"an integer >= {low}", value)
     noise = _get(cfg, "data.noise")
     _require(noise >= 0, "data.noise", ">= 0", noise)
-
-
-SCHEDULES = ("constant", "step", "adaptive")
-OUTERS = ("none", "diloco", "slowmo")
-OPTIMIZER_STATES = ("local", "average", "reset")
-COMM_DTYPES = ("float32", "bfloat16", "float16")
-
-
-def _validate_overlap(cfg: Any, has_levels: bool) -> None:
-    """Delayed averaging is built for plain periodic averaging only."""
-    bucket = _get(cfg, "sync.bucket_mb")
-    _require(bucket > 0, "sync.bucket_mb", "> 0", bucket)
-    _require(not has_levels, "sync.overlap", "false when sync.levels is set", True)
-    for key, allowed in (
-        ("sync.outer", "none"),
-        ("sync.comm_dtype", "float32"),
-        ("sync.optimizer_state", "local"),
-    ):
-        value = _get(cfg, key)
-        _require(value == allowed, key, f"{allowed} when sync.overlap=true", value)
-    schedule = _get(cfg, "sync.schedule")
-    _require(
-        schedule != "adaptive", "sync.schedule", "constant or step when sync.overlap=true", schedule
-    )
-
-
-def validate_sync(cfg: Any, ws: int | None, local_ws: int | None) -> None:
-    """The averaging strategy's keys and their combinations. `ws` None: not known yet."""
-    for key, choices in (
-        ("sync.schedule", SCHEDULES),
-        ("sync.outer", OUTERS),
-        ("sync.optimizer_state", OPTIMIZER_STATES),
-        ("sync.comm_dtype", COMM_DTYPES),
-    ):
-        _choice(cfg, key, choices)
-    schedule = _get(cfg, "sync.schedule")
-    factor = _get(cfg, "sync.period_factor")
-    period = _get(cfg, "sync.period")
-    if schedule == "step":
-        _require(factor >= 1, "sync.period_factor", "an integer >= 1", factor)
-        milestones = list(_get(cfg, "sync.period_milestones"))
-        _require(
-            all(m >= 0 for m in milestones), "sync.period_milestones", "steps >= 0", milestones
-        )
-    if schedule == "adaptive":
-        _require(factor >= 2, "sync.period_factor", "an integer >= 2 for adaptive", factor)
-        lo, hi = _get(cfg, "sync.min_period"), _get(cfg, "sync.max_period")
-        _require(lo >= 1, "sync.min_period", "an integer >= 1", lo)
-        _require(
-            lo <= period <= hi, "sync.max_period", f">= sync.period ({period}) >= min_period", hi
-        )
-        tol = _get(cfg, "sync.adaptive_tolerance")
-        _require(0 <= tol < 1, "sync.adaptive_tolerance", "in [0, 1)", tol)
-    outer_lr = _get(cfg, "sync.outer_lr")
-    _require(outer_lr is None or outer_lr > 0, "sync.outer_lr", "> 0 (or null)", outer_lr)
-    outer_momentum = _get(cfg, "sync.outer_momentum")
-    _require(
-        outer_momentum is None or 0 <= outer_momentum < 1,
-        "sync.outer_momentum",
-        "in [0, 1) (or null)",
-        outer_momentum,
-    )
-    if _get(cfg, "sync.outer_nesterov") and outer_momentum == 0:
-        _require(False, "sync.outer_nesterov", "false when sync.outer_momentum is 0", True)
-
-    levels = list(_get(cfg, "sync.levels") or [])
-    if _get(cfg, "sync.overlap"):
-        _validate_overlap(cfg, bool(levels))
-    if not levels:
-        return
-    outer = _get(cfg, "sync.outer")
-    _require(outer == "none", "sync.outer", "none when sync.levels is set", outer)
-    _require(schedule == "constant", "sync.schedule", "constant when sync.levels is set", schedule)
-    sizes, periods = [], []
-    for i, level in enumerate(levels):
-        size, lp = _get(level, "group_size"), _get(level, "period")
-        key = f"sync.levels[{i}]"
-        ok = size in ("world", "node") or (isinstance(size, int) and size >= 1)
-        _require(ok, f"{key}.group_size", "an integer >= 1, node or world", size)
-        _require(isinstance(lp, int) and lp >= 1, f"{key}.period", "an integer >= 1", lp)
-        if size == "world":
-            size = ws
-        elif size == "node":
-            size = local_ws if local_ws is not None else ws
-        sizes.append(size)
-        periods.append(lp)
-    if ws is not None:
-        for i, size in enumerate(sizes):
-            _require(
-                ws % size == 0, f"sync.levels[{i}].group_size", f"a divisor of {ws} workers", size
-            )
-    # torch's rule, nothing stricter: the last listed level whose period divides the step wins
-    for i in range(1, len(levels)):
-        _require(
-            periods[i] not in periods[:i],
-            f"sync.levels[{i}].period",
-            f"different from the other levels' periods {periods[:i]}",
-            periods[i],
-        )
-        grows = sizes[i] is None or sizes[i - 1] is None or sizes[i] >= sizes[i - 1]
-        if _get(cfg, "sync.comm_dtype") != "float32":
-            _require(
-                grows,
-                f"sync.levels[{i}].group_size",
-                f">= the previous level's {sizes[i - 1]} with sync.comm_dtype other than float32",
-                sizes[i],
-            )
-    if ws is not None:
-        _require(
-            sizes[-1] == ws,
-            f"sync.levels[{len(levels) - 1}].group_size",
-            f"world (the widest level spans all {ws} workers)",
-            sizes[-1],
-        )

@@ -12,6 +12,7 @@ import os
 import uuid
 from typing import Any, Protocol
 
+from localsgd.config import Config, SyncConfig, plain
 from localsgd.metrics import MetricsWriter
 
 # x axes a wandb chart may use instead of the step: samples seen and bytes communicated
@@ -38,15 +39,15 @@ WANDB_MODE_ALIASES = {"dryrun": "offline", "run": "online"}  # wandb's older nam
 RUN_ID_FILE = "wandb_run_id"  # in the run directory: a resumed run continues the same wandb run
 
 
-def resolve_wandb_settings(w: dict, env: dict[str, str] | None = None) -> None:
-    """Fill each unset key of the `logger.wandb` dict `w` in place (in the launcher, once)."""
+def resolve_wandb_settings(w: Any, env: dict[str, str] | None = None) -> None:
+    """Fill each unset key of the `logger.wandb` config `w` (attributes) in place."""
     env = os.environ if env is None else env
     for key, var in WANDB_ENV.items():
-        if w.get(key) is None:
-            w[key] = env.get(var) or WANDB_FALLBACK.get(key)
-    w["mode"] = WANDB_MODE_ALIASES.get(w["mode"], w["mode"])
-    if w["mode"] not in ("offline", "online", "disabled"):
-        raise ValueError(f"WANDB_MODE must be offline, online or disabled, got {w['mode']!r}")
+        if getattr(w, key) is None:
+            setattr(w, key, env.get(var) or WANDB_FALLBACK.get(key))
+    w.mode = WANDB_MODE_ALIASES.get(w.mode, w.mode)
+    if w.mode not in ("offline", "online", "disabled"):
+        raise ValueError(f"WANDB_MODE must be offline, online or disabled, got {w.mode!r}")
 
 
 def wandb_run_id(run_dir: str) -> str:
@@ -61,14 +62,20 @@ def wandb_run_id(run_dir: str) -> str:
     return run_id
 
 
-def strategy_name(cfg: dict) -> str:
-    """What wandb's `job_type` says: the averaging strategy this config runs."""
-    sync = cfg["sync"]
-    if sync.get("strategy"):  # an explicit strategy key, where the config has one
-        return str(sync["strategy"])
-    if sync["warmup_steps"] > 0:
+def strategy_name(sync: SyncConfig) -> str:
+    """What wandb's `job_type` says: the averaging strategy the `sync` config runs, named as its
+    conf/sync/ preset (read from what the config does, so `sync.outer=diloco` on the command
+    line is labelled diloco too). The most specific feature wins: levels, an outer optimizer, an
+    adaptive period, a synchronous warmup, then k=1 or plain local SGD."""
+    if sync.levels:
+        return "hierarchical"
+    if sync.outer != "none":
+        return sync.outer
+    if sync.schedule == "adaptive":
+        return "adaptive"
+    if sync.warmup_steps > 0:
         return "post_local_sgd"
-    return "sync_sgd" if sync["period"] == 1 else "local_sgd"
+    return "sync_sgd" if sync.period == 1 else "local_sgd"
 
 
 class JsonlLogger:
@@ -91,20 +98,20 @@ class WandbLogger:
     """A wandb run in the run directory: config = the resolved Hydra config, one run per job
     (resumes included: the run id lives in the run directory)."""
 
-    def __init__(self, cfg: dict, run_dir: str, replay: list[dict[str, Any]] | None = None):
+    def __init__(self, cfg: Config, run_dir: str, replay: list[dict[str, Any]] | None = None):
         import wandb  # imported only where used: the other ranks never load it
 
-        w = cfg["logger"]["wandb"]
+        w = cfg.logger.wandb
         self.run = wandb.init(
-            mode=w["mode"],
-            project=w["project"],
-            entity=w["entity"],
-            tags=list(w["tags"]) or None,
-            name=w["name"],
-            group=w["group"],
-            job_type=strategy_name(cfg),
-            config=cfg,
-            dir=w.get("dir") or run_dir,
+            mode=w.mode,
+            project=w.project,
+            entity=w.entity,
+            tags=list(w.tags) or None,
+            name=w.name,
+            group=w.group,
+            job_type=strategy_name(cfg.sync),
+            config=plain(cfg),
+            dir=w.dir or run_dir,
             id=wandb_run_id(run_dir),
             resume="allow",  # a resumed run (trainer.resume) continues the same curve
             # no console capture or system sampling: they cost a thread and CPU in every worker
@@ -163,14 +170,14 @@ def read_records(jsonl: JsonlLogger) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def build_loggers(cfg: dict, run_dir: str, is_main: bool, append: bool = False) -> Loggers:
+def build_loggers(cfg: Config, run_dir: str, is_main: bool, append: bool = False) -> Loggers:
     """`append`: a resumed run continues `metrics.jsonl` (and its wandb run, by the id kept in
     the run directory)."""
     if not is_main:
         return Loggers([])
     loggers: list[Logger] = [JsonlLogger(os.path.join(run_dir, "metrics.jsonl"), append)]
-    resolve_wandb_settings(cfg["logger"]["wandb"])  # done by the launcher; not by every caller
-    if cfg["logger"]["wandb"]["mode"] != "disabled":
+    resolve_wandb_settings(cfg.logger.wandb)  # done by the launcher; not by every caller
+    if cfg.logger.wandb.mode != "disabled":
         try:
             loggers.append(WandbLogger(cfg, run_dir, read_records(loggers[0]) if append else []))
         except BaseException:

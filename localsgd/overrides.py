@@ -7,20 +7,45 @@ report; these checks catch the common cases first and say the key and what is al
 from __future__ import annotations
 
 import os
+import re
+from importlib import resources
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import (
+    ConfigAttributeError,
+    ConfigKeyError,
+    OmegaConfBaseException,
+    ValidationError,
+)
 
 from localsgd.config import Config, ConfigError
 
-CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+# The package `localsgd.conf`: `conf/` of the source tree, mapped into the package by
+# pyproject.toml, so the same name finds it in a checkout, an editable install and a wheel.
+CONF_PACKAGE = "localsgd.conf"
+CONF_DIR = str(resources.files(CONF_PACKAGE))
 
 
-def group_options(group: str) -> list[str]:
-    folder = os.path.join(CONF_DIR, group)
-    return sorted(f[:-5] for f in os.listdir(folder) if f.endswith(".yaml"))
+def config_dirs(args: list[str]) -> list[str]:
+    """The shipped configs, and the folders of the user's own that `--config-dir` / `-cd` add."""
+    dirs = [CONF_DIR]
+    for i, arg in enumerate(args):
+        if arg in ("--config-dir", "-cd") and i + 1 < len(args):
+            dirs.append(args[i + 1])
+        elif arg.startswith("--config-dir="):
+            dirs.append(arg.split("=", 1)[1])
+    return dirs
+
+
+def group_options(group: str, dirs: list[str] | None = None) -> list[str]:
+    names = set()
+    for root in dirs or [CONF_DIR]:
+        folder = os.path.join(root, group)
+        if os.path.isdir(folder):
+            names.update(f[:-5] for f in os.listdir(folder) if f.endswith(".yaml"))
+    return sorted(names)
 
 
 def _values(override) -> list:
@@ -31,7 +56,8 @@ def _values(override) -> list:
 
 def check_overrides(args: list[str]) -> None:
     """Raise ConfigError for the first override naming a missing group option or a bad value."""
-    candidates = [a for a in args if "=" in a and not a.startswith("-")]
+    dirs = config_dirs(args)
+    candidates = [a for a in args if "=" in a and not a.startswith("-") and a not in dirs]
     try:
         overrides = OverridesParser.create().parse_overrides(candidates)
     except HydraException as e:
@@ -41,8 +67,8 @@ def check_overrides(args: list[str]) -> None:
         key = o.key_or_group
         if key.startswith("hydra") or o.is_delete():
             continue
-        if os.path.isdir(os.path.join(CONF_DIR, key)):
-            allowed = group_options(key)
+        if any(os.path.isdir(os.path.join(d, key)) for d in dirs):
+            allowed = group_options(key, dirs)
             for value in _values(o):
                 if str(value) not in allowed:
                     raise ConfigError(f"{key} must be one of {', '.join(allowed)}, got {value!r}")
@@ -54,7 +80,28 @@ def check_overrides(args: list[str]) -> None:
                 OmegaConf.update(schema, key, value, merge=True)
             except (OmegaConfBaseException, ValueError) as e:
                 if OmegaConf.select(schema, key, default="<missing>") == "<missing>":
-                    raise ConfigError(f"{key} is not a setting (see conf/config.yaml)") from None
+                    raise ConfigError(f"{key} is not a setting (see localsgd/config.py)") from None
                 node = OmegaConf.select(schema, key)
                 kind = type(node).__name__ if node is not None else "a valid value"
                 raise ConfigError(f"{key} must be of type {kind}, got {value!r}") from e
+
+
+def composition_error(error: Exception) -> ConfigError:
+    """Hydra's refusal of an override, as one line naming the key: a value of the wrong type
+    or an unknown key inside a group preset's schema (e.g. `optim.lr=abc`, `optim.momentm=0`),
+    which only composing the chosen presets can tell."""
+    cause: BaseException | None = error
+    while cause is not None:
+        key = getattr(cause, "full_key", None)
+        if key:
+            if isinstance(cause, (ConfigAttributeError, ConfigKeyError)):
+                group = key.split(".")[0]
+                return ConfigError(
+                    f"{key} is not a setting of this {group} preset (see conf/{group}/)"
+                )
+            if isinstance(cause, ValidationError):
+                kind = re.search(r"converted to (\w+)", str(cause))
+                kind = kind[1].lower() if kind else "the schema's type"
+                return ConfigError(f"{key} must be of type {kind}, got {cause.value!r}")
+        cause = cause.__cause__
+    return ConfigError(str(error).strip().splitlines()[0])

@@ -12,7 +12,7 @@ import sys
 from typing import Any
 
 from localsgd import checkpoint
-from localsgd.config import ConfigError, _get
+from localsgd.config import ConfigError, _get, plain
 
 _DIGITS_SAMPLES = 1797  # scikit-learn's load_digits
 _CIFAR_TRAIN = 50000
@@ -83,7 +83,7 @@ def resolve_resume(
 ) -> str | None:
     found = _find_resume(cfg, world_size, run_dir, quiet)
     if found is not None:
-        diff = checkpoint.config_mismatch(checkpoint.verify(found, world_size), _plain(cfg))
+        diff = checkpoint.config_mismatch(checkpoint.verify(found, world_size), plain(cfg))
         if diff is not None:
             raise ConfigError(
                 f"trainer.resume must continue the same run, but {found} differs in {diff}; "
@@ -133,19 +133,6 @@ def _find_resume(cfg: Any, world_size: int, run_dir: str | None, quiet: bool = F
             f"from another world size); use another hydra.run.dir"
         )
     return found
-
-
-def _plain(cfg: Any) -> dict:
-    """The config as nested plain dicts (Hydra's own node left out)."""
-    from omegaconf import OmegaConf
-
-    if not OmegaConf.is_config(cfg):
-        return cfg
-    return {
-        k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k]) else cfg[k]
-        for k in cfg
-        if k != "hydra"
-    }
 
 
 def _warn(message: str) -> None:

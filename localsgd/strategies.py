@@ -25,10 +25,11 @@ from localsgd.averaging import (
     SimulatedLink,
     StepPeriod,
 )
+from localsgd.config import SyncConfig
 
 
-def _opt(sync: Any, key: str, default: Any) -> Any:
-    value = getattr(sync, key, None)
+def _or(value: Any, default: Any) -> Any:
+    """A nullable setting: null means the method's default."""
     return default if value is None else value
 
 
@@ -42,8 +43,8 @@ def resolve_group_size(value: Any, world_size: int, local_world_size: int) -> in
     return int(value)
 
 
-def build_schedule(sync: Any) -> ConstantPeriod:
-    name = _opt(sync, "schedule", "constant")
+def build_schedule(sync: SyncConfig) -> ConstantPeriod:
+    name = sync.schedule
     if name == "step":
         return StepPeriod(sync.period, sync.period_factor, list(sync.period_milestones))
     if name == "adaptive":
@@ -58,7 +59,7 @@ def build_schedule(sync: Any) -> ConstantPeriod:
 
 
 def build_averager(
-    sync: Any,
+    sync: SyncConfig,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     world_size: int,
@@ -68,13 +69,12 @@ def build_averager(
 ) -> Averager:
     """The averager the `sync` config asks for, its optimizer-state hook attached; a simulated
     slow `link` applies to every collective it makes."""
-    comm_dtype = _opt(sync, "comm_dtype", "float32")
-    levels = list(_opt(sync, "levels", []))
-    outer = _opt(sync, "outer", "none")
+    comm_dtype = sync.comm_dtype
+    levels = list(sync.levels)
+    outer = sync.outer
     if levels:
-        levels = [lv if isinstance(lv, dict) else vars(lv) for lv in levels]
         sizes = {
-            int(lv["period"]): resolve_group_size(lv["group_size"], world_size, local_world_size)
+            int(lv.period): resolve_group_size(lv.group_size, world_size, local_world_size)
             for lv in levels
         }
         averager = HierarchicalAverager(
@@ -87,9 +87,9 @@ def build_averager(
             sync.warmup_steps,
             module=model,
             stats=stats,
-            outer_lr=_opt(sync, "outer_lr", defaults["lr"]),
-            outer_momentum=_opt(sync, "outer_momentum", defaults["momentum"]),
-            outer_nesterov=_opt(sync, "outer_nesterov", defaults["nesterov"]),
+            outer_lr=_or(sync.outer_lr, defaults["lr"]),
+            outer_momentum=_or(sync.outer_momentum, defaults["momentum"]),
+            outer_nesterov=_or(sync.outer_nesterov, defaults["nesterov"]),
             schedule=build_schedule(sync),
             comm_dtype=comm_dtype,
             link=link,
@@ -103,10 +103,10 @@ def build_averager(
             schedule=build_schedule(sync),
             comm_dtype=comm_dtype,
             link=link,
-            overlap=bool(_opt(sync, "overlap", False)),
-            bucket_mb=float(_opt(sync, "bucket_mb", 25.0)),
+            overlap=sync.overlap,
+            bucket_mb=sync.bucket_mb,
         )
-    mode = _opt(sync, "optimizer_state", "local")
+    mode = sync.optimizer_state
     if mode != "local":
         averager.hooks.append(OptimizerStateSync(optimizer, mode))
     return averager

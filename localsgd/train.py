@@ -2,7 +2,8 @@
 
 Without torchrun it spawns `dist.world_size` local workers; under torchrun each rank runs this
 module itself and spawns nothing. The configuration is validated and resolved here, in the
-launching process, before any worker starts: workers get a plain dict and the run directory.
+launching process, before any worker starts: workers get it typed (`localsgd.config.Config`
+dataclass objects) and the run directory.
 """
 
 from __future__ import annotations
@@ -15,12 +16,11 @@ import sys
 
 import hydra
 import torch.distributed as dist
-from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from localsgd.config import Config, ConfigError, validate
+from localsgd.config import Config, ConfigError, register_schemas, typed, validate
 from localsgd.launch import (
     WorkerFailed,
     WorkerInfo,
@@ -33,14 +33,14 @@ from localsgd.launch import (
     under_torchrun,
 )
 from localsgd.loggers import offline_runs, resolve_wandb_settings
-from localsgd.overrides import CONF_DIR, check_overrides
+from localsgd.overrides import CONF_DIR, CONF_PACKAGE, check_overrides, composition_error
 from localsgd.preflight import check_data, resolve_resume
 
-ConfigStore.instance().store(name="config_schema", node=Config)
+register_schemas()
 
 
 def run_worker(
-    info: WorkerInfo, store: dist.Store | None, cfg: dict, run_dir: str, resume: str | None
+    info: WorkerInfo, store: dist.Store | None, cfg: Config, run_dir: str, resume: str | None
 ) -> None:
     """One worker, from process-group setup to teardown."""
     import torch
@@ -49,13 +49,13 @@ def run_worker(
     from localsgd.trainer import Trainer  # workers import the heavy parts, the CLI stays quick
 
     install_sigterm_handler()  # SIGTERM: checkpoint at an agreed step, then exit cleanly
-    if cfg["trainer"]["deterministic"]:
+    if cfg.trainer.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS starts
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.benchmark = False
-    device = pick_device(cfg["dist"]["device"], info.local_rank)
-    backend = pick_backend(cfg["dist"]["backend"], device)
-    store = init_process_group(info, backend, cfg["dist"]["timeout_s"], store)
+    device = pick_device(cfg.dist.device, info.local_rank)
+    backend = pick_backend(cfg.dist.backend, device)
+    store = init_process_group(info, backend, cfg.dist.timeout_s, store)
     try:
         run_dir = agree_on_run_dir(run_dir, info.rank)
         resume = agree_on(resume)
@@ -89,15 +89,15 @@ def agree_on_run_dir(run_dir: str, rank: int) -> str:
     return chosen[0]
 
 
-def name_wandb_run(wandb_cfg: dict) -> None:
+def name_wandb_run(wandb_cfg) -> None:
     """Fill in what only the launching process knows: the run name from the command-line
     overrides, and the multirun sweep as the group, so a sweep is one group on the dashboard."""
     hydra_cfg = HydraConfig.get()
     resolve_wandb_settings(wandb_cfg)
-    if wandb_cfg["name"] is None:
-        wandb_cfg["name"] = hydra_cfg.job.override_dirname or None
-    if wandb_cfg["group"] is None and hydra_cfg.mode == RunMode.MULTIRUN:
-        wandb_cfg["group"] = hydra_cfg.sweep.dir
+    if wandb_cfg.name is None:
+        wandb_cfg.name = hydra_cfg.job.override_dirname or None
+    if wandb_cfg.group is None and hydra_cfg.mode == RunMode.MULTIRUN:
+        wandb_cfg.group = hydra_cfg.sweep.dir
 
 
 def fail(message: str, code: int = 2) -> None:
@@ -125,7 +125,8 @@ def preflight(cfg, run_dir: str | None, quiet: bool = False) -> str | None:
     return resume
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+# pkg://: the configs are the package localsgd.conf, in a checkout and in an installed wheel alike
+@hydra.main(version_base="1.3", config_path=f"pkg://{CONF_PACKAGE}", config_name="config")
 def main(cfg: DictConfig) -> float | None:
     torchrun = under_torchrun()
     run_dir = HydraConfig.get().runtime.output_dir
@@ -134,9 +135,9 @@ def main(cfg: DictConfig) -> float | None:
     except ConfigError as e:
         fail(str(e))
     summary_path = os.path.join(run_dir, "summary.json")
-    plain = OmegaConf.to_container(cfg, resolve=True)
+    run_cfg = typed(cfg)  # resolved here: workers cannot resolve ${hydra:...} or ${now:...}
     try:
-        name_wandb_run(plain["logger"]["wandb"])
+        name_wandb_run(run_cfg.logger.wandb)
     except ValueError as e:
         fail(str(e))
     if resume is not None:
@@ -144,21 +145,21 @@ def main(cfg: DictConfig) -> float | None:
     if torchrun:
         info = torchrun_info()
         try:
-            run_worker(info, None, plain, run_dir, resume)
+            run_worker(info, None, run_cfg, run_dir, resume)
         except Exception as e:  # one line naming the rank; torchrun then stops the others
             last = (str(e).strip().splitlines() or [""])[-1]
             fail(f"worker rank {info.rank} failed: {type(e).__name__}: {last}", code=1)
         if info.rank != 0:
             return None
     else:
-        world_size = resolve_world_size(plain["dist"]["world_size"], plain["dist"]["device"])
-        plain["dist"]["world_size"] = world_size
+        world_size = resolve_world_size(run_cfg.dist.world_size, run_cfg.dist.device)
+        run_cfg.dist.world_size = world_size
         try:
             # By module name: under hydra/launcher=local|slurm, submitit runs this function in a
             # process whose `__main__` is not this file, where `__main__.run_worker` is no name.
             from localsgd.train import run_worker as worker
 
-            spawn(worker, world_size, plain["dist"]["timeout_s"], args=(plain, run_dir, resume))
+            spawn(worker, world_size, run_cfg.dist.timeout_s, args=(run_cfg, run_dir, resume))
         except WorkerFailed as e:
             fail(str(e), code=1)
     if not os.path.exists(summary_path):  # stopped by SIGTERM after a checkpoint
@@ -181,7 +182,7 @@ def main(cfg: DictConfig) -> float | None:
             )
         )
     )
-    if plain["logger"]["wandb"]["mode"] == "offline":
+    if run_cfg.logger.wandb.mode == "offline":
         for path in offline_runs(run_dir):
             print(f"wandb offline run: upload it with `wandb sync {shlex.quote(path)}`")
     return summary["test_accuracy"]  # the objective a Hydra sweeper (e.g. Optuna) maximises
@@ -201,7 +202,7 @@ def precheck(args: list[str]) -> None:
         with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
             cfg = compose("config", overrides=args, return_hydra_config=True)
     except (HydraException, OmegaConfBaseException) as e:
-        raise ConfigError(str(e).strip().splitlines()[0]) from None
+        raise composition_error(e) from None
     try:
         run_dir = OmegaConf.select(cfg, "hydra.run.dir")
     except OmegaConfBaseException:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import sys
 import time
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -14,6 +13,7 @@ import torch.nn.functional as F
 
 from localsgd import checkpoint
 from localsgd.averaging import CommStats, GradientAverager, SimulatedLink
+from localsgd.config import Config, plain
 from localsgd.data import Dataset, ShardSampler, load_dataset, shard_indices
 from localsgd.drift import DriftMeter
 from localsgd.failures import Fault, NonFiniteTracker, StopAgreement, check_replicas
@@ -21,15 +21,9 @@ from localsgd.launch import WorkerInfo
 from localsgd.loggers import build_loggers
 from localsgd.metrics import progress_bar, trim_metrics, write_json
 from localsgd.models import build_model
-from localsgd.optim import build_optimizer, lr_at, set_lr
+from localsgd.optim import build_optimizer, build_schedule, set_lr
+from localsgd.recipe import Recipe
 from localsgd.strategies import build_averager
-
-
-def namespace(obj: Any) -> Any:
-    """Plain nested dicts (what crosses the process boundary) to attribute access."""
-    if isinstance(obj, dict):
-        return SimpleNamespace(**{k: namespace(v) for k, v in obj.items()})
-    return obj
 
 
 def loss_and_correct(
@@ -43,15 +37,15 @@ def loss_and_correct(
 class Trainer:
     def __init__(
         self,
-        cfg: dict,
+        cfg: Config,
         info: WorkerInfo,
         device: torch.device,
         run_dir: str,
         resume_from: str | None = None,
         store: dist.Store | None = None,
     ):
-        self.config = cfg
-        self.cfg = c = namespace(cfg)
+        self.cfg = c = cfg
+        self.config = plain(cfg)  # for wandb and the checkpoint marker
         self.info = info
         self.device = device
         self.run_dir = run_dir
@@ -84,6 +78,7 @@ class Trainer:
         )
         self.comm_disabled = c.comm.disabled
         self.optimizer = build_optimizer(self.model.parameters(), c.optim)
+        self.lr_schedule = build_schedule(c.lr_schedule, c.trainer.max_steps)
         self.averager = build_averager(
             c.sync, self.model, self.optimizer, info.world_size, info.local_world_size, self.comm,
             link,
@@ -97,6 +92,8 @@ class Trainer:
             else None
         )
         self.drift = DriftMeter(self.averager.flat.buffers) if c.trainer.track_drift else None
+        # after the averager: its flat-buffer views are what gets compiled
+        self.recipe = Recipe.from_config(self.model, device, c.trainer)
         self.step = 0
         self.in_sync = True  # replicas identical right now
         torch.manual_seed(c.seed + 1000 * info.rank + 1)  # dropout etc. differ per rank
@@ -114,34 +111,60 @@ class Trainer:
         self.stop = StopAgreement(store, f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}")
 
     @property
+    def samples_per_step(self) -> int:
+        """Training samples one optimizer step consumes, over all workers."""
+        t = self.cfg.trainer
+        return t.batch_size * t.accumulate_grad_batches * self.info.world_size
+
+    @property
     def param_count(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
 
-    def train_step(self, step: int) -> torch.Tensor | None:
-        """One optimizer step; returns the loss, or None when nan_policy=skip skipped it."""
-        self.fault.before_step(step)
-        set_lr(self.optimizer, lr_at(step, self.cfg.optim, self.cfg.trainer.max_steps))
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This worker's next training batch (inputs, targets) on the device."""
         idx = self.sampler.next_batch().to(self.device)
-        loss, _ = loss_and_correct(self.model(self.train_x[idx]), self.train_y[idx])
-        if self.fault.fires("nan", step):
-            loss = loss * float("nan")
-        skip = False
-        if self.cfg.trainer.nan_policy == "skip":
-            skip = not bool(torch.isfinite(loss))  # a host sync per step, only under this policy
-        else:
-            self.nonfinite.observe(loss.detach(), step)
+        return self.train_x[idx], self.train_y[idx]
+
+    def forward_backward(self, poison: bool) -> torch.Tensor:
+        """`accumulate_grad_batches` micro-batches, each backpropagated at 1/k of its loss, so
+        the gradient is that of the mean loss over the k batches (one batch k times as large);
+        returns that mean loss, detached. `poison`: the fault injection's NaN loss."""
+        k = self.recipe.accumulate
+        losses = []
+        for _ in range(k):
+            x, y = self.next_batch()
+            with self.recipe.autocast():
+                logits = self.recipe.forward(x)
+            loss, _ = loss_and_correct(logits.float(), y)  # the loss itself in fp32
+            if poison:
+                loss = loss * float("nan")
+            self.recipe.backward(loss if k == 1 else loss / k)
+            losses.append(loss.detach())
+        return losses[0] if k == 1 else torch.stack(losses).mean()
+
+    def train_step(self, step: int) -> torch.Tensor | None:
+        """One optimizer step (of `accumulate_grad_batches` batches); returns the loss, or None
+        when nan_policy=skip skipped it."""
+        self.fault.before_step(step)
+        set_lr(self.optimizer, self.lr_schedule, step)
         synchronous = self.averager.in_warmup
         # In the warmup the gradients are views of GradientAverager's flat buffer: zero them in
         # place. Afterwards drop them: zeroing and then accumulating into old gradients costs two
         # extra passes over the model per step (~10% of a step for a 10M MLP on CPU).
         self.optimizer.zero_grad(set_to_none=not synchronous)
-        if not skip:
-            loss.backward()
+        loss = self.forward_backward(self.fault.fires("nan", step))
+        skip = False
+        if self.cfg.trainer.nan_policy == "skip":
+            skip = not bool(torch.isfinite(loss))  # a host sync per step, only under this policy
+            if skip:  # drop what the bad batch contributed
+                self.optimizer.zero_grad(set_to_none=not synchronous)
+        else:
+            self.nonfinite.observe(loss, step)
         if synchronous:
             self.grad_averager.all_reduce()  # post-local SGD's warmup: plain mini-batch SGD
         # In the warmup a skipping rank adds zero gradients but still steps, or replicas split.
         if not skip or synchronous:
-            self.optimizer.step()
+            self.recipe.step(self.optimizer)
         self.skipped_steps += skip
         if not skip:
             self.averager.observe_loss(loss)  # only an adaptive period schedule reads it
@@ -191,7 +214,9 @@ class Trainer:
         for start in range(0, len(self.data.test_x), bs):
             x = self.data.test_x[start : start + bs].to(self.device)
             y = self.data.test_y[start : start + bs].to(self.device)
-            loss, right = loss_and_correct(self.model(x), y)
+            with self.recipe.autocast():  # evaluated in the precision it trains in
+                logits = self.model(x)
+            loss, right = loss_and_correct(logits.float(), y)
             total_loss += loss.item() * y.numel()
             correct += int(right)
             count += y.numel()
@@ -208,7 +233,7 @@ class Trainer:
     def rate_record(self, interval_s: float, steps: int, total_s: float) -> dict[str, Any]:
         """Throughput since the last log line, the share of time spent communicating so far, and
         the mean replica drift over the averages since the last log line (when there were any)."""
-        samples = steps * self.cfg.trainer.batch_size * self.info.world_size
+        samples = steps * self.samples_per_step
         record = {
             "samples_per_s": round(samples / max(interval_s, 1e-9), 1),
             "comm_share": round(self.comm.seconds / max(total_s, 1e-9), 4),
@@ -223,7 +248,7 @@ class Trainer:
         metrics_path = os.path.join(self.run_dir, "metrics.jsonl")
         if self.is_main and self.resumed_from is not None:
             trim_metrics(metrics_path, self.step)  # lines past the checkpoint are redone
-        logger = build_loggers(self.config, self.run_dir, self.is_main, append=self.step > 0)
+        logger = build_loggers(self.cfg, self.run_dir, self.is_main, append=self.step > 0)
         failed = True
         bar = progress_bar(c.max_steps, self.step, self.is_main and c.progress)
         start = time.perf_counter() - self.elapsed_before
@@ -251,7 +276,7 @@ class Trainer:
                         "step": self.step,
                         "loss": loss,
                         "lr": self.optimizer.param_groups[0]["lr"],
-                        "samples": self.step * c.batch_size * self.info.world_size,
+                        "samples": self.step * self.samples_per_step,
                         "wall_time_s": round(now - start, 3),
                         **self.comm_record(),
                         **self.rate_record(now - last_time, self.step - last_step, now - start),
@@ -293,7 +318,7 @@ class Trainer:
                 return None
             result = self.evaluate()
             logger.log({"step": self.step, **result})
-            self.save_model()
+            checkpoint.save_model(self.model, self.run_dir)
             summary = {
                 **result,
                 "steps": self.step,
@@ -333,6 +358,7 @@ class Trainer:
             "skipped_steps": self.skipped_steps,
             "elapsed_s": elapsed,
             "drift": self.drift.state_dict() if self.drift is not None else None,
+            "scaler": self.recipe.state_dict(),
         }
         checkpoint.save(
             self.run_dir,
@@ -361,10 +387,4 @@ class Trainer:
         self.elapsed_before = float(state["elapsed_s"])
         if self.drift is not None and state.get("drift") is not None:
             self.drift.load_state_dict(state["drift"])
-
-    def save_model(self) -> None:
-        # Cloned, so the file holds each tensor alone rather than views of the shared flat buffer.
-        state = {k: v.detach().clone().cpu() for k, v in self.model.state_dict().items()}
-        path = os.path.join(self.run_dir, "model.pt")
-        torch.save(state, path + ".tmp")
-        os.replace(path + ".tmp", path)
+        self.recipe.load_state_dict(state.get("scaler"))

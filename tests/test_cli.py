@@ -92,8 +92,17 @@ def test_post_local_sgd_run_writes_model_summary_and_metrics(tmp_path):
         ("model=vit", "model"),
         ("+experiment=nope", "experiment"),
         ("data.partition=random", "data.partition"),
-        ("optim.name=lion", "optim.name"),
+        ("optim=lion", "optim"),
+        ("optim._target_=torch.optim.Lion", "optim._target_"),
+        ("optim.momentm=0.5", "optim.momentm"),
+        ("lr_schedule.warmup_steps=-1", "lr_schedule.warmup_steps"),
+        ("sync=nope", "sync"),
         ("logger.wandb.mode=cloud", "logger.wandb.mode"),
+        ("trainer.precision=16", "trainer.precision"),
+        ("trainer.precision=fp8-mixed", "trainer.precision"),
+        ("trainer.accumulate_grad_batches=0", "trainer.accumulate_grad_batches"),
+        ("trainer.gradient_clip_val=-1", "trainer.gradient_clip_val"),
+        ("trainer.compile=maybe", "trainer.compile"),
     ],
 )
 @pytest.mark.timeout(60)

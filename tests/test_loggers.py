@@ -31,8 +31,10 @@ def test_offline_wandb_run_holds_the_metrics_and_names_the_sweep(tmp_path):
             "trainer.max_steps=40",
             "trainer.log_every=10",
             "trainer.eval_every=20",
+            "sync=diloco",  # job_type names the strategy, not just "local_sgd"
             "sync.period=4",
             f"hydra.sweep.dir={sweep}",
+            "hydra.sweep.subdir=job",  # the override-named folder would pass 255 characters
         ]
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -55,8 +57,8 @@ def test_offline_wandb_run_holds_the_metrics_and_names_the_sweep(tmp_path):
 
     run = run_info(log)
     assert run.run_group == str(sweep)  # the sweep is one group on the dashboard
-    assert run.job_type == "local_sgd"
-    assert "sync.period=4" in run.display_name
+    assert run.job_type == "diloco"
+    assert "sync=diloco" in run.display_name and "sync.period=4" in run.display_name
     assert list(run.tags) == ["test"]
     config = {item.key: json.loads(item.value_json) for item in run.config.update}
     assert config["sync"]["period"] == 4 and config["logger"]["wandb"]["mode"] == "offline"

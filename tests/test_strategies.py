@@ -263,7 +263,7 @@ def _trainer_worker(rank, world_size, configs):
             info = WorkerInfo(rank, world_size, rank, world_size)
             trainer = Trainer(cfg, info, torch.device("cpu"), run_dir)
             per_step, in_sync, same_all = [], [], []
-            for step in range(cfg["trainer"]["max_steps"]):
+            for step in range(cfg.trainer.max_steps):
                 with CollectiveCounter() as counter:
                     trainer.train_step(step)
                 per_step.append(counter.count)

@@ -26,10 +26,11 @@ def test_experiment_files_compose_and_validate(name, expected):
     validate(cfg, world_size=4)
     for key, value in expected.items():
         if key == "levels":
-            assert cfg["sync"]["levels"][0] == value[0]
-            assert cfg["sync"]["levels"][1]["group_size"] == "world"
+            first = cfg.sync.levels[0]
+            assert {"group_size": first.group_size, "period": first.period} == value[0]
+            assert cfg.sync.levels[1].group_size == "world"
         else:
-            assert cfg["sync"][key] == value
+            assert getattr(cfg.sync, key) == value
 
 
 @pytest.mark.parametrize(

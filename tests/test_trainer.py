@@ -41,7 +41,7 @@ def _schedule_worker(rank, world_size, cfg):
             cfg, WorkerInfo(rank, world_size, rank, world_size), torch.device("cpu"), run_dir
         )
         per_step, identical = [], []
-        for step in range(cfg["trainer"]["max_steps"]):
+        for step in range(cfg.trainer.max_steps):
             with CollectiveCounter() as counter:
                 trainer.train_step(step)
             per_step.append(counter.count)

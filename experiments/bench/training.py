@@ -29,6 +29,7 @@ from experiments.bench.common import (
     run_world,
     status_kib,
 )
+from localsgd.config import typed
 from localsgd.data import ShardSampler, load_dataset, shard_indices
 from localsgd.launch import WorkerInfo
 from localsgd.models import build_model
@@ -57,8 +58,7 @@ def job_overrides(features: int, hidden: list[int], batch: int) -> list[str]:
         "trainer.track_drift=false",  # a diagnostic: one model copy and norm per sync
         "logger.wandb.mode=disabled",
         "optim.lr=0.01",
-        "optim.schedule=constant",
-        "optim.lr_warmup_steps=0",
+        "lr_schedule=constant",  # no warmup either
     ]
 
 
@@ -81,7 +81,7 @@ def job_config(base: dict, steps: int, variant: str) -> dict:
 def _trainer_run(cfg: dict, rank: int, world_size: int) -> float:
     with tempfile.TemporaryDirectory() as run_dir:
         info = WorkerInfo(rank, world_size, rank, world_size)
-        trainer = Trainer(cfg, info, torch.device("cpu"), run_dir)
+        trainer = Trainer(typed(cfg), info, torch.device("cpu"), run_dir)
         trainer.train()
         wall = trainer.loop_seconds  # the loop alone: no final average, no evaluation
         del trainer
@@ -150,7 +150,7 @@ def _memory_worker(rank: int, world_size: int, cfg: dict) -> dict:
     step (a per-sync allocation that leaks would show as growth; a transient one in the peak)."""
     with tempfile.TemporaryDirectory() as run_dir:
         info = WorkerInfo(rank, world_size, rank, world_size)
-        trainer = Trainer(cfg, info, torch.device("cpu"), run_dir)
+        trainer = Trainer(typed(cfg), info, torch.device("cpu"), run_dir)
         trainer.train_step(0)
         after_first = status_kib("VmRSS")
         reset_peak_rss()  # the peak of the training steps, not of building the data and model

@@ -1,0 +1,362 @@
+"""`make gpu-check`: the CUDA paths, checked on a machine with a GPU in under five minutes.
+
+One line per check (PASS / FAIL / SKIP, the check's name, what it saw); exit 1 if any failed.
+On a machine without CUDA it says so in one line and exits 2. `--cpu` runs the same checks on
+CPU with gloo (the CUDA-only ones skipped): the test suite uses it to prove the script itself
+works where no GPU is lent.
+
+Checks: device pick (cuda, nccl, one worker per GPU); NCCL's ReduceOp.AVG in an all-reduce and
+in the averager; bf16-mixed and 16-mixed training (fp32 parameters, a finite falling loss, the
+GradScaler on the GPU); pinned-memory loading; the CUDA RNG state through a checkpoint; a run
+killed mid-way resuming bit-identical; and a short `make train` on dist.device=cuda.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # run as a script from anywhere: `localsgd` from this checkout
+
+# the small job of the exact-resume check (as tests/reliability_helpers.BASE): dropout makes the
+# per-rank RNG state, CUDA's included, matter for an exact resume
+RESUME_JOB = [
+    "data=synthetic", "data.num_samples=600", "model=mlp", "model.hidden=[16]",
+    "model.dropout=0.1", "trainer.batch_size=8", "trainer.max_steps=24",
+    "trainer.checkpoint_every=5", "trainer.log_every=4", "trainer.eval_every=8",
+    "trainer.progress=false", "trainer.deterministic=true", "sync.warmup_steps=6",
+    "sync.period=5", "dist.timeout_s=60", "logger.wandb.mode=disabled",
+]  # fmt: skip
+
+
+class Checks:
+    def __init__(self):
+        self.failed = 0
+
+    def run(self, name: str, fn) -> None:
+        start = time.perf_counter()
+        try:
+            detail = fn()
+        except Skip as e:
+            print(f"SKIP {name}: {e}", flush=True)
+            return
+        except Exception as e:  # noqa: BLE001 - every failure is reported, the rest still run
+            self.failed += 1
+            last = (str(e).strip().splitlines() or [""])[-1]
+            print(f"FAIL {name}: {type(e).__name__}: {last}", flush=True)
+            if os.environ.get("GPU_CHECK_VERBOSE"):
+                traceback.print_exc()
+            return
+        print(f"PASS {name}: {detail} ({time.perf_counter() - start:.1f} s)", flush=True)
+
+
+class Skip(Exception):
+    pass
+
+
+def check(ok: bool, message: str) -> None:
+    if not ok:
+        raise AssertionError(message)
+
+
+# ----------------------------------------------------------------------------------------------
+def device_pick(device: str) -> str:
+    from localsgd.launch import pick_backend, pick_device, resolve_world_size
+
+    picked = pick_device("auto" if device == "cuda" else "cpu", 0)
+    check(picked.type == device, f"dist.device=auto picked {picked}, expected {device}")
+    backend = pick_backend("auto", picked)
+    check(backend == ("nccl" if device == "cuda" else "gloo"), f"backend {backend}")
+    world = resolve_world_size(None, "auto" if device == "cuda" else "cpu")
+    expected = torch.cuda.device_count() if device == "cuda" else 4
+    check(world == expected, f"dist.world_size=null gives {world}, expected {expected}")
+    return f"{picked}, {backend}, {world} worker(s) by default"
+
+
+def _collective_worker(info, store, device: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from localsgd.averaging import CommStats, PeriodicAverager
+    from localsgd.launch import init_process_group, pick_backend, pick_device
+
+    try:  # the averagers' own test of whether the backend averages inside the reduction
+        from localsgd.averaging.comm import supports_avg
+    except ImportError:  # moved by a rewrite of localsgd/averaging: not this script's subject
+        supports_avg = None
+
+    dev = pick_device(device, info.local_rank)
+    init_process_group(info, pick_backend("auto", dev), 60, store)
+    try:
+        x = torch.full((1000,), float(info.rank + 1), device=dev)
+        dist.all_reduce(x, op=dist.ReduceOp.AVG)  # NCCL's (and gloo's, torch >= 2.13) average
+        mean = (info.world_size + 1) / 2
+        torch.manual_seed(info.rank)  # different replicas, averaged by the averager
+        model = torch.nn.Linear(64, 8).to(dev)
+        expected = [p.detach().clone() for p in model.parameters()]
+        for t in expected:
+            dist.all_reduce(t)
+            t.div_(info.world_size)
+        averager = PeriodicAverager(model, period=1, stats=CommStats())
+        averager.step()
+        close = all(
+            torch.allclose(p, e, rtol=1e-6, atol=1e-7)
+            for p, e in zip(model.parameters(), expected, strict=True)
+        )
+        result = {
+            "avg_ok": bool(torch.allclose(x, torch.full_like(x, mean))),
+            "averager_ok": close,
+            "uses_avg": None if supports_avg is None else supports_avg(None),
+            "backend": dist.get_backend(),
+        }
+        torch.save(result, os.path.join(out, f"{info.rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def collectives(device: str) -> str:
+    from localsgd.launch import spawn
+
+    world = torch.cuda.device_count() if device == "cuda" else 2
+    with tempfile.TemporaryDirectory() as out:
+        spawn(_collective_worker, world, 120, args=(device, out))
+        results = [torch.load(os.path.join(out, f"{r}.pt")) for r in range(world)]
+    for r in results:
+        check(r["avg_ok"], "all_reduce(ReduceOp.AVG) is not the mean")
+        check(r["averager_ok"], "PeriodicAverager's average differs from all_reduce / W")
+    backend = results[0]["backend"]
+    if device == "cuda":
+        check(backend == "nccl", f"backend {backend}, not nccl")
+        check(results[0]["uses_avg"] is not False, "the averagers would not use NCCL's AVG")
+    note = "" if world > 1 else " (one GPU: a group of one; more GPUs exercise the ring)"
+    return f"{backend}, {world} rank(s), ReduceOp.AVG and the averager agree{note}"
+
+
+def _config(overrides: list[str]):
+    from hydra import compose, initialize_config_dir
+
+    import localsgd.train  # noqa: F401  (registers the schemas)
+    from localsgd.config import typed
+    from localsgd.overrides import CONF_DIR
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return typed(compose("config", overrides=overrides))
+
+
+def _precision_worker(info, store, device: str, precision: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from localsgd.launch import init_process_group, pick_backend, pick_device
+    from localsgd.trainer import Trainer
+
+    dev = pick_device(device, info.local_rank)
+    init_process_group(info, pick_backend("auto", dev), 60, store)
+    try:
+        cfg = _config(
+            ["data=synthetic", "data.num_samples=2000", "model=mlp", "trainer.max_steps=60",
+             "trainer.batch_size=32", "trainer.progress=false", "trainer.track_drift=false",
+             "sync.period=4", f"trainer.precision={precision}", "logger.wandb.mode=disabled"]
+        )  # fmt: skip
+        with tempfile.TemporaryDirectory() as run_dir:
+            t = Trainer(cfg, info, dev, run_dir)
+            losses = [float(t.train_step(s)) for s in range(cfg.trainer.max_steps)]
+            dtypes = {str(p.dtype) for p in t.model.parameters()}
+            dtypes |= {str(b.dtype) for b in t.averager.flat.buffers}
+            scaler = t.recipe.scaler
+            result = {
+                "first": sum(losses[:10]) / 10,
+                "last": sum(losses[-10:]) / 10,
+                "dtypes": sorted(dtypes),
+                "scale": None if scaler is None else float(scaler.get_scale()),
+                "scaler_device": None if scaler is None else scaler._device,
+                "accuracy": t.evaluate()["test_accuracy"],
+            }
+        torch.save(result, os.path.join(out, f"{info.rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def precision(device: str, name: str) -> str:
+    from localsgd.launch import spawn
+
+    with tempfile.TemporaryDirectory() as out:
+        spawn(_precision_worker, 1, 180, args=(device, name, out))
+        r = torch.load(os.path.join(out, "0.pt"))
+    check(r["dtypes"] == ["torch.float32"], f"parameters / averaged buffers are {r['dtypes']}")
+    check(r["last"] < 0.8 * r["first"], f"loss {r['first']:.3f} -> {r['last']:.3f}: not learning")
+    if name == "16-mixed":
+        check(r["scale"] is not None and r["scale"] > 0, f"GradScaler scale {r['scale']}")
+        check(r["scaler_device"] == device, f"GradScaler on {r['scaler_device']}")
+    extra = f", GradScaler scale {r['scale']:g}" if r["scale"] is not None else ""
+    return (
+        f"loss {r['first']:.3f} -> {r['last']:.3f}, accuracy {r['accuracy']:.3f}, fp32 "
+        f"parameters{extra}"
+    )
+
+
+def pinned_loading(device: str) -> str:
+    if device != "cuda":
+        raise Skip("pinned memory needs CUDA")
+    from torch.utils.data import DataLoader, TensorDataset
+
+    data = TensorDataset(torch.randn(256, 40), torch.randint(0, 10, (256,)))
+    loader = DataLoader(data, batch_size=64, pin_memory=True, num_workers=1)
+    moved = 0
+    for x, y in loader:
+        check(x.is_pinned() and y.is_pinned(), "DataLoader(pin_memory=True) gave unpinned batches")
+        xg = x.to("cuda", non_blocking=True)
+        torch.cuda.synchronize()
+        check(torch.equal(xg.cpu(), x), "non_blocking copy changed the batch")
+        moved += len(x)
+    return f"{moved} samples through pinned batches and non_blocking copies"
+
+
+def cuda_rng(device: str) -> str:
+    if device != "cuda":
+        raise Skip("no CUDA RNG on CPU")
+    from localsgd import checkpoint
+
+    torch.cuda.manual_seed_all(7)
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "rng.pt")
+        torch.save(checkpoint.rng_state(), path)
+        expected = torch.rand(4, device="cuda")
+        torch.cuda.manual_seed_all(8)  # disturb it
+        state = torch.load(path, weights_only=True)
+    check(len(state["cuda"]) == torch.cuda.device_count(), "CUDA RNG states not all saved")
+    checkpoint.set_rng_state(state)
+    check(torch.equal(torch.rand(4, device="cuda"), expected), "CUDA RNG not restored")
+    return f"{len(state['cuda'])} CUDA generator state(s) round-trip through a checkpoint file"
+
+
+def _cli(args: list[str], timeout: float, fault: str | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": ROOT}
+    env.pop("LOCALSGD_FAULT", None)
+    if fault:
+        env["LOCALSGD_FAULT"] = fault
+    cmd = [sys.executable, "-m", "localsgd.train", *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _same_model(a: str, b: str) -> bool:
+    sa, sb = torch.load(a, weights_only=True), torch.load(b, weights_only=True)
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def exact_resume(device: str, tmp: str) -> str:
+    world = min(2, torch.cuda.device_count()) if device == "cuda" else 2
+    args = RESUME_JOB + [f"dist.device={device}", f"dist.world_size={world}"]
+    ref, run = os.path.join(tmp, "reference"), os.path.join(tmp, "resumed")
+    proc = _cli(args + [f"hydra.run.dir={ref}"], 120)
+    check(proc.returncode == 0, f"reference run failed: {proc.stderr.strip()[-300:]}")
+    proc = _cli(args + [f"hydra.run.dir={run}"], 120, fault="kill:0:13")
+    check(proc.returncode == 1, f"the kill at step 13 did not stop the run ({proc.returncode})")
+    proc = _cli(args + [f"hydra.run.dir={run}"], 120)
+    check(proc.returncode == 0, f"resumed run failed: {proc.stderr.strip()[-300:]}")
+    check("resuming from" in proc.stderr, "the second run did not resume")
+    check(
+        _same_model(os.path.join(run, "model.pt"), os.path.join(ref, "model.pt")),
+        "resumed model differs from the uninterrupted one",
+    )
+    return f"{world} worker(s), killed at step 13, resumed from step 10: bit-identical model"
+
+
+def make_train(device: str, tmp: str) -> str:
+    run_dir = os.path.join(tmp, "make-train")
+    # make train's job, shortened: 300 synchronous steps then k=16, to step 600
+    args = f"dist.device={device} trainer.max_steps=600 trainer.progress=false"
+    args += f" logger.wandb.mode=disabled hydra.run.dir={run_dir}"
+    if device != "cuda":
+        args += " dist.world_size=2"
+    cmd = ["make", "-s", "train", f"ARGS={args}"] if shutil.which("make") else None
+    if cmd is None:  # no make: the same command make train runs
+        cmd = [sys.executable, "-m", "localsgd.train", "+experiment=post_local_sgd", *args.split()]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    check(proc.returncode == 0, f"exit {proc.returncode}: {proc.stderr.strip()[-300:]}")
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        summary = json.load(f)
+    check(summary["test_accuracy"] > 0.5, f"test accuracy {summary['test_accuracy']}")
+    return (
+        f"{summary['world_size']} worker(s), {summary['steps']} steps, test accuracy "
+        f"{summary['test_accuracy']}, {summary['wall_time_s']} s"
+    )
+
+
+BUDGET_S = int(os.environ.get("GPU_CHECK_BUDGET_S", 300))  # the tests shorten it
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid` (children first), from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], list(children.get(pid, []))
+    while todo:
+        child = todo.pop()
+        out.append(child)
+        todo.extend(children.get(child, []))
+    return out
+
+
+def _over_budget(signum, frame) -> None:
+    print(f"FAIL gpu-check: not done within {BUDGET_S} s", flush=True)
+    # Kill what this script started: a worker still starting up has not yet asked to die with
+    # its parent (PR_SET_PDEATHSIG), and would otherwise outlive the check.
+    for pid in _descendants(os.getpid()):
+        with contextlib.suppress(OSError):  # already gone
+            os.kill(pid, signal.SIGKILL)
+    os._exit(1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cpu", action="store_true", help="run the checks on CPU/gloo instead")
+    args = parser.parse_args(argv)
+    if not args.cpu and not torch.cuda.is_available():
+        print(
+            f"gpu-check: no CUDA device here (torch {torch.__version__}, "
+            f"CUDA build: {torch.version.cuda or 'none'}); run it on a GPU machine",
+            flush=True,
+        )
+        return 2
+    device = "cpu" if args.cpu else "cuda"
+    signal.signal(signal.SIGALRM, _over_budget)
+    signal.alarm(BUDGET_S)  # the whole check stays within five minutes, even if a step hangs
+    if device == "cuda":
+        print(f"gpu-check: {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, "
+              f"torch {torch.__version__}, CUDA {torch.version.cuda}", flush=True)  # fmt: skip
+    checks = Checks()
+    with tempfile.TemporaryDirectory() as tmp:
+        checks.run("device pick", lambda: device_pick(device))
+        checks.run("NCCL ReduceOp.AVG" if device == "cuda" else "gloo ReduceOp.AVG",
+                   lambda: collectives(device))  # fmt: skip
+        checks.run("bf16-mixed", lambda: precision(device, "bf16-mixed"))
+        checks.run("16-mixed", lambda: precision(device, "16-mixed"))
+        checks.run("pinned-memory loading", lambda: pinned_loading(device))
+        checks.run("CUDA RNG in checkpoints", lambda: cuda_rng(device))
+        checks.run("exact resume", lambda: exact_resume(device, tmp))
+        checks.run(f"make train on dist.device={device}", lambda: make_train(device, tmp))
+    print(f"gpu-check: {'all passed' if not checks.failed else f'{checks.failed} failed'}")
+    return 1 if checks.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

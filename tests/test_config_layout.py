@@ -1,0 +1,207 @@
+"""The config's one source of truth: groups that mirror the code (sync/, optim/, lr_schedule/,
+logger/), experiments as deltas on them, defaults defined once in the schema, `_target_`
+optimizers and schedules, the typed config workers get, and wandb's job_type."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+import yaml
+
+from localsgd.config import (
+    AdamWConfig,
+    CommConfig,
+    Config,
+    DistConfig,
+    LoggerConfig,
+    SGDConfig,
+    SyncConfig,
+    TrainerConfig,
+    WarmupCosineConfig,
+    validate,
+)
+from localsgd.loggers import strategy_name
+from localsgd.optim import build_optimizer, build_schedule
+from tests.conftest import CONF, compose_config
+from tests.test_cli import FAST, run_cli
+
+# What every experiment that existed before the groups did (its old file, key by key): the
+# deltas must give exactly these settings.
+OLD_EXPERIMENTS = {
+    "sync_sgd": {"sync.period": 1, "sync.warmup_steps": 0},
+    "local_sgd": {"sync.period": 16, "sync.warmup_steps": 0},
+    "post_local_sgd": {"sync.period": 16, "sync.warmup_steps": 300},
+    "hierarchical": {"sync.warmup_steps": 0, "sync.levels.0.period": 4,
+                     "sync.levels.0.group_size": 2, "sync.levels.1.period": 32,
+                     "sync.levels.1.group_size": "world"},  # fmt: skip
+    "diloco": {"sync.period": 50, "sync.warmup_steps": 0, "sync.outer": "diloco",
+               "optim._target_": "torch.optim.AdamW", "optim.lr": 0.003,
+               "optim.weight_decay": 0.1, "optim.betas": [0.9, 0.95]},  # fmt: skip
+    "slowmo": {"sync.period": 16, "sync.warmup_steps": 0, "sync.outer": "slowmo"},
+    "adaptive_period": {"sync.period": 4, "sync.warmup_steps": 0, "sync.schedule": "adaptive",
+                        "sync.period_factor": 2, "sync.min_period": 2, "sync.max_period": 64,
+                        "sync.adaptive_tolerance": 0.01},  # fmt: skip
+    "sweep_period": {"sync.warmup_steps": 0},
+    "sweep_warmup": {"sync.period": 16},
+    "sweep_lr": {},
+    "optuna_lr": {},
+}
+JOB_TYPES = {
+    "sync_sgd": "sync_sgd",
+    "local_sgd": "local_sgd",
+    "post_local_sgd": "post_local_sgd",
+    "hierarchical": "hierarchical",
+    "diloco": "diloco",
+    "slowmo": "slowmo",
+    "adaptive_period": "adaptive",
+}
+
+
+def _at(cfg, dotted: str):
+    node = cfg
+    for part in dotted.split("."):
+        if part.isdigit():
+            node = node[int(part)]
+        else:  # a `_target_` config of no schema is a plain dict
+            node = node[part] if isinstance(node, dict) else getattr(node, part)
+    return node
+
+
+def test_every_experiment_file_is_listed_here():
+    names = {f[:-5] for f in os.listdir(os.path.join(CONF, "experiment")) if f.endswith(".yaml")}
+    assert names == set(OLD_EXPERIMENTS)
+
+
+@pytest.mark.parametrize("name", sorted(OLD_EXPERIMENTS))
+def test_experiment_deltas_compose_validate_and_keep_their_settings(name):
+    cfg = compose_config([f"+experiment={name}"])
+    validate(cfg, world_size=4)
+    for key, value in OLD_EXPERIMENTS[name].items():
+        assert _at(cfg, key) == value, key
+    if name in JOB_TYPES:
+        assert strategy_name(cfg.sync) == JOB_TYPES[name]
+    with open(os.path.join(CONF, "experiment", f"{name}.yaml")) as f:
+        text = f.read()
+    assert text.startswith("# @package _global_")
+    if name in JOB_TYPES:  # a strategy experiment picks its sync preset rather than restating it
+        assert yaml.safe_load(text)["defaults"][0] == {"override /sync": name.replace(
+            "_period", "")}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "option", sorted(f[:-5] for f in os.listdir(os.path.join(CONF, "sync")) if f.endswith("yaml"))
+)
+def test_each_sync_preset_is_the_strategy_wandb_names(option):
+    cfg = compose_config([f"sync={option}"])
+    validate(cfg, world_size=4)
+    assert strategy_name(cfg.sync) == option  # wandb's job_type
+
+
+def test_the_groups_mirror_the_code():
+    for group in ("sync", "optim", "lr_schedule", "logger", "experiment"):
+        assert os.path.isdir(os.path.join(CONF, group)), group
+    assert set(os.listdir(os.path.join(CONF, "sync"))) >= {
+        f"{n}.yaml"
+        for n in ("sync_sgd", "local_sgd", "post_local_sgd", "hierarchical", "diloco", "slowmo",
+                  "adaptive")  # fmt: skip
+    }
+
+
+def test_defaults_are_defined_once_in_the_schema():
+    with open(os.path.join(CONF, "config.yaml")) as f:
+        top = yaml.safe_load(f)
+    # config.yaml picks presets and configures Hydra; it restates no setting
+    assert set(top) == {"defaults", "hydra"}
+    cfg = compose_config([])
+    assert isinstance(cfg, Config)
+    for section, schema in (
+        ("dist", DistConfig()),
+        ("trainer", TrainerConfig()),
+        ("sync", SyncConfig()),
+        ("comm", CommConfig()),
+        ("logger", LoggerConfig()),
+    ):
+        assert getattr(cfg, section) == schema, section
+    assert cfg.optim == SGDConfig() and cfg.lr_schedule == WarmupCosineConfig()
+    # the values `make train` and the README's results were measured with
+    assert (cfg.trainer.max_steps, cfg.optim.weight_decay, cfg.lr_schedule.warmup_steps) == (
+        3000, 1e-4, 50)  # fmt: skip
+    for group in ("optim", "lr_schedule"):  # the presets only extend their schema
+        for name in os.listdir(os.path.join(CONF, group)):
+            with open(os.path.join(CONF, group, name)) as f:
+                assert set(yaml.safe_load(f)) == {"defaults"}, name
+
+
+def test_workers_get_typed_config_objects():
+    cfg = compose_config(["optim=adamw", "optim.lr=0.001"])
+    assert isinstance(cfg.trainer, TrainerConfig) and isinstance(cfg.sync, SyncConfig)
+    assert isinstance(cfg.optim, AdamWConfig) and cfg.optim.lr == 0.001
+
+
+def test_optimizer_and_schedule_are_built_from_their_targets():
+    cfg = compose_config(["optim=adamw"])
+    model = torch.nn.Linear(3, 2)
+    opt = build_optimizer(model.parameters(), cfg.optim)
+    assert type(opt) is torch.optim.AdamW
+    group = opt.param_groups[0]
+    assert group["betas"] == (0.9, 0.95) or list(group["betas"]) == [0.9, 0.95]
+    assert (group["lr"], group["weight_decay"]) == (4e-4, 0.1)
+    # The default warmup + cosine, bit for bit the formula runs were measured with before it
+    # became a `_target_` (lr * (s+1) / W in the warmup, then floor + (lr - floor) * cosine).
+    sched = build_schedule(compose_config(["lr_schedule.min_lr_ratio=0.1"]).lr_schedule, 3000)
+    lr, warm, floor = 0.1, 50, 0.1 * 0.1
+    for step in (0, 7, 49, 50, 51, 1234, 2999, 3000):
+        if step < warm:
+            old = lr * (step + 1) / warm
+        else:
+            progress = min(1.0, (step - warm) / (3000 - warm))
+            old = floor + (lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+        assert sched(step, lr) == old, step
+    step_sched = build_schedule(
+        compose_config(["lr_schedule=step", "lr_schedule.decay_steps=[10,20]"]).lr_schedule, 30
+    )
+    assert [step_sched(s, 1.0) for s in (9, 10, 25)] == [1.0, 0.1, 0.1 * 0.1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_an_optimizer_of_your_own_through_config_dir(tmp_path):
+    # Adagrad's lr_decay is no SGD argument: the run only succeeds if `_target_` built Adagrad
+    (tmp_path / "conf" / "optim").mkdir(parents=True)
+    (tmp_path / "conf" / "optim" / "adagrad.yaml").write_text(
+        "_target_: torch.optim.Adagrad\nlr: 0.05\nlr_decay: 0.001\n"
+    )
+    run_dir = tmp_path / "run"
+    proc = run_cli(
+        ["--config-dir", str(tmp_path / "conf"), "optim=adagrad", *FAST]
+        + ["trainer.max_steps=30", "dist.world_size=2", f"hydra.run.dir={run_dir}"]
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    saved = yaml.safe_load((run_dir / ".hydra" / "config.yaml").read_text())
+    assert saved["optim"] == {"_target_": "torch.optim.Adagrad", "lr": 0.05, "lr_decay": 0.001}
+    assert (run_dir / "summary.json").exists()
+
+
+@pytest.mark.parametrize(
+    "changed",
+    ["lr_schedule.warmup_steps=10", "optim=adamw", "trainer.precision=bf16-mixed",
+     "trainer.accumulate_grad_batches=2", "trainer.gradient_clip_val=1.0"],  # fmt: skip
+)
+def test_a_checkpoint_refuses_a_run_whose_recipe_or_schedule_changed(changed):
+    from localsgd.checkpoint import config_mismatch
+    from localsgd.config import plain
+
+    saved = {"config": plain(compose_config([]))}
+    diff = config_mismatch(saved, plain(compose_config([changed])))
+    assert diff is not None and diff.startswith(changed.split("=")[0].split(".")[0]), diff
+    assert config_mismatch(saved, plain(compose_config(["trainer.max_steps=5000"]))) is None
+
+
+def test_a_strategy_experiment_is_its_presets():
+    assert compose_config(["+experiment=diloco"]) == compose_config(
+        ["sync=diloco", "optim=adamw", "optim.lr=0.003"]
+    )
+    assert compose_config(["+experiment=adaptive_period"]) == compose_config(["sync=adaptive"])
