@@ -89,12 +89,8 @@ def _collective_worker(info, store, device: str, out: str) -> None:
     import torch.distributed as dist
 
     from localsgd.averaging import CommStats, PeriodicAverager
+    from localsgd.averaging.comm import supports_avg
     from localsgd.launch import init_process_group, pick_backend, pick_device
-
-    try:  # the averagers' own test of whether the backend averages inside the reduction
-        from localsgd.averaging.comm import supports_avg
-    except ImportError:  # moved by a rewrite of localsgd/averaging: not this script's subject
-        supports_avg = None
 
     dev = pick_device(device, info.local_rank)
     init_process_group(info, pick_backend("auto", dev), 60, store)
@@ -108,8 +104,8 @@ def _collective_worker(info, store, device: str, out: str) -> None:
         for t in expected:
             dist.all_reduce(t)
             t.div_(info.world_size)
-        averager = PeriodicAverager(model, period=1, stats=CommStats())
-        averager.step()
+        averager = PeriodicAverager(1, module=model, stats=CommStats())
+        averager.maybe_average()
         close = all(
             torch.allclose(p, e, rtol=1e-6, atol=1e-7)
             for p, e in zip(model.parameters(), expected, strict=True)
@@ -117,7 +113,7 @@ def _collective_worker(info, store, device: str, out: str) -> None:
         result = {
             "avg_ok": bool(torch.allclose(x, torch.full_like(x, mean))),
             "averager_ok": close,
-            "uses_avg": None if supports_avg is None else supports_avg(None),
+            "uses_avg": supports_avg(None),
             "backend": dist.get_backend(),
         }
         torch.save(result, os.path.join(out, f"{info.rank}.pt"))
