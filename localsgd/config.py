@@ -7,8 +7,9 @@ launching process before any worker starts.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any  # noqa: UP035  (OmegaConf needs typing.Dict)
 
 from omegaconf import MISSING
 
@@ -28,7 +29,8 @@ class DistConfig:
 
 @dataclass
 class TrainerConfig:
-    max_steps: int = 1000  # optimizer steps per worker
+    max_steps: int | None = 1000  # optimizer steps per worker
+    max_epochs: int | None = None  # or: passes over the smallest worker's shard (max_steps null)
     batch_size: int = 32  # per worker
     eval_every: int = 250  # evaluate the averaged model at the first sync at or after each multiple
     log_every: int = 25
@@ -106,32 +108,29 @@ class OptimConfig:
     decay_factor: float = 0.1
 
 
+# The data and model nodes are open: besides the keys below they hold whatever their `_target_`
+# callable takes (`data.num_samples`, `model.hidden`, a user's own keys). Subclassing Dict keeps
+# Hydra's type check of the keys localsgd itself reads (`data.alpha=abc` is refused by Hydra, as
+# `optim.lr=abc` is) while admitting the callable's keys; a plain `Any` node would check nothing.
+# OmegaConf 2.3 (pinned) marks this subclassing deprecated with a warning, silenced here only.
+warnings.filterwarnings("ignore", message=r"Class `(DataConfig|ModelConfig)` subclasses `Dict`")
+
+
 @dataclass
-class DataConfig:
-    name: str = MISSING  # mnist1d | digits | synthetic | cifar10 | text
-    num_samples: int = 5000  # mnist1d: train + test samples generated
-    test_fraction: float = 0.2  # digits / synthetic: held-out share
+class DataConfig(dict[str, Any]):
+    # any callable returning an object with `train`, `test` (Datasets of (x, y)) and `num_classes`
+    _target_: str = MISSING
     partition: str = "iid"  # iid | by_class | dirichlet
     classes_per_worker: int = 2  # by_class
     alpha: float = 0.5  # dirichlet concentration
-    num_features: int = 32  # synthetic
-    num_classes: int = 10  # synthetic
-    noise: float = 1.0  # synthetic: class-cluster spread
-    root: str = ""  # cifar10: folder holding cifar-10-batches-py
-    path: str = ""  # text: a plain-text file
-    seq_len: int = 64  # text: characters per sample
+    # auto: in memory when `train` is a TensorDataset, else a DataLoader per rank | memory | stream
+    loader: str = "auto"
+    num_workers: int = 0  # DataLoader worker processes per rank (stream only)
 
 
 @dataclass
-class ModelConfig:
-    name: str = MISSING  # mlp | cnn | resnet20 | transformer
-    hidden: list[int] = field(default_factory=lambda: [256, 256])  # mlp
-    channels: list[int] = field(default_factory=lambda: [32, 64])  # cnn
-    kernel_size: int = 5  # cnn
-    dropout: float = 0.0
-    d_model: int = 128  # transformer
-    n_layers: int = 2  # transformer
-    n_heads: int = 4  # transformer
+class ModelConfig(dict[str, Any]):
+    _target_: str = MISSING  # any callable returning an nn.Module; its own keys sit beside this
 
 
 @dataclass
@@ -162,8 +161,7 @@ class Config:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
 
 
-DATASETS = ("mnist1d", "digits", "synthetic", "cifar10", "text")
-MODELS = ("mlp", "cnn", "resnet20", "transformer")
+LOADERS = ("auto", "memory", "stream")
 PARTITIONS = ("iid", "by_class", "dirichlet")
 OPTIMIZERS = ("sgd", "adamw")
 LR_SCHEDULES = ("constant", "cosine", "step")
@@ -202,8 +200,9 @@ def validate(cfg: Any, world_size: int | None = None, local_world_size: int | No
     timeout = _get(cfg, "dist.timeout_s")
     _require(timeout > 0, "dist.timeout_s", "> 0 seconds", timeout)
 
+    _validate_length(cfg)
     for key in (
-        "trainer.max_steps",
+        *(("trainer.max_steps",) if _get(cfg, "trainer.max_steps") is not None else ()),
         "trainer.batch_size",
         "trainer.eval_every",
         "trainer.log_every",
@@ -272,22 +271,28 @@ def validate(cfg: Any, world_size: int | None = None, local_world_size: int | No
 
     _choice(cfg, "logger.wandb.mode", WANDB_MODES)
 
-    _choice(cfg, "data.name", DATASETS)
     _choice(cfg, "data.partition", PARTITIONS)
-    _choice(cfg, "model.name", MODELS)
-    num_samples = _get(cfg, "data.num_samples")
-    _require(num_samples >= 10, "data.num_samples", "an integer >= 10", num_samples)
+    _choice(cfg, "data.loader", LOADERS)
     alpha = _get(cfg, "data.alpha")
     _require(alpha > 0, "data.alpha", "> 0", alpha)
-    test_fraction = _get(cfg, "data.test_fraction")
-    _require(0 < test_fraction < 1, "data.test_fraction", "in (0, 1)", test_fraction)
     cpw = _get(cfg, "data.classes_per_worker")
     _require(cpw >= 1, "data.classes_per_worker", "an integer >= 1", cpw)
-    for key, low in (("data.seq_len", 1), ("data.num_features", 1), ("data.num_classes", 2)):
-        value = _get(cfg, key)
-        _require(value >= low, key, f"an integer >= {low}", value)
-    noise = _get(cfg, "data.noise")
-    _require(noise >= 0, "data.noise", ">= 0", noise)
+    workers = _get(cfg, "data.num_workers")
+    _require(workers >= 0, "data.num_workers", "an integer >= 0 (0 = load in the rank)", workers)
+
+
+def _validate_length(cfg: Any) -> None:
+    """Exactly one of trainer.max_steps and trainer.max_epochs says how long to train."""
+    steps, epochs = _get(cfg, "trainer.max_steps"), _get(cfg, "trainer.max_epochs")
+    if steps is not None and epochs is not None:
+        raise ConfigError(
+            f"trainer.max_epochs must be null when trainer.max_steps is set (got {epochs} and "
+            f"max_steps={steps}); add trainer.max_steps=null to train for epochs"
+        )
+    if steps is None and epochs is None:
+        raise ConfigError("trainer.max_steps must be set, or trainer.max_epochs, got both null")
+    if epochs is not None:
+        _require(epochs >= 1, "trainer.max_epochs", "an integer >= 1", epochs)
 
 
 SCHEDULES = ("constant", "step", "adaptive")

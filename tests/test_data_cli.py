@@ -25,8 +25,8 @@ def _fake_cifar(root, per_batch: int = 16) -> None:
     rng = np.random.default_rng(0)
     for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
         batch = {
-            b"data": rng.integers(0, 256, (per_batch, 3072), dtype=np.uint8),
-            b"labels": [int(v) for v in rng.integers(0, 10, per_batch)],
+            "data": rng.integers(0, 256, (per_batch, 3072), dtype=np.uint8),
+            "labels": [int(v) for v in rng.integers(0, 10, per_batch)],
         }
         (folder / name).write_bytes(pickle.dumps(batch))
 
