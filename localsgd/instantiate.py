@@ -9,6 +9,7 @@ only when the callable's signature names them or takes **kwargs, so any callable
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -29,6 +30,8 @@ def locate(node: Mapping, key: str) -> Any:
     target = node.get("_target_")
     if not isinstance(target, str) or not target:
         raise ConfigError(f"{key}._target_ must name a callable as module.name, got {target!r}")
+    hydra_log = logging.getLogger("hydra.utils")  # it logs the failure in 3 lines of its own
+    level, hydra_log.disabled = hydra_log.disabled, True
     try:
         fn = get_object(target)
     except Exception as e:  # ImportError, AttributeError, or whatever the module raised
@@ -38,6 +41,8 @@ def locate(node: Mapping, key: str) -> Any:
             f"{key}._target_ must be an importable callable, got {target!r} ({reason}); "
             f"is its module on the Python path (run from its folder, or set PYTHONPATH)?"
         ) from None
+    finally:
+        hydra_log.disabled = level
     if not callable(fn):
         raise ConfigError(f"{key}._target_ must be callable, got {target!r} ({type(fn).__name__})")
     return fn
