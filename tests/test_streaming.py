@@ -137,3 +137,24 @@ def test_max_epochs_counts_passes_over_the_smallest_shard(tmp_path):
     assert shards[0] != shards[1]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 2 * (min(shards) // 8)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_dataloader_benchmark_runs_at_tiny_size(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    out = tmp_path / "DATALOADER.md"
+    proc = subprocess.run(
+        [sys.executable, "experiments/bench/dataloader.py", "--tiny", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = out.read_text()
+    assert "| memory |" in text and "| stream |" in text and "stream / memory:" in text
