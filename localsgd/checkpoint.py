@@ -168,6 +168,11 @@ TRAJECTORY_KEYS = (
 )
 
 
+# under "data" but not changing a single batch: loader processes and the memory/stream choice
+# (batches are seeded per batch, so they are the same for any number of loader processes)
+SAME_TRAJECTORY = ("data.num_workers", "data.loader")
+
+
 def _flatten(node: Any, prefix: str) -> dict[str, Any]:
     if isinstance(node, dict):
         out = {}
@@ -189,6 +194,8 @@ def config_mismatch(marker: dict, config: dict) -> str | None:
             old, new = old.get(part), new.get(part)
         old_flat, new_flat = _flatten(old, key), _flatten(new, key)
         for k in sorted(set(old_flat) | set(new_flat)):
+            if k in SAME_TRAJECTORY:
+                continue
             if old_flat.get(k) != new_flat.get(k):
                 return f"{k}: {old_flat.get(k)!r} in the checkpoint, {new_flat.get(k)!r} now"
     return None

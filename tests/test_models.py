@@ -146,3 +146,15 @@ def test_offered_values_reach_only_callables_that_name_them():
 def test_transformer_heads_must_divide_d_model():
     with pytest.raises(ValueError, match="n_heads"):
         build_model(cfg("transformer", d_model=30, n_heads=4), (16,), 20, task="lm")
+
+
+def _takes_anything(**kwargs):
+    _takes_anything.got = kwargs
+    return torch.nn.Linear(1, 1)
+
+
+def test_a_callable_with_kwargs_is_offered_everything_and_text_gets_vocab_size():
+    build_model({"_target_": f"{__name__}._takes_anything", "width": 3}, (16,), 29, task="lm")
+    assert _takes_anything.got == {
+        "width": 3, "input_shape": (16,), "num_classes": 29, "task": "lm", "vocab_size": 29
+    }  # fmt: skip

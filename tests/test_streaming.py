@@ -115,7 +115,8 @@ def test_streamed_cifar_killed_mid_epoch_resumes_bit_identical(tmp_path):
     proc, left = cli(args, fault="kill:1:7", timeout=200)  # last checkpoint: step 5, mid-epoch
     assert proc.returncode == 1 and "worker rank 1 died" in proc.stderr, proc.stderr[-2000:]
     assert not left, "a worker (or a loader process) outlived the failed job"
-    proc, left = cli(args, timeout=200)
+    # resumed with no loader process: allowed (it changes no batch), and still bit-identical
+    proc, left = cli([a for a in args if a != "data.num_workers=1"], timeout=200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resuming from" in proc.stderr and "step-5" in proc.stderr
     assert not left
@@ -158,3 +159,33 @@ def test_dataloader_benchmark_runs_at_tiny_size(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = out.read_text()
     assert "| memory |" in text and "| stream |" in text and "stream / memory:" in text
+
+
+class _NoTargets(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 5
+
+    def __getitem__(self, i: int):
+        return torch.zeros(2, 3), i % 2
+
+
+def test_labels_from_targets_or_one_pass_and_shape_from_the_data_or_a_sample():
+    from types import SimpleNamespace
+
+    from localsgd.data import input_shape_of, labels_of
+
+    assert labels_of(_NoTargets()).tolist() == [0, 1, 0, 1, 0]  # one pass over the set
+    with_targets = _NoTargets()
+    with_targets.targets = [4, 3, 2, 1, 0]
+    assert labels_of(with_targets).tolist() == [4, 3, 2, 1, 0]  # no pass: read as given
+    assert input_shape_of(SimpleNamespace(train=_NoTargets())) == (2, 3)
+    assert input_shape_of(SimpleNamespace(train=None, input_shape=[7])) == (7,)
+
+
+def test_memory_is_refused_for_a_set_that_is_not_tensors():
+    from localsgd.config import ConfigError
+    from localsgd.data.loader import in_memory
+
+    with pytest.raises(ConfigError, match="^data.loader must be auto or stream"):
+        in_memory(_NoTargets(), "memory")
+    assert not in_memory(_NoTargets(), "auto")
