@@ -158,7 +158,8 @@ def test_dataloader_benchmark_runs_at_tiny_size(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = out.read_text()
-    assert "| memory |" in text and "| stream |" in text and "stream / memory:" in text
+    assert "| 2 | memory |" in text and "| 2 | stream |" in text
+    assert "| stream / memory |" in text and "x** |" in text  # the ratio, measured
 
 
 class _NoTargets(torch.utils.data.Dataset):
