@@ -190,3 +190,12 @@ def test_memory_is_refused_for_a_set_that_is_not_tensors():
     with pytest.raises(ConfigError, match="^data.loader must be auto or stream"):
         in_memory(_NoTargets(), "memory")
     assert not in_memory(_NoTargets(), "auto")
+
+
+def test_loader_memory_is_pinned_for_cuda_only():
+    # building the DataLoader touches no GPU: this checks the setting on a machine without one
+    data = synthetic(num_samples=50, num_features=4, seed=0)
+    sampler = ShardSampler(torch.arange(40), 8, seed=0, rank=0)
+    for device, pinned in ((torch.device("cuda"), True), (CPU, False)):
+        loader = StreamBatches(data.train, sampler, device, num_workers=1)._loader()
+        assert loader.pin_memory is pinned and loader.num_workers == 1
