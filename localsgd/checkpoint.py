@@ -155,6 +155,8 @@ RESUME_MAY_CHANGE = (
     "trainer.keep_checkpoints",
     "trainer.resume",
     "dist.timeout_s",
+    "data.num_workers",  # batches are seeded per batch: the same for any number of loaders
+    "data.loader",  # memory or stream: the same batches
     "sync.check_replicas",
     "comm.simulate",
     "logger",

@@ -7,8 +7,9 @@ launching process before any worker starts.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any  # noqa: UP035  (OmegaConf needs typing.Dict)
 
 from omegaconf import MISSING
 
@@ -28,7 +29,8 @@ class DistConfig:
 
 @dataclass
 class TrainerConfig:
-    max_steps: int = 3000  # optimizer steps per worker
+    max_steps: int | None = 3000  # optimizer steps per worker
+    max_epochs: int | None = None  # or: passes over the smallest worker's shard (max_steps null)
     batch_size: int = 32  # per worker
     eval_every: int = 250  # evaluate the averaged model at the first sync at or after each multiple
     log_every: int = 25
@@ -141,32 +143,29 @@ class StepLRConfig:
     decay_factor: float = 0.1
 
 
+# The data and model nodes are open: besides the keys below they hold whatever their `_target_`
+# callable takes (`data.num_samples`, `model.hidden`, a user's own keys). Subclassing Dict keeps
+# Hydra's type check of the keys localsgd itself reads (`data.alpha=abc` is refused by Hydra, as
+# `optim.lr=abc` is) while admitting the callable's keys; a plain `Any` node would check nothing.
+# OmegaConf 2.3 (pinned) marks this subclassing deprecated with a warning, silenced here only.
+warnings.filterwarnings("ignore", message=r"Class `(DataConfig|ModelConfig)` subclasses `Dict`")
+
+
 @dataclass
-class DataConfig:
-    name: str = MISSING  # mnist1d | digits | synthetic | cifar10 | text
-    num_samples: int = 5000  # mnist1d: train + test samples generated
-    test_fraction: float = 0.2  # digits / synthetic: held-out share
+class DataConfig(dict[str, Any]):
+    # any callable returning an object with `train`, `test` (Datasets of (x, y)) and `num_classes`
+    _target_: str = MISSING
     partition: str = "iid"  # iid | by_class | dirichlet
     classes_per_worker: int = 2  # by_class
     alpha: float = 0.5  # dirichlet concentration
-    num_features: int = 32  # synthetic
-    num_classes: int = 10  # synthetic
-    noise: float = 1.0  # synthetic: class-cluster spread
-    root: str = ""  # cifar10: folder holding cifar-10-batches-py
-    path: str = ""  # text: a plain-text file
-    seq_len: int = 64  # text: characters per sample
+    # auto: in memory when `train` is a TensorDataset, else a DataLoader per rank | memory | stream
+    loader: str = "auto"
+    num_workers: int = 0  # DataLoader worker processes per rank (stream only)
 
 
 @dataclass
-class ModelConfig:
-    name: str = MISSING  # mlp | cnn | resnet20 | transformer
-    hidden: list[int] = field(default_factory=lambda: [256, 256])  # mlp
-    channels: list[int] = field(default_factory=lambda: [32, 64])  # cnn
-    kernel_size: int = 5  # cnn
-    dropout: float = 0.0
-    d_model: int = 128  # transformer
-    n_layers: int = 2  # transformer
-    n_heads: int = 4  # transformer
+class ModelConfig(dict[str, Any]):
+    _target_: str = MISSING  # any callable returning an nn.Module; its own keys sit beside this
 
 
 @dataclass
@@ -233,7 +232,27 @@ def typed(cfg: Any) -> Config:
         return cfg
     if not OmegaConf.is_config(cfg):
         cfg = OmegaConf.merge(OmegaConf.structured(Config), cfg)
-    return OmegaConf.to_object(cfg)  # resolves interpolations
+    # `data` and `model` hold their callable's own keys beside the schema's, which a dataclass
+    # object would drop: they stay whole, as OpenNodes
+    open_nodes = {k: OpenNode(OmegaConf.to_container(cfg[k], resolve=True)) for k in OPEN_NODES}
+    out = OmegaConf.to_object(cfg)  # resolves interpolations
+    for key, node in open_nodes.items():
+        setattr(out, key, node)
+    return out
+
+
+OPEN_NODES = ("data", "model")
+
+
+class OpenNode(dict):
+    """A config node with open keys (a `_target_` and its callable's arguments): a plain dict
+    that also reads by attribute, as the typed nodes do (`cfg.data.partition`)."""
+
+    def __getattr__(self, key: str) -> Any:
+        try:
+            return self[key]
+        except KeyError:
+            raise AttributeError(key) from None
 
 
 def plain(cfg: Any) -> dict:
@@ -254,8 +273,7 @@ def plain(cfg: Any) -> dict:
     return cfg
 
 
-DATASETS = ("mnist1d", "digits", "synthetic", "cifar10", "text")
-MODELS = ("mlp", "cnn", "resnet20", "transformer")
+LOADERS = ("auto", "memory", "stream")
 PARTITIONS = ("iid", "by_class", "dirichlet")
 BACKENDS = ("auto", "gloo", "nccl")
 DEVICES = ("auto", "cpu", "cuda")
@@ -293,8 +311,9 @@ def validate(cfg: Any, world_size: int | None = None, local_world_size: int | No
     timeout = _get(cfg, "dist.timeout_s")
     _require(timeout > 0, "dist.timeout_s", "> 0 seconds", timeout)
 
+    _validate_length(cfg)
     for key in (
-        "trainer.max_steps",
+        *(("trainer.max_steps",) if _get(cfg, "trainer.max_steps") is not None else ()),
         "trainer.batch_size",
         "trainer.eval_every",
         "trainer.log_every",
@@ -355,19 +374,137 @@ def validate(cfg: Any, world_size: int | None = None, local_world_size: int | No
     if _get(cfg, "logger.wandb.mode") is not None:
         _choice(cfg, "logger.wandb.mode", WANDB_MODES)
 
-    _choice(cfg, "data.name", DATASETS)
     _choice(cfg, "data.partition", PARTITIONS)
-    _choice(cfg, "model.name", MODELS)
-    num_samples = _get(cfg, "data.num_samples")
-    _require(num_samples >= 10, "data.num_samples", "an integer >= 10", num_samples)
+    _choice(cfg, "data.loader", LOADERS)
     alpha = _get(cfg, "data.alpha")
     _require(alpha > 0, "data.alpha", "> 0", alpha)
-    test_fraction = _get(cfg, "data.test_fraction")
-    _require(0 < test_fraction < 1, "data.test_fraction", "in (0, 1)", test_fraction)
     cpw = _get(cfg, "data.classes_per_worker")
     _require(cpw >= 1, "data.classes_per_worker", "an integer >= 1", cpw)
-    for key, low in (("data.seq_len", 1), ("data.num_features", 1), ("data.num_classes", 2)):
+    workers = _get(cfg, "data.num_workers")
+    _require(workers >= 0, "data.num_workers", "an integer >= 0 (0 = load in the rank)", workers)
+
+
+def _validate_length(cfg: Any) -> None:
+    """Exactly one of trainer.max_steps and trainer.max_epochs says how long to train."""
+    steps, epochs = _get(cfg, "trainer.max_steps"), _get(cfg, "trainer.max_epochs")
+    if steps is not None and epochs is not None:
+        raise ConfigError(
+            f"trainer.max_epochs must be null when trainer.max_steps is set (got {epochs} and "
+            f"max_steps={steps}); add trainer.max_steps=null to train for epochs"
+        )
+    if steps is None and epochs is None:
+        raise ConfigError("trainer.max_steps must be set, or trainer.max_epochs, got both null")
+    if epochs is not None:
+        _require(epochs >= 1, "trainer.max_epochs", "an integer >= 1", epochs)
+
+
+SCHEDULES = ("constant", "step", "adaptive")
+OUTERS = ("none", "diloco", "slowmo")
+OPTIMIZER_STATES = ("local", "average", "reset")
+COMM_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _validate_overlap(cfg: Any, has_levels: bool) -> None:
+    """Delayed averaging is built for plain periodic averaging only."""
+    bucket = _get(cfg, "sync.bucket_mb")
+    _require(bucket > 0, "sync.bucket_mb", "> 0", bucket)
+    _require(not has_levels, "sync.overlap", "false when sync.levels is set", True)
+    for key, allowed in (
+        ("sync.outer", "none"),
+        ("sync.comm_dtype", "float32"),
+        ("sync.optimizer_state", "local"),
+    ):
         value = _get(cfg, key)
-        _require(value >= low, key, f"an integer >= {low}", value)
-    noise = _get(cfg, "data.noise")
-    _require(noise >= 0, "data.noise", ">= 0", noise)
+        _require(value == allowed, key, f"{allowed} when sync.overlap=true", value)
+    schedule = _get(cfg, "sync.schedule")
+    _require(
+        schedule != "adaptive", "sync.schedule", "constant or step when sync.overlap=true", schedule
+    )
+
+
+def validate_sync(cfg: Any, ws: int | None, local_ws: int | None) -> None:
+    """The averaging strategy's keys and their combinations. `ws` None: not known yet."""
+    for key, choices in (
+        ("sync.schedule", SCHEDULES),
+        ("sync.outer", OUTERS),
+        ("sync.optimizer_state", OPTIMIZER_STATES),
+        ("sync.comm_dtype", COMM_DTYPES),
+    ):
+        _choice(cfg, key, choices)
+    schedule = _get(cfg, "sync.schedule")
+    factor = _get(cfg, "sync.period_factor")
+    period = _get(cfg, "sync.period")
+    if schedule == "step":
+        _require(factor >= 1, "sync.period_factor", "an integer >= 1", factor)
+        milestones = list(_get(cfg, "sync.period_milestones"))
+        _require(
+            all(m >= 0 for m in milestones), "sync.period_milestones", "steps >= 0", milestones
+        )
+    if schedule == "adaptive":
+        _require(factor >= 2, "sync.period_factor", "an integer >= 2 for adaptive", factor)
+        lo, hi = _get(cfg, "sync.min_period"), _get(cfg, "sync.max_period")
+        _require(lo >= 1, "sync.min_period", "an integer >= 1", lo)
+        _require(
+            lo <= period <= hi, "sync.max_period", f">= sync.period ({period}) >= min_period", hi
+        )
+        tol = _get(cfg, "sync.adaptive_tolerance")
+        _require(0 <= tol < 1, "sync.adaptive_tolerance", "in [0, 1)", tol)
+    outer_lr = _get(cfg, "sync.outer_lr")
+    _require(outer_lr is None or outer_lr > 0, "sync.outer_lr", "> 0 (or null)", outer_lr)
+    outer_momentum = _get(cfg, "sync.outer_momentum")
+    _require(
+        outer_momentum is None or 0 <= outer_momentum < 1,
+        "sync.outer_momentum",
+        "in [0, 1) (or null)",
+        outer_momentum,
+    )
+    if _get(cfg, "sync.outer_nesterov") and outer_momentum == 0:
+        _require(False, "sync.outer_nesterov", "false when sync.outer_momentum is 0", True)
+
+    levels = list(_get(cfg, "sync.levels") or [])
+    if _get(cfg, "sync.overlap"):
+        _validate_overlap(cfg, bool(levels))
+    if not levels:
+        return
+    outer = _get(cfg, "sync.outer")
+    _require(outer == "none", "sync.outer", "none when sync.levels is set", outer)
+    _require(schedule == "constant", "sync.schedule", "constant when sync.levels is set", schedule)
+    sizes, periods = [], []
+    for i, level in enumerate(levels):
+        size, lp = _get(level, "group_size"), _get(level, "period")
+        key = f"sync.levels[{i}]"
+        ok = size in ("world", "node") or (isinstance(size, int) and size >= 1)
+        _require(ok, f"{key}.group_size", "an integer >= 1, node or world", size)
+        _require(isinstance(lp, int) and lp >= 1, f"{key}.period", "an integer >= 1", lp)
+        if size == "world":
+            size = ws
+        elif size == "node":
+            size = local_ws if local_ws is not None else ws
+        sizes.append(size)
+        periods.append(lp)
+    if ws is not None:
+        for i, size in enumerate(sizes):
+            _require(
+                ws % size == 0, f"sync.levels[{i}].group_size", f"a divisor of {ws} workers", size
+            )
+    for i in range(1, len(levels)):
+        _require(
+            periods[i] > periods[i - 1],
+            f"sync.levels[{i}].period",
+            f"greater than the narrower level's period {periods[i - 1]}",
+            periods[i],
+        )
+        if sizes[i] is not None and sizes[i - 1] is not None:
+            _require(
+                sizes[i] > sizes[i - 1] and sizes[i] % sizes[i - 1] == 0,
+                f"sync.levels[{i}].group_size",
+                f"a multiple of the narrower level's group size {sizes[i - 1]}, and larger",
+                sizes[i],
+            )
+    if ws is not None:
+        _require(
+            sizes[-1] == ws,
+            f"sync.levels[{len(levels) - 1}].group_size",
+            f"world (the widest level spans all {ws} workers)",
+            sizes[-1],
+        )

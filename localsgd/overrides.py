@@ -28,24 +28,31 @@ CONF_PACKAGE = "localsgd.conf"
 CONF_DIR = str(resources.files(CONF_PACKAGE))
 
 
-def config_dirs(args: list[str]) -> list[str]:
-    """The shipped configs, and the folders of the user's own that `--config-dir` / `-cd` add."""
-    dirs = [CONF_DIR]
-    for i, arg in enumerate(args):
+def split_config_dirs(args: list[str]) -> tuple[list[str], list[str]]:
+    """Hydra's `--config-dir DIR` / `-cd DIR` (also `--config-dir=DIR`): (the dirs, other args)."""
+    dirs, rest, i = [], [], 0
+    while i < len(args):
+        arg = args[i]
         if arg in ("--config-dir", "-cd") and i + 1 < len(args):
-            dirs.append(args[i + 1])
-        elif arg.startswith("--config-dir="):
-            dirs.append(arg.split("=", 1)[1])
-    return dirs
+            dirs.append(os.path.abspath(args[i + 1]))
+            i += 2
+            continue
+        if arg.startswith("--config-dir="):
+            dirs.append(os.path.abspath(arg.split("=", 1)[1]))
+        else:
+            rest.append(arg)
+        i += 1
+    return dirs, rest
 
 
-def group_options(group: str, dirs: list[str] | None = None) -> list[str]:
-    names = set()
-    for root in dirs or [CONF_DIR]:
+def group_options(group: str, extra_dirs: tuple[str, ...] = ()) -> list[str]:
+    """The options of config group `group`: localsgd's own and those of `--config-dir` folders."""
+    found = set()
+    for root in (CONF_DIR, *extra_dirs):
         folder = os.path.join(root, group)
         if os.path.isdir(folder):
-            names.update(f[:-5] for f in os.listdir(folder) if f.endswith(".yaml"))
-    return sorted(names)
+            found.update(f[:-5] for f in os.listdir(folder) if f.endswith(".yaml"))
+    return sorted(found)
 
 
 def _values(override) -> list:
@@ -56,8 +63,8 @@ def _values(override) -> list:
 
 def check_overrides(args: list[str]) -> None:
     """Raise ConfigError for the first override naming a missing group option or a bad value."""
-    dirs = config_dirs(args)
-    candidates = [a for a in args if "=" in a and not a.startswith("-") and a not in dirs]
+    extra_dirs, args = split_config_dirs(args)
+    candidates = [a for a in args if "=" in a and not a.startswith("-")]
     try:
         overrides = OverridesParser.create().parse_overrides(candidates)
     except HydraException as e:
@@ -67,8 +74,8 @@ def check_overrides(args: list[str]) -> None:
         key = o.key_or_group
         if key.startswith("hydra") or o.is_delete():
             continue
-        if any(os.path.isdir(os.path.join(d, key)) for d in dirs):
-            allowed = group_options(key, dirs)
+        if any(os.path.isdir(os.path.join(d, key)) for d in (CONF_DIR, *extra_dirs)):
+            allowed = group_options(key, tuple(extra_dirs))
             for value in _values(o):
                 if str(value) not in allowed:
                     raise ConfigError(f"{key} must be one of {', '.join(allowed)}, got {value!r}")

@@ -6,7 +6,7 @@ into the run directory), so a mistyped command fails in one line and touches no 
 
 from __future__ import annotations
 
-import math
+import json
 import os
 import sys
 from typing import Any
@@ -14,68 +14,79 @@ from typing import Any
 from localsgd import checkpoint
 from localsgd.config import ConfigError, _get, plain
 
-_DIGITS_SAMPLES = 1797  # scikit-learn's load_digits
-_CIFAR_TRAIN = 50000
-_MNIST1D_TRAIN_SPLIT = 0.8  # mnist1d's default `train_split`
+_probed: dict[str, int | None] = {}  # the launcher checks twice (before and inside Hydra)
 
 
-def train_size(cfg: Any) -> int | None:
-    """Train-set size from the data config alone (None when only loading would tell)."""
-    name = _get(cfg, "data.name")
-    n, tf = _get(cfg, "data.num_samples"), _get(cfg, "data.test_fraction")
-    if name == "mnist1d":
-        return int(n * _MNIST1D_TRAIN_SPLIT)
-    if name == "digits":
-        return _DIGITS_SAMPLES - math.ceil(_DIGITS_SAMPLES * tf)  # train_test_split's rounding
-    if name == "synthetic":
-        n_test = int(round(n * tf))
-        if not 1 <= n_test < n:
-            raise ConfigError(
-                f"data.num_samples must leave a train and a test split at "
-                f"data.test_fraction={tf}, got {n}"
+def check_data(cfg: Any, world_size: int) -> int | None:
+    """Build the dataset and the model once here, as the workers will, so that a `_target_` that
+    does not import, a dataset without `num_classes`, a model whose output does not match the
+    classes, or a shard smaller than a batch is refused in one line before any worker starts.
+
+    Returns trainer.max_steps resolved from trainer.max_epochs (None when max_steps is set).
+    """
+    data_cfg, model_cfg = plain(_get(cfg, "data")), plain(_get(cfg, "model"))
+    seed, batch = _get(cfg, "seed"), _get(cfg, "trainer.batch_size")
+    epochs = _get(cfg, "trainer.max_epochs")
+    key = json.dumps([data_cfg, model_cfg, seed, batch, epochs, world_size], sort_keys=True)
+    if key not in _probed:
+        _probed[key] = _probe(data_cfg, model_cfg, seed, batch, epochs, world_size)
+    return _probed[key]
+
+
+def _probe(data_cfg, model_cfg, seed, batch, epochs, world_size) -> int | None:
+    import torch
+
+    from localsgd.data import input_shape_of, labels_of, load_data, shard_indices, task_of
+    from localsgd.data.loader import in_memory
+    from localsgd.models import build_model
+
+    data = load_data(data_cfg, seed)
+    in_memory(data.train, data_cfg.get("loader", "auto"))  # refuses memory for a non-tensor set
+    labels = labels_of(data.train)
+    try:
+        shards = [
+            len(
+                shard_indices(
+                    labels, world_size, r, data_cfg["partition"], seed,
+                    data_cfg["classes_per_worker"], data_cfg["alpha"],
+                )
             )
-        return n - n_test
-    if name == "cifar10":
-        return _CIFAR_TRAIN
-    if name == "text":
-        seq = _get(cfg, "data.seq_len")
-        with open(os.path.expanduser(_get(cfg, "data.path")), encoding="utf-8") as f:
-            windows = len(f.read()) // (seq + 1)
-        if windows < 2:
-            raise ConfigError(
-                f"data.path must hold at least two windows of data.seq_len+1={seq + 1} "
-                f"characters, got {windows}"
-            )
-        return windows - max(1, min(windows - 1, int(round(windows * tf))))
-    return None
-
-
-def check_data(cfg: Any, world_size: int) -> None:
-    name = _get(cfg, "data.name")
-    if name == "cifar10":
-        from localsgd.data.datasets import _CIFAR_URL, _cifar_folder
-
-        root = str(_get(cfg, "data.root"))
+            for r in range(world_size)
+        ]  # fmt: skip
+    except ConfigError:
+        raise
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if batch > min(shards):
+        raise ConfigError(
+            f"trainer.batch_size must be <= the smallest worker's shard ({min(shards)} samples: "
+            f"{len(labels)} train samples over {world_size} workers, "
+            f"data.partition={data_cfg['partition']}), got {batch}"
+        )
+    shape, task = input_shape_of(data), task_of(data)
+    with torch.random.fork_rng(devices=[]):
+        model = build_model(model_cfg, shape, data.num_classes, task)
+        x, y = torch.utils.data.default_collate([data.train[0], data.train[1 % len(data.train)]])
+        model.eval()
         try:
-            _cifar_folder(root)
-        except FileNotFoundError:
+            with torch.no_grad():
+                out = model(x)
+        except Exception as e:
+            reason = (str(e).strip().splitlines() or [""])[-1]
             raise ConfigError(
-                f"data.root must be a folder holding the CIFAR-10 python batches "
-                f"(cifar-10-python.tar.gz from {_CIFAR_URL}, extracted), got {root!r}"
+                f"model._target_ {model_cfg['_target_']!r} fails on a batch of the data (input "
+                f"{tuple(x.shape)}): {type(e).__name__}: {reason}"
             ) from None
-    if name == "text":
-        path = str(_get(cfg, "data.path"))
-        if not path or not os.path.isfile(os.path.expanduser(path)):
-            raise ConfigError(f"data.path must name an existing text file, got {path!r}")
-    n_train = train_size(cfg)
-    batch = _get(cfg, "trainer.batch_size")
-    if n_train is not None and _get(cfg, "data.partition") == "iid":
-        shard = n_train // world_size
-        if batch > shard:
-            raise ConfigError(
-                f"trainer.batch_size must be <= the smallest worker's shard ({shard} samples: "
-                f"{n_train} train samples over {world_size} workers), got {batch}"
-            )
+    expected = (*y.shape, data.num_classes)
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != expected:
+        got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ConfigError(
+            f"model._target_ {model_cfg['_target_']!r} must return logits of shape {expected} "
+            f"(batch, num_classes={data.num_classes}) for input {tuple(x.shape)}, got {got}"
+        )
+    if epochs is None:
+        return None
+    return int(epochs) * (min(shards) // batch)  # every rank takes the same number of steps
 
 
 def resolve_resume(

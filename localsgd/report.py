@@ -157,7 +157,8 @@ def label(config: dict[str, Any], keys: list[str]) -> str:
     parts = []
     for key in keys:
         value = config.get(key)
-        if key == PERIOD and value is not None and value >= config.get("trainer.max_steps", 1e18):
+        steps = config.get("trainer.max_steps") or 1e18  # null when trainer.max_epochs is set
+        if key == PERIOD and value is not None and value >= steps:
             parts.append(f"{key}={value} (one-shot)")
         else:
             parts.append(f"{key}={value}")

@@ -29,7 +29,7 @@ def _panels(groups: list[Group], keys: list[str]) -> dict[str, list[Group]]:
 def _line_label(g: Group, keys: list[str]) -> str:
     if PERIOD in keys:
         k = g.config.get(PERIOD)
-        one_shot = k is not None and k >= g.config.get("trainer.max_steps", float("inf"))
+        one_shot = k is not None and k >= (g.config.get("trainer.max_steps") or float("inf"))
         return f"k={k}" + (" (one-shot)" if one_shot else "")
     return g.label
 

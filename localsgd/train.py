@@ -33,7 +33,13 @@ from localsgd.launch import (
     under_torchrun,
 )
 from localsgd.loggers import offline_runs, resolve_wandb_settings
-from localsgd.overrides import CONF_DIR, CONF_PACKAGE, check_overrides, composition_error
+from localsgd.overrides import (
+    CONF_DIR,
+    CONF_PACKAGE,
+    check_overrides,
+    composition_error,
+    split_config_dirs,
+)
 from localsgd.preflight import check_data, resolve_resume
 
 register_schemas()
@@ -111,18 +117,19 @@ def world_size_of(cfg) -> int:
     return resolve_world_size(cfg.dist.world_size, cfg.dist.device)
 
 
-def preflight(cfg, run_dir: str | None, quiet: bool = False) -> str | None:
-    """Every check that can fail before a worker starts; returns the checkpoint to resume."""
+def preflight(cfg, run_dir: str | None, quiet: bool = False) -> tuple[str | None, int | None]:
+    """Every check that can fail before a worker starts; returns the checkpoint to resume and
+    trainer.max_steps when trainer.max_epochs sets it (None otherwise)."""
     world_size = world_size_of(cfg)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if under_torchrun() else None
     validate(cfg, world_size=world_size, local_world_size=local)
-    check_data(cfg, world_size)
+    steps = check_data(cfg, world_size)
     resume = resolve_resume(cfg, world_size, run_dir, quiet)
     if run_dir is not None and os.path.exists(os.path.join(run_dir, "summary.json")):
         raise ConfigError(
             f"hydra.run.dir: {run_dir} already holds a finished run; choose another directory"
         )
-    return resume
+    return resume, steps
 
 
 # pkg://: the configs are the package localsgd.conf, in a checkout and in an installed wheel alike
@@ -131,7 +138,7 @@ def main(cfg: DictConfig) -> float | None:
     torchrun = under_torchrun()
     run_dir = HydraConfig.get().runtime.output_dir
     try:
-        resume = preflight(cfg, run_dir)
+        resume, epoch_steps = preflight(cfg, run_dir)
     except ConfigError as e:
         fail(str(e))
     summary_path = os.path.join(run_dir, "summary.json")
@@ -140,6 +147,8 @@ def main(cfg: DictConfig) -> float | None:
         name_wandb_run(run_cfg.logger.wandb)
     except ValueError as e:
         fail(str(e))
+    if epoch_steps is not None:  # workers, the LR schedule and the summary count steps
+        run_cfg.trainer.max_steps = epoch_steps
     if resume is not None:
         print(f"resuming from {resume}", file=sys.stderr, flush=True)
     if torchrun:
@@ -191,9 +200,12 @@ def main(cfg: DictConfig) -> float | None:
 def precheck(args: list[str]) -> None:
     """Compose and check the config before Hydra starts, since Hydra writes `.hydra/` into the
     run directory first: a bad command must leave an earlier run's files untouched. Multirun
-    and Hydra's own flags are left to the per-job check in `main`."""
+    and Hydra's own flags are left to the per-job check in `main`; `--config-dir` is honoured."""
+    extra_dirs, args = split_config_dirs(args)
     if any(a.startswith("-") for a in args):
         return
+    if extra_dirs:  # what Hydra's --config-dir does: add the folders to the search path
+        args = [*args, f"hydra.searchpath=[{','.join('file://' + d for d in extra_dirs)}]"]
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException

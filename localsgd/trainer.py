@@ -14,9 +14,19 @@ import torch.nn.functional as F
 from localsgd import checkpoint
 from localsgd.averaging import CommStats, GradientAverager, SimulatedLink
 from localsgd.config import Config, plain
-from localsgd.data import Dataset, ShardSampler, load_dataset, shard_indices
+from localsgd.data import (
+    ShardSampler,
+    eval_batches,
+    input_shape_of,
+    labels_of,
+    load_data,
+    make_batches,
+    shard_indices,
+    task_of,
+)
 from localsgd.drift import DriftMeter
 from localsgd.failures import Fault, NonFiniteTracker, StopAgreement, check_replicas
+from localsgd.instantiate import target_name
 from localsgd.launch import WorkerInfo
 from localsgd.loggers import build_loggers
 from localsgd.metrics import progress_bar, trim_metrics, write_json
@@ -51,9 +61,9 @@ class Trainer:
         self.run_dir = run_dir
         self.is_main = info.rank == 0
 
-        self.data: Dataset = load_dataset(c.data, seed=c.seed)
+        self.data = load_data(c.data, seed=c.seed)
         shard = shard_indices(
-            self.data.train_y,
+            labels_of(self.data.train),
             info.world_size,
             info.rank,
             c.data.partition,
@@ -62,12 +72,12 @@ class Trainer:
             alpha=c.data.alpha,
         )
         self.sampler = ShardSampler(shard, c.trainer.batch_size, seed=c.seed, rank=info.rank)
-        self.train_x = self.data.train_x.to(device)
-        self.train_y = self.data.train_y.to(device)
+        # in memory for tensor sets, else a DataLoader over the shard (localsgd/data/loader.py)
+        self.batches = make_batches(self.data, c.data, self.sampler, device)
 
         torch.manual_seed(c.seed)  # the same initial model on every rank
         self.model = build_model(
-            c.model, self.data.input_shape, self.data.num_classes, self.data.task
+            c.model, input_shape_of(self.data), self.data.num_classes, task_of(self.data)
         ).to(device)
         self.comm = CommStats()
         sim = c.comm.simulate
@@ -122,8 +132,7 @@ class Trainer:
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This worker's next training batch (inputs, targets) on the device."""
-        idx = self.sampler.next_batch().to(self.device)
-        return self.train_x[idx], self.train_y[idx]
+        return self.batches.next()
 
     def forward_backward(self, poison: bool) -> torch.Tensor:
         """`accumulate_grad_batches` micro-batches, each backpropagated at 1/k of its loss, so
@@ -211,9 +220,7 @@ class Trainer:
         self.model.eval()
         total_loss, correct, count = 0.0, 0, 0
         bs = self.cfg.trainer.eval_batch_size
-        for start in range(0, len(self.data.test_x), bs):
-            x = self.data.test_x[start : start + bs].to(self.device)
-            y = self.data.test_y[start : start + bs].to(self.device)
+        for x, y in eval_batches(self.data.test, bs, self.device, self.cfg.data.num_workers):
             with self.recipe.autocast():  # evaluated in the precision it trains in
                 logits = self.model(x)
             loss, right = loss_and_correct(logits.float(), y)
@@ -330,8 +337,8 @@ class Trainer:
                 "warmup_steps": self.cfg.sync.warmup_steps,
                 "params": self.param_count,
                 "skipped_steps": self.skipped_steps,
-                "dataset": self.cfg.data.name,
-                "model": self.cfg.model.name,
+                "dataset": target_name(self.config["data"]),
+                "model": target_name(self.config["model"]),
             }
             write_json(os.path.join(self.run_dir, "summary.json"), summary)
             logger.summary(summary)
@@ -339,6 +346,7 @@ class Trainer:
             return summary
         finally:
             bar.close()
+            self.batches.close()  # stops DataLoader worker processes
             logger.close(failed)  # wandb.finish() even on error: the next multirun job starts clean
 
     def save_checkpoint(self, elapsed: float) -> None:
@@ -349,7 +357,7 @@ class Trainer:
             "optimizer": self.optimizer.state_dict(),
             "averager": self.averager.state_dict(),
             "comm": self.comm.state_dict(),
-            "sampler": self.sampler.state_dict(),
+            "sampler": self.batches.state_dict(),
             "rng": checkpoint.rng_state(),
             "in_sync": self.in_sync,
             "next_eval": self.next_eval,
@@ -376,7 +384,7 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.averager.load_state_dict(state["averager"])
         self.comm.load_state_dict(state["comm"])
-        self.sampler.load_state_dict(state["sampler"])
+        self.batches.load_state_dict(state["sampler"])
         checkpoint.set_rng_state(state["rng"])
         self.step = int(state["step"])
         self.in_sync = bool(state["in_sync"])

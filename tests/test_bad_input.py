@@ -42,8 +42,23 @@ CASES = [
     ("trainer.batch_size=241", "trainer.batch_size"),  # 480 train samples / 2 workers = 240
     ("data=imagenet", "data"),
     ("+experiment=nope", "experiment"),
-    ("data.name=cifar10 data.root=/nonexistent/cifar", "data.root"),
-    ("data.name=text data.path=/nonexistent/corpus.txt", "data.path"),
+    ("data=cifar10 data.root=/nonexistent/cifar", "data.root"),
+    ("data=text data.path=/nonexistent/corpus.txt", "data.path"),
+    (  # does not import
+        "data._target_=localsgd.data.datasets.imagenet",
+        "data._target_ must be an importable callable,",
+    ),
+    (
+        "data._target_=tests.user_targets.no_num_classes",
+        "data._target_ must return an object with train, test and",
+    ),
+    (  # logits of the wrong shape
+        "model._target_=torch.nn.Identity",
+        "model._target_ 'torch.nn.Identity' must return logits of shape (2, 10)",
+    ),
+    ("data.num_workers=-1", "data.num_workers"),
+    ("trainer.max_epochs=2", "trainer.max_epochs"),  # and max_steps: which one?
+    ("trainer.max_steps=null", "trainer.max_steps"),  # and no max_epochs: how long?
     ("trainer.resume=/nonexistent/checkpoints/step-5", "trainer.resume"),
     ("CORRUPT", "trainer.resume"),
     ("CHANGED model.hidden=[32]", "trainer.resume"),  # a checkpoint of another model
@@ -61,9 +76,12 @@ def test_bad_input_is_one_line_and_touches_no_earlier_run(
     if override == "CORRUPT":
         override = f"trainer.resume={corrupt_checkpoint}"
     override = override.replace("CHANGED", f"trainer.resume={reference_run}")
+    args = BASE
+    if override.startswith("data="):  # another dataset: the synthetic set's keys do not apply
+        args = [a for a in BASE if not a.startswith("data")]
     before = _snapshot(reference_run)
     # Aimed at the earlier run's directory, as a mistyped resume command would be.
-    proc, _ = cli(BASE + override.split() + [f"hydra.run.dir={reference_run}"], timeout=60)
+    proc, _ = cli(args + override.split() + [f"hydra.run.dir={reference_run}"], timeout=60)
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {key} "), proc.stderr

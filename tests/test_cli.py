@@ -75,7 +75,7 @@ def test_post_local_sgd_run_writes_model_summary_and_metrics(tmp_path):
     assert any("test_accuracy" in r for r in records)
 
     state = torch.load(run_dir / "model.pt", weights_only=True)
-    model = build_model(type("M", (), {"name": "mlp", "hidden": [64], "dropout": 0.0})(), (32,), 10)
+    model = build_model({"_target_": "localsgd.models.mlp", "hidden": [64]}, (32,), 10)
     model.load_state_dict(state)
     assert sum(v.numel() for v in state.values()) == summary["params"]
 

@@ -4,78 +4,79 @@ from __future__ import annotations
 
 import io
 import pickle
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
-from localsgd.config import DataConfig
-from localsgd.data import Dataset, ShardSampler, load_dataset, shard_indices
+from localsgd.config import ConfigError
+from localsgd.data import ShardSampler, load_data, shard_indices
+from localsgd.data.datasets import DataSplits, cifar10, digits, mnist1d, synthetic, text
 
 
-def _cfg(**kw) -> DataConfig:
-    return DataConfig(**kw)
-
-
-def _check(ds: Dataset, input_shape: tuple[int, ...], num_classes: int) -> None:
+def _check(ds: DataSplits, input_shape: tuple[int, ...], num_classes: int) -> None:
     assert ds.input_shape == input_shape
     assert ds.num_classes == num_classes
-    for x, y in ((ds.train_x, ds.train_y), (ds.test_x, ds.test_y)):
+    for split in (ds.train, ds.test):
+        x, y = split.tensors
         assert x.dtype == torch.float32 and tuple(x.shape[1:]) == input_shape
         assert y.dtype == torch.int64 and y.shape == (len(x),)
+        assert torch.equal(split.targets, y)  # what the partition reads
         assert torch.isfinite(x).all()
         assert int(y.min()) >= 0 and int(y.max()) < num_classes
     assert ds.task == "classification"
 
 
 def test_mnist1d_shapes_and_standardised():
-    ds = load_dataset(_cfg(name="mnist1d", num_samples=200), seed=0)
+    ds = mnist1d(num_samples=200, seed=0)
     _check(ds, (40,), 10)
-    assert len(ds.train_x) == 160 and len(ds.test_x) == 40
-    assert abs(ds.train_x.mean().item()) < 1e-4 and abs(ds.train_x.std().item() - 1) < 1e-3
+    x = ds.train.tensors[0]
+    assert len(ds.train) == 160 and len(ds.test) == 40
+    assert abs(x.mean().item()) < 1e-4 and abs(x.std().item() - 1) < 1e-3
 
 
 def test_mnist1d_leaves_global_rng_alone():
     np.random.seed(123)
     expected = np.random.rand()
     np.random.seed(123)
-    load_dataset(_cfg(name="mnist1d", num_samples=100), seed=7)
+    mnist1d(num_samples=100, seed=7)
     assert np.random.rand() == expected
 
 
 def test_digits_shapes_and_stratified():
-    ds = load_dataset(SimpleNamespace(name="digits", test_fraction=0.25), seed=1)
+    ds = digits(test_fraction=0.25, seed=1)
     _check(ds, (1, 8, 8), 10)
-    assert len(ds.train_x) + len(ds.test_x) == 1797
-    assert set(ds.test_y.tolist()) == set(range(10))
-    assert ds.train_x.min() >= 0.0 and ds.train_x.max() <= 1.0
+    assert len(ds.train) + len(ds.test) == 1797
+    assert set(ds.test.targets.tolist()) == set(range(10))
+    x = ds.train.tensors[0]
+    assert x.min() >= 0.0 and x.max() <= 1.0
 
 
 def test_synthetic_shapes_and_seed():
-    cfg = _cfg(name="synthetic", num_samples=300, num_features=7, num_classes=3, test_fraction=0.2)
-    ds = load_dataset(cfg, seed=5)
+    kw = dict(num_samples=300, num_features=7, num_classes=3, test_fraction=0.2)
+    ds = synthetic(**kw, seed=5)
     _check(ds, (7,), 3)
-    assert len(ds.train_x) == 240 and len(ds.test_x) == 60
-    again = load_dataset(cfg, seed=5)
-    assert torch.equal(ds.train_x, again.train_x) and torch.equal(ds.test_y, again.test_y)
-    other = load_dataset(cfg, seed=6)
-    assert not torch.equal(ds.train_x, other.train_x)
+    assert len(ds.train) == 240 and len(ds.test) == 60
+    again = synthetic(**kw, seed=5)
+    assert torch.equal(ds.train.tensors[0], again.train.tensors[0])
+    assert torch.equal(ds.test.targets, again.test.targets)
+    other = synthetic(**kw, seed=6)
+    assert not torch.equal(ds.train.tensors[0], other.train.tensors[0])
 
 
-def test_dict_config_is_accepted():
-    ds = load_dataset(
-        {
-            "name": "synthetic",
-            "num_samples": 50,
-            "num_features": 4,
-            "num_classes": 2,
-            "noise": 1.0,
-            "test_fraction": 0.2,
-        },
-        seed=0,
-    )
-    assert ds.input_shape == (4,)
+def test_load_data_instantiates_the_target_with_the_run_seed_and_drops_own_keys():
+    node = {
+        "_target_": "localsgd.data.datasets.synthetic",
+        "num_samples": 50,
+        "num_features": 4,
+        "num_classes": 2,
+        "partition": "by_class",  # localsgd's own keys: not passed to the callable
+        "num_workers": 3,
+        "loader": "auto",
+    }
+    ds = load_data(node, seed=9)
+    assert ds.input_shape == (4,) and len(ds.train) == 40
+    assert torch.equal(ds.train.tensors[0], synthetic(50, 4, 2, seed=9).train.tensors[0])
 
 
 def _write_fake_cifar(folder, per_batch: int = 6) -> None:
@@ -83,8 +84,8 @@ def _write_fake_cifar(folder, per_batch: int = 6) -> None:
     rng = np.random.default_rng(0)
     for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
         batch = {
-            b"data": rng.integers(0, 256, (per_batch, 3072), dtype=np.uint8),
-            b"labels": list(rng.integers(0, 10, per_batch).tolist()),
+            "data": rng.integers(0, 256, (per_batch, 3072), dtype=np.uint8),
+            "labels": list(rng.integers(0, 10, per_batch).tolist()),
         }
         buf = io.BytesIO()
         pickle.dump(batch, buf)
@@ -92,52 +93,68 @@ def _write_fake_cifar(folder, per_batch: int = 6) -> None:
 
 
 @pytest.mark.parametrize("point_at_folder", [False, True])
-def test_cifar10_from_python_batches(tmp_path, point_at_folder):
+def test_cifar10_from_python_batches_without_md5(tmp_path, point_at_folder):
     folder = tmp_path / "cifar-10-batches-py"
-    _write_fake_cifar(folder)
-    root = folder if point_at_folder else tmp_path
-    ds = load_dataset(_cfg(name="cifar10", root=str(root)), seed=0)
-    _check(ds, (3, 32, 32), 10)
-    assert len(ds.train_x) == 30 and len(ds.test_x) == 6
-    channel_mean = ds.train_x.mean(dim=(0, 2, 3))
-    assert torch.allclose(channel_mean, torch.zeros(3), atol=1e-4)
+    _write_fake_cifar(folder)  # not the official files: torchvision's md5 check would refuse
+    ds = cifar10(str(folder if point_at_folder else tmp_path))
+    assert ds.num_classes == 10 and len(ds.train) == 30 and len(ds.test) == 6
+    assert len(ds.train.targets) == 30
+    x, y = ds.test[0]
+    assert x.shape == (3, 32, 32) and x.dtype == torch.float32 and 0 <= y < 10
+    # the test transform is the normalisation alone: pixel p becomes (p/255 - mean) / std
+    raw = torch.from_numpy(ds.test.data[0]).permute(2, 0, 1).float() / 255
+    mean, std = torch.tensor([0.4914, 0.4822, 0.4465]), torch.tensor([0.2470, 0.2435, 0.2616])
+    assert torch.allclose(x, (raw - mean[:, None, None]) / std[:, None, None], atol=1e-5)
+
+
+def test_cifar10_train_transform_crops_and_flips(tmp_path):
+    _write_fake_cifar(tmp_path / "cifar-10-batches-py")
+    plain = cifar10(str(tmp_path), augment=False).train
+    augmented = cifar10(str(tmp_path)).train
+    torch.manual_seed(0)
+    draws = [augmented[0][0] for _ in range(8)]
+    assert all(d.shape == (3, 32, 32) for d in draws)
+    assert any(not torch.equal(d, plain[0][0]) for d in draws)  # shifted and/or flipped
+    assert torch.equal(plain[0][0], plain[0][0])  # no augmentation: deterministic
 
 
 def test_cifar10_missing_is_one_line(tmp_path):
-    with pytest.raises(FileNotFoundError) as info:
-        load_dataset(_cfg(name="cifar10", root=str(tmp_path / "nope")), seed=0)
+    with pytest.raises(ConfigError) as info:
+        cifar10(str(tmp_path / "nope"))
     msg = str(info.value)
-    assert "\n" not in msg and "data.root" in msg and "cifar-10-python.tar.gz" in msg
+    assert "\n" not in msg and msg.startswith("data.root ") and "cifar-10-python.tar.gz" in msg
 
 
 def test_text_windows(tmp_path):
     path = tmp_path / "tiny.txt"
-    text = "hello world, local sgd! " * 20  # 480 characters
-    path.write_text(text)
-    ds = load_dataset(_cfg(name="text", path=str(path), seq_len=15, test_fraction=0.25), seed=0)
+    content = "hello world, local sgd! " * 20  # 480 characters
+    path.write_text(content)
+    ds = text(str(path), seq_len=15, test_fraction=0.25)
     assert ds.task == "lm" and ds.input_shape == (15,)
-    assert ds.num_classes == len(set(text)) and ds.vocab == "".join(sorted(set(text)))
-    assert len(ds.train_x) + len(ds.test_x) == 480 // 16 and len(ds.test_x) == 8
-    for x, y in ((ds.train_x, ds.train_y), (ds.test_x, ds.test_y)):
+    assert ds.num_classes == len(set(content)) and ds.vocab == "".join(sorted(set(content)))
+    assert len(ds.train) + len(ds.test) == 480 // 16 and len(ds.test) == 8
+    for split in (ds.train, ds.test):
+        x, y = split.tensors
         assert x.dtype == torch.int64 and y.dtype == torch.int64 and x.shape == y.shape
         assert x.shape[1] == 15
         assert torch.equal(x[:, 1:], y[:, :-1])  # targets are the inputs shifted by one
-    decoded = "".join(ds.vocab[i] for i in ds.train_x[0].tolist()) + ds.vocab[ds.train_y[0, -1]]
-    assert decoded == text[:16]
+    x0, y0 = ds.train[0]
+    decoded = "".join(ds.vocab[i] for i in x0.tolist()) + ds.vocab[y0[-1]]
+    assert decoded == content[:16]
     # The test windows are the file's last ones.
-    last = "".join(ds.vocab[i] for i in ds.test_y[-1].tolist())
-    assert last == text[(480 // 16) * 16 - 15 : (480 // 16) * 16]
+    last = "".join(ds.vocab[i] for i in ds.test.targets[-1].tolist())
+    assert last == content[(480 // 16) * 16 - 15 : (480 // 16) * 16]
 
 
 def test_text_missing_file(tmp_path):
-    with pytest.raises(FileNotFoundError, match="data.path") as info:
-        load_dataset(_cfg(name="text", path=str(tmp_path / "absent.txt")), seed=0)
+    with pytest.raises(ConfigError, match="^data.path ") as info:
+        text(str(tmp_path / "absent.txt"))
     assert "\n" not in str(info.value)
 
 
-def test_unknown_dataset():
-    with pytest.raises(ValueError, match="data.name.*mnist1d"):
-        load_dataset(SimpleNamespace(name="imagenet"), seed=0)
+def test_unknown_target_is_one_line_naming_the_key():
+    with pytest.raises(ConfigError, match=r"^data\._target_ must be an importable callable"):
+        load_data({"_target_": "localsgd.data.datasets.imagenet"}, seed=0)
 
 
 def _labels(n: int = 1000, classes: int = 10, seed: int = 0) -> torch.Tensor:

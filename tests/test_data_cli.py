@@ -25,8 +25,8 @@ def _fake_cifar(root, per_batch: int = 16) -> None:
     rng = np.random.default_rng(0)
     for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
         batch = {
-            b"data": rng.integers(0, 256, (per_batch, 3072), dtype=np.uint8),
-            b"labels": [int(v) for v in rng.integers(0, 10, per_batch)],
+            "data": rng.integers(0, 256, (per_batch, 3072), dtype=np.uint8),
+            "labels": [int(v) for v in rng.integers(0, 10, per_batch)],
         }
         (folder / name).write_bytes(pickle.dumps(batch))
 
@@ -78,3 +78,29 @@ def test_text_transformer_learns_characters(tmp_path):
     assert summary["dataset"] == "text" and summary["model"] == "transformer"
     # 29 distinct characters: chance is ~3.4%; a repeated sentence is learnt quickly
     assert summary["test_accuracy"] > 0.3
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_image_folder_preset_trains_on_a_folder_of_pngs(tmp_path):
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 8), ("test", 2)):
+        for cls in ("cat", "dog", "fox"):
+            (tmp_path / "pets" / split / cls).mkdir(parents=True)
+            for i in range(n):
+                pixels = rng.integers(0, 256, (24, 20, 3), dtype=np.uint8)
+                Image.fromarray(pixels).save(tmp_path / "pets" / split / cls / f"{i}.png")
+    run_dir = tmp_path / "run"
+    proc = run_cli(
+        BASE
+        + ["data=image_folder", f"data.root={tmp_path / 'pets'}", "data.image_size=16"]
+        + ["data.num_workers=1", "model=cnn", "model.channels=[8]", "model.kernel_size=3"]
+        + ["trainer.max_steps=4", "sync.period=2", f"hydra.run.dir={run_dir}"]
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["dataset"] == "image_folder" and summary["steps"] == 4
+    state = torch.load(run_dir / "model.pt", weights_only=True)
+    assert next(v for k, v in state.items() if k.endswith("weight")).dim() == 4  # 2-D convs

@@ -15,7 +15,6 @@ from __future__ import annotations
 import gc
 import tempfile
 import time
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -30,7 +29,7 @@ from experiments.bench.common import (
     status_kib,
 )
 from localsgd.config import typed
-from localsgd.data import ShardSampler, load_dataset, shard_indices
+from localsgd.data import ShardSampler, input_shape_of, labels_of, load_data, shard_indices
 from localsgd.launch import WorkerInfo
 from localsgd.models import build_model
 from localsgd.trainer import Trainer
@@ -91,16 +90,16 @@ def _trainer_run(cfg: dict, rank: int, world_size: int) -> float:
 
 def hand_loop(cfg: dict, rank: int, world_size: int) -> float:
     """What a user would write by hand: same model, data shard, batches and optimizer, no comm."""
-    data = load_dataset(cfg["data"], seed=cfg["seed"])
+    data = load_data(cfg["data"], seed=cfg["seed"])
+    train_x, train_y = data.train.tensors
     d = cfg["data"]
     shard = shard_indices(
-        data.train_y, world_size, rank, d["partition"], seed=cfg["seed"],
+        labels_of(data.train), world_size, rank, d["partition"], seed=cfg["seed"],
         classes_per_worker=d["classes_per_worker"], alpha=d["alpha"],
     )  # fmt: skip
     batches = ShardSampler(shard, cfg["trainer"]["batch_size"], seed=cfg["seed"], rank=rank)
     torch.manual_seed(cfg["seed"])
-    model_cfg = SimpleNamespace(**cfg["model"])
-    model = build_model(model_cfg, data.input_shape, data.num_classes, data.task)
+    model = build_model(cfg["model"], input_shape_of(data), data.num_classes)
     o = cfg["optim"]
     opt = torch.optim.SGD(
         model.parameters(), lr=o["lr"], momentum=o["momentum"], weight_decay=o["weight_decay"]
@@ -109,7 +108,7 @@ def hand_loop(cfg: dict, rank: int, world_size: int) -> float:
     start = time.perf_counter()
     for _ in range(cfg["trainer"]["max_steps"]):
         idx = batches.next_batch()
-        loss = F.cross_entropy(model(data.train_x[idx]), data.train_y[idx])
+        loss = F.cross_entropy(model(train_x[idx]), train_y[idx])
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -124,7 +123,7 @@ def _throughput_worker(rank: int, world_size: int, base: dict, steps: int, reps:
     # Context: one raw all-reduce of the model's size, against which a step is compared.
     numel = sum(
         p.numel() for p in build_model(
-            SimpleNamespace(**base["model"]), (base["data"]["num_features"],), 10
+            base["model"], (base["data"]["num_features"],), 10
         ).parameters()
     )  # fmt: skip
     flat = torch.rand(numel)

@@ -64,7 +64,7 @@ class GPT(nn.Module):
             )
         if n_layers < 1 or max_len < 1:
             raise ValueError(
-                f"model.name='transformer' needs n_layers >= 1 and seq_len >= 1, "
+                f"model transformer needs n_layers >= 1 and seq_len >= 1, "
                 f"got n_layers={n_layers}, seq_len={max_len}"
             )
         self.max_len = max_len
