@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import multiprocessing
 import datetime
 import os
 import signal
@@ -111,6 +112,10 @@ def _die_with_parent() -> None:
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError):
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    # a launcher that died before the line above is no parent any more: nothing would kill us
+    parent = multiprocessing.parent_process()
+    if parent is not None and os.getppid() != parent.pid:
+        os._exit(1)
 
 
 # After one worker fails, the others get SIGTERM and this long to exit, then SIGKILL (torch's

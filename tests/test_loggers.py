@@ -10,6 +10,7 @@ import shlex
 
 import pytest
 
+from localsgd.config import WandbConfig
 from localsgd.loggers import resolve_wandb_settings
 from tests.reliability_helpers import BASE, cli
 from tests.test_cli import FAST, run_cli
@@ -92,17 +93,22 @@ def test_a_resumed_run_continues_the_same_wandb_run_with_every_step_once(tmp_pat
 
 def test_wandb_environment_decides_where_the_config_leaves_a_key_unset():
     env = {"WANDB_MODE": "disabled", "WANDB_PROJECT": "theirs", "WANDB_DIR": "/tmp/w"}
-    unset = {"mode": None, "project": None, "entity": None, "dir": None}
+    unset = WandbConfig()
     resolve_wandb_settings(unset, env)
-    assert unset == {"mode": "disabled", "project": "theirs", "entity": None, "dir": "/tmp/w"}
-    explicit = {"mode": "offline", "project": "mine", "entity": None, "dir": None}
+    assert (unset.mode, unset.project, unset.entity, unset.dir) == (
+        "disabled",
+        "theirs",
+        None,
+        "/tmp/w",
+    )
+    explicit = WandbConfig(mode="offline", project="mine")
     resolve_wandb_settings(explicit, env)
-    assert explicit["mode"] == "offline" and explicit["project"] == "mine"  # the config wins
-    defaults = {"mode": None, "project": None, "entity": None, "dir": None}
+    assert explicit.mode == "offline" and explicit.project == "mine"  # the config wins
+    defaults = WandbConfig()
     resolve_wandb_settings(defaults, {})
-    assert defaults["mode"] == "offline" and defaults["project"] == "localsgd"
+    assert defaults.mode == "offline" and defaults.project == "localsgd"
     with pytest.raises(ValueError, match="^WANDB_MODE must be offline, online or disabled"):
-        resolve_wandb_settings({"mode": None}, {"WANDB_MODE": "cloud"})
+        resolve_wandb_settings(WandbConfig(), {"WANDB_MODE": "cloud"})
 
 
 @pytest.mark.timeout(120)
