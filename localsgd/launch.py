@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import multiprocessing
 import datetime
+import multiprocessing
 import os
 import signal
 import sys
