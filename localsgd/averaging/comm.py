@@ -71,7 +71,7 @@ class SimulatedLink:
 
 def supports_avg(group: dist.ProcessGroup | None) -> bool:
     """Whether the backend averages inside the reduction: NCCL always, gloo from torch 2.13 on
-    (measured here: its AVG returns the same bits as dividing first, see the bench)."""
+    (every rank receives the same bits, as with dividing first)."""
     backend = dist.get_backend(group)
     if backend == dist.Backend.NCCL:
         return True
