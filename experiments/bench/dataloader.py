@@ -71,11 +71,11 @@ def cifar_in_memory(root: str):
     return DataSplits(tensors(files.train), tensors(files.test), 10, (3, 32, 32))
 
 
-def job_config(root: str, variant: str, p: dict) -> dict:
+def job_config(root: str, variant: str, p: dict):
     from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
 
     import localsgd.train  # noqa: F401  (registers the config schema)
+    from localsgd.config import typed
 
     data = (
         ["data=cifar10", "data.num_workers=1"]
@@ -98,7 +98,7 @@ def job_config(root: str, variant: str, p: dict) -> dict:
     ]
     with initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base="1.3"):
         cfg = compose("config", overrides=overrides)
-    return OmegaConf.to_container(cfg, resolve=True)
+    return typed(cfg)  # what the workers of a real run get
 
 
 def _worker(rank: int, world_size: int, configs: dict, reps: int) -> dict:
