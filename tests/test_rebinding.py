@@ -91,12 +91,26 @@ def _rebind_worker(rank, world_size, case, comm_dtype):
 
 
 CASES = ["data_assign", "to_dtype", "double", "vector_to_parameters", "load_state_dict_assign"]
+DTYPES = ["float32", "bfloat16"]
 
 
-@pytest.mark.parametrize("comm_dtype", ["float32", "bfloat16"])
+def _all_cases_worker(rank, world_size):
+    return {
+        (case, dtype): _rebind_worker(rank, world_size, case, dtype)
+        for case in CASES
+        for dtype in DTYPES
+    }
+
+
+@pytest.fixture(scope="module")
+def rebound():
+    return run_distributed(_all_cases_worker, 2)  # one pair of processes for every case
+
+
+@pytest.mark.parametrize("comm_dtype", DTYPES)
 @pytest.mark.parametrize("case", CASES)
-def test_rebound_tensors_are_averaged_as_they_are_now(case, comm_dtype):
-    results = run_distributed(_rebind_worker, 2, case, comm_dtype)
+def test_rebound_tensors_are_averaged_as_they_are_now(rebound, case, comm_dtype):
+    results = [per_rank[case, comm_dtype] for per_rank in rebound]
     tolerance = 1e-6 if comm_dtype == "float32" else 1e-2  # relative; bf16 keeps ~3 digits
     for r in results:
         assert not r["was_bound"], "the case did not rebind anything: the test would prove nothing"
