@@ -148,6 +148,8 @@ RESUME_MAY_CHANGE = (
     "trainer.max_epochs",
     "trainer.eval_every",
     "trainer.eval_batch_size",
+    "trainer.eval_samples",
+    "trainer.sample_chars",
     "trainer.log_every",
     "trainer.progress",
     "trainer.track_drift",

@@ -35,6 +35,10 @@ class TrainerConfig:
     eval_every: int = 250  # evaluate the averaged model at the first sync at or after each multiple
     log_every: int = 25
     eval_batch_size: int = 1000
+    # periodic evaluations read this many evenly spaced test samples (null: all); the final
+    # evaluation always reads the whole test set
+    eval_samples: int | None = None
+    sample_chars: int = 200  # language models: characters of text generated at the end (0: none)
     progress: bool = True  # rank-0 progress bar
     # replica drift at each average: one persistent model-sized scratch buffer and one extra
     # scalar all-reduce per average (none between averages)
@@ -327,6 +331,10 @@ def validate(cfg: Any, world_size: int | None = None, local_world_size: int | No
         _require(value >= 0, key, "an integer >= 0 (0 = no checkpoints)", value)
     keep = _get(cfg, "trainer.keep_checkpoints")
     _require(keep >= 1, "trainer.keep_checkpoints", "an integer >= 1", keep)
+    subset = _get(cfg, "trainer.eval_samples")
+    _require(subset is None or subset >= 1, "trainer.eval_samples", "an integer >= 1 or null", subset)
+    chars = _get(cfg, "trainer.sample_chars")
+    _require(chars >= 0, "trainer.sample_chars", "an integer >= 0 (0 = no sample)", chars)
     _choice(cfg, "trainer.nan_policy", NAN_POLICIES)
     _choice(cfg, "trainer.precision", PRECISIONS)
     accumulate = _get(cfg, "trainer.accumulate_grad_batches")

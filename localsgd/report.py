@@ -80,6 +80,7 @@ CURVE_KEYS = (
     "loss",
     "test_loss",
     "test_accuracy",
+    "test_perplexity",
     "comm_rounds",
     "comm_bytes",
     "wall_time_s",

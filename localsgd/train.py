@@ -184,13 +184,17 @@ def main(cfg: DictConfig) -> float | None:
             for k in (
                 "test_accuracy",
                 "test_loss",
+                "test_perplexity",
                 "steps",
                 "comm_rounds",
                 "comm_bytes",
                 "wall_time_s",
             )
+            if k in summary
         )
     )
+    if "sample" in summary:
+        print(f"sample:\n{summary['sample']}")
     if run_cfg.logger.wandb.mode == "offline":
         for path in offline_runs(run_dir):
             print(f"wandb offline run: upload it with `wandb sync {shlex.quote(path)}`")

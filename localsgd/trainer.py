@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -31,6 +32,7 @@ from localsgd.launch import WorkerInfo
 from localsgd.loggers import build_loggers
 from localsgd.metrics import progress_bar, trim_metrics, write_json
 from localsgd.models import build_model
+from localsgd.models.generate import generate_text
 from localsgd.optim import build_optimizer, build_schedule, set_lr
 from localsgd.recipe import Recipe
 from localsgd.strategies import build_averager
@@ -216,11 +218,20 @@ class Trainer:
         self.stop.after_sync()
 
     @torch.no_grad()
-    def evaluate(self) -> dict[str, float]:
+    def evaluate(self, full: bool = False) -> dict[str, float]:
+        """Test loss (nats per token) and accuracy of this rank's model, plus perplexity for
+        language models; on `trainer.eval_samples` of the test set unless `full`."""
         self.model.eval()
         total_loss, correct, count = 0.0, 0, 0
-        bs = self.cfg.trainer.eval_batch_size
-        for x, y in eval_batches(self.data.test, bs, self.device, self.cfg.data.num_workers):
+        t = self.cfg.trainer
+        batches = eval_batches(
+            self.data.test,
+            t.eval_batch_size,
+            self.device,
+            self.cfg.data.num_workers,
+            limit=None if full else t.eval_samples,
+        )
+        for x, y in batches:
             with self.recipe.autocast():  # evaluated in the precision it trains in
                 logits = self.model(x)
             loss, right = loss_and_correct(logits.float(), y)
@@ -228,7 +239,20 @@ class Trainer:
             correct += int(right)
             count += y.numel()
         self.model.train()
-        return {"test_loss": total_loss / count, "test_accuracy": correct / count}
+        result = {"test_loss": total_loss / count, "test_accuracy": correct / count}
+        if task_of(self.data) == "lm":
+            result["test_perplexity"] = math.exp(min(result["test_loss"], 700.0))
+        return result
+
+    def text_sample(self) -> dict[str, str]:
+        """A generated sample for character-level language models (those with a vocabulary)."""
+        vocab = getattr(self.data, "vocab", "")
+        chars = self.cfg.trainer.sample_chars
+        if task_of(self.data) != "lm" or not vocab or chars == 0:
+            return {}
+        context = getattr(self.model, "max_len", None) or self.data.test[0][0].shape[-1]
+        text = generate_text(self.model, vocab, chars, context, seed=self.cfg.seed)
+        return {"sample": text}
 
     def comm_record(self) -> dict[str, Any]:
         return {
@@ -297,7 +321,8 @@ class Trainer:
                 if self.step >= self.next_eval and ready and self.step < c.max_steps:
                     if self.is_main:  # wall time taken before the evaluation, for time-to-accuracy
                         wall = round(time.perf_counter() - start, 3)
-                        logger.log({"step": self.step, "wall_time_s": wall, **self.evaluate()})
+                        record = {"step": self.step, "wall_time_s": wall, **self.comm_record()}
+                        logger.log({**record, **self.evaluate()})
                     self.next_eval = (self.step // c.eval_every + 1) * c.eval_every
                 # (a stop agreed for the very last step just lets the run finish)
                 stopping = self.stop.should_stop(self.step) and self.step < c.max_steps
@@ -323,8 +348,9 @@ class Trainer:
             if not self.is_main:
                 failed = False
                 return None
-            result = self.evaluate()
+            result = self.evaluate(full=True)
             logger.log({"step": self.step, **result})
+            result.update(self.text_sample())
             checkpoint.save_model(self.model, self.run_dir)
             summary = {
                 **result,

@@ -192,6 +192,21 @@ def text(path: str, seq_len: int = 64, test_fraction: float = 0.1) -> DataSplits
     )
 
 
+def shakespeare(path: str = "", seq_len: int = 64, test_fraction: float = 0.1) -> DataSplits:
+    """The complete works (plays and poems, 5.06M characters, 84 distinct) as `text`: a contiguous
+    train/validation split, the last `test_fraction` being validation. The file is built once by
+    `make data` (`python -m localsgd.data.prepare shakespeare`); `path` overrides where it is."""
+    from localsgd.data.prepare import SHAKESPEARE_FILE, data_dir
+
+    file = Path(os.path.expanduser(str(path))) if path else data_dir() / SHAKESPEARE_FILE
+    if not file.is_file():
+        raise ConfigError(
+            f"data=shakespeare needs {file}: run `make data` (or `python -m "
+            f"localsgd.data.prepare shakespeare`) first, or set data.path"
+        )
+    return text(str(file), seq_len, test_fraction)
+
+
 def cifar_folder(root: str) -> Path:
     """The folder holding the CIFAR-10 python batches: `root` or its cifar-10-batches-py."""
     base = Path(os.path.expanduser(str(root)))

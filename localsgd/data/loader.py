@@ -24,7 +24,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, TensorDataset, default_collate
+from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset, default_collate
 
 from localsgd.config import ConfigError
 from localsgd.data._seeding import derive_seed
@@ -210,9 +210,20 @@ def make_batches(
 
 
 def eval_batches(
-    test: Dataset, batch_size: int, device: torch.device, num_workers: int = 0
+    test: Dataset,
+    batch_size: int,
+    device: torch.device,
+    num_workers: int = 0,
+    limit: int | None = None,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """The test set in order, in batches on `device`; TensorDatasets are sliced directly."""
+    """The test set in order, in batches on `device`; TensorDatasets are sliced directly.
+    `limit`: only that many samples, evenly spaced over the set (the same ones every time)."""
+    if limit is not None and limit < len(test):
+        keep = torch.linspace(0, len(test) - 1, limit).round().long().unique()
+        if isinstance(test, TensorDataset):
+            test = TensorDataset(*(t[keep] for t in test.tensors))
+        else:
+            test = Subset(test, keep.tolist())
     if isinstance(test, TensorDataset) and len(test.tensors) == 2:
         x, y = test.tensors
         for start in range(0, len(x), batch_size):
