@@ -332,7 +332,9 @@ def validate(cfg: Any, world_size: int | None = None, local_world_size: int | No
     keep = _get(cfg, "trainer.keep_checkpoints")
     _require(keep >= 1, "trainer.keep_checkpoints", "an integer >= 1", keep)
     subset = _get(cfg, "trainer.eval_samples")
-    _require(subset is None or subset >= 1, "trainer.eval_samples", "an integer >= 1 or null", subset)
+    _require(
+        subset is None or subset >= 1, "trainer.eval_samples", "an integer >= 1 or null", subset
+    )
     chars = _get(cfg, "trainer.sample_chars")
     _require(chars >= 0, "trainer.sample_chars", "an integer >= 0 (0 = no sample)", chars)
     _choice(cfg, "trainer.nan_policy", NAN_POLICIES)

@@ -92,7 +92,12 @@ class Trainer:
         self.optimizer = build_optimizer(self.model.parameters(), c.optim)
         self.lr_schedule = build_schedule(c.lr_schedule, c.trainer.max_steps)
         self.averager = build_averager(
-            c.sync, self.model, self.optimizer, info.world_size, info.local_world_size, self.comm,
+            c.sync,
+            self.model,
+            self.optimizer,
+            info.world_size,
+            info.local_world_size,
+            self.comm,
             link,
         )
         # Identical start even if ranks built different models (e.g. other torch builds); not a

@@ -143,7 +143,7 @@ def report() -> None:
         first = min(by_row[row], key=lambda r: r.config.get("seed", 0))
         lines.append(f"**{row}**\n\n```\n{first.summary.get('sample', '').rstrip()}\n```\n")
     (HERE / "report.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    print("\n".join(lines[:3 + len(order)]))
+    print("\n".join(lines[: 3 + len(order)]))
     plot(by_row, order)
 
 
@@ -186,7 +186,9 @@ def plot(by_row, order) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
     parser.add_argument("action", choices=("run", "export", "report"))
     parser.add_argument("--rows", nargs="*", default=list(ROWS), choices=list(ROWS))
     args = parser.parse_args()
