@@ -13,8 +13,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from localsgd.failures import StopAgreement, check_replicas
-from localsgd.launch import spawn
+from localsgd.cli.launch import spawn
+from localsgd.loop.guards import check_replicas
+from localsgd.loop.stop import StopAgreement
 
 SIZES = (10_000, 100_000, 1_000_000)  # fp32 parameters
 REPS = 100

@@ -73,7 +73,7 @@ def check(ok: bool, message: str) -> None:
 
 # ----------------------------------------------------------------------------------------------
 def device_pick(device: str) -> str:
-    from localsgd.launch import pick_backend, pick_device, resolve_world_size
+    from localsgd.cli.launch import pick_backend, pick_device, resolve_world_size
 
     picked = pick_device("auto" if device == "cuda" else "cpu", 0)
     check(picked.type == device, f"dist.device=auto picked {picked}, expected {device}")
@@ -90,7 +90,7 @@ def _collective_worker(info, store, device: str, out: str) -> None:
 
     from localsgd.averaging import CommStats, PeriodicAverager
     from localsgd.averaging.comm import supports_avg
-    from localsgd.launch import init_process_group, pick_backend, pick_device
+    from localsgd.cli.launch import init_process_group, pick_backend, pick_device
 
     dev = pick_device(device, info.local_rank)
     init_process_group(info, pick_backend("auto", dev), 60, store)
@@ -122,7 +122,7 @@ def _collective_worker(info, store, device: str, out: str) -> None:
 
 
 def collectives(device: str) -> str:
-    from localsgd.launch import spawn
+    from localsgd.cli.launch import spawn
 
     world = torch.cuda.device_count() if device == "cuda" else 2
     with tempfile.TemporaryDirectory() as out:
@@ -142,9 +142,9 @@ def collectives(device: str) -> str:
 def _config(overrides: list[str]):
     from hydra import compose, initialize_config_dir
 
-    import localsgd.train  # noqa: F401  (registers the schemas)
+    import localsgd.cli.train  # noqa: F401  (registers the schemas)
+    from localsgd.cli.overrides import CONF_DIR
     from localsgd.config import typed
-    from localsgd.overrides import CONF_DIR
 
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         return typed(compose("config", overrides=overrides))
@@ -153,8 +153,8 @@ def _config(overrides: list[str]):
 def _precision_worker(info, store, device: str, precision: str, out: str) -> None:
     import torch.distributed as dist
 
-    from localsgd.launch import init_process_group, pick_backend, pick_device
-    from localsgd.trainer import Trainer
+    from localsgd.cli.launch import init_process_group, pick_backend, pick_device
+    from localsgd.loop.trainer import Trainer
 
     dev = pick_device(device, info.local_rank)
     init_process_group(info, pick_backend("auto", dev), 60, store)
@@ -184,7 +184,7 @@ def _precision_worker(info, store, device: str, precision: str, out: str) -> Non
 
 
 def precision(device: str, name: str) -> str:
-    from localsgd.launch import spawn
+    from localsgd.cli.launch import spawn
 
     with tempfile.TemporaryDirectory() as out:
         spawn(_precision_worker, 1, 180, args=(device, name, out))
@@ -221,7 +221,7 @@ def pinned_loading(device: str) -> str:
 def cuda_rng(device: str) -> str:
     if device != "cuda":
         raise Skip("no CUDA RNG on CPU")
-    from localsgd import checkpoint
+    from localsgd.loop import checkpoint
 
     torch.cuda.manual_seed_all(7)
     with tempfile.TemporaryDirectory() as d:
@@ -238,9 +238,8 @@ def cuda_rng(device: str) -> str:
 
 def _cli(args: list[str], timeout: float, fault: str | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": ROOT}
-    env.pop("LOCALSGD_FAULT", None)
-    if fault:
-        env["LOCALSGD_FAULT"] = fault
+    if fault:  # tests/faults.py, a trainer callback (importable from the repository root)
+        args = [*args, f"trainer.callbacks=[{{_target_:tests.faults.Fault,spec:'{fault}'}}]"]
     cmd = [sys.executable, "-m", "localsgd.train", *args]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 

@@ -1,22 +1,26 @@
 from __future__ import annotations
 
-import os
+import multiprocessing.process
+import subprocess
 
 import pytest
-from hydra import compose, initialize_config_dir
 
-import localsgd.train  # noqa: F401  (registers the config schema)
-from localsgd.config import Config, typed
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONF = os.path.join(ROOT, "conf")
+from tests.helpers import BASE, cli, compose_config
 
 
-def compose_config(overrides: list[str]) -> Config:
-    """The typed, resolved config a worker receives, composed exactly as the CLI composes it."""
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        cfg = compose("config", overrides=overrides)
-    return typed(cfg)
+def _no_process(*args, **kwargs):
+    raise AssertionError(
+        "a test not marked slow started a process: `make test-fast` runs in-process only "
+        "(mark it @pytest.mark.slow, or test the logic without a process)"
+    )
+
+
+@pytest.fixture(autouse=True)
+def _fast_tests_start_no_process(request, monkeypatch):
+    """What `make test-fast` (-m "not slow") promises, enforced: no subprocess, no worker."""
+    if request.node.get_closest_marker("slow") is None:
+        monkeypatch.setattr(subprocess.Popen, "_execute_child", _no_process)
+        monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", _no_process)
 
 
 @pytest.fixture
@@ -24,4 +28,11 @@ def small_config():
     return compose_config
 
 
-from tests.reliability_helpers import reference_run  # noqa: E402, F401  (a session fixture)
+@pytest.fixture(scope="session")
+def reference_run(tmp_path_factory):
+    """BASE trained without interruption: what every interrupted variant must reproduce."""
+    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    proc, left = cli(BASE + [f"hydra.run.dir={run_dir}"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not left
+    return run_dir

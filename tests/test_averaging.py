@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 
 from localsgd.averaging import CommStats, GradientAverager, PeriodicAverager
-from tests.dist_harness import run_distributed
+from tests.helpers import run_distributed
 
 pytestmark = pytest.mark.slow
 

@@ -10,10 +10,9 @@ import re
 import pytest
 import torch
 
-from localsgd import checkpoint
 from localsgd.config import plain
-from tests.conftest import compose_config
-from tests.reliability_helpers import BASE, cli, same_model, train_records
+from localsgd.loop import checkpoint
+from tests.helpers import BASE, cli, compose_config, same_model, train_records
 
 
 def _fake_checkpoint(run_dir, step: int, world_size: int = 2, complete: bool = True) -> str:
@@ -138,8 +137,8 @@ def test_same_config_and_seed_give_bit_identical_parameters(tmp_path, reference_
 
 
 def test_auto_resume_never_overwrites_a_run_whose_checkpoints_are_all_broken(tmp_path):
+    from localsgd.cli.preflight import resolve_resume
     from localsgd.config import ConfigError
-    from localsgd.preflight import resolve_resume
 
     cfg = {"trainer": {"resume": "auto"}}
     assert resolve_resume(cfg, 2, str(tmp_path), quiet=True) is None  # nothing there: fresh

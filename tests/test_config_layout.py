@@ -11,6 +11,7 @@ import pytest
 import torch
 import yaml
 
+from localsgd.cli.checks import validate
 from localsgd.config import (
     AdamWConfig,
     CommConfig,
@@ -21,12 +22,10 @@ from localsgd.config import (
     SyncConfig,
     TrainerConfig,
     WarmupCosineConfig,
-    validate,
 )
-from localsgd.loggers import strategy_name
-from localsgd.optim import build_optimizer, build_schedule
-from tests.conftest import CONF, compose_config
-from tests.test_cli import FAST, run_cli
+from localsgd.loop.loggers import strategy_name
+from localsgd.loop.optim import build_optimizer, build_schedule
+from tests.helpers import CONF, FAST, compose_config, run_cli
 
 # What every experiment that existed before the groups did (its old file, key by key): the
 # deltas must give exactly these settings.
@@ -34,16 +33,32 @@ OLD_EXPERIMENTS = {
     "sync_sgd": {"sync.period": 1, "sync.warmup_steps": 0},
     "local_sgd": {"sync.period": 16, "sync.warmup_steps": 0},
     "post_local_sgd": {"sync.period": 16, "sync.warmup_steps": 300},
-    "hierarchical": {"sync.warmup_steps": 0, "sync.levels.0.period": 4,
-                     "sync.levels.0.group_size": 2, "sync.levels.1.period": 32,
-                     "sync.levels.1.group_size": "world"},  # fmt: skip
-    "diloco": {"sync.period": 50, "sync.warmup_steps": 0, "sync.outer": "diloco",
-               "optim._target_": "torch.optim.AdamW", "optim.lr": 0.003,
-               "optim.weight_decay": 0.1, "optim.betas": [0.9, 0.95]},  # fmt: skip
+    "hierarchical": {
+        "sync.warmup_steps": 0,
+        "sync.levels.0.period": 4,
+        "sync.levels.0.group_size": 2,
+        "sync.levels.1.period": 32,
+        "sync.levels.1.group_size": "world",
+    },  # fmt: skip
+    "diloco": {
+        "sync.period": 50,
+        "sync.warmup_steps": 0,
+        "sync.outer": "diloco",
+        "optim._target_": "torch.optim.AdamW",
+        "optim.lr": 0.003,
+        "optim.weight_decay": 0.1,
+        "optim.betas": [0.9, 0.95],
+    },  # fmt: skip
     "slowmo": {"sync.period": 16, "sync.warmup_steps": 0, "sync.outer": "slowmo"},
-    "adaptive_period": {"sync.period": 4, "sync.warmup_steps": 0, "sync.schedule": "adaptive",
-                        "sync.period_factor": 2, "sync.min_period": 2, "sync.max_period": 64,
-                        "sync.adaptive_tolerance": 0.01},  # fmt: skip
+    "adaptive_period": {
+        "sync.period": 4,
+        "sync.warmup_steps": 0,
+        "sync.schedule": "adaptive",
+        "sync.period_factor": 2,
+        "sync.min_period": 2,
+        "sync.max_period": 64,
+        "sync.adaptive_tolerance": 0.01,
+    },  # fmt: skip
     "sweep_period": {"sync.warmup_steps": 0},
     "sweep_warmup": {"sync.period": 16},
     "sweep_lr": {},
@@ -105,8 +120,15 @@ def test_the_groups_mirror_the_code():
         assert os.path.isdir(os.path.join(CONF, group)), group
     assert set(os.listdir(os.path.join(CONF, "sync"))) >= {
         f"{n}.yaml"
-        for n in ("sync_sgd", "local_sgd", "post_local_sgd", "hierarchical", "diloco", "slowmo",
-                  "adaptive")  # fmt: skip
+        for n in (
+            "sync_sgd",
+            "local_sgd",
+            "post_local_sgd",
+            "hierarchical",
+            "diloco",
+            "slowmo",
+            "adaptive",
+        )  # fmt: skip
     }
 
 
@@ -187,12 +209,17 @@ def test_an_optimizer_of_your_own_through_config_dir(tmp_path):
 
 @pytest.mark.parametrize(
     "changed",
-    ["lr_schedule.warmup_steps=10", "optim=adamw", "trainer.precision=bf16-mixed",
-     "trainer.accumulate_grad_batches=2", "trainer.gradient_clip_val=1.0"],  # fmt: skip
+    [
+        "lr_schedule.warmup_steps=10",
+        "optim=adamw",
+        "trainer.precision=bf16-mixed",
+        "trainer.accumulate_grad_batches=2",
+        "trainer.gradient_clip_val=1.0",
+    ],  # fmt: skip
 )
 def test_a_checkpoint_refuses_a_run_whose_recipe_or_schedule_changed(changed):
-    from localsgd.checkpoint import config_mismatch
     from localsgd.config import plain
+    from localsgd.loop.checkpoint import config_mismatch
 
     saved = {"config": plain(compose_config([]))}
     diff = config_mismatch(saved, plain(compose_config([changed])))

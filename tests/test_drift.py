@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from localsgd.averaging import PeriodicAverager
-from localsgd.drift import DriftMeter
-from tests.dist_harness import run_distributed
+from localsgd.loop.drift import DriftMeter
+from tests.helpers import run_distributed
 
 pytestmark = pytest.mark.slow
 

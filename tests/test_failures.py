@@ -10,10 +10,10 @@ import time
 
 import pytest
 
-from localsgd import checkpoint
-from tests.conftest import ROOT
-from tests.reliability_helpers import (
+from localsgd.loop import checkpoint
+from tests.helpers import (
     BASE,
+    ROOT,
     TORCHRUN,
     cli,
     free_port,

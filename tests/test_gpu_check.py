@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 SCRIPT = os.path.join(ROOT, "experiments", "gpu_check.py")
 
@@ -77,7 +77,7 @@ def test_a_failing_check_is_one_fail_line_and_the_rest_still_run(capsys):
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_check_past_the_budget_fails_the_whole_run_and_leaves_no_process():
-    from tests.reliability_helpers import survivors, tagged_env
+    from tests.helpers import survivors, tagged_env
 
     env, tag = tagged_env()
     proc = subprocess.run(

@@ -13,8 +13,7 @@ import time
 
 import pytest
 
-from tests.conftest import ROOT
-from tests.test_cli import FAST
+from tests.helpers import FAST, ROOT
 
 pytestmark = pytest.mark.slow
 

@@ -11,9 +11,8 @@ import shlex
 import pytest
 
 from localsgd.config import WandbConfig
-from localsgd.loggers import resolve_wandb_settings
-from tests.reliability_helpers import BASE, cli
-from tests.test_cli import FAST, run_cli
+from localsgd.loop.loggers import resolve_wandb_settings
+from tests.helpers import BASE, FAST, cli, run_cli
 from tests.wandb_reader import history, run_info
 
 pytestmark = pytest.mark.slow

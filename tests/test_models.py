@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 
 from localsgd.config import ConfigError
 from localsgd.models import build_model
-from tests.conftest import CONF
+from tests.helpers import CONF
 
 
 def cfg(name: str, **over) -> dict:
@@ -156,5 +156,9 @@ def _takes_anything(**kwargs):
 def test_a_callable_with_kwargs_is_offered_everything_and_text_gets_vocab_size():
     build_model({"_target_": f"{__name__}._takes_anything", "width": 3}, (16,), 29, task="lm")
     assert _takes_anything.got == {
-        "width": 3, "input_shape": [16], "num_classes": 29, "task": "lm", "vocab_size": 29
+        "width": 3,
+        "input_shape": [16],
+        "num_classes": 29,
+        "task": "lm",
+        "vocab_size": 29,
     }  # fmt: skip  (instantiate passes sequences as lists)

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from localsgd.averaging import PeriodicAverager
-from tests.dist_harness import CollectiveCounter, run_distributed
+from tests.helpers import CollectiveCounter, run_distributed
 
 pytestmark = pytest.mark.slow
 
@@ -35,9 +35,7 @@ def _delayed_worker(rank, world_size, period, warmup, steps):
     ours_model, ref_model = _model(), _model()
     ours_opt = torch.optim.SGD(ours_model.parameters(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.1, momentum=0.9)
-    ours = PeriodicAverager(
-        period, warmup, module=ours_model, overlap=True, bucket_mb=BUCKET_MB
-    )
+    ours = PeriodicAverager(period, warmup, module=ours_model, overlap=True, bucket_mb=BUCKET_MB)
     gen_ours = torch.Generator().manual_seed(100 + rank)  # different data on every rank
     gen_ref = torch.Generator().manual_seed(100 + rank)
     pending = None  # the reference's (state at the sync, its average)

@@ -13,8 +13,7 @@ import zipfile
 import pytest
 import yaml
 
-from tests.conftest import ROOT
-from tests.test_cli import FAST
+from tests.helpers import FAST, ROOT
 
 pytestmark = pytest.mark.slow
 
@@ -76,8 +75,11 @@ def test_installed_wheel_trains_50_steps_from_another_directory(installed, tmp_p
     # (the editable install's finder comes after PYTHONPATH and is never reached).
     env = {**os.environ, "PYTHONPATH": str(target), "PYTHONUNBUFFERED": "1"}
     where = subprocess.run(
-        [sys.executable, "-c", "import localsgd.train as t, localsgd.conf as c; print(t.__file__)"
-         "; print(c.__file__)"],
+        [
+            sys.executable,
+            "-c",
+            "import localsgd.train as t, localsgd.conf as c; print(t.__file__); print(c.__file__)",
+        ],
         cwd=elsewhere,
         env=env,
         capture_output=True,

@@ -23,11 +23,11 @@ from localsgd.averaging import (
     PeriodicAverager,
     SimulatedLink,
 )
-from localsgd.config import ConfigError, validate
-from localsgd.launch import WorkerInfo
-from localsgd.trainer import Trainer
-from tests.conftest import ROOT, compose_config
-from tests.dist_harness import CollectiveCounter, run_distributed
+from localsgd.cli.checks import validate
+from localsgd.cli.launch import WorkerInfo
+from localsgd.config import ConfigError
+from localsgd.loop.trainer import Trainer
+from tests.helpers import ROOT, CollectiveCounter, compose_config, run_distributed
 
 
 def test_link_time_is_latency_plus_bytes_over_bandwidth():

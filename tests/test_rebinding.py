@@ -19,7 +19,7 @@ from localsgd.averaging import (
     PeriodicAverager,
     averaged_tensors,
 )
-from tests.dist_harness import run_distributed
+from tests.helpers import run_distributed
 
 pytestmark = pytest.mark.slow
 

@@ -10,11 +10,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from localsgd.launch import WorkerInfo
-from localsgd.trainer import Trainer
-from tests.conftest import compose_config
-from tests.dist_harness import CollectiveCounter, run_distributed
-from tests.test_cli import FAST, run_cli
+from localsgd.cli.launch import WorkerInfo
+from localsgd.loop.trainer import Trainer
+from tests.helpers import FAST, CollectiveCounter, compose_config, run_cli, run_distributed
 
 pytestmark = pytest.mark.slow
 
@@ -167,7 +165,7 @@ def _scaler_worker(rank, world_size, cfg):
         t.train_step(0)
         t.step = 1
         t.recipe.scaler.update(new_scale=1024.0)  # as after a few overflowed steps
-        t.save_checkpoint(0.0)
+        t.save_checkpoint()
         t.train_step(1)
         folder = f"{run_dir}/checkpoints/step-1"
         resumed = _trainer(cfg, rank, world_size, run_dir, resume=folder)
@@ -239,7 +237,7 @@ def test_cli_bf16_mixed_with_accumulation_and_clipping_learns(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_16_mixed_run_killed_mid_run_resumes_bit_identical(tmp_path):
-    from tests.reliability_helpers import BASE, cli, same_model
+    from tests.helpers import BASE, cli, same_model
 
     args = BASE + ["trainer.precision=16-mixed", "trainer.accumulate_grad_batches=2"]
     reference, run_dir = tmp_path / "reference", tmp_path / "run"
@@ -255,11 +253,11 @@ def test_16_mixed_run_killed_mid_run_resumes_bit_identical(tmp_path):
 
 
 def _lockstep_worker(rank, world_size, cfg):
-    import os
+    from tests.faults import Fault
 
-    os.environ["LOCALSGD_FAULT"] = "nan:1:2"  # rank 1's gradients overflow at warmup step 2
     with tempfile.TemporaryDirectory() as run_dir:
         t = _trainer(cfg, rank, world_size, run_dir)
+        t.callbacks.append(Fault("nan:1:2"))  # rank 1's gradients overflow at warmup step 2
         scales, identical = [], []
         for step in range(4):
             before = _flat(t).clone()

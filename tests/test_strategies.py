@@ -23,11 +23,9 @@ from localsgd.averaging import (
     PeriodicAverager,
     StepPeriod,
 )
-from localsgd.launch import WorkerInfo
-from localsgd.trainer import Trainer
-from tests.conftest import compose_config
-from tests.dist_harness import CollectiveCounter, run_distributed
-from tests.test_trainer import SMALL
+from localsgd.cli.launch import WorkerInfo
+from localsgd.loop.trainer import Trainer
+from tests.helpers import SMALL, CollectiveCounter, compose_config, run_distributed
 
 pytestmark = pytest.mark.slow
 
@@ -315,7 +313,7 @@ def test_trainer_with_hierarchical_levels_and_adaptive_period():
 
 @pytest.mark.timeout(300)
 def test_diloco_adaptive_bf16_run_resumes_bit_identical_after_a_kill(tmp_path):
-    from tests.reliability_helpers import BASE, cli, same_model
+    from tests.helpers import BASE, cli, same_model
 
     args = BASE + [
         "sync.warmup_steps=0",

@@ -12,7 +12,7 @@ import torch
 from localsgd.data import ShardSampler, make_batches, shard_indices
 from localsgd.data.datasets import cifar10, image_folder, synthetic
 from localsgd.data.loader import StreamBatches
-from tests.reliability_helpers import BASE, cli, same_model, train_records
+from tests.helpers import BASE, cli, same_model, train_records
 
 CPU = torch.device("cpu")
 
@@ -146,7 +146,7 @@ def test_dataloader_benchmark_runs_at_tiny_size(tmp_path):
     import subprocess
     import sys
 
-    from tests.conftest import ROOT
+    from tests.helpers import ROOT
 
     out = tmp_path / "DATALOADER.md"
     proc = subprocess.run(

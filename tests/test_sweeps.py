@@ -9,8 +9,8 @@ import statistics
 import pytest
 import yaml
 
-from localsgd.report import main as report_main
-from tests.test_cli import FAST, run_cli
+from localsgd.analysis.report import main as report_main
+from tests.helpers import FAST, run_cli
 
 pytestmark = pytest.mark.slow
 

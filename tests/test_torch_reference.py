@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch.distributed.distributed_c10d import _get_pg_config
 
 from localsgd.averaging import HierarchicalAverager, PeriodicAverager
-from tests.dist_harness import run_distributed
+from tests.helpers import run_distributed
 
 pytestmark = pytest.mark.slow
 

@@ -9,22 +9,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from localsgd.launch import WorkerInfo
-from localsgd.trainer import Trainer
-from tests.conftest import compose_config
-from tests.dist_harness import CollectiveCounter, run_distributed
+from localsgd.cli.launch import WorkerInfo
+from localsgd.loop.trainer import Trainer
+from tests.helpers import SMALL, CollectiveCounter, compose_config, run_distributed
 
 pytestmark = pytest.mark.slow
 
-SMALL = [
-    "data=synthetic",
-    "data.num_samples=800",
-    "model=mlp",
-    "model.hidden=[32]",
-    "trainer.batch_size=8",
-    "trainer.progress=false",
-    "trainer.eval_every=1000",
-]
 
 
 def _replicas_identical(trainer: Trainer) -> bool:

@@ -3,43 +3,18 @@ the description of the machine a table was measured on."""
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import statistics
-import tempfile
-import traceback
 
 import torch
-import torch.distributed as dist
 
-from localsgd.launch import WorkerInfo, init_process_group, spawn
-
-
-def _entry(info: WorkerInfo, store, fn, args, out_dir: str, timeout_s: float) -> None:
-    torch.set_num_threads(1)
-    init_process_group(info, "gloo", timeout_s, store)
-    try:
-        try:
-            result = fn(info.rank, info.world_size, *args)
-        except BaseException:
-            traceback.print_exc()  # spawn's error names only the last line; show where
-            raise
-        with open(os.path.join(out_dir, f"{info.rank}.json"), "w") as f:
-            json.dump(result, f)
-    finally:
-        dist.destroy_process_group()
+from localsgd.cli.launch import run_on_workers
 
 
 def run_world(fn, world_size: int, *args, timeout_s: float = 600.0) -> list:
-    """`fn(rank, world_size, *args)` in `world_size` fresh gloo processes; per-rank JSON results."""
-    with tempfile.TemporaryDirectory() as out_dir:
-        spawn(_entry, world_size, timeout_s, args=(fn, args, out_dir, timeout_s))
-        results = []
-        for r in range(world_size):
-            with open(os.path.join(out_dir, f"{r}.json")) as f:
-                results.append(json.load(f))
-        return results
+    """`fn(rank, world_size, *args)` in `world_size` fresh gloo processes; per-rank results."""
+    return run_on_workers(fn, world_size, *args, timeout_s=timeout_s)
 
 
 def status_kib(field: str) -> int | None:

@@ -74,7 +74,7 @@ def cifar_in_memory(root: str):
 def job_config(root: str, variant: str, p: dict):
     from hydra import compose, initialize_config_dir
 
-    import localsgd.train  # noqa: F401  (registers the config schema)
+    import localsgd.cli.train  # noqa: F401  (registers the config schema)
     from localsgd.config import typed
 
     data = (
@@ -102,8 +102,8 @@ def job_config(root: str, variant: str, p: dict):
 
 
 def _worker(rank: int, world_size: int, configs: dict, reps: int) -> dict:
-    from localsgd.launch import WorkerInfo
-    from localsgd.trainer import Trainer
+    from localsgd.cli.launch import WorkerInfo
+    from localsgd.loop.trainer import Trainer
 
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
     for rep in range(reps):

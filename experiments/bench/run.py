@@ -67,7 +67,7 @@ def compose_base(p: dict) -> dict:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    import localsgd.train  # noqa: F401  (registers the config schema)
+    import localsgd.cli.train  # noqa: F401  (registers the config schema)
 
     with initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base="1.3"):
         cfg = compose(

@@ -28,18 +28,16 @@ from experiments.bench.common import (
     run_world,
     status_kib,
 )
+from localsgd.cli.launch import WorkerInfo
 from localsgd.config import typed
 from localsgd.data import ShardSampler, input_shape_of, labels_of, load_data, shard_indices
-from localsgd.launch import WorkerInfo
+from localsgd.loop.trainer import Trainer
 from localsgd.models import build_model
-from localsgd.trainer import Trainer
 
 PERIODS = (1, 4, 16, 64)
 OVERLAPPED = (1, 4, 16)  # item 6: the same k with sync.overlap=true
 VARIANTS = (
-    tuple(f"k={k}" for k in PERIODS)
-    + tuple(f"k={k} overlap" for k in OVERLAPPED)
-    + ("off", "hand")
+    tuple(f"k={k}" for k in PERIODS) + tuple(f"k={k} overlap" for k in OVERLAPPED) + ("off", "hand")
 )
 
 

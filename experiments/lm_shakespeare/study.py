@@ -84,7 +84,7 @@ def run_all(rows: list[str]) -> None:
 def export() -> None:
     if TABLE.exists():
         TABLE.unlink()  # the table is regenerated whole from the run directories
-    from localsgd.report import main as report_main
+    from localsgd.analysis.report import main as report_main
 
     sys.exit(report_main([str(RUNS), "--export", str(TABLE)]))
 
@@ -110,7 +110,7 @@ def fmt(values: list[float], digits: int) -> str:
 
 
 def report() -> None:
-    from localsgd.report import read_table
+    from localsgd.analysis.runs import read_table
 
     runs = read_table(str(TABLE))
     by_row = defaultdict(list)

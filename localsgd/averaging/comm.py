@@ -174,4 +174,3 @@ class Communicator:
             self.link.wait_out(start, nbytes)
         self.stats.bytes += nbytes
         self.stats.seconds += time.perf_counter() - start
-

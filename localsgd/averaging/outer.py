@@ -61,9 +61,7 @@ class OuterStep(Reducer):
             self.anchors.append(anchor)
             self.param_numels.append(n)
         self.low = wire_buffers(flat.buffers, comm_dtype)
-        self.optimizer = torch.optim.SGD(
-            outer_params, lr=lr, momentum=momentum, nesterov=nesterov
-        )
+        self.optimizer = torch.optim.SGD(outer_params, lr=lr, momentum=momentum, nesterov=nesterov)
 
     def reduce_(self, buffers: list[torch.Tensor], comm: Communicator, level: int, step: int):
         # the first sync after a warmup (the rule fires at step `warmup_steps`), see the module doc
@@ -147,4 +145,3 @@ class OuterAverager(PeriodicAverager):
     @property
     def outer_optimizer(self) -> torch.optim.Optimizer:
         return self.reducer.optimizer
-

@@ -30,8 +30,7 @@ class ConvNet(nn.Module):
         super().__init__()
         if len(input_shape) not in (1, 2, 3):
             raise ValueError(
-                f"model cnn needs input (L,), (C, L) or (C, H, W), "
-                f"got input shape {input_shape}"
+                f"model cnn needs input (L,), (C, L) or (C, H, W), got input shape {input_shape}"
             )
         if not channels or any(c < 1 for c in channels):
             raise ValueError(

@@ -1,13 +1,151 @@
-"""Range and combination checks of the `sync`, `optim` and `lr_schedule` configs, called from
-`localsgd.config.validate` (one-line ConfigErrors naming the key, as everywhere)."""
+"""Every check of a config's values, in one place: ranges, choices and combinations, each a
+one-line ConfigError naming the key and what is allowed. `validate` runs in the launching process
+before any worker starts (`localsgd.cli.train`); the override and data/model checks that need more
+than the values are `localsgd.cli.overrides` and `localsgd.cli.preflight`."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from localsgd.config import ConfigError, _choice, _get, _require
+from localsgd.config import (
+    BACKENDS,
+    DEVICES,
+    LOADERS,
+    NAN_POLICIES,
+    PARTITIONS,
+    PRECISIONS,
+    WANDB_MODES,
+    ConfigError,
+)
 
-__all__ = ["ConfigError", "validate_optim", "validate_sync"]
+__all__ = ["ConfigError", "validate", "validate_optim", "validate_sync"]
+
+
+def _require(ok: bool, key: str, allowed: str, value: Any) -> None:
+    if not ok:
+        raise ConfigError(f"{key} must be {allowed}, got {value!r}")
+
+
+def _choice(cfg: Any, key: str, choices: tuple[str, ...]) -> None:
+    value = _get(cfg, key)
+    _require(value in choices, key, "one of " + ", ".join(choices), value)
+
+
+def _get(cfg: Any, key: str) -> Any:
+    node = cfg
+    for part in key.split("."):
+        if isinstance(node, dict):
+            node = node[part]
+        elif part.isdigit():  # an item of a list (trainer.callbacks.0)
+            node = node[int(part)]
+        else:
+            node = getattr(node, part)
+    return node
+
+
+def validate(cfg: Any, world_size: int | None = None, local_world_size: int | None = None) -> None:
+    """Raise ConfigError on the first setting out of range. `cfg` is a DictConfig or a plain dict.
+
+    `world_size` is the real one under torchrun; otherwise `dist.world_size` will be spawned.
+    """
+    ws = world_size if world_size is not None else _get(cfg, "dist.world_size")
+    _require(ws is None or ws >= 1, "dist.world_size", "an integer >= 1 (or null for auto)", ws)
+    _choice(cfg, "dist.backend", BACKENDS)
+    _choice(cfg, "dist.device", DEVICES)
+    timeout = _get(cfg, "dist.timeout_s")
+    _require(timeout > 0, "dist.timeout_s", "> 0 seconds", timeout)
+
+    _validate_length(cfg)
+    for key in (
+        *(("trainer.max_steps",) if _get(cfg, "trainer.max_steps") is not None else ()),
+        "trainer.batch_size",
+        "trainer.eval_every",
+        "trainer.log_every",
+        "trainer.eval_batch_size",
+        "sync.period",
+    ):
+        value = _get(cfg, key)
+        _require(value >= 1, key, "an integer >= 1", value)
+    for key in ("trainer.checkpoint_every",):
+        value = _get(cfg, key)
+        _require(value >= 0, key, "an integer >= 0 (0 = no checkpoints)", value)
+    keep = _get(cfg, "trainer.keep_checkpoints")
+    _require(keep >= 1, "trainer.keep_checkpoints", "an integer >= 1", keep)
+    subset = _get(cfg, "trainer.eval_samples")
+    _require(
+        subset is None or subset >= 1, "trainer.eval_samples", "an integer >= 1 or null", subset
+    )
+    chars = _get(cfg, "trainer.sample_chars")
+    _require(chars >= 0, "trainer.sample_chars", "an integer >= 0 (0 = no sample)", chars)
+    _choice(cfg, "trainer.nan_policy", NAN_POLICIES)
+    _choice(cfg, "trainer.precision", PRECISIONS)
+    accumulate = _get(cfg, "trainer.accumulate_grad_batches")
+    _require(accumulate >= 1, "trainer.accumulate_grad_batches", "an integer >= 1", accumulate)
+    clip = _get(cfg, "trainer.gradient_clip_val")
+    _require(
+        clip is None or clip >= 0,
+        "trainer.gradient_clip_val",
+        ">= 0 (0 or null: no clipping)",
+        clip,
+    )
+    resume = _get(cfg, "trainer.resume")
+    _require(
+        isinstance(resume, str) and resume != "",
+        "trainer.resume",
+        "auto, never or the path of a checkpoint folder",
+        resume,
+    )
+    warmup = _get(cfg, "sync.warmup_steps")
+    _require(
+        warmup >= 0,
+        "sync.warmup_steps",
+        "an integer >= 0 (0 = local SGD from the first step)",
+        warmup,
+    )
+
+    validate_sync(cfg, ws, local_world_size)
+    bandwidth = _get(cfg, "comm.simulate.bandwidth_gbps")
+    _require(
+        bandwidth is None or bandwidth > 0,
+        "comm.simulate.bandwidth_gbps",
+        "> 0 (Gbit/s), or null for no limit",
+        bandwidth,
+    )
+    latency = _get(cfg, "comm.simulate.latency_ms")
+    _require(latency >= 0, "comm.simulate.latency_ms", ">= 0", latency)
+    if _get(cfg, "comm.disabled"):
+        _require(
+            warmup == 0, "sync.warmup_steps", "0 when comm.disabled is true (nothing syncs)", warmup
+        )
+
+    validate_optim(cfg)
+    for i, _ in enumerate(_get(cfg, "trainer.callbacks") or ()):
+        _importable(cfg, f"trainer.callbacks.{i}", "a callback (on_step_start/on_step_end)")
+    if _get(cfg, "logger.wandb.mode") is not None:
+        _choice(cfg, "logger.wandb.mode", WANDB_MODES)
+
+    _choice(cfg, "data.partition", PARTITIONS)
+    _choice(cfg, "data.loader", LOADERS)
+    alpha = _get(cfg, "data.alpha")
+    _require(alpha > 0, "data.alpha", "> 0", alpha)
+    cpw = _get(cfg, "data.classes_per_worker")
+    _require(cpw >= 1, "data.classes_per_worker", "an integer >= 1", cpw)
+    workers = _get(cfg, "data.num_workers")
+    _require(workers >= 0, "data.num_workers", "an integer >= 0 (0 = load in the rank)", workers)
+
+
+def _validate_length(cfg: Any) -> None:
+    """Exactly one of trainer.max_steps and trainer.max_epochs says how long to train."""
+    steps, epochs = _get(cfg, "trainer.max_steps"), _get(cfg, "trainer.max_epochs")
+    if steps is not None and epochs is not None:
+        raise ConfigError(
+            f"trainer.max_epochs must be null when trainer.max_steps is set (got {epochs} and "
+            f"max_steps={steps}); add trainer.max_steps=null to train for epochs"
+        )
+    if steps is None and epochs is None:
+        raise ConfigError("trainer.max_steps must be set, or trainer.max_epochs, got both null")
+    if epochs is not None:
+        _require(epochs >= 1, "trainer.max_epochs", "an integer >= 1", epochs)
 
 
 def _number(value: Any) -> bool:
@@ -71,7 +209,7 @@ def validate_optim(cfg: Any) -> None:
             "two numbers in [0, 1)",
             betas,
         )
-    _importable(cfg, "lr_schedule", "a schedule (e.g. localsgd.optim.WarmupCosine)")
+    _importable(cfg, "lr_schedule", "a schedule (e.g. localsgd.loop.optim.WarmupCosine)")
     for key, allowed, ok in (
         ("lr_schedule.warmup_steps", "an integer >= 0", lambda v: isinstance(v, int) and v >= 0),
         ("lr_schedule.min_lr_ratio", "in [0, 1]", lambda v: _number(v) and 0 <= v <= 1),

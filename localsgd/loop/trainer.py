@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 import time
@@ -10,10 +9,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from localsgd import checkpoint
 from localsgd.averaging import CommStats, GradientAverager, SimulatedLink
+from localsgd.cli.launch import WorkerInfo
 from localsgd.config import Config, plain
 from localsgd.data import (
     ShardSampler,
@@ -25,25 +23,19 @@ from localsgd.data import (
     shard_indices,
     task_of,
 )
-from localsgd.drift import DriftMeter
-from localsgd.failures import Fault, NonFiniteTracker, StopAgreement, check_replicas
-from localsgd.instantiate import target_name
-from localsgd.launch import WorkerInfo
-from localsgd.loggers import build_loggers
-from localsgd.metrics import progress_bar, trim_metrics, write_json
+from localsgd.instantiate import build, target_name
+from localsgd.loop import checkpoint
+from localsgd.loop.drift import DriftMeter
+from localsgd.loop.evaluation import evaluate, loss_and_correct
+from localsgd.loop.guards import NonFiniteTracker, check_replicas
+from localsgd.loop.loggers import build_loggers
+from localsgd.loop.metrics import progress_bar, trim_metrics, write_json
+from localsgd.loop.optim import build_optimizer, build_schedule, set_lr
+from localsgd.loop.recipe import Recipe
+from localsgd.loop.stop import StopAgreement
+from localsgd.loop.strategies import build_averager
 from localsgd.models import build_model
 from localsgd.models.generate import generate_text
-from localsgd.optim import build_optimizer, build_schedule, set_lr
-from localsgd.recipe import Recipe
-from localsgd.strategies import build_averager
-
-
-def loss_and_correct(
-    logits: torch.Tensor, targets: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cross-entropy over classes, for (B, C) class logits and (B, T, V) token logits alike."""
-    logits, targets = logits.flatten(0, -2), targets.flatten()
-    return F.cross_entropy(logits, targets), (logits.argmax(-1) == targets).sum()
 
 
 class Trainer:
@@ -111,21 +103,49 @@ class Trainer:
         self.drift = DriftMeter(self.averager.flat.buffers) if c.trainer.track_drift else None
         # after the averager: its flat-buffer views are what gets compiled
         self.recipe = Recipe.from_config(self.model, device, c.trainer)
+        torch.manual_seed(c.seed + 1000 * info.rank + 1)  # dropout etc. differ per rank
+        # The loop's own state (the LR is a function of the step): LOOP_STATE, checkpointed.
         self.step = 0
         self.in_sync = True  # replicas identical right now
-        torch.manual_seed(c.seed + 1000 * info.rank + 1)  # dropout etc. differ per rank
-        # Loop state a checkpoint carries besides the modules (the LR is a function of the step).
         self.next_eval = c.trainer.eval_every
-        self.loss_sum = torch.zeros((), device=device)
+        self.loss_sum = torch.zeros((), device=device)  # summed on device, read at log steps
         self.loss_count = 0
         self.skipped_steps = 0
-        self.elapsed_before = 0.0  # training seconds spent before the last resume
+        self.elapsed_s = 0.0  # training seconds before the last resume
+        self.start: float | None = None  # perf_counter at the loop's start, less elapsed_s
+        # Everything a checkpoint holds, registered once: saving and resuming walk this mapping.
+        self.stateful: dict[str, checkpoint.Stateful] = {
+            "model": checkpoint.ModuleState(self.model),
+            "optimizer": self.optimizer,
+            "averager": self.averager,
+            "comm": self.comm,
+            "sampler": self.batches,
+            "rng": checkpoint.RNGState(),
+            "scaler": self.recipe,
+            "loop": self,
+        }
+        if self.drift is not None:
+            self.stateful["drift"] = self.drift
         self.resumed_from = resume_from
         if resume_from is not None:
-            self.load_checkpoint(resume_from)
-        self.fault = Fault(info.rank)
+            self.step = checkpoint.load(
+                resume_from, info.rank, device, self.stateful, optional=("drift",)
+            )
+        # objects with optional on_step_start(trainer, step) / on_step_end(trainer, step)
+        self.callbacks = [
+            build(cb, f"trainer.callbacks[{i}]") for i, cb in enumerate(c.trainer.callbacks)
+        ]
         self.nonfinite = NonFiniteTracker(device)
         self.stop = StopAgreement(store, f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}")
+
+    LOOP_STATE = ("in_sync", "next_eval", "loss_sum", "loss_count", "skipped_steps", "elapsed_s")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.LOOP_STATE}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for k in self.LOOP_STATE:
+            setattr(self, k, state[k])
 
     @property
     def samples_per_step(self) -> int:
@@ -141,10 +161,10 @@ class Trainer:
         """This worker's next training batch (inputs, targets) on the device."""
         return self.batches.next()
 
-    def forward_backward(self, poison: bool) -> torch.Tensor:
+    def forward_backward(self) -> torch.Tensor:
         """`accumulate_grad_batches` micro-batches, each backpropagated at 1/k of its loss, so
         the gradient is that of the mean loss over the k batches (one batch k times as large);
-        returns that mean loss, detached. `poison`: the fault injection's NaN loss."""
+        returns that mean loss, detached."""
         k = self.recipe.accumulate
         losses = []
         for _ in range(k):
@@ -152,8 +172,6 @@ class Trainer:
             with self.recipe.autocast():
                 logits = self.recipe.forward(x)
             loss, _ = loss_and_correct(logits.float(), y)  # the loss itself in fp32
-            if poison:
-                loss = loss * float("nan")
             self.recipe.backward(loss if k == 1 else loss / k)
             losses.append(loss.detach())
         return losses[0] if k == 1 else torch.stack(losses).mean()
@@ -161,14 +179,16 @@ class Trainer:
     def train_step(self, step: int) -> torch.Tensor | None:
         """One optimizer step (of `accumulate_grad_batches` batches); returns the loss, or None
         when nan_policy=skip skipped it."""
-        self.fault.before_step(step)
+        for callback in self.callbacks:
+            if hasattr(callback, "on_step_start"):
+                callback.on_step_start(self, step)
         set_lr(self.optimizer, self.lr_schedule, step)
         synchronous = self.averager.in_warmup
         # In the warmup the gradients are views of GradientAverager's flat buffer: zero them in
         # place. Afterwards drop them: zeroing and then accumulating into old gradients costs two
         # extra passes over the model per step (~10% of a step for a 10M MLP on CPU).
         self.optimizer.zero_grad(set_to_none=not synchronous)
-        loss = self.forward_backward(self.fault.fires("nan", step))
+        loss = self.forward_backward()
         skip = False
         if self.cfg.trainer.nan_policy == "skip":
             skip = not bool(torch.isfinite(loss))  # a host sync per step, only under this policy
@@ -196,9 +216,9 @@ class Trainer:
             if measure:
                 self.drift.after()
             self.in_sync = synchronous or self.averager.all_in_sync
-        if self.fault.fires("desync", step):
-            with torch.no_grad():
-                next(self.model.parameters()).view(-1)[0] += 1e-3
+        for callback in self.callbacks:
+            if hasattr(callback, "on_step_end"):
+                callback.on_step_end(self, step)
         return None if skip else loss.detach()
 
     @property
@@ -222,32 +242,14 @@ class Trainer:
             check_replicas(tensors, step, self.info.rank)
         self.stop.after_sync()
 
-    @torch.no_grad()
     def evaluate(self, full: bool = False) -> dict[str, float]:
-        """Test loss (nats per token) and accuracy of this rank's model, plus perplexity for
-        language models; on `trainer.eval_samples` of the test set unless `full`."""
-        self.model.eval()
-        total_loss, correct, count = 0.0, 0, 0
+        """This rank's model on `trainer.eval_samples` of the test set (all of it if `full`)."""
         t = self.cfg.trainer
+        limit = None if full else t.eval_samples
         batches = eval_batches(
-            self.data.test,
-            t.eval_batch_size,
-            self.device,
-            self.cfg.data.num_workers,
-            limit=None if full else t.eval_samples,
+            self.data.test, t.eval_batch_size, self.device, self.cfg.data.num_workers, limit
         )
-        for x, y in batches:
-            with self.recipe.autocast():  # evaluated in the precision it trains in
-                logits = self.model(x)
-            loss, right = loss_and_correct(logits.float(), y)
-            total_loss += loss.item() * y.numel()
-            correct += int(right)
-            count += y.numel()
-        self.model.train()
-        result = {"test_loss": total_loss / count, "test_accuracy": correct / count}
-        if task_of(self.data) == "lm":
-            result["test_perplexity"] = math.exp(min(result["test_loss"], 700.0))
-        return result
+        return evaluate(self.model, batches, self.recipe.autocast, task_of(self.data))
 
     def text_sample(self) -> dict[str, str]:
         """A generated sample for character-level language models (those with a vocabulary)."""
@@ -256,8 +258,7 @@ class Trainer:
         if task_of(self.data) != "lm" or not vocab or chars == 0:
             return {}
         context = getattr(self.model, "max_len", None) or self.data.test[0][0].shape[-1]
-        text = generate_text(self.model, vocab, chars, context, seed=self.cfg.seed)
-        return {"sample": text}
+        return {"sample": generate_text(self.model, vocab, chars, context, seed=self.cfg.seed)}
 
     def comm_record(self) -> dict[str, Any]:
         return {
@@ -280,150 +281,150 @@ class Trainer:
         return record
 
     def train(self) -> dict[str, Any] | None:
+        """Local SGD, step by step: a local step on every worker (all-reducing gradients in the
+        synchronous warmup) and, when the schedule says so, the average of the replicas; then
+        logging, evaluation of the averaged model and a checkpoint, each when due. Returns the
+        summary on rank 0; None on other ranks and after an agreed stop (SIGTERM, Ctrl-C)."""
+        max_steps = self.cfg.trainer.max_steps
+        self.open_run()
+        failed = True
+        try:
+            while self.step < max_steps:
+                self.stop.before_step(self.step, self.next_sync)
+                loss = self.train_step(self.step)  # local step, maybe average
+                self.step += 1
+                if loss is not None:
+                    self.loss_sum += loss
+                    self.loss_count += 1
+                if self.in_sync or self.merged:
+                    self.after_sync(self.step - 1)
+                self.maybe_log()
+                self.maybe_evaluate()
+                if self.maybe_checkpoint():  # an agreed stop, after its checkpoint
+                    failed = False
+                    return None
+                self.bar.update(1)
+            summary = self.finish()
+            failed = False
+            return summary
+        finally:
+            self.close_run(failed)
+
+    def open_run(self) -> None:
         c = self.cfg.trainer
         metrics_path = os.path.join(self.run_dir, "metrics.jsonl")
         if self.is_main and self.resumed_from is not None:
             trim_metrics(metrics_path, self.step)  # lines past the checkpoint are redone
-        logger = build_loggers(self.cfg, self.run_dir, self.is_main, append=self.step > 0)
-        failed = True
-        bar = progress_bar(c.max_steps, self.step, self.is_main and c.progress)
-        start = time.perf_counter() - self.elapsed_before
-        last_time, last_step = time.perf_counter(), self.step
-        every = c.checkpoint_every
-        try:
-            while self.step < c.max_steps:
-                self.stop.before_step(self.step, self.next_sync)
-                # Summed on device, read at log steps only: `.item()` every step would stall CUDA.
-                loss = self.train_step(self.step)
-                if loss is not None:
-                    self.loss_sum += loss
-                    self.loss_count += 1
-                self.step += 1
-                if self.in_sync or self.merged:
-                    self.after_sync(self.step - 1)
-                if self.step % c.log_every == 0 or self.step == c.max_steps:
-                    self.nonfinite.check(self.info.rank)
-                if self.is_main and (self.step % c.log_every == 0 or self.step == c.max_steps):
-                    loss = (self.loss_sum / max(1, self.loss_count)).item()
-                    self.loss_sum.zero_()
-                    self.loss_count = 0
-                    now = time.perf_counter()
-                    record = {
-                        "step": self.step,
-                        "loss": loss,
-                        "lr": self.optimizer.param_groups[0]["lr"],
-                        "samples": self.step * self.samples_per_step,
-                        "wall_time_s": round(now - start, 3),
-                        **self.comm_record(),
-                        **self.rate_record(now - last_time, self.step - last_step, now - start),
-                    }
-                    last_time, last_step = now, self.step
-                    logger.log(record)
-                    bar.set_postfix(loss=f"{loss:.4f}", syncs=self.comm.rounds, refresh=False)
-                # The averaged model exists only right after a sync, so evaluation waits for one
-                # (with overlap: for a merge, which leaves rank 0 one local step from the average).
-                ready = self.in_sync or self.merged
-                if self.step >= self.next_eval and ready and self.step < c.max_steps:
-                    if self.is_main:  # wall time taken before the evaluation, for time-to-accuracy
-                        wall = round(time.perf_counter() - start, 3)
-                        record = {"step": self.step, "wall_time_s": wall, **self.comm_record()}
-                        logger.log({**record, **self.evaluate()})
-                    self.next_eval = (self.step // c.eval_every + 1) * c.eval_every
-                # (a stop agreed for the very last step just lets the run finish)
-                stopping = self.stop.should_stop(self.step) and self.step < c.max_steps
-                due = every > 0 and (self.step % every == 0 or self.step == c.max_steps)
-                if due or stopping:
-                    self.save_checkpoint(time.perf_counter() - start)
-                if stopping:
-                    if self.is_main:
-                        print(
-                            f"SIGTERM: stopped after step {self.step} with a checkpoint; run the "
-                            f"same command again to resume",
-                            file=sys.stderr,
-                            flush=True,
-                        )
-                    failed = False  # a clean stop, not a failure
-                    return None
-                bar.update(1)
-            if not self.in_sync and not self.comm_disabled:
-                self.averager.average()  # the final model is the average of the replicas
-                self.in_sync = True
-            wall = time.perf_counter() - start
-            self.loop_seconds = wall  # this rank's training loop (benchmarks take the slowest)
-            if not self.is_main:
-                failed = False
-                return None
-            result = self.evaluate(full=True)
-            logger.log({"step": self.step, **result})
-            result.update(self.text_sample())
-            checkpoint.save_model(self.model, self.run_dir)
-            summary = {
-                **result,
-                "steps": self.step,
-                **self.comm_record(),
-                "comm_levels": self.averager.comm_levels(),
-                "wall_time_s": round(wall, 3),
-                "world_size": self.info.world_size,
-                "period": self.cfg.sync.period,
-                "warmup_steps": self.cfg.sync.warmup_steps,
-                "params": self.param_count,
-                "skipped_steps": self.skipped_steps,
-                "dataset": target_name(self.config["data"]),
-                "model": target_name(self.config["model"]),
-            }
-            write_json(os.path.join(self.run_dir, "summary.json"), summary)
-            logger.summary(summary)
-            failed = False
-            return summary
-        finally:
-            bar.close()
-            self.batches.close()  # stops DataLoader worker processes
-            logger.close(failed)  # wandb.finish() even on error: the next multirun job starts clean
+        self.logger = build_loggers(self.cfg, self.run_dir, self.is_main, append=self.step > 0)
+        self.bar = progress_bar(c.max_steps, self.step, self.is_main and c.progress)
+        self.start = time.perf_counter() - self.elapsed_s
+        self.last_log = (time.perf_counter(), self.step)
 
-    def save_checkpoint(self, elapsed: float) -> None:
-        self.nonfinite.check(self.info.rank)  # a checkpoint never holds a diverged state
-        state = {
-            "step": self.step,
-            "model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
-            "optimizer": self.optimizer.state_dict(),
-            "averager": self.averager.state_dict(),
-            "comm": self.comm.state_dict(),
-            "sampler": self.batches.state_dict(),
-            "rng": checkpoint.rng_state(),
-            "in_sync": self.in_sync,
-            "next_eval": self.next_eval,
-            "loss_sum": self.loss_sum.detach().clone(),
-            "loss_count": self.loss_count,
+    def close_run(self, failed: bool) -> None:
+        self.bar.close()
+        self.batches.close()  # stops DataLoader worker processes
+        self.logger.close(failed)  # wandb.finish() even on error: the next job starts clean
+
+    def elapsed(self) -> float:
+        """Training seconds so far, including those before a resume."""
+        return self.elapsed_s if self.start is None else time.perf_counter() - self.start
+
+    def maybe_log(self) -> None:
+        c = self.cfg.trainer
+        if self.step % c.log_every and self.step != c.max_steps:
+            return
+        self.nonfinite.check(self.info.rank)
+        if not self.is_main:
+            return
+        loss = (self.loss_sum / max(1, self.loss_count)).item()
+        self.loss_sum.zero_()
+        self.loss_count = 0
+        now = time.perf_counter()
+        last_time, last_step = self.last_log
+        self.last_log = (now, self.step)
+        self.logger.log(
+            {
+                "step": self.step,
+                "loss": loss,
+                "lr": self.optimizer.param_groups[0]["lr"],
+                "samples": self.step * self.samples_per_step,
+                "wall_time_s": round(now - self.start, 3),
+                **self.comm_record(),
+                **self.rate_record(now - last_time, self.step - last_step, now - self.start),
+            }
+        )
+        self.bar.set_postfix(loss=f"{loss:.4f}", syncs=self.comm.rounds, refresh=False)
+
+    def maybe_evaluate(self) -> None:
+        # The averaged model exists only right after a sync, so evaluation waits for one (with
+        # overlap: for a merge, which leaves rank 0 one local step from the average).
+        c = self.cfg.trainer
+        ready = self.in_sync or self.merged
+        if self.step < self.next_eval or not ready or self.step >= c.max_steps:
+            return
+        if self.is_main:  # wall time taken before the evaluation, for time-to-accuracy
+            record = {"step": self.step, "wall_time_s": round(self.elapsed(), 3)}
+            self.logger.log({**record, **self.comm_record(), **self.evaluate()})
+        self.next_eval = (self.step // c.eval_every + 1) * c.eval_every
+
+    def maybe_checkpoint(self) -> bool:
+        """Save when due or when a stop was agreed for this step; True to stop the run."""
+        c = self.cfg.trainer
+        # (a stop agreed for the very last step just lets the run finish)
+        stopping = self.stop.should_stop(self.step) and self.step < c.max_steps
+        every = c.checkpoint_every
+        due = every > 0 and (self.step % every == 0 or self.step == c.max_steps)
+        if due or stopping:
+            self.save_checkpoint()
+        if stopping and self.is_main:
+            print(
+                f"SIGTERM: stopped after step {self.step} with a checkpoint; run the same "
+                f"command again to resume",
+                file=sys.stderr,
+                flush=True,
+            )
+        return stopping
+
+    def finish(self) -> dict[str, Any] | None:
+        """The final average, then on rank 0 the evaluation, `model.pt` and the summary."""
+        if not self.in_sync and not self.comm_disabled:
+            self.averager.average()  # the final model is the average of the replicas
+            self.in_sync = True
+        wall = self.elapsed()
+        self.loop_seconds = wall  # this rank's training loop (benchmarks take the slowest)
+        if not self.is_main:
+            return None
+        result = self.evaluate(full=True)
+        self.logger.log({"step": self.step, **result})
+        result.update(self.text_sample())
+        checkpoint.save_model(self.model, self.run_dir)
+        summary = {
+            **result,
+            "steps": self.step,
+            **self.comm_record(),
+            "comm_levels": self.averager.comm_levels(),
+            "wall_time_s": round(wall, 3),
+            "world_size": self.info.world_size,
+            "period": self.cfg.sync.period,
+            "warmup_steps": self.cfg.sync.warmup_steps,
+            "params": self.param_count,
             "skipped_steps": self.skipped_steps,
-            "elapsed_s": elapsed,
-            "drift": self.drift.state_dict() if self.drift is not None else None,
-            "scaler": self.recipe.state_dict(),
+            "dataset": target_name(self.config["data"]),
+            "model": target_name(self.config["model"]),
         }
+        write_json(os.path.join(self.run_dir, "summary.json"), summary)
+        self.logger.summary(summary)
+        return summary
+
+    def save_checkpoint(self) -> None:
+        self.nonfinite.check(self.info.rank)  # a checkpoint never holds a diverged state
+        self.elapsed_s = self.elapsed()
         checkpoint.save(
             self.run_dir,
             self.step,
             self.info.rank,
             self.info.world_size,
-            state,
+            self.stateful,
             self.cfg.trainer.keep_checkpoints,
             config=self.config,
         )
-
-    def load_checkpoint(self, folder: str) -> None:
-        state = checkpoint.load(folder, self.info.rank, self.device)
-        self.model.load_state_dict(state["model"])  # copies into the flat buffers' views
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.averager.load_state_dict(state["averager"])
-        self.comm.load_state_dict(state["comm"])
-        self.batches.load_state_dict(state["sampler"])
-        checkpoint.set_rng_state(state["rng"])
-        self.step = int(state["step"])
-        self.in_sync = bool(state["in_sync"])
-        self.next_eval = int(state["next_eval"])
-        self.loss_sum = state["loss_sum"].to(self.device)
-        self.loss_count = int(state["loss_count"])
-        self.skipped_steps = int(state["skipped_steps"])
-        self.elapsed_before = float(state["elapsed_s"])
-        if self.drift is not None and state.get("drift") is not None:
-            self.drift.load_state_dict(state["drift"])
-        self.recipe.load_state_dict(state.get("scaler"))

@@ -13,7 +13,7 @@ import uuid
 from typing import Any, Protocol
 
 from localsgd.config import Config, SyncConfig, plain
-from localsgd.metrics import MetricsWriter
+from localsgd.loop.metrics import MetricsWriter
 
 # x axes a wandb chart may use instead of the step: samples seen and bytes communicated
 STEP_AXES = ("samples", "comm_bytes", "comm_rounds")

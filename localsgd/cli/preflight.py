@@ -11,8 +11,9 @@ import os
 import sys
 from typing import Any
 
-from localsgd import checkpoint
-from localsgd.config import ConfigError, _get, plain
+from localsgd.cli.checks import _get
+from localsgd.config import ConfigError, plain
+from localsgd.loop import checkpoint
 
 _probed: dict[str, int | None] = {}  # the launcher checks twice (before and inside Hydra)
 

@@ -15,7 +15,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from localsgd.report import PERIOD, Group, label  # noqa: E402
+from localsgd.analysis.runs import PERIOD, Group, label  # noqa: E402
 
 
 def _panels(groups: list[Group], keys: list[str]) -> dict[str, list[Group]]:

@@ -9,8 +9,11 @@ import multiprocessing
 import os
 import signal
 import sys
+import tempfile
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -194,3 +197,30 @@ def spawn(fn: Callable, world_size: int, timeout_s: float, args: tuple = ()) -> 
         signal.signal(signal.SIGINT, previous[1])
         del store
         sys.stdout.flush()
+
+
+def _run_and_save(info: WorkerInfo, store, fn, args, out_dir: str, backend: str, timeout_s: float):
+    init_process_group(info, backend, timeout_s, store)
+    try:
+        try:
+            result = fn(info.rank, info.world_size, *args)
+        except BaseException:
+            traceback.print_exc()  # WorkerFailed names only the last line; show where
+            raise
+        torch.save(result, os.path.join(out_dir, f"{info.rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_on_workers(
+    fn: Callable, world_size: int, *args: Any, timeout_s: float = 60.0, backend: str = "gloo"
+) -> list:
+    """`fn(rank, world_size, *args)` in `world_size` fresh processes joined in a process group;
+    returns what each rank returned (picklable), in rank order. The harness the tests and the
+    benchmarks share; `fn` must be importable (a module-level function)."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        spawn(_run_and_save, world_size, timeout_s, args=(fn, args, out_dir, backend, timeout_s))
+        return [
+            torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=False)
+            for r in range(world_size)
+        ]

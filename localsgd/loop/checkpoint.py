@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -68,17 +69,48 @@ def listed_steps(run_dir: str) -> list[int]:
     return sorted(steps, reverse=True)
 
 
+class Stateful(Protocol):
+    def state_dict(self) -> Any: ...
+    def load_state_dict(self, state: Any) -> Any: ...
+
+
+class ModuleState:
+    """A module's state, cloned on save: its tensors are views of the averager's flat buffers,
+    and `torch.save` of a view writes the whole buffer."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.module.load_state_dict(state)  # copies into the flat buffers' views
+
+
+class RNGState:
+    """The process's random generators (torch, CUDA, NumPy, Python) as one stateful object."""
+
+    def state_dict(self) -> dict:
+        return rng_state()
+
+    def load_state_dict(self, state: dict) -> None:
+        set_rng_state(state)
+
+
 def save(
     run_dir: str,
     step: int,
     rank: int,
     world_size: int,
-    state: dict,
+    components: Mapping[str, Stateful],
     keep: int,
     config: dict | None = None,
 ) -> str:
-    """Every rank calls this at the same step with its own `state`; returns the folder.
-    `config` (the run's resolved config) goes into the marker, to refuse resuming a changed run."""
+    """Every rank calls this at the same step with its own components' states; returns the
+    folder. `config` (the run's resolved config) goes into the marker, to refuse resuming a
+    changed run."""
+    state = {"step": step, **{name: c.state_dict() for name, c in components.items()}}
     folder = step_dir(run_dir, step)
     os.makedirs(folder, exist_ok=True)
     _write_atomic(rank_file(folder, rank), lambda f: torch.save(state, f))
@@ -150,6 +182,7 @@ RESUME_MAY_CHANGE = (
     "trainer.eval_batch_size",
     "trainer.eval_samples",
     "trainer.sample_chars",
+    "trainer.callbacks",  # observers by contract; one that changes the run is the user's call
     "trainer.log_every",
     "trainer.progress",
     "trainer.track_drift",
@@ -219,8 +252,22 @@ def save_model(model: torch.nn.Module, run_dir: str) -> None:
     os.replace(path + ".tmp", path)
 
 
-def load(folder: str, rank: int, device: torch.device) -> dict[str, Any]:
-    return torch.load(rank_file(folder, rank), map_location=device, weights_only=True)
+def load(
+    folder: str,
+    rank: int,
+    device: torch.device,
+    components: Mapping[str, Stateful],
+    optional: tuple[str, ...] = (),
+) -> int:
+    """Restore every component from this rank's file in `folder`; returns the step. Those named
+    in `optional` may be absent from the file (e.g. drift, when tracking was off)."""
+    state = torch.load(rank_file(folder, rank), map_location=device, weights_only=True)
+    for name, component in components.items():
+        if name in state:
+            component.load_state_dict(state[name])
+        elif name not in optional:
+            raise ValueError(f"checkpoint {folder} holds no {name!r} state")
+    return int(state["step"])
 
 
 # RNG states: the torch generators always; Python's and NumPy's as plain lists and tensors, so the

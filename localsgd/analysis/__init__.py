@@ -1,0 +1,1 @@
+"""Tables and plots from finished runs and run tables: `python -m localsgd.report`."""

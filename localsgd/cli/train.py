@@ -1,0 +1,240 @@
+"""`python -m localsgd.train [overrides]`: the Hydra entry point.
+
+Without torchrun it spawns `dist.world_size` local workers; under torchrun each rank runs this
+module itself and spawns nothing. The configuration is validated and resolved here, in the
+launching process, before any worker starts: workers get it typed (`localsgd.config.Config`
+dataclass objects) and the run directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import sys
+
+import hydra
+import torch.distributed as dist
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+
+from localsgd.cli.checks import validate
+from localsgd.cli.launch import (
+    WorkerFailed,
+    WorkerInfo,
+    init_process_group,
+    pick_backend,
+    pick_device,
+    resolve_world_size,
+    spawn,
+    torchrun_info,
+    under_torchrun,
+)
+from localsgd.cli.overrides import (
+    CONF_DIR,
+    CONF_PACKAGE,
+    check_overrides,
+    composition_error,
+    split_config_dirs,
+)
+from localsgd.cli.preflight import check_data, resolve_resume
+from localsgd.config import Config, ConfigError, register_schemas, typed
+from localsgd.loop.loggers import offline_runs, resolve_wandb_settings
+
+register_schemas()
+
+
+def run_worker(
+    info: WorkerInfo, store: dist.Store | None, cfg: Config, run_dir: str, resume: str | None
+) -> None:
+    """One worker, from process-group setup to teardown."""
+    import torch
+
+    from localsgd.loop.stop import install_sigterm_handler
+    from localsgd.loop.trainer import Trainer  # workers import the heavy parts, the CLI stays quick
+
+    install_sigterm_handler()  # SIGTERM: checkpoint at an agreed step, then exit cleanly
+    if cfg.trainer.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS starts
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
+    device = pick_device(cfg.dist.device, info.local_rank)
+    backend = pick_backend(cfg.dist.backend, device)
+    store = init_process_group(info, backend, cfg.dist.timeout_s, store)
+    try:
+        run_dir = agree_on_run_dir(run_dir, info.rank)
+        resume = agree_on(resume)
+        Trainer(cfg, info, device, run_dir, resume_from=resume, store=store).train()
+    finally:
+        dist.destroy_process_group()
+
+
+def agree_on(value):
+    """Rank 0's value on every rank (e.g. which checkpoint to resume from under torchrun, where
+    each rank looked for itself)."""
+    if dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def agree_on_run_dir(run_dir: str, rank: int) -> str:
+    """Under torchrun every rank resolved `${now:...}` itself; rank 0's directory wins, and the
+    others remove the empty directories Hydra made for them."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return run_dir
+    chosen = [run_dir]
+    dist.broadcast_object_list(chosen, src=0)
+    if rank != 0 and os.path.abspath(chosen[0]) != os.path.abspath(run_dir):
+        leftovers = set(os.listdir(run_dir)) if os.path.isdir(run_dir) else set()
+        if leftovers <= {".hydra", "train.log"}:
+            shutil.rmtree(run_dir, ignore_errors=True)
+    os.makedirs(chosen[0], exist_ok=True)
+    return chosen[0]
+
+
+def name_wandb_run(wandb_cfg) -> None:
+    """Fill in what only the launching process knows: the run name from the command-line
+    overrides, and the multirun sweep as the group, so a sweep is one group on the dashboard."""
+    hydra_cfg = HydraConfig.get()
+    resolve_wandb_settings(wandb_cfg)
+    if wandb_cfg.name is None:
+        wandb_cfg.name = hydra_cfg.job.override_dirname or None
+    if wandb_cfg.group is None and hydra_cfg.mode == RunMode.MULTIRUN:
+        wandb_cfg.group = hydra_cfg.sweep.dir
+
+
+def fail(message: str, code: int = 2) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(code)
+
+
+def world_size_of(cfg) -> int:
+    if under_torchrun():
+        return int(os.environ["WORLD_SIZE"])
+    return resolve_world_size(cfg.dist.world_size, cfg.dist.device)
+
+
+def preflight(cfg, run_dir: str | None, quiet: bool = False) -> tuple[str | None, int | None]:
+    """Every check that can fail before a worker starts; returns the checkpoint to resume and
+    trainer.max_steps when trainer.max_epochs sets it (None otherwise)."""
+    world_size = world_size_of(cfg)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if under_torchrun() else None
+    validate(cfg, world_size=world_size, local_world_size=local)
+    steps = check_data(cfg, world_size)
+    resume = resolve_resume(cfg, world_size, run_dir, quiet)
+    if run_dir is not None and os.path.exists(os.path.join(run_dir, "summary.json")):
+        raise ConfigError(
+            f"hydra.run.dir: {run_dir} already holds a finished run; choose another directory"
+        )
+    return resume, steps
+
+
+# pkg://: the configs are the package localsgd.conf, in a checkout and in an installed wheel alike
+@hydra.main(version_base="1.3", config_path=f"pkg://{CONF_PACKAGE}", config_name="config")
+def main(cfg: DictConfig) -> float | None:
+    torchrun = under_torchrun()
+    run_dir = HydraConfig.get().runtime.output_dir
+    try:
+        resume, epoch_steps = preflight(cfg, run_dir)
+    except ConfigError as e:
+        fail(str(e))
+    summary_path = os.path.join(run_dir, "summary.json")
+    run_cfg = typed(cfg)  # resolved here: workers cannot resolve ${hydra:...} or ${now:...}
+    try:
+        name_wandb_run(run_cfg.logger.wandb)
+    except ValueError as e:
+        fail(str(e))
+    if epoch_steps is not None:  # workers, the LR schedule and the summary count steps
+        run_cfg.trainer.max_steps = epoch_steps
+    if resume is not None:
+        print(f"resuming from {resume}", file=sys.stderr, flush=True)
+    if torchrun:
+        info = torchrun_info()
+        try:
+            run_worker(info, None, run_cfg, run_dir, resume)
+        except Exception as e:  # one line naming the rank; torchrun then stops the others
+            last = (str(e).strip().splitlines() or [""])[-1]
+            fail(f"worker rank {info.rank} failed: {type(e).__name__}: {last}", code=1)
+        if info.rank != 0:
+            return None
+    else:
+        world_size = resolve_world_size(run_cfg.dist.world_size, run_cfg.dist.device)
+        run_cfg.dist.world_size = world_size
+        try:
+            # By module name: under hydra/launcher=local|slurm, submitit runs this function in a
+            # process whose `__main__` is not this file, where `__main__.run_worker` is no name.
+            from localsgd.cli.train import run_worker as worker
+
+            spawn(worker, world_size, run_cfg.dist.timeout_s, args=(run_cfg, run_dir, resume))
+        except WorkerFailed as e:
+            fail(str(e), code=1)
+    if not os.path.exists(summary_path):  # stopped by SIGTERM after a checkpoint
+        print(f"run dir: {run_dir} (interrupted; resumable)")
+        return None
+    with open(summary_path, encoding="utf-8") as f:
+        summary = json.load(f)
+    print(f"run dir: {run_dir}")
+    print(
+        "summary: "
+        + ", ".join(
+            f"{k}={summary[k]}"
+            for k in (
+                "test_accuracy",
+                "test_loss",
+                "test_perplexity",
+                "steps",
+                "comm_rounds",
+                "comm_bytes",
+                "wall_time_s",
+            )
+            if k in summary
+        )
+    )
+    if "sample" in summary:
+        print(f"sample:\n{summary['sample']}")
+    if run_cfg.logger.wandb.mode == "offline":
+        for path in offline_runs(run_dir):
+            print(f"wandb offline run: upload it with `wandb sync {shlex.quote(path)}`")
+    return summary["test_accuracy"]  # the objective a Hydra sweeper (e.g. Optuna) maximises
+
+
+def precheck(args: list[str]) -> None:
+    """Compose and check the config before Hydra starts, since Hydra writes `.hydra/` into the
+    run directory first: a bad command must leave an earlier run's files untouched. Multirun
+    and Hydra's own flags are left to the per-job check in `main`; `--config-dir` is honoured."""
+    extra_dirs, args = split_config_dirs(args)
+    if any(a.startswith("-") for a in args):
+        return
+    if extra_dirs:  # what Hydra's --config-dir does: add the folders to the search path
+        args = [*args, f"hydra.searchpath=[{','.join('file://' + d for d in extra_dirs)}]"]
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            cfg = compose("config", overrides=args, return_hydra_config=True)
+    except (HydraException, OmegaConfBaseException) as e:
+        raise composition_error(e) from None
+    try:
+        run_dir = OmegaConf.select(cfg, "hydra.run.dir")
+    except OmegaConfBaseException:
+        run_dir = None  # e.g. an interpolation only a running Hydra job can resolve
+    preflight(cfg, run_dir, quiet=True)  # `main` repeats it and warns then
+
+
+def cli() -> None:
+    try:
+        check_overrides(sys.argv[1:])
+        precheck(sys.argv[1:])
+    except ConfigError as e:
+        fail(str(e))
+    main()
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,45 @@
+"""The loss every task trains on, and the evaluation of a model on the test set."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def loss_and_correct(
+    logits: torch.Tensor, targets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cross-entropy over classes, for (B, C) class logits and (B, T, V) token logits alike."""
+    logits, targets = logits.flatten(0, -2), targets.flatten()
+    return F.cross_entropy(logits, targets), (logits.argmax(-1) == targets).sum()
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module,
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    autocast: Callable[[], AbstractContextManager],
+    task: str = "classification",
+) -> dict[str, float]:
+    """Test loss (nats per target, i.e. per character for character-level LMs) and accuracy
+    over `batches`, plus perplexity for language models. `autocast`: the training precision's
+    context, so a model is evaluated in the precision it trains in."""
+    model.eval()
+    total_loss, correct, count = 0.0, 0, 0
+    for x, y in batches:
+        with autocast():
+            logits = model(x)
+        loss, right = loss_and_correct(logits.float(), y)
+        total_loss += loss.item() * y.numel()
+        correct += int(right)
+        count += y.numel()
+    model.train()
+    result = {"test_loss": total_loss / count, "test_accuracy": correct / count}
+    if task == "lm":
+        result["test_perplexity"] = math.exp(min(result["test_loss"], 700.0))  # no overflow
+    return result

@@ -1,0 +1,72 @@
+"""Guards a run checks at log, checkpoint and sync steps: non-finite losses and replicas that
+are not bit-identical after a sync."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+# ----------------------------------------------------------------------------------------------
+# NaN / inf losses.
+# ----------------------------------------------------------------------------------------------
+
+
+class NonFiniteLoss(RuntimeError):
+    pass
+
+
+class NonFiniteTracker:
+    """Remembers, on the device, the first step whose loss was not finite: no host sync per step
+    (a `.item()` every step would stall CUDA); `check()` reads it at log and checkpoint steps."""
+
+    def __init__(self, device: torch.device):
+        self.first_bad = torch.full((), -1, dtype=torch.int64, device=device)
+
+    def observe(self, loss: torch.Tensor, step: int) -> None:
+        bad = (~torch.isfinite(loss)) & (self.first_bad < 0)
+        self.first_bad = torch.where(bad, torch.full_like(self.first_bad, step), self.first_bad)
+
+    def check(self, rank: int) -> None:
+        step = int(self.first_bad)
+        if step >= 0:
+            raise NonFiniteLoss(
+                f"non-finite loss at step {step} on rank {rank}; lower optim.lr, or set "
+                f"trainer.nan_policy=skip to skip such steps (the last checkpoint is kept)"
+            )
+
+
+# ----------------------------------------------------------------------------------------------
+# Replica check: after a sync, every rank's parameters must be bit-identical.
+# ----------------------------------------------------------------------------------------------
+
+
+class ReplicasDiverged(RuntimeError):
+    pass
+
+
+def replica_checksum(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Two int64 sums over the raw bits (all words, odd-position words), accumulated without a
+    converted copy: equal bits give equal sums, and any single changed word changes the first."""
+    sums = torch.zeros(2, dtype=torch.int64, device=tensors[0].device)
+    for t in tensors:
+        bits = t.detach().reshape(-1).view(_int_dtype(t.dtype))
+        sums[0] += bits.sum(dtype=torch.int64)
+        sums[1] += bits[1::2].sum(dtype=torch.int64)
+    return sums
+
+
+def _int_dtype(dtype: torch.dtype) -> torch.dtype:
+    size = torch.empty((), dtype=dtype).element_size()
+    return {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size]
+
+
+def check_replicas(buffers: list[torch.Tensor], step: int, rank: int) -> None:
+    mine = replica_checksum(buffers)
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine)
+    differ = [r for r, g in enumerate(gathered) if not torch.equal(g, gathered[0])]
+    if differ:
+        raise ReplicasDiverged(
+            f"replicas differ after the sync at step {step}: rank(s) {differ} do not match "
+            f"rank 0 (checked on rank {rank}; sync.check_replicas=true)"
+        )

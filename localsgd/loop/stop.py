@@ -1,0 +1,79 @@
+"""The agreed stop: SIGTERM (and a first Ctrl-C) stops every rank after the same sync step, with
+a checkpoint, without a collective between syncs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from collections.abc import Callable
+
+import torch.distributed as dist
+
+# ----------------------------------------------------------------------------------------------
+# SIGTERM: stop at a step every rank agrees on, without a collective between syncs.
+#
+# The signal only sets a flag. A rank that sees the flag before executing step s proposes to stop
+# after N, the first sync step >= s, by writing N+1 into the rendezvous store (first writer wins).
+# No rank can finish step N's collective before the proposer joins it, which happens after the
+# write, and every rank reads the store right after each sync step's collective: so every rank
+# learns the stop step at N+1 at the latest, and stops exactly there. The cost between syncs is
+# nothing; at each sync one store lookup (a key check, not a collective).
+# ----------------------------------------------------------------------------------------------
+
+_signalled = False
+
+
+def _on_sigterm(signum, frame) -> None:
+    global _signalled
+    _signalled = True
+
+
+def signalled() -> bool:
+    """Whether SIGTERM (or a first Ctrl-C) has reached this process."""
+    return _signalled
+
+
+def _on_sigint(signum, frame) -> None:
+    if _signalled:  # a second Ctrl-C: abort now, without a checkpoint or a traceback
+        print("Ctrl-C: aborted; the last complete checkpoint is kept", file=sys.stderr, flush=True)
+        os._exit(130)
+    _on_sigterm(signum, frame)
+
+
+def install_sigterm_handler() -> None:
+    """SIGTERM asks for the agreed stop. So does a first Ctrl-C where it reaches this process
+    (under torchrun; workers we spawn ignore SIGINT and leave it to the launcher)."""
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        signal.signal(signal.SIGINT, _on_sigint)
+
+
+class StopAgreement:
+    def __init__(self, store: dist.Store | None, run_id: str):
+        self.store = store  # the rendezvous store; None: a lone process decides alone
+        self.key = f"localsgd/stop/{run_id}"
+        self.stop_at: int | None = None
+        self.proposed = False
+
+    def before_step(self, step: int, find_next_sync: Callable[[int], int | None]) -> None:
+        """`find_next_sync(step)`: the first step index >= `step` that communicates (None if none
+        is left); called only once a signal arrived, since it is not free every step."""
+        if not _signalled or self.proposed or self.stop_at is not None:
+            return
+        self.proposed = True
+        next_sync = find_next_sync(step)
+        if next_sync is None:
+            return  # no sync left: the run ends (with its final checkpoint) before anyone could
+        if self.store is None:
+            self.stop_at = next_sync + 1
+            return
+        stored = self.store.compare_set(self.key, "", str(next_sync + 1))
+        self.stop_at = int(stored)
+
+    def after_sync(self) -> None:
+        if self.stop_at is None and self.store is not None and self.store.check([self.key]):
+            self.stop_at = int(self.store.get(self.key))
+
+    def should_stop(self, steps_done: int) -> bool:
+        return self.stop_at is not None and steps_done >= self.stop_at

@@ -1,0 +1,71 @@
+"""Fault injection for the tests, as a trainer callback (`trainer.callbacks`): nothing in the
+package knows about it. `Fault(spec="KIND:RANK:STEP[:ONCE_FILE]")` makes rank RANK, at step STEP
+(0-based), `raise` an exception, `kill` itself with SIGKILL, send `sigterm` to its parent (the
+launcher), make its loss `nan` (the model's output is poisoned for that step), or `desync` its
+parameters after the step. With ONCE_FILE it fires only if that file does not exist yet (and
+creates it), so a restarted worker does not fail again.
+
+From the command line: `trainer.callbacks=[{_target_:tests.faults.Fault,spec:'kill:1:7'}]`
+(`override(spec)` writes that), run from the repository root so that `tests` is importable.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import torch
+
+from localsgd.loop import stop
+
+
+def override(spec: str) -> str:
+    return f"trainer.callbacks=[{{_target_:tests.faults.Fault,spec:'{spec}'}}]"
+
+
+class Fault:
+    def __init__(self, spec: str):
+        kind, rank, step, *once = spec.split(":", 3)
+        self.kind, self.rank, self.step = kind, int(rank), int(step)
+        self.once = once[0] if once else None
+        self._poison = None
+
+    def fires(self, trainer, step: int) -> bool:
+        if trainer.info.rank != self.rank or self.step != step:
+            return False
+        if self.once is not None:
+            try:
+                os.close(os.open(self.once, os.O_CREAT | os.O_EXCL))
+            except FileExistsError:
+                return False
+        return True
+
+    def on_step_start(self, trainer, step: int) -> None:
+        if not self.fires(trainer, step):
+            return
+        if self.kind == "raise":
+            raise RuntimeError(f"injected fault at step {step} (tests.faults.Fault)")
+        if self.kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.kind == "sigterm":  # as SLURM would: to the launcher, which forwards it
+            os.kill(os.getppid(), signal.SIGTERM)
+            # Wait for the forwarded signal, so that where the ranks stop does not depend on how
+            # fast the launcher relays it (a tiny job can otherwise end first).
+            deadline = time.monotonic() + 10.0
+            while not stop.signalled() and time.monotonic() < deadline:
+                time.sleep(0.001)
+        if self.kind == "nan":
+            self._poison = trainer.model.register_forward_hook(lambda m, i, out: out * float("nan"))
+        if self.kind == "desync":
+            self._poison = True
+
+    def on_step_end(self, trainer, step: int) -> None:
+        if self._poison is None:
+            return
+        if self.kind == "desync":
+            with torch.no_grad():
+                next(trainer.model.parameters()).view(-1)[0] += 1e-3
+        else:
+            self._poison.remove()
+        self._poison = None

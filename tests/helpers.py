@@ -1,0 +1,227 @@
+"""What the tests share: the small configs, the CLI in a subprocess (tagged, so a test can prove
+no process outlived its job), the worker harness, and exact comparisons of runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import uuid
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+from hydra import compose, initialize_config_dir
+
+import localsgd.cli.train  # noqa: F401  (registers the config schema)
+from localsgd.cli.launch import run_on_workers as run_distributed  # noqa: F401  (the harness)
+from localsgd.config import Config, typed
+from tests import faults
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONF = os.path.join(ROOT, "conf")
+TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
+
+# A quick CLI job: a synthetic classification set and a small MLP, no wandb.
+FAST = [
+    "data=synthetic",
+    "data.num_samples=1200",
+    "model=mlp",
+    "model.hidden=[64]",
+    "trainer.progress=false",
+    "dist.timeout_s=60",
+    "logger.wandb.mode=disabled",
+]
+
+# The reliability job: 24 steps, 2 workers; warmup steps 0-5 communicate, then averages after
+# steps 6, 11, 16, 21. Checkpoints every 5 steps: the one at step 5 falls in the warmup, the one
+# at 10 between syncs (step 9 was local, so the two replicas differ there).
+BASE = [
+    "data=synthetic",
+    "data.num_samples=600",
+    "model=mlp",
+    "model.hidden=[16]",
+    "model.dropout=0.1",  # so the per-rank RNG state matters for an exact resume
+    "trainer.batch_size=8",
+    "trainer.max_steps=24",
+    "trainer.checkpoint_every=5",
+    "trainer.log_every=4",
+    "trainer.eval_every=8",
+    "trainer.progress=false",
+    "sync.warmup_steps=6",
+    "sync.period=5",
+    "dist.world_size=2",
+    "dist.timeout_s=30",
+    "logger.wandb.mode=disabled",  # wandb is not the subject here (tests/test_loggers.py)
+]
+
+# In-process trainer tests (compose_config(SMALL + ...)).
+SMALL = [
+    "data=synthetic",
+    "data.num_samples=800",
+    "model=mlp",
+    "model.hidden=[32]",
+    "trainer.batch_size=8",
+    "trainer.progress=false",
+    "trainer.eval_every=1000",
+]
+
+
+def compose_config(overrides: list[str]) -> Config:
+    """The typed, resolved config a worker receives, composed exactly as the CLI composes it."""
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        cfg = compose("config", overrides=overrides)
+    return typed(cfg)
+
+
+def tagged_env(extra: dict[str, str | None] | None = None) -> tuple[dict, str]:
+    """os.environ, tagged, with `extra` set (a None value unsets the variable)."""
+    tag = uuid.uuid4().hex
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "LOCALSGD_TEST_TAG": tag, "OMP_NUM_THREADS": "1"}
+    for key, value in (extra or {}).items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    return env, tag
+
+
+def run(
+    cmd: list[str],
+    fault: str | None = None,
+    timeout: float = 120,
+    env: dict[str, str | None] | None = None,
+    cwd: str = ROOT,
+) -> tuple[subprocess.CompletedProcess, list[int]]:
+    """Run `cmd` (a training command: its last arguments are overrides) in `cwd`, with `fault`
+    (tests/faults.py's KIND:RANK:STEP[:ONCE_FILE]) injected; returns the CompletedProcess and the
+    processes it left behind."""
+    full_env, tag = tagged_env(env)
+    if fault:
+        cmd = [*cmd, faults.override(fault)]
+    proc = subprocess.run(
+        cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout
+    )
+    return proc, survivors(tag)
+
+
+def cli(args: list[str], fault: str | None = None, timeout: float = 120, env=None, cwd=ROOT):
+    """`python -m localsgd.train ARGS`: (CompletedProcess, processes left behind)."""
+    return run([sys.executable, "-m", "localsgd.train", *args], fault, timeout, env, cwd)
+
+
+def run_cli(args: list[str], timeout: float = 120, env=None, cwd=ROOT):
+    """`python -m localsgd.train ARGS` (a CompletedProcess), asserting that no process
+    outlived it."""
+    proc, left = cli(args, timeout=timeout, env=env, cwd=cwd)
+    assert not left, f"processes left behind: {left}"
+    return proc
+
+
+def survivors(tag: str) -> list[int]:
+    """PIDs of live processes started with this tag in their environment."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if f"LOCALSGD_TEST_TAG={tag}".encode() in f.read():
+                    with open(f"/proc/{pid}/stat") as s:
+                        if s.read().split(") ")[-1][0] != "Z":
+                            found.append(int(pid))
+        except OSError:
+            continue
+    return found
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def same_model(a, b) -> bool:
+    sa = torch.load(a, weights_only=True)
+    sb = torch.load(b, weights_only=True)
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+# measured times differ from run to run; everything else must match exactly
+TIMING_KEYS = ("wall_time_s", "comm_seconds", "samples_per_s", "comm_share")
+
+
+def train_records(run_dir) -> list[dict]:
+    """metrics.jsonl without the fields that measure time."""
+    out = []
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        out.append({k: v for k, v in record.items() if k not in TIMING_KEYS})
+    return out
+
+
+class CollectiveCounter:
+    """Counts every torch.distributed collective called through the module's functions."""
+
+    NAMES = (
+        "all_reduce",
+        "broadcast",
+        "all_gather",
+        "all_gather_into_tensor",
+        "reduce_scatter",
+        "reduce_scatter_tensor",
+        "barrier",
+        "all_to_all",
+        "reduce",
+        "gather",
+        "scatter",
+        "broadcast_object_list",
+        "all_gather_object",
+    )
+
+    def __init__(self):
+        self.count = 0
+        self._originals = {}
+
+    def __enter__(self):
+        for name in self.NAMES:
+            original = getattr(dist, name)
+            self._originals[name] = original
+
+            def counted(*a, _original=original, **k):
+                self.count += 1
+                return _original(*a, **k)
+
+            setattr(dist, name, counted)
+        return self
+
+    def __exit__(self, *exc):
+        for name, original in self._originals.items():
+            setattr(dist, name, original)
+
+
+def _launch_not_reached(*args, **kwargs):
+    raise AssertionError("the input was not refused before the launch")
+
+
+def refusal(args: list[str], capsys) -> str:
+    """The one line `python -m localsgd.train ARGS` refuses ARGS with, got in-process: the
+    entry point's checks run as in the CLI (exit code 2, one stderr line, no traceback), and
+    the launch is replaced by a failure, so input the checks let through starts nothing."""
+    from localsgd.cli import train as entry
+
+    capsys.readouterr()
+    with (
+        mock.patch.object(sys, "argv", ["localsgd.train", *args]),
+        mock.patch.object(entry, "main", _launch_not_reached),
+        pytest.raises(SystemExit) as stop,
+    ):
+        entry.cli()
+    out = capsys.readouterr()
+    assert stop.value.code == 2, out.err
+    lines = out.err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in out.err + out.out, out.err
+    return lines[0]
