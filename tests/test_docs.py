@@ -1,0 +1,94 @@
+"""The docs a newcomer reads: a README of at most 200 lines, and no broken relative link (file or
+#anchor) in README.md or docs/*.md. Reads files only: no subprocess, no import of localsgd."""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+README = os.path.join(ROOT, "README.md")
+DOCS = [README, *sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))]
+
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+CODE_SPAN = re.compile(r"`[^`]*`")
+HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
+
+
+def _prose_lines(path: str) -> list[str]:
+    """The file's lines outside fenced code blocks, inline code spans blanked."""
+    out, fenced = [], False
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.lstrip().startswith("```"):
+                fenced = not fenced
+                continue
+            if not fenced:
+                out.append(CODE_SPAN.sub("``", line.rstrip("\n")))
+    return out
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation other than - and _ dropped,
+    spaces to hyphens."""
+    text = heading.replace("`", "").strip().lower()
+    text = re.sub(r"[^\w\- ]", "", text)
+    return text.replace(" ", "-")
+
+
+def _anchors(path: str) -> set[str]:
+    seen: dict[str, int] = {}
+    anchors = set()
+    fenced = False
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.lstrip().startswith("```"):
+                fenced = not fenced
+                continue
+            m = None if fenced else HEADING.match(line)
+            if m:
+                slug = _slug(m.group(2))
+                n = seen.get(slug, 0)
+                seen[slug] = n + 1
+                anchors.add(slug if n == 0 else f"{slug}-{n}")
+    return anchors
+
+
+def _links(path: str) -> list[str]:
+    return [m.group(1) for line in _prose_lines(path) for m in LINK.finditer(line)]
+
+
+def test_readme_is_at_most_200_lines():
+    with open(README, encoding="utf-8") as f:
+        n = sum(1 for _ in f)
+    assert n <= 200, f"README.md has {n} lines; move detail to docs/"
+
+
+def test_docs_pages_exist():
+    assert len(DOCS) > 1, "docs/*.md is missing"
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: os.path.relpath(p, ROOT))
+def test_relative_links_resolve(path):
+    broken = []
+    for target in _links(path):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # http:, https:, mailto: ...
+            continue
+        file_part, _, anchor = target.partition("#")
+        dest = path if not file_part else os.path.normpath(
+            os.path.join(os.path.dirname(path), file_part))  # fmt: skip
+        if not os.path.exists(dest):
+            broken.append(f"{target} (no such file)")
+        elif anchor and dest.endswith(".md") and anchor not in _anchors(dest):
+            broken.append(f"{target} (no heading with that anchor)")
+    assert not broken, f"{os.path.relpath(path, ROOT)}: " + ", ".join(broken)
+
+
+def test_slug_matches_github():
+    assert _slug("Overlapped averaging (`sync.overlap`)") == "overlapped-averaging-syncoverlap"
+    assert _slug("Compressed averaging (`sync.comm_dtype`)") == (
+        "compressed-averaging-synccomm_dtype")  # fmt: skip
+    assert _slug("Stopping: Ctrl-C and SIGTERM") == "stopping-ctrl-c-and-sigterm"
