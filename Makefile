@@ -27,7 +27,7 @@ train: $(STAMP)  ## post-local SGD on MNIST-1D, 4 CPU workers, about a minute (A
 test: $(STAMP)  ## the whole test suite (gloo on CPU, each test with a time limit)
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(ARGS)
 
-test-fast: $(STAMP)  ## the tests that start no worker processes
+test-fast: $(STAMP)  ## the tests that start no process at all (in-process, < 1 min)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow" $(ARGS)
 
 lint: $(STAMP)  ## ruff

@@ -131,20 +131,20 @@ class AdamWConfig:  # DiLoCo's inner optimizer (Douillard et al. 2023)
 # step (localsgd/optim.py); `max_steps` comes from trainer.max_steps when it is built.
 @dataclass
 class WarmupCosineConfig:
-    _target_: str = "localsgd.optim.WarmupCosine"
+    _target_: str = "localsgd.loop.optim.WarmupCosine"
     warmup_steps: int = 50  # linear ramp from 0, independent of sync.warmup_steps
     min_lr_ratio: float = 0.0  # cosine floor as a fraction of the peak
 
 
 @dataclass
 class ConstantLRConfig:
-    _target_: str = "localsgd.optim.WarmupConstant"
+    _target_: str = "localsgd.loop.optim.WarmupConstant"
     warmup_steps: int = 0
 
 
 @dataclass
 class StepLRConfig:
-    _target_: str = "localsgd.optim.WarmupStep"
+    _target_: str = "localsgd.loop.optim.WarmupStep"
     warmup_steps: int = 0
     decay_steps: list[int] = field(default_factory=list)  # multiply by decay_factor at each
     decay_factor: float = 0.1
@@ -286,4 +286,4 @@ BACKENDS = ("auto", "gloo", "nccl")
 DEVICES = ("auto", "cpu", "cuda")
 WANDB_MODES = ("offline", "online", "disabled")
 NAN_POLICIES = ("error", "skip")
-PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")  # localsgd.recipe.PRECISIONS' keys
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")  # localsgd.loop.recipe.PRECISIONS' keys

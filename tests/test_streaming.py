@@ -39,6 +39,7 @@ def _same(a, b) -> bool:
     return all(torch.equal(x, y) for pa, pb in pairs for x, y in zip(pa, pb, strict=True))
 
 
+@pytest.mark.slow  # DataLoader worker processes
 @pytest.mark.timeout(120)
 def test_augmented_batches_repeat_for_any_worker_count_and_after_a_mid_epoch_restore(tmp_path):
     fake_cifar(tmp_path, per_batch=8)  # 40 train images
@@ -70,6 +71,7 @@ def test_augmented_batches_repeat_for_any_worker_count_and_after_a_mid_epoch_res
     assert not _same(expected[:6], _take(plain, 6))
 
 
+@pytest.mark.slow  # DataLoader worker processes
 @pytest.mark.timeout(60)
 def test_tensor_sets_take_the_in_memory_path_and_stream_gives_the_same_batches():
     data = synthetic(num_samples=200, num_features=4, seed=0)
