@@ -254,6 +254,55 @@ def test_optimizer_state_policies():
         assert a["bytes"] == 2 * per_sync
 
 
+def _diloco_adamw_worker(rank, world_size, cfg):
+    """DiLoCo as the paper runs it: inner AdamW, an outer Nesterov step every H steps."""
+    with tempfile.TemporaryDirectory() as run_dir:
+        trainer = Trainer(
+            cfg, WorkerInfo(rank, world_size, rank, world_size), torch.device("cpu"), run_dir
+        )
+        out = []
+        for step in range(cfg.trainer.max_steps):
+            before = trainer.averager.flat.buffers[0].clone()
+            trainer.train_step(step)
+            params = torch.cat([b.reshape(-1) for b in trainer.averager.flat.buffers])
+            adam = torch.cat(
+                [v.reshape(-1) for st in trainer.optimizer.state.values()
+                 for k, v in st.items() if k in ("exp_avg", "exp_avg_sq")]
+            )  # fmt: skip
+            out.append(
+                {
+                    "synced": trainer.in_sync,
+                    "params_same": all(torch.equal(params, g) for g in _gather(params)),
+                    "adam_same": all(torch.equal(adam, g) for g in _gather(adam)),
+                    "moved": not torch.equal(before, trainer.averager.flat.buffers[0]),
+                }
+            )
+        return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("state", ["local", "average"])
+def test_diloco_with_inner_adamw_keeps_adam_state_local_unless_asked(state):
+    h, steps = 4, 9
+    cfg = compose_config(
+        SMALL
+        + ["optim=adamw", "sync=diloco", f"sync.period={h}", f"trainer.max_steps={steps}"]
+        + [f"sync.optimizer_state={state}"]
+    )
+    assert cfg.sync.outer == "diloco" and cfg.optim.betas == [0.9, 0.95]
+    assert cfg.optim.weight_decay == 0.1
+    per_rank = run_distributed(_diloco_adamw_worker, 2, cfg)
+    for rank_steps in per_rank:
+        synced = [s for s, r in enumerate(rank_steps) if r["synced"]]
+        assert synced == [0, 4, 8]  # torch's step rule: after steps 0, H, 2H
+        for s, r in enumerate(rank_steps):
+            # after every outer step all replicas hold the new anchor, and between them they differ
+            assert r["params_same"] == (s in synced)
+            # the paper keeps each worker's Adam moments its own; `average` shares them at a sync
+            assert r["adam_same"] == (state == "average" and s in synced)
+            assert r["moved"]
+
+
 def _trainer_worker(rank, world_size, configs):
     out = []
     for cfg in configs:
