@@ -70,6 +70,7 @@ CURVE_KEYS = (
     "test_perplexity",
     "comm_rounds",
     "comm_bytes",
+    "comm_seconds",
     "wall_time_s",
 )
 
