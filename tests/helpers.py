@@ -225,3 +225,35 @@ def refusal(args: list[str], capsys) -> str:
     lines = out.err.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in out.err + out.out, out.err
     return lines[0]
+
+
+def killed_and_resumed(args: list[str], tmp_path, kill: str = "kill:0:13"):
+    """Train `args` uninterrupted, and again with a SIGKILL (`kill`, a tests/faults.py spec)
+    after the step-10 checkpoint and the same command to resume; asserts the resumed run's final
+    model is bit-identical. Returns the two run directories (reference, resumed)."""
+    reference, run_dir = tmp_path / "reference", tmp_path / "run"
+    proc, _ = cli(args + [f"hydra.run.dir={reference}"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc, left = cli(args + [f"hydra.run.dir={run_dir}"], fault=kill)
+    assert proc.returncode == 1 and not left, proc.stderr[-2000:]
+    proc, _ = cli(args + [f"hydra.run.dir={run_dir}"])
+    assert proc.returncode == 0 and "step-10" in proc.stderr, proc.stderr[-3000:]
+    assert same_model(run_dir / "model.pt", reference / "model.pt")
+    return reference, run_dir
+
+
+def fake_cifar(root, per_batch: int = 40) -> None:
+    """cifar-10-batches-py as Python 3 sees the official files: pickled dicts of uint8 rows."""
+    import pickle
+
+    import numpy as np
+
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        batch = {
+            "data": rng.integers(0, 256, (per_batch, 3072), dtype=np.uint8),
+            "labels": [int(v) for v in rng.integers(0, 10, per_batch)],
+        }
+        (folder / name).write_bytes(pickle.dumps(batch))

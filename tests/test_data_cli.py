@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import math
-import pickle
 
 import numpy as np
 import pytest
 import torch
 
-from tests.helpers import FAST, refusal, run_cli
+from tests.helpers import FAST, fake_cifar, refusal, run_cli
 
 BASE = [a for a in FAST if not a.startswith(("data", "model"))] + [
     "dist.world_size=2",
@@ -19,23 +18,10 @@ BASE = [a for a in FAST if not a.startswith(("data", "model"))] + [
 ]
 
 
-def _fake_cifar(root, per_batch: int = 16) -> None:
-    """cifar-10-batches-py in the official format: pickled dicts of uint8 rows and labels."""
-    folder = root / "cifar-10-batches-py"
-    folder.mkdir()
-    rng = np.random.default_rng(0)
-    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
-        batch = {
-            "data": rng.integers(0, 256, (per_batch, 3072), dtype=np.uint8),
-            "labels": [int(v) for v in rng.integers(0, 10, per_batch)],
-        }
-        (folder / name).write_bytes(pickle.dumps(batch))
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_cifar10_resnet20_averages_batchnorm_statistics_too(tmp_path):
-    _fake_cifar(tmp_path)
+    fake_cifar(tmp_path, per_batch=16)
     run_dir = tmp_path / "run"
     steps, period = 6, 2
     proc = run_cli(

@@ -237,17 +237,10 @@ def test_cli_bf16_mixed_with_accumulation_and_clipping_learns(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_16_mixed_run_killed_mid_run_resumes_bit_identical(tmp_path):
-    from tests.helpers import BASE, cli, same_model
+    from tests.helpers import BASE, killed_and_resumed
 
     args = BASE + ["trainer.precision=16-mixed", "trainer.accumulate_grad_batches=2"]
-    reference, run_dir = tmp_path / "reference", tmp_path / "run"
-    proc, _ = cli(args + [f"hydra.run.dir={reference}"])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    proc, left = cli(args + [f"hydra.run.dir={run_dir}"], fault="kill:0:13")
-    assert proc.returncode == 1 and not left, proc.stderr[-2000:]
-    proc, _ = cli(args + [f"hydra.run.dir={run_dir}"])
-    assert proc.returncode == 0 and "step-10" in proc.stderr, proc.stderr[-3000:]
-    assert same_model(run_dir / "model.pt", reference / "model.pt")
+    _, run_dir = killed_and_resumed(args, tmp_path)
     state = torch.load(run_dir / "checkpoints" / "step-24" / "rank-0.pt", weights_only=True)
     assert state["scaler"]["scale"] > 0  # the GradScaler's state is in every checkpoint
 

@@ -362,7 +362,7 @@ def test_trainer_with_hierarchical_levels_and_adaptive_period():
 
 @pytest.mark.timeout(300)
 def test_diloco_adaptive_bf16_run_resumes_bit_identical_after_a_kill(tmp_path):
-    from tests.helpers import BASE, cli, same_model
+    from tests.helpers import BASE, killed_and_resumed
 
     args = BASE + [
         "sync.warmup_steps=0",
@@ -372,14 +372,7 @@ def test_diloco_adaptive_bf16_run_resumes_bit_identical_after_a_kill(tmp_path):
         "sync.comm_dtype=bfloat16",
         "sync.optimizer_state=average",
     ]
-    reference, run_dir = tmp_path / "reference", tmp_path / "run"
-    proc, _ = cli(args + [f"hydra.run.dir={reference}"])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    proc, left = cli(args + [f"hydra.run.dir={run_dir}"], fault="kill:0:13")
-    assert proc.returncode == 1 and not left, proc.stderr[-2000:]
-    proc, _ = cli(args + [f"hydra.run.dir={run_dir}"])
-    assert proc.returncode == 0 and "step-10" in proc.stderr, proc.stderr[-3000:]
-    assert same_model(run_dir / "model.pt", reference / "model.pt")
+    reference, run_dir = killed_and_resumed(args, tmp_path)
     ours = json.loads((run_dir / "summary.json").read_text())
     ref = json.loads((reference / "summary.json").read_text())
     for key in ("comm_rounds", "comm_bytes", "comm_levels", "test_accuracy"):

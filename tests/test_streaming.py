@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import pickle
 
 import numpy as np
 import pytest
@@ -12,22 +11,9 @@ import torch
 from localsgd.data import ShardSampler, make_batches, shard_indices
 from localsgd.data.datasets import cifar10, image_folder, synthetic
 from localsgd.data.loader import StreamBatches
-from tests.helpers import BASE, cli, same_model, train_records
+from tests.helpers import BASE, cli, fake_cifar, same_model, train_records
 
 CPU = torch.device("cpu")
-
-
-def fake_cifar(root, per_batch: int = 40) -> None:
-    """cifar-10-batches-py as Python 3 sees the official files: pickled dicts of uint8 rows."""
-    folder = root / "cifar-10-batches-py"
-    folder.mkdir(parents=True)
-    rng = np.random.default_rng(0)
-    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
-        batch = {
-            "data": rng.integers(0, 256, (per_batch, 3072), dtype=np.uint8),
-            "labels": [int(v) for v in rng.integers(0, 10, per_batch)],
-        }
-        (folder / name).write_bytes(pickle.dumps(batch))
 
 
 def _take(batches, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
