@@ -66,6 +66,15 @@ CASES = [
 ]
 
 
+def _refused_in_one_line_leaving_untouched(args, run_dir, key, capsys) -> None:
+    """`args`, aimed at an earlier run's directory as a mistyped command would be, are refused
+    in one line naming `key`, and no file of that run changes."""
+    before = _snapshot(run_dir)
+    line = refusal(args + [f"hydra.run.dir={run_dir}"], capsys)
+    assert line.startswith(f"error: {key} ")
+    assert _snapshot(run_dir) == before
+
+
 @pytest.fixture
 def earlier_run(tmp_path):
     """A run directory with files in it, as an earlier run leaves it."""
@@ -82,11 +91,7 @@ def test_bad_input_is_one_line_and_touches_no_earlier_run(override, key, earlier
     args = BASE
     if override.startswith("data="):  # another dataset: the synthetic set's keys do not apply
         args = [a for a in BASE if not a.startswith("data")]
-    before = _snapshot(earlier_run)
-    # Aimed at the earlier run's directory, as a mistyped command would be.
-    line = refusal(args + override.split() + [f"hydra.run.dir={earlier_run}"], capsys)
-    assert line.startswith(f"error: {key} ")
-    assert _snapshot(earlier_run) == before
+    _refused_in_one_line_leaving_untouched(args + override.split(), earlier_run, key, capsys)
 
 
 @pytest.mark.slow
@@ -102,11 +107,7 @@ def test_a_bad_resume_is_one_line_and_touches_no_earlier_run(
     if override == "CORRUPT":
         override = f"trainer.resume={corrupt_checkpoint}"
     override = override.replace("CHANGED", f"trainer.resume={reference_run}")
-    before = _snapshot(reference_run)
-    # Aimed at the earlier run's directory, as a mistyped resume command would be.
-    line = refusal(BASE + override.split() + [f"hydra.run.dir={reference_run}"], capsys)
-    assert line.startswith(f"error: {key} ")
-    assert _snapshot(reference_run) == before
+    _refused_in_one_line_leaving_untouched(BASE + override.split(), reference_run, key, capsys)
 
 
 @pytest.mark.slow
