@@ -11,6 +11,7 @@ From the command line: `trainer.callbacks=[{_target_:tests.faults.Fault,spec:'ki
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import time
@@ -49,7 +50,8 @@ class Fault:
         if self.kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         if self.kind == "sigterm":  # as SLURM would: to the launcher, which forwards it
-            os.kill(os.getppid(), signal.SIGTERM)
+            launcher = multiprocessing.parent_process()  # None under torchrun: its agent
+            os.kill(launcher.pid if launcher else os.getppid(), signal.SIGTERM)
             # Wait for the forwarded signal, so that where the ranks stop does not depend on how
             # fast the launcher relays it (a tiny job can otherwise end first).
             deadline = time.monotonic() + 10.0

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+from localsgd.cli.forkserver import start_method, under_torchrun  # noqa: F401  (re-exported)
 
 
 @dataclass(frozen=True)
@@ -28,10 +28,6 @@ class WorkerInfo:
     world_size: int
     local_rank: int
     local_world_size: int
-
-
-def under_torchrun() -> bool:
-    return all(v in os.environ for v in TORCHRUN_VARS)
 
 
 def torchrun_info() -> WorkerInfo:
@@ -86,12 +82,22 @@ def resolve_world_size(requested: int | None, device: str) -> int:
 
 
 def _spawned(
-    local_rank: int, world_size: int, port: int, timeout_s: float, fn: Callable, args: tuple
+    local_rank: int,
+    world_size: int,
+    port: int,
+    timeout_s: float,
+    environ: dict[str, str],
+    fn: Callable,
+    args: tuple,
 ) -> None:
     # Ctrl-C reaches the whole process group; the launcher alone decides what it means (a stop
     # at the next sync, then an abort), so a worker never dies of KeyboardInterrupt mid-step.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent()
+    # A forkserver child inherits the environment the server started with, not the launcher's
+    # of now (a test, or a second job in one process, may have changed it since).
+    os.environ.clear()
+    os.environ.update(environ)
     torch.set_num_threads(1)
     store = dist.TCPStore(
         "127.0.0.1",
@@ -111,13 +117,17 @@ def _spawned(
 
 
 def _die_with_parent() -> None:
-    """Linux: SIGKILL this worker if the launcher dies, so no worker outlives a killed job."""
+    """Linux: SIGKILL this worker if the launcher dies, so no worker outlives a killed job.
+
+    The parent process is the forkserver, which exits as soon as the launcher is gone (its end
+    of the launcher's pipe closes), so its death signal is the launcher's."""
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError):
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     # a launcher that died before the line above is no parent any more: nothing would kill us
+    # (is_alive reads the launcher's end of a pipe, so it is right for spawn and forkserver)
     parent = multiprocessing.parent_process()
-    if parent is not None and os.getppid() != parent.pid:
+    if parent is not None and not parent.is_alive():
         os._exit(1)
 
 
@@ -151,10 +161,10 @@ def spawn(fn: Callable, world_size: int, timeout_s: float, args: tuple = ()) -> 
     try:
         context = mp.start_processes(
             _spawned,
-            args=(world_size, store.port, timeout_s, fn, args),
+            args=(world_size, store.port, timeout_s, dict(os.environ), fn, args),
             nprocs=world_size,
             join=False,
-            start_method="spawn",
+            start_method=start_method(),
         )
 
         def forward(signum, frame):  # SLURM / the user stops the launcher: workers checkpoint
