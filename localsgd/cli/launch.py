@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import datetime
 import multiprocessing
 import os
 import signal
 import sys
 import tempfile
+import threading
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -93,7 +92,7 @@ def _spawned(
     # Ctrl-C reaches the whole process group; the launcher alone decides what it means (a stop
     # at the next sync, then an abort), so a worker never dies of KeyboardInterrupt mid-step.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _die_with_parent()
+    _die_with_launcher()
     # A forkserver child inherits the environment the server started with, not the launcher's
     # of now (a test, or a second job in one process, may have changed it since).
     os.environ.clear()
@@ -116,19 +115,23 @@ def _spawned(
     os._exit(0)
 
 
-def _die_with_parent() -> None:
-    """Linux: SIGKILL this worker if the launcher dies, so no worker outlives a killed job.
+def _die_with_launcher() -> None:
+    """SIGKILL this worker as soon as the launcher is gone, however it went, so that no worker
+    outlives a killed job.
 
-    The parent process is the forkserver, which exits as soon as the launcher is gone (its end
-    of the launcher's pipe closes), so its death signal is the launcher's."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError):
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    # a launcher that died before the line above is no parent any more: nothing would kill us
-    # (is_alive reads the launcher's end of a pipe, so it is right for spawn and forkserver)
-    parent = multiprocessing.parent_process()
-    if parent is not None and not parent.is_alive():
-        os._exit(1)
+    A thread waits on the launcher's end of a pipe, which the kernel closes when the launcher
+    dies. The kernel's parent-death signal would not do: the parent is the forkserver, which
+    lives on while any worker holds its pipe.
+    """
+    launcher = multiprocessing.parent_process()
+    if launcher is None:
+        return
+
+    def watch() -> None:
+        launcher.join()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
 
 
 # After one worker fails, the others get SIGTERM and this long to exit, then SIGKILL (torch's
