@@ -3,11 +3,16 @@ no process outlived its job), the worker harness, and exact comparisons of runs.
 
 from __future__ import annotations
 
+import atexit
+import ctypes
 import json
+import multiprocessing
 import os
 import socket
 import subprocess
 import sys
+import tempfile
+import traceback
 import uuid
 from unittest import mock
 
@@ -17,6 +22,7 @@ import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 
 import localsgd.cli.train  # noqa: F401  (registers the config schema)
+from localsgd.cli.forkserver import start_method
 from localsgd.cli.launch import run_on_workers as run_distributed  # noqa: F401  (the harness)
 from localsgd.config import Config, typed
 from tests import faults
@@ -108,31 +114,107 @@ def run(
     return proc, survivors(tag)
 
 
-def cli(args: list[str], fault: str | None = None, timeout: float = 120, env=None, cwd=ROOT):
-    """`python -m localsgd.train ARGS`: (CompletedProcess, processes left behind)."""
-    return run([sys.executable, "-m", "localsgd.train", *args], fault, timeout, env, cwd)
+def cli(
+    args: list[str],
+    fault: str | None = None,
+    timeout: float = 120,
+    env=None,
+    cwd=ROOT,
+    fresh: bool = False,
+):
+    """`python -m localsgd.train ARGS`: (CompletedProcess, processes left behind).
+
+    The command runs as a process of its own, with that argv, environment (`env` as for `run`)
+    and working directory, its own exit code and output, and its workers under it, but forked
+    from this session's forkserver, which holds torch and the loop already: a fresh interpreter
+    spends ~5 s of CPU importing them for every job. `fresh=True` starts a real interpreter, for
+    what only one shows (`python -m` putting the current folder on the path); exit codes as a
+    shell sees them, Ctrl-C, a killed launcher and the installed script are tested that way too.
+    """
+    if fault:
+        args = [*args, faults.override(fault)]
+    if fresh:
+        return run([sys.executable, "-m", "localsgd.train", *args], None, timeout, env, cwd)
+    full_env, tag = tagged_env(env)
+    with tempfile.TemporaryDirectory() as tmp:
+        out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+        child = multiprocessing.get_context(start_method()).Process(
+            target=_train_command, args=(args, full_env, str(cwd), out, err, _comm(tag))
+        )
+        child.start()
+        child.join(timeout)
+        if child.exitcode is None:
+            child.kill()
+            child.join()
+            raise subprocess.TimeoutExpired(["localsgd.train", *args], timeout)
+        with open(out) as o, open(err) as e:
+            proc = subprocess.CompletedProcess(args, child.exitcode, o.read(), e.read())
+    return proc, survivors(tag)
 
 
-def run_cli(args: list[str], timeout: float = 120, env=None, cwd=ROOT):
+def _train_command(args, env, cwd, out, err, comm) -> None:
+    """What `python -m localsgd.train ARGS` does, in a child of the session's forkserver."""
+    _set_comm(comm)  # its descendants inherit the name: the tag they cannot have in /proc/environ
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[:0] = [cwd, *paths]  # as `python -m` with PYTHONPATH puts them first
+    for fd, path in ((1, out), (2, err)):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(target, fd)
+        os.close(target)
+    sys.argv = [os.path.join(ROOT, "localsgd", "train.py"), *args]
+    code = 1
+    try:
+        from localsgd.train import main
+
+        main()
+        code = 0
+    except SystemExit as stop:
+        if stop.code is None or isinstance(stop.code, int):
+            code = stop.code or 0
+        else:
+            print(stop.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        atexit._run_exitfuncs()  # what interpreter exit runs (it ends the workers' server)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def run_cli(args: list[str], timeout: float = 120, env=None, cwd=ROOT, fresh: bool = False):
     """`python -m localsgd.train ARGS` (a CompletedProcess), asserting that no process
     outlived it."""
-    proc, left = cli(args, timeout=timeout, env=env, cwd=cwd)
+    proc, left = cli(args, timeout=timeout, env=env, cwd=cwd, fresh=fresh)
     assert not left, f"processes left behind: {left}"
     return proc
 
 
+def _comm(tag: str) -> str:
+    return "t" + tag[:14]  # a process name holds 15 characters
+
+
+def _set_comm(name: str) -> None:
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(15, name.encode(), 0, 0, 0)  # PR_SET_NAME
+
+
 def survivors(tag: str) -> list[int]:
-    """PIDs of live processes started with this tag in their environment."""
+    """PIDs of live processes started with this tag in their environment, or, for a command
+    forked by `cli`, under its tagged process name."""
     found = []
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
         try:
             with open(f"/proc/{pid}/environ", "rb") as f:
-                if f"LOCALSGD_TEST_TAG={tag}".encode() in f.read():
-                    with open(f"/proc/{pid}/stat") as s:
-                        if s.read().split(") ")[-1][0] != "Z":
-                            found.append(int(pid))
+                tagged = f"LOCALSGD_TEST_TAG={tag}".encode() in f.read()
+            with open(f"/proc/{pid}/stat") as s:
+                name, state = s.read().split(" (", 1)[1].rsplit(") ", 1)
+            if (tagged or name == _comm(tag)) and state[0] != "Z":
+                found.append(int(pid))
         except OSError:
             continue
     return found

@@ -25,7 +25,8 @@ SHORT = [
 
 def run_from(cwd: str, args: list[str], env_extra: dict | None = None):
     """The CLI from `cwd` as a user runs it there: without the test runner's PYTHONPATH."""
-    return run_cli(args, timeout=150, env={"PYTHONPATH": None, **(env_extra or {})}, cwd=cwd)
+    env = {"PYTHONPATH": None, **(env_extra or {})}
+    return run_cli(args, timeout=150, env=env, cwd=cwd, fresh=True)  # `-m` puts cwd on the path
 
 
 @pytest.mark.slow

@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import multiprocessing.forkserver
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
+from unittest import mock
 
 import pytest
 
 from localsgd.cli import forkserver
 from localsgd.loop import checkpoint
+from tests import helpers
 from tests.helpers import BASE, ROOT, run_distributed, survivors, tagged_env
 
 pytestmark = pytest.mark.slow
@@ -100,3 +104,33 @@ def test_workers_that_touch_no_peer_still_die_with_a_sigkilled_launcher():
     while survivors(tag) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not survivors(tag)
+
+
+@pytest.mark.timeout(120)
+def test_the_harness_sees_every_process_of_a_command_it_forks(tmp_path):
+    """tests/helpers.py's `cli` forks commands from the session's forkserver, where /proc shows
+    no tagged environment: the tag is in the process name, or every test's check that no
+    process outlived its job would pass vacuously."""
+    tags = []
+
+    def tagging(extra=None):
+        env, tag = tagged_env(extra)
+        tags.append(tag)
+        return env, tag
+
+    job = [*BASE, "trainer.max_steps=100000", f"hydra.run.dir={tmp_path / 'run'}"]
+    with mock.patch.object(helpers, "tagged_env", tagging):
+        runner = threading.Thread(target=helpers.cli, args=(job,), kwargs={"timeout": 100})
+        runner.start()
+    running = []
+    try:
+        deadline = time.monotonic() + 60
+        while not checkpoint.newest_complete(str(tmp_path / "run"), 2):
+            assert runner.is_alive() and time.monotonic() < deadline
+            time.sleep(0.1)
+        running = survivors(tags[0])
+        assert len(running) >= 4  # the command, its workers' server, two workers
+    finally:
+        for pid in running:
+            os.kill(pid, signal.SIGKILL)
+        runner.join()
