@@ -45,11 +45,14 @@ def fork_from_here() -> None:
     """Start the server as a fork of this process, which has imported what workers need.
 
     It then imports the rest of PRELOAD while this process composes its config. Call it before
-    this process starts any thread or touches CUDA. Linux only (fork after importing torch is
+    this process touches CUDA; in a process with more than one thread it does nothing, and the
+    first spawn starts a fresh server instead. Linux only (fork after importing torch is
     not safe on macOS), and not under torchrun, whose workers are started by torchrun.
     """
     if under_torchrun() or not sys.platform.startswith("linux") or start_method() == "spawn":
         return
+    if len(os.listdir("/proc/self/task")) > 1:
+        return  # another thread may hold a lock the fork would copy held: a fresh one, then
     server = multiprocessing.forkserver._forkserver
     with server._lock:
         if server._forkserver_pid is not None:

@@ -18,7 +18,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from localsgd.cli.forkserver import start_method, under_torchrun  # noqa: F401  (re-exported)
+from localsgd.cli.forkserver import (  # noqa: F401  (under_torchrun re-exported)
+    fork_from_here,
+    start_method,
+    under_torchrun,
+)
 
 
 @dataclass(frozen=True)
@@ -149,6 +153,7 @@ def spawn(fn: Callable, world_size: int, timeout_s: float, args: tuple = ()) -> 
     The parent holds a TCPStore on a port the OS picks, so concurrent jobs never collide; if one
     worker fails, torch terminates the others and we raise WorkerFailed.
     """
+    fork_from_here()  # before the store's threads start (`python -m localsgd.train` did already)
     store = dist.TCPStore(
         "127.0.0.1",
         0,
