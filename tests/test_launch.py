@@ -30,6 +30,13 @@ def _sleep(info, store) -> None:
     time.sleep(100)  # no collective, no store: nothing but the launcher watch can end it
 
 
+def _all_gone(tag: str, within_s: float) -> bool:
+    deadline = time.monotonic() + within_s
+    while survivors(tag) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not survivors(tag)
+
+
 def _ppid(pid: int) -> int:
     with open(f"/proc/{pid}/stat") as f:
         return int(f.read().split(") ")[-1].split()[1])
@@ -76,10 +83,7 @@ def test_the_cli_forks_its_workers_server_and_a_sigkilled_launcher_takes_all_wit
     finally:
         launcher.kill()
         launcher.wait()
-    deadline = time.monotonic() + 10
-    while survivors(tag) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not survivors(tag)
+    assert _all_gone(tag, within_s=10)
 
 
 @pytest.mark.timeout(60)
@@ -97,10 +101,7 @@ def test_workers_that_touch_no_peer_still_die_with_a_sigkilled_launcher():
     finally:
         launcher.kill()
         launcher.wait()
-    deadline = time.monotonic() + 5
-    while survivors(tag) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not survivors(tag)
+    assert _all_gone(tag, within_s=5)
 
 
 @pytest.mark.timeout(120)

@@ -17,6 +17,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 from multiprocessing import connection, resource_tracker
 
 # Set by torchrun for each worker it starts itself: then there is nothing to fork.
@@ -72,6 +73,7 @@ def fork_from_here() -> None:
             code = 1
             try:
                 _die_with_parent()
+                server._lock = threading.Lock()  # the copy is held (by the parent's `with`)
                 os.close(alive_w)
                 multiprocessing.forkserver.main(listener.fileno(), alive_r, PRELOAD)
             except SystemExit:
