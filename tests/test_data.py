@@ -35,12 +35,30 @@ def test_mnist1d_shapes_and_standardised():
     assert abs(x.mean().item()) < 1e-4 and abs(x.std().item() - 1) < 1e-3
 
 
-def test_mnist1d_leaves_global_rng_alone():
+def test_mnist1d_leaves_global_rng_alone(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOCALSGD_DATA_DIR", str(tmp_path))  # generated here, not read back
     np.random.seed(123)
     expected = np.random.rand()
     np.random.seed(123)
     mnist1d(num_samples=100, seed=7)
     assert np.random.rand() == expected
+
+
+def test_mnist1d_is_generated_once_and_read_back_identically(tmp_path, monkeypatch):
+    import mnist1d.data as generator
+
+    monkeypatch.setenv("LOCALSGD_DATA_DIR", str(tmp_path))
+    first, other = mnist1d(num_samples=200, seed=3), mnist1d(num_samples=200, seed=4)
+    assert len(list((tmp_path / "mnist1d").glob("*.npz"))) == 2  # one file per argument set
+    assert not torch.equal(first.train.tensors[0], other.train.tensors[0])
+
+    def generate(args):
+        raise AssertionError("generated again although the arrays were kept")
+
+    monkeypatch.setattr(generator, "make_dataset", generate)
+    again = mnist1d(num_samples=200, seed=3)
+    for a, b in zip((first.train, first.test), (again.train, again.test), strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a.tensors, b.tensors, strict=True))
 
 
 def test_digits_shapes_and_stratified():

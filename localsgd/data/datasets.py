@@ -9,8 +9,11 @@ exchange data, so each must rebuild exactly the same sets on its own.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
+import tempfile
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,27 +77,61 @@ def _tensors(train_x, train_y, test_x, test_y, num_classes: int, **kw) -> DataSp
 
 def mnist1d(num_samples: int = 10000, seed: int = 0) -> DataSplits:
     """MNIST-1D (Greydanus 2020), generated offline: 40-sample 1-D signals, 10 classes."""
-    from mnist1d.data import get_dataset_args, make_dataset
-
     if num_samples < 10:
         raise ConfigError(f"data.num_samples must be an integer >= 10, got {num_samples}")
-    args = get_dataset_args(as_dict=False)
-    args.num_samples = int(num_samples)
-    args.seed = seed % 2**32  # numpy's legacy seeding takes only 32 bits
-    # make_dataset reseeds the global `random` and `np.random`; restore them so loading data does
-    # not silently change what the rest of the run draws from those generators.
-    py_state, np_state = random.getstate(), np.random.get_state()
-    try:
-        raw = make_dataset(args)
-    finally:
-        random.setstate(py_state)
-        np.random.set_state(np_state)
+    seed = seed % 2**32  # numpy's legacy seeding takes only 32 bits
+    cache = _mnist1d_cache_file(int(num_samples), seed)
+    raw = _read_arrays(cache)
+    if raw is None:
+        from mnist1d.data import get_dataset_args, make_dataset
+
+        args = get_dataset_args(as_dict=False)
+        args.num_samples, args.seed = int(num_samples), seed
+        # make_dataset reseeds the global `random` and `np.random`; restore them so loading data
+        # does not silently change what the rest of the run draws from those generators.
+        py_state, np_state = random.getstate(), np.random.get_state()
+        try:
+            made = make_dataset(args)
+        finally:
+            random.setstate(py_state)
+            np.random.set_state(np_state)
+        raw = {k: np.asarray(made[k]) for k in ("x", "y", "x_test", "y_test")}
+        _write_arrays(cache, raw)
     train_x = torch.as_tensor(raw["x"], dtype=torch.float32)
     test_x = torch.as_tensor(raw["x_test"], dtype=torch.float32)
     # One scalar mean/std keeps each signal's shape; per-position scaling would distort it.
     _standardise(train_x, test_x, dims=(0, 1))
     train_y = torch.as_tensor(raw["y"], dtype=torch.int64)
     return _tensors(train_x, train_y, test_x, torch.as_tensor(raw["y_test"]), 10)
+
+
+def _mnist1d_cache_file(num_samples: int, seed: int) -> Path:
+    """Generating MNIST-1D costs ~9 s of CPU in every process that builds it (the launcher and
+    each worker), so the arrays are kept under data_dir(). The package version names the
+    generator's other arguments, which are its defaults."""
+    from importlib.metadata import version
+
+    from localsgd.data.prepare import data_dir
+
+    name = f"mnist1d-{version('mnist1d')}-n{num_samples}-seed{seed}.npz"
+    return data_dir() / "mnist1d" / name
+
+
+def _read_arrays(file: Path) -> dict | None:
+    try:
+        with np.load(file) as arrays:
+            return {k: arrays[k] for k in arrays.files}
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile):
+        return None  # absent, or unreadable: generate again
+
+
+def _write_arrays(file: Path, arrays: dict) -> None:
+    """Atomically (workers may write the same file at once); an unwritable cache only costs time."""
+    with contextlib.suppress(OSError):
+        file.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=file.parent, suffix=".npz", delete=False) as tmp:
+            np.savez(tmp, **arrays)
+        os.replace(tmp.name, file)
 
 
 def digits(test_fraction: float = 0.2, seed: int = 0) -> DataSplits:
