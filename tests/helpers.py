@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 import uuid
 from unittest import mock
@@ -149,7 +150,19 @@ def cli(
             raise subprocess.TimeoutExpired(["localsgd.train", *args], timeout)
         with open(out) as o, open(err) as e:
             proc = subprocess.CompletedProcess(args, child.exitcode, o.read(), e.read())
-    return proc, survivors(tag)
+    return proc, _lingering(tag)
+
+
+# subprocess.run with captured output returns once every holder of the pipes is gone, wandb's
+# service shutting down included; a forked command's descendants get this long to do the same.
+_EXIT_GRACE_S = 10.0
+
+
+def _lingering(tag: str) -> list[int]:
+    deadline = time.monotonic() + _EXIT_GRACE_S
+    while (left := survivors(tag)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
 
 
 def _train_command(args, env, cwd, out, err, comm) -> None:
