@@ -148,7 +148,8 @@ class WorkerFailed(RuntimeError):
 
 
 def spawn(fn: Callable, world_size: int, timeout_s: float, args: tuple = ()) -> None:
-    """Run `fn(info, store, *args)` in `world_size` fresh processes on this machine.
+    """Run `fn(info, store, *args)` in `world_size` processes on this machine, forked from a
+    server that holds the imports (`localsgd.cli.forkserver`).
 
     The parent holds a TCPStore on a port the OS picks, so concurrent jobs never collide; if one
     worker fails, torch terminates the others and we raise WorkerFailed.
@@ -233,7 +234,7 @@ def _run_and_save(info: WorkerInfo, store, fn, args, out_dir: str, backend: str,
 def run_on_workers(
     fn: Callable, world_size: int, *args: Any, timeout_s: float = 60.0, backend: str = "gloo"
 ) -> list:
-    """`fn(rank, world_size, *args)` in `world_size` fresh processes joined in a process group;
+    """`fn(rank, world_size, *args)` in `world_size` worker processes joined in a process group;
     returns what each rank returned (picklable), in rank order. The harness the tests and the
     benchmarks share; `fn` must be importable (a module-level function)."""
     with tempfile.TemporaryDirectory() as out_dir:
