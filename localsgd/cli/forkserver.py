@@ -27,6 +27,8 @@ TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT
 PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "localsgd.loop.trainer"]
 
 _stop_registered = False
+# The private fields of multiprocessing.forkserver.ForkServer (as of CPython 3.11) used here.
+_SERVER_FIELDS = ("_lock", "_forkserver_pid", "_forkserver_address", "_forkserver_alive_fd")
 
 
 def under_torchrun() -> bool:
@@ -55,6 +57,8 @@ def fork_from_here() -> None:
     if len(os.listdir("/proc/self/task")) > 1:
         return  # another thread may hold a lock the fork would copy held: a fresh one, then
     server = multiprocessing.forkserver._forkserver
+    if not all(hasattr(server, a) for a in _SERVER_FIELDS):
+        return  # another CPython's internals: its own server then (a fresh interpreter)
     with server._lock:
         if server._forkserver_pid is not None:
             return
@@ -104,7 +108,7 @@ def stop() -> None:
     """End the server with the process that started it, even mid-import (a refused input exits
     within a second), so that no process outlives the job."""
     server = multiprocessing.forkserver._forkserver
-    pid = server._forkserver_pid
+    pid = getattr(server, "_forkserver_pid", None)
     if pid is None:
         return
     with contextlib.suppress(ProcessLookupError):
