@@ -160,4 +160,3 @@ def test_torchrun_forwards_sigterm_and_the_workers_checkpoint_at_an_agreed_step(
     folder = checkpoint.step_dir(str(run_dir), int(stopped[1]))
     checkpoint.verify(folder, world_size=2)
     assert not (run_dir / "summary.json").exists() and not left
-

@@ -1,9 +1,10 @@
 """The process local workers are forked from, so that a worker starts in milliseconds instead of
 spending seconds of CPU importing torch and the training loop again.
 
-`python -m localsgd.train` forks it from itself once its imports are done (Linux), so the server
-holds them without importing anything twice; elsewhere (the test harness, a submitit job, macOS)
-multiprocessing starts it as a fresh interpreter that imports PRELOAD once for all workers.
+`python -m localsgd.train`, and any other single-threaded caller of `spawn` (Linux), forks it
+from itself once its imports are done, so the server holds them without importing anything twice;
+elsewhere (a process with more threads, such as a pytest-xdist worker, or macOS) multiprocessing
+starts it as a fresh interpreter that imports PRELOAD once for all workers.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from multiprocessing import connection, resource_tracker
 # Set by torchrun for each worker it starts itself: then there is nothing to fork.
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
-# torch._dynamo is imported lazily by an optimizer's first step: ~2 s of CPU per worker if not here.
+# Every optimizer's constructor imports torch._dynamo (add_param_group is wrapped by
+# torch._disable_dynamo): ~2 s of CPU per worker if it were not here.
 PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "localsgd.loop.trainer"]
 
 _stop_registered = False
