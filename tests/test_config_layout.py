@@ -23,8 +23,8 @@ from localsgd.config import (
     TrainerConfig,
     WarmupCosineConfig,
 )
-from localsgd.loop.loggers import strategy_name
 from localsgd.loop.optim import build_optimizer, build_schedule
+from localsgd.loop.strategies import strategy_name
 from tests.helpers import CONF, FAST, compose_config, run_cli
 
 # What every experiment that existed before the groups did (its old file, key by key): the

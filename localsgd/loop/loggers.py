@@ -12,8 +12,9 @@ import os
 import uuid
 from typing import Any, Protocol
 
-from localsgd.config import Config, SyncConfig, plain
+from localsgd.config import Config, plain
 from localsgd.loop.metrics import MetricsWriter
+from localsgd.loop.strategies import strategy_name
 
 # x axes a wandb chart may use instead of the step: samples seen and bytes communicated
 STEP_AXES = ("samples", "comm_bytes", "comm_rounds")
@@ -60,22 +61,6 @@ def wandb_run_id(run_dir: str) -> str:
     with open(path, "w", encoding="utf-8") as f:
         f.write(run_id + "\n")
     return run_id
-
-
-def strategy_name(sync: SyncConfig) -> str:
-    """What wandb's `job_type` says: the averaging strategy the `sync` config runs, named as its
-    conf/sync/ preset (read from what the config does, so `sync.outer=diloco` on the command
-    line is labelled diloco too). The most specific feature wins: levels, an outer optimizer, an
-    adaptive period, a synchronous warmup, then k=1 or plain local SGD."""
-    if sync.levels:
-        return "hierarchical"
-    if sync.outer != "none":
-        return sync.outer
-    if sync.schedule == "adaptive":
-        return "adaptive"
-    if sync.warmup_steps > 0:
-        return "post_local_sgd"
-    return "sync_sgd" if sync.period == 1 else "local_sgd"
 
 
 class JsonlLogger:

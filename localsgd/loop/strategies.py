@@ -8,6 +8,7 @@ combinations; the averagers check their own arguments again.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,29 +34,54 @@ def _or(value: Any, default: Any) -> Any:
     return default if value is None else value
 
 
-def resolve_group_size(value: Any, world_size: int, local_world_size: int) -> int:
+# A level's `group_size` may name one of these instead of an integer.
+GROUP_SIZE_WORDS = ("node", "world")
+
+
+def resolve_group_size(value: Any, world_size: int, local_world_size: int | None) -> int:
     """A level's `group_size`: an integer, `world` (every rank) or `node` (torchrun's
-    LOCAL_WORLD_SIZE: the processes on one machine)."""
+    LOCAL_WORLD_SIZE: the processes on one machine; without it, every rank)."""
     if value == "world":
         return world_size
     if value == "node":
-        return local_world_size
+        return world_size if local_world_size is None else local_world_size
     return int(value)
 
 
+SCHEDULES: dict[str, Callable[[SyncConfig], ConstantPeriod]] = {
+    "constant": lambda sync: ConstantPeriod(sync.period),
+    "step": lambda sync: StepPeriod(sync.period, sync.period_factor, list(sync.period_milestones)),
+    "adaptive": lambda sync: AdaptivePeriod(
+        sync.period,
+        min_period=sync.min_period,
+        max_period=sync.max_period,
+        factor=sync.period_factor,
+        tolerance=sync.adaptive_tolerance,
+    ),
+}
+
+# `sync.outer`: none, or an outer optimizer with the papers' defaults
+OUTERS = ("none", *OUTER_DEFAULTS)
+
+
 def build_schedule(sync: SyncConfig) -> ConstantPeriod:
-    name = sync.schedule
-    if name == "step":
-        return StepPeriod(sync.period, sync.period_factor, list(sync.period_milestones))
-    if name == "adaptive":
-        return AdaptivePeriod(
-            sync.period,
-            min_period=sync.min_period,
-            max_period=sync.max_period,
-            factor=sync.period_factor,
-            tolerance=sync.adaptive_tolerance,
-        )
-    return ConstantPeriod(sync.period)
+    return SCHEDULES[sync.schedule](sync)
+
+
+def strategy_name(sync: SyncConfig) -> str:
+    """The averaging strategy the `sync` config runs, named as its conf/sync/ preset (read from
+    what the config does, so `sync.outer=diloco` on the command line is labelled diloco too;
+    wandb's `job_type`). The most specific feature wins: levels, an outer optimizer, an adaptive
+    period, a synchronous warmup, then k=1 or plain local SGD."""
+    if sync.levels:
+        return "hierarchical"
+    if sync.outer != "none":
+        return sync.outer
+    if sync.schedule == "adaptive":
+        return "adaptive"
+    if sync.warmup_steps > 0:
+        return "post_local_sgd"
+    return "sync_sgd" if sync.period == 1 else "local_sgd"
 
 
 def build_averager(
