@@ -17,6 +17,7 @@ def _drift_worker(rank, world_size):
     model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
     averager = PeriodicAverager(1, module=model)
     meter = DriftMeter(averager.flat.buffers)
+    averager.global_hooks.append(meter)  # as the trainer's synchroniser attaches it
     scratch_ptrs = [s.data_ptr() for s in meter.scratch]
     # Replica r = the shared start + r * 1.5 * e (a unit vector): distances to the average differ
     # per rank, so the mean distance and the root-mean-square distance disagree.
@@ -27,9 +28,7 @@ def _drift_worker(rank, world_size):
     for _ in range(2):
         with torch.no_grad():
             flat.add_(direction * 1.5 * rank)
-        meter.before()
         averager.maybe_average()
-        meter.after()
         drifts.append(meter.take())
     return {
         "drifts": drifts,

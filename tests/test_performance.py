@@ -24,9 +24,9 @@ from localsgd.averaging import (
     SimulatedLink,
 )
 from localsgd.cli.checks import validate
-from localsgd.cli.launch import WorkerInfo
 from localsgd.config import ConfigError
 from localsgd.loop.trainer import Trainer
+from localsgd.loop.worker import WorkerInfo
 from tests.helpers import ROOT, CollectiveCounter, compose_config, run_distributed
 
 

@@ -23,8 +23,8 @@ from localsgd.averaging import (
     PeriodicAverager,
     StepPeriod,
 )
-from localsgd.cli.launch import WorkerInfo
 from localsgd.loop.trainer import Trainer
+from localsgd.loop.worker import WorkerInfo
 from tests.helpers import SMALL, CollectiveCounter, compose_config, run_distributed
 
 pytestmark = pytest.mark.slow
@@ -262,9 +262,9 @@ def _diloco_adamw_worker(rank, world_size, cfg):
         )
         out = []
         for step in range(cfg.trainer.max_steps):
-            before = trainer.averager.flat.buffers[0].clone()
+            before = trainer.sync.averager.flat.buffers[0].clone()
             trainer.train_step(step)
-            params = torch.cat([b.reshape(-1) for b in trainer.averager.flat.buffers])
+            params = torch.cat([b.reshape(-1) for b in trainer.sync.averager.flat.buffers])
             adam = torch.cat(
                 [v.reshape(-1) for st in trainer.optimizer.state.values()
                  for k, v in st.items() if k in ("exp_avg", "exp_avg_sq")]
@@ -274,7 +274,7 @@ def _diloco_adamw_worker(rank, world_size, cfg):
                     "synced": trainer.in_sync,
                     "params_same": all(torch.equal(params, g) for g in _gather(params)),
                     "adam_same": all(torch.equal(adam, g) for g in _gather(adam)),
-                    "moved": not torch.equal(before, trainer.averager.flat.buffers[0]),
+                    "moved": not torch.equal(before, trainer.sync.averager.flat.buffers[0]),
                 }
             )
         return out
@@ -315,14 +315,14 @@ def _trainer_worker(rank, world_size, configs):
                     trainer.train_step(step)
                 per_step.append(counter.count)
                 in_sync.append(trainer.in_sync)
-                flat = torch.cat([b.reshape(-1) for b in trainer.averager.flat.buffers])
+                flat = torch.cat([b.reshape(-1) for b in trainer.sync.averager.flat.buffers])
                 same_all.append(all(torch.equal(flat, g) for g in _gather(flat)))
             out.append(
                 {
                     "per_step": per_step,
                     "in_sync": in_sync,
                     "same_all": same_all,
-                    "levels": trainer.averager.comm_levels(),
+                    "levels": trainer.sync.averager.comm_levels(),
                     "rounds": trainer.comm.rounds,
                 }
             )

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from localsgd.cli.launch import WorkerInfo
 from localsgd.loop.trainer import Trainer
+from localsgd.loop.worker import WorkerInfo
 from tests.helpers import SMALL, CollectiveCounter, compose_config, run_distributed
 
 pytestmark = pytest.mark.slow
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 
 def _replicas_identical(trainer: Trainer) -> bool:
     """Checksum-free exact check: every rank's full flat buffer gathered and compared bytewise."""
-    flat = torch.cat([b.reshape(-1) for b in trainer.averager.flat.buffers])
+    flat = torch.cat([b.reshape(-1) for b in trainer.sync.averager.flat.buffers])
     gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, flat)
     return all(torch.equal(gathered[0], g) for g in gathered[1:])
@@ -41,7 +41,7 @@ def _schedule_worker(rank, world_size, cfg):
             "identical": identical,
             "rounds": trainer.comm.rounds,
             "bytes": trainer.comm.bytes,
-            "numel": trainer.averager.flat.numel,
+            "numel": trainer.sync.averager.flat.numel,
         }
 
 

@@ -102,8 +102,8 @@ def job_config(root: str, variant: str, p: dict):
 
 
 def _worker(rank: int, world_size: int, configs: dict, reps: int) -> dict:
-    from localsgd.cli.launch import WorkerInfo
     from localsgd.loop.trainer import Trainer
+    from localsgd.loop.worker import WorkerInfo
 
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
     for rep in range(reps):

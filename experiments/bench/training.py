@@ -28,10 +28,10 @@ from experiments.bench.common import (
     run_world,
     status_kib,
 )
-from localsgd.cli.launch import WorkerInfo
 from localsgd.config import typed
 from localsgd.data import ShardSampler, input_shape_of, labels_of, load_data, shard_indices
 from localsgd.loop.trainer import Trainer
+from localsgd.loop.worker import WorkerInfo
 from localsgd.models import build_model
 
 PERIODS = (1, 4, 16, 64)

@@ -16,7 +16,7 @@ from localsgd.averaging.outer import OUTER_DEFAULTS, OuterAverager, OuterStep
 from localsgd.averaging.overlap import DelayedMean
 from localsgd.averaging.periodic import PeriodicAverager
 from localsgd.averaging.reduce import PlainMean, Reducer
-from localsgd.averaging.schedule import AdaptivePeriod, ConstantPeriod, StepPeriod
+from localsgd.averaging.schedule import AdaptivePeriod, ConstantPeriod, NeverAverage, StepPeriod
 
 __all__ = [
     "COMM_DTYPES",
@@ -32,6 +32,7 @@ __all__ = [
     "GradientAverager",
     "HierarchicalAverager",
     "LowPrecisionMean",
+    "NeverAverage",
     "OptimizerStateSync",
     "OuterAverager",
     "OuterStep",

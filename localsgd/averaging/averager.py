@@ -17,6 +17,7 @@ averages whatever the parameters are now, so must we).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -29,6 +30,15 @@ from localsgd.averaging.reduce import Reducer
 # Called after every average with the level's communicator: e.g. averaging optimizer state.
 AverageHook = Callable[[Communicator], None]
 ReducerFactory = Callable[[FlatBuffers], Reducer]
+
+
+class GlobalSyncHook(Protocol):
+    """Called around every scheduled average that brings all ranks together (the widest level,
+    or the merge of a delayed average) with the flat buffers: e.g. measuring replica drift."""
+
+    def before(self, buffers: list[torch.Tensor]) -> None: ...
+
+    def after(self, buffers: list[torch.Tensor]) -> None: ...
 
 
 def parameters_of(params: Iterable) -> list[torch.Tensor]:
@@ -58,8 +68,11 @@ class Averager(ModelAverager):
         *,
         module: torch.nn.Module | None,
         reducer: ReducerFactory | None,
+        warmup_steps: int = 0,
+        init_sync: bool | None = None,
     ):
         super().__init__(process_group)  # `self.step = 0`, as torch's
+        self.warmup_steps = warmup_steps
         self.levels = levels  # levels[-1] spans the whole process group
         self.comm = levels[-1]
         self.stats = self.comm.stats  # shared by every level (and the warmup, in the trainer)
@@ -67,10 +80,12 @@ class Averager(ModelAverager):
         self.world_size = self.comm.size
         self.module = module
         self.make_reducer = reducer if reducer is not None else (lambda flat: Reducer())
+        self.init_sync = init_sync
         self.flat: FlatBuffers | None = None
         self.reducer: Reducer = Reducer()
         self.param_count = 0  # the first `param_count` tensors are the parameters
         self.hooks: list[AverageHook] = []
+        self.global_hooks: list[GlobalSyncHook] = []
         self.all_in_sync = True  # every rank holds the same tensors (right after a full average)
         self.merged = False  # this step applied a delayed average (overlap only)
         if module is not None:
@@ -82,9 +97,10 @@ class Averager(ModelAverager):
         """Index of the level that averages after step `step`, or None."""
         raise NotImplementedError
 
-    def next_sync(self, step: int) -> int:
+    def next_sync(self, step: int) -> int | None:
         """The first step >= `step` after which every rank takes part in an average (with a
-        delayed reducer: the step that merges it, where the ranks wait for each other)."""
+        delayed reducer: the step that merges it, where the ranks wait for each other); None
+        when the schedule never averages."""
         raise NotImplementedError
 
     def period_of(self, level: int) -> int:
@@ -107,6 +123,10 @@ class Averager(ModelAverager):
         device = tensors[0].device if tensors else torch.device("cpu")
         self.flat = FlatBuffers(tensors + self.extra_tensors(device))
         self.reducer = self.make_reducer(self.flat)
+        # An anchor (DiLoCo, SlowMo, compressed changes) taken from differing replicas would keep
+        # them apart for good, so those start from rank 0's tensors, as DDP does when built.
+        if self.reducer.anchored if self.init_sync is None else self.init_sync:
+            self.broadcast_(src=0)
 
     def _bound(self) -> FlatBuffers:
         if self.flat is None:
@@ -165,8 +185,10 @@ class Averager(ModelAverager):
         self.merged = False
         if self.reducer.pending:
             self.ensure_bound()
+            self._global_hooks("before")  # a merge brings every rank onto the average
             self.reducer.finish_(flat.buffers)
             self._run_hooks(self.comm)
+            self._global_hooks("after")
             self.merged = True
         level = self.level_at(self.step)
         if level is not None:
@@ -190,17 +212,26 @@ class Averager(ModelAverager):
         self.ensure_bound()
         buffers = self.flat.buffers
         comm = self.levels[level]
+        observed = scheduled and not delayed and comm is self.comm
         before = self.stats.bytes
         self._before_reduce()
+        if observed:
+            self._global_hooks("before")
         if delayed:
             self.reducer.launch_(buffers, comm)
         else:
             self.reducer.reduce_(buffers, comm, level, self.step)
             self._run_hooks(comm)
+        if observed:
+            self._global_hooks("after")
         self.stats.rounds += 1
         self.level_stats[level].rounds += 1
         self.level_stats[level].bytes += self.stats.bytes - before
         self._after_reduce(scheduled)
+
+    def _global_hooks(self, when: str) -> None:
+        for hook in self.global_hooks:
+            getattr(hook, when)(self.flat.buffers)
 
     def _run_hooks(self, comm: Communicator) -> None:
         for hook in self.hooks:
@@ -213,6 +244,11 @@ class Averager(ModelAverager):
             return self.reducer.pending
         level = self.level_at(step)
         return level is not None and self.levels[level] is self.comm
+
+    @property
+    def ever_averages(self) -> bool:
+        """False for a schedule that never averages (the no-communication baseline)."""
+        return True
 
     @property
     def in_warmup(self) -> bool:
@@ -250,7 +286,6 @@ class Averager(ModelAverager):
     def state_dict(self) -> dict:
         return {
             "step": self.step,
-            "warmup_steps": self.warmup_steps,
             "levels": [s.state_dict() for s in self.level_stats],
             "reducer": self.reducer.state_dict(),
         }

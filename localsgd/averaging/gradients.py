@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 from localsgd.averaging.comm import CommStats, Communicator, SimulatedLink
+from localsgd.averaging.flat import averaged_tensors
 
 
 class GradientAverager:
@@ -15,6 +16,10 @@ class GradientAverager:
     so autograd accumulates straight into it. If something replaced a gradient (e.g.
     `zero_grad(set_to_none=True)`), it is copied back in before the reduction; a parameter that got
     no gradient contributes zeros, the same on every rank, so replicas stay identical.
+
+    Averaged gradients keep replicas together only if they start together: with `init_sync`
+    (the default) every rank gets rank 0's parameters and floating-point buffers when this is
+    built, as DDP does (setup, not counted as training communication).
     """
 
     def __init__(
@@ -23,9 +28,13 @@ class GradientAverager:
         process_group: dist.ProcessGroup | None = None,
         stats: CommStats | None = None,
         link: SimulatedLink | None = None,
+        init_sync: bool = True,
     ):
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.comm = Communicator(process_group, stats, link)
+        if init_sync:
+            for tensor in averaged_tensors(module):
+                self.comm.broadcast_(tensor.data, src=0)
         self.stats = self.comm.stats
         groups: dict[tuple[torch.device, torch.dtype], list[torch.nn.Parameter]] = {}
         for p in self.params:

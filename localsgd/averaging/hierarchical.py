@@ -40,7 +40,7 @@ class HierarchicalAverager(Averager):
     At step `s` (the integer `step`, from 0), when `s >= warmup_steps`, the last-listed level
     whose period divides `s` averages within its groups (note: `s`, not `s - warmup_steps`, as in
     torch). `period_process_group_dict` maps each period to this rank's group at that level, as
-    torch's does. `module=`, `comm_dtype` and `link` as in `PeriodicAverager`.
+    torch's does. `module=`, `comm_dtype`, `link` and `init_sync` as in `PeriodicAverager`.
 
     Every rank of the default group must construct it, in the same order relative to other
     group creations (the subgroups are made with `dist.new_subgroups_by_enumeration`).
@@ -56,6 +56,7 @@ class HierarchicalAverager(Averager):
         stats: CommStats | None = None,
         comm_dtype: str | torch.dtype = torch.float32,
         link: SimulatedLink | None = None,
+        init_sync: bool | None = None,
     ):
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
@@ -72,7 +73,6 @@ class HierarchicalAverager(Averager):
             (period, comm.group if comm.group is not None else dist.group.WORLD)
             for period, comm in zip(self.periods, levels, strict=True)
         )
-        self.warmup_steps = warmup_steps
         self.comm_dtype = comm_dtype_of(comm_dtype)
         reducer = None
         if self.comm_dtype != torch.float32:
@@ -84,7 +84,14 @@ class HierarchicalAverager(Averager):
             def reducer(flat: FlatBuffers) -> LowPrecisionMean:
                 return LowPrecisionMean(flat.buffers, dtype, levels=n)
 
-        super().__init__(levels, process_group, module=module, reducer=reducer)
+        super().__init__(
+            levels,
+            process_group,
+            module=module,
+            reducer=reducer,
+            warmup_steps=warmup_steps,
+            init_sync=init_sync,
+        )
 
     def period_of(self, level: int) -> int:
         return self.periods[level]

@@ -31,6 +31,11 @@ class PeriodicAverager(Averager):
     float16) communicates in low precision (`localsgd.averaging.compress`). `overlap=True`
     launches each average asynchronously in `bucket_mb` buckets and applies it one step later
     (`localsgd.averaging.overlap`). `link` simulates a slow network for every collective.
+
+    `init_sync=True` gives every rank rank 0's tensors when they are bound, as DDP does when
+    built; None (the default) does so only where replicas that start apart would never meet: a
+    reducer that keeps an anchor (low-precision changes, an outer optimizer). torch's averager
+    does not, and a plain average brings differing replicas together at its first sync anyway.
     """
 
     def __init__(
@@ -47,6 +52,7 @@ class PeriodicAverager(Averager):
         overlap: bool = False,
         bucket_mb: float = 25.0,
         reducer: ReducerFactory | None = None,
+        init_sync: bool | None = None,
     ):
         if period < 1:
             raise ValueError(f"period must be an integer >= 1, got {period!r}")
@@ -67,11 +73,17 @@ class PeriodicAverager(Averager):
             def reducer(flat: FlatBuffers) -> LowPrecisionMean:
                 return LowPrecisionMean(flat.buffers, dtype)
 
-        self.warmup_steps = warmup_steps
         self.comm_dtype = dtype
         self.last_average = warmup_steps - self.schedule.period_at(warmup_steps)
         comm = Communicator(process_group, stats, link)
-        super().__init__([comm], process_group, module=module, reducer=reducer)
+        super().__init__(
+            [comm],
+            process_group,
+            module=module,
+            reducer=reducer,
+            warmup_steps=warmup_steps,
+            init_sync=init_sync,
+        )
 
     @property
     def period(self) -> int:
@@ -80,11 +92,15 @@ class PeriodicAverager(Averager):
     def period_of(self, level: int) -> int:
         return self.period
 
+    @property
+    def ever_averages(self) -> bool:
+        return self.schedule.averages
+
     def extra_tensors(self, device: torch.device) -> list[torch.Tensor]:
         return self.schedule.loss_slots(device)
 
     def level_at(self, step: int) -> int | None:
-        if step < self.warmup_steps:
+        if step < self.warmup_steps or not self.schedule.averages:
             return None
         if self.schedule.varies:
             due = step - self.last_average >= self.schedule.period_at(step)
@@ -92,9 +108,11 @@ class PeriodicAverager(Averager):
             due = (step - self.warmup_steps) % self.schedule.period == 0
         return 0 if due else None
 
-    def next_sync(self, step: int) -> int:
+    def next_sync(self, step: int) -> int | None:
         if self.reducer.pending and step == self.step:
             return step  # this step waits for the average in flight
+        if not self.schedule.averages:
+            return None
         s = max(step, self.warmup_steps)
         while self.level_at(s) is None:
             s += 1

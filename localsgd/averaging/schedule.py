@@ -18,6 +18,7 @@ class ConstantPeriod:
 
     needs_loss = False  # reads the training loss, through a slot in the averaged buffer
     varies = False  # the period can change during the run
+    averages = True  # False: never averages (the no-communication baseline)
 
     def __init__(self, period: int):
         if period < 1:
@@ -48,6 +49,16 @@ class ConstantPeriod:
 
     def load_state_dict(self, state: dict) -> None:
         self.period = int(state["period"])
+
+
+class NeverAverage(ConstantPeriod):
+    """No average at all, not even a final one: the workers train independently (a baseline for
+    what communication buys; `comm.disabled` in the trainer)."""
+
+    averages = False
+
+    def __init__(self):
+        super().__init__(1)
 
 
 class StepPeriod(ConstantPeriod):

@@ -11,7 +11,6 @@ import tempfile
 import threading
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,24 +22,11 @@ from localsgd.cli.forkserver import (  # noqa: F401  (under_torchrun re-exported
     start_method,
     under_torchrun,
 )
-
-
-@dataclass(frozen=True)
-class WorkerInfo:
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
+from localsgd.loop.worker import WorkerInfo  # noqa: F401  (re-exported for the CLI)
 
 
 def torchrun_info() -> WorkerInfo:
-    world = int(os.environ["WORLD_SIZE"])
-    return WorkerInfo(
-        int(os.environ["RANK"]),
-        world,
-        int(os.environ["LOCAL_RANK"]),
-        int(os.environ.get("LOCAL_WORLD_SIZE", world)),
-    )
+    return WorkerInfo.from_torchrun()
 
 
 def pick_device(requested: str, local_rank: int) -> torch.device:
@@ -67,8 +53,7 @@ def init_process_group(
         store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
         # torchrun's store outlives a restart, and gloo would read the dead workers' addresses
         # left in it (connectFullMesh times out): each attempt gets keys of its own.
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        store = dist.PrefixStore(f"localsgd/attempt-{attempt}", store)
+        store = dist.PrefixStore(f"localsgd/attempt-{info.attempt}", store)
     dist.init_process_group(
         backend, store=store, rank=info.rank, world_size=info.world_size, timeout=timeout
     )

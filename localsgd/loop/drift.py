@@ -11,7 +11,8 @@ import torch.distributed as dist
 
 
 class DriftMeter:
-    """Measures drift around each average with one extra scalar all-reduce, nothing in between.
+    """Measures drift around each average with one extra scalar all-reduce, nothing in between:
+    an averager's global-sync hook (`Averager.global_hooks`), given the flat buffers.
 
     The flat buffers are averaged in place, so x_i is gone once the average is done: `before()`
     copies it into a scratch buffer allocated once here (one model-sized copy, never reallocated);
@@ -21,7 +22,6 @@ class DriftMeter:
     """
 
     def __init__(self, buffers: list[torch.Tensor], group: dist.ProcessGroup | None = None):
-        self.buffers = buffers
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.scratch = [torch.empty_like(b) for b in buffers]
@@ -32,13 +32,15 @@ class DriftMeter:
         self.total = torch.zeros((), dtype=torch.float64, device=device)
         self.count = 0
 
-    def before(self) -> None:
-        for scratch, flat in zip(self.scratch, self.buffers, strict=True):
+    def before(self, buffers: list[torch.Tensor]) -> None:
+        if [b.shape for b in buffers] != [s.shape for s in self.scratch]:  # rebuilt buffers
+            self.scratch = [torch.empty_like(b) for b in buffers]
+        for scratch, flat in zip(self.scratch, buffers, strict=True):
             scratch.copy_(flat)
 
-    def after(self) -> None:
+    def after(self, buffers: list[torch.Tensor]) -> None:
         squared = self.norm.zero_()
-        for scratch, flat in zip(self.scratch, self.buffers, strict=True):
+        for scratch, flat in zip(self.scratch, buffers, strict=True):
             scratch.sub_(flat)
             # fp32 norm (torch reduces it blockwise, and its terms are all positive, so it does not
             # cancel); a dtype=float64 norm would first cast a model-sized copy

@@ -1,9 +1,18 @@
-"""The trainer's synchroniser, built from the `sync` config in one place.
+"""The synchronisation strategy, built from the `sync` and `comm` configs in one place.
+
+`Synchroniser` is all the trainer knows of it: the synchronous warmup's gradient averaging, the
+model averager, the no-communication baseline (a schedule that never averages), drift measured
+around the averages that bring every replica together, and what the summary reports.
 
 `sync.levels` gives a `HierarchicalAverager`; `sync.outer` (diloco | slowmo) an `OuterAverager`;
 otherwise a `PeriodicAverager`, each with the period schedule, the communication precision and
-the optimizer-state policy the config names. `localsgd.config.validate` has already refused bad
-combinations; the averagers check their own arguments again.
+the optimizer-state policy the config names. `localsgd.cli.checks.validate` has already refused
+bad combinations, reading the tables of allowed values defined here and in the averaging core;
+the averagers check their own arguments again.
+
+A new strategy touches `localsgd/averaging/` (its averager or reducer), `build_averager` here, the
+`SyncConfig` schema with its checks (`localsgd/config.py`, `localsgd/cli/checks.py`) and a
+`conf/sync/` preset; nothing in the trainer.
 """
 
 from __future__ import annotations
@@ -19,14 +28,18 @@ from localsgd.averaging import (
     Averager,
     CommStats,
     ConstantPeriod,
+    GradientAverager,
     HierarchicalAverager,
+    NeverAverage,
     OptimizerStateSync,
     OuterAverager,
     PeriodicAverager,
     SimulatedLink,
     StepPeriod,
 )
-from localsgd.config import SyncConfig
+from localsgd.config import CommConfig, SyncConfig
+from localsgd.loop.drift import DriftMeter
+from localsgd.loop.guards import check_replicas
 
 
 def _or(value: Any, default: Any) -> Any:
@@ -92,19 +105,31 @@ def build_averager(
     local_world_size: int,
     stats: CommStats,
     link: SimulatedLink | None = None,
+    communicate: bool = True,
 ) -> Averager:
     """The averager the `sync` config asks for, its optimizer-state hook attached; a simulated
-    slow `link` applies to every collective it makes."""
+    slow `link` applies to every collective it makes. Every rank starts from rank 0's model.
+    `communicate=False`: one that never averages (the no-communication baseline)."""
     comm_dtype = sync.comm_dtype
     levels = list(sync.levels)
     outer = sync.outer
+    if not communicate:
+        return PeriodicAverager(
+            1, module=model, stats=stats, schedule=NeverAverage(), link=link, init_sync=True
+        )
     if levels:
         sizes = {
             int(lv.period): resolve_group_size(lv.group_size, world_size, local_world_size)
             for lv in levels
         }
         averager = HierarchicalAverager(
-            sizes, sync.warmup_steps, module=model, stats=stats, comm_dtype=comm_dtype, link=link
+            sizes,
+            sync.warmup_steps,
+            module=model,
+            stats=stats,
+            comm_dtype=comm_dtype,
+            link=link,
+            init_sync=True,
         )
     elif outer != "none":
         defaults = OUTER_DEFAULTS[outer]
@@ -119,7 +144,7 @@ def build_averager(
             schedule=build_schedule(sync),
             comm_dtype=comm_dtype,
             link=link,
-        )
+        )  # anchored: it starts from rank 0's model
     else:
         averager = PeriodicAverager(
             sync.period,
@@ -131,8 +156,165 @@ def build_averager(
             link=link,
             overlap=sync.overlap,
             bucket_mb=sync.bucket_mb,
+            init_sync=True,
         )
     mode = sync.optimizer_state
     if mode != "local":
         averager.hooks.append(OptimizerStateSync(optimizer, mode))
     return averager
+
+
+class Synchroniser:
+    """How the workers' replicas are kept together, as the training loop calls it.
+
+    Around each optimizer step the loop calls `zero_grad`, `after_backward` (the warmup's
+    gradient all-reduce; returns whether to step) and `after_step` (the model average when the
+    schedule says). Between them it asks `in_sync` / `merged` (whether the replicas, or what
+    they received, are identical now), `next_sync` and `common_tensors`.
+    """
+
+    def __init__(
+        self,
+        averager: Averager,
+        model: torch.nn.Module,
+        max_steps: int,
+        grad_averager: GradientAverager | None = None,
+        drift: DriftMeter | None = None,
+        verify: bool = False,
+    ):
+        self.averager = averager
+        self.verify = verify  # check after each sync that the replicas are bit-identical
+        self.model = model
+        self.max_steps = max_steps
+        self.grad_averager = grad_averager
+        self.drift = drift
+        if drift is not None:
+            averager.global_hooks.append(drift)
+        self.stats = averager.stats  # every collective's counters, the warmup's included
+        self.in_sync = True  # the replicas are identical right now
+        self.synchronous = False  # the step being taken belongs to the synchronous warmup
+
+    @property
+    def warmup_steps(self) -> int:
+        return self.averager.warmup_steps
+
+    @property
+    def in_warmup(self) -> bool:
+        """True while the next optimizer step is synchronous (gradients averaged)."""
+        return self.averager.in_warmup
+
+    @property
+    def merged(self) -> bool:
+        """With a delayed average: the last step applied one (what every rank received is
+        identical; the replicas differ by their local progress since it was launched)."""
+        return self.averager.merged
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        # In the warmup the gradients are views of GradientAverager's flat buffer: zero them in
+        # place. Afterwards drop them: zeroing and then accumulating into old gradients costs two
+        # extra passes over the model per step (~10% of a step for a 10M MLP on CPU).
+        optimizer.zero_grad(set_to_none=not self.in_warmup)
+
+    def after_backward(self, skip: bool) -> bool:
+        """The gradients are ready (zeroed if `skip`, a non-finite loss under nan_policy=skip).
+        In the warmup they are averaged: plain mini-batch SGD. Returns whether to step: a
+        skipping rank still steps in the warmup (on the others' gradients), or replicas split."""
+        self.synchronous = self.in_warmup
+        if self.synchronous:
+            self.grad_averager.all_reduce()
+            return True
+        return not skip
+
+    def after_step(self, loss: torch.Tensor | None) -> None:
+        """After the optimizer step: feed the loss (None: the step was skipped) to a schedule
+        that adapts to it, then average when the schedule says."""
+        if loss is not None:
+            self.averager.observe_loss(loss)
+        self.averager.maybe_average()
+        self.in_sync = self.synchronous or self.averager.all_in_sync
+
+    def next_sync(self, step: int) -> int | None:
+        """The first step index >= `step` after which the replicas are together again (a warmup
+        step, or an average over every rank), or None if none is left."""
+        nxt = step if step < self.warmup_steps else self.averager.next_sync(step)
+        return nxt if nxt is not None and nxt < self.max_steps else None
+
+    def common_tensors(self, step: int) -> list[torch.Tensor]:
+        """What every rank holds identically after step `step`, which was a sync."""
+        if step < self.warmup_steps:
+            # the warmup keeps only the parameters identical (BatchNorm statistics stay local
+            # until the first average)
+            return list(self.model.parameters())
+        return self.averager.common_tensors()
+
+    def check_replicas(self, step: int, rank: int) -> None:
+        """With `sync.check_replicas`: fail unless every rank holds the same `common_tensors`
+        after step `step`, a sync (one gather; off by default)."""
+        if self.verify:
+            check_replicas(self.common_tensors(step), step, rank)
+
+    def finish(self) -> None:
+        """The final model is the average of the replicas: average once more if the last step
+        was a local one (never in the no-communication baseline)."""
+        if not self.in_sync and self.averager.ever_averages:
+            self.averager.average()
+            self.in_sync = True
+
+    def summary(self) -> dict[str, Any]:
+        """The strategy as run: the period of the average over every rank at the end (None if
+        it never averages), the warmup, and each level's communication."""
+        averager = self.averager
+        widest = len(averager.levels) - 1
+        return {
+            "period": averager.period_of(widest) if averager.ever_averages else None,
+            "warmup_steps": self.warmup_steps,
+            "comm_levels": averager.comm_levels(),
+        }
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """What a checkpoint holds of the strategy, by the names checkpoints use."""
+        state = {"averager": self.averager, "comm": self.stats}
+        if self.drift is not None:
+            state["drift"] = self.drift
+        return state
+
+
+def build_synchroniser(
+    sync: SyncConfig,
+    comm: CommConfig,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    world_size: int,
+    local_world_size: int,
+    max_steps: int,
+    track_drift: bool = True,
+) -> Synchroniser:
+    """The `sync` config's strategy over the `comm` config's network (a simulated slow link,
+    or no communication at all), for `model` trained by `optimizer`."""
+    sim = comm.simulate
+    link = (
+        SimulatedLink(sim.bandwidth_gbps, sim.latency_ms)
+        if sim.bandwidth_gbps is not None or sim.latency_ms > 0
+        else None
+    )
+    stats = CommStats()
+    averager = build_averager(
+        sync,
+        model,
+        optimizer,
+        world_size,
+        local_world_size,
+        stats,
+        link,
+        communicate=not comm.disabled,
+    )
+    # the averager gave every rank rank 0's model already
+    grad_averager = (
+        GradientAverager(model, stats=stats, link=link, init_sync=False)
+        if sync.warmup_steps > 0
+        else None
+    )
+    drift = DriftMeter(averager.flat.buffers) if track_drift and not comm.disabled else None
+    return Synchroniser(
+        averager, model, max_steps, grad_averager, drift, verify=sync.check_replicas
+    )

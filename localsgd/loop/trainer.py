@@ -10,8 +10,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from localsgd.averaging import CommStats, GradientAverager, SimulatedLink
-from localsgd.cli.launch import WorkerInfo
 from localsgd.config import Config, plain
 from localsgd.data import (
     ShardSampler,
@@ -25,15 +23,15 @@ from localsgd.data import (
 )
 from localsgd.instantiate import build, target_name
 from localsgd.loop import checkpoint
-from localsgd.loop.drift import DriftMeter
 from localsgd.loop.evaluation import evaluate, loss_and_correct
-from localsgd.loop.guards import NonFiniteTracker, check_replicas
+from localsgd.loop.guards import NonFiniteTracker
 from localsgd.loop.loggers import build_loggers
 from localsgd.loop.metrics import progress_bar, trim_metrics, write_json
 from localsgd.loop.optim import build_optimizer, build_schedule, set_lr
 from localsgd.loop.recipe import Recipe
 from localsgd.loop.stop import StopAgreement
-from localsgd.loop.strategies import build_averager
+from localsgd.loop.strategies import build_synchroniser
+from localsgd.loop.worker import WorkerInfo
 from localsgd.models import build_model
 from localsgd.models.generate import generate_text
 
@@ -73,40 +71,24 @@ class Trainer:
         self.model = build_model(
             c.model, input_shape_of(self.data), self.data.num_classes, task_of(self.data)
         ).to(device)
-        self.comm = CommStats()
-        sim = c.comm.simulate
-        link = (
-            SimulatedLink(sim.bandwidth_gbps, sim.latency_ms)
-            if sim.bandwidth_gbps is not None or sim.latency_ms > 0
-            else None
-        )
-        self.comm_disabled = c.comm.disabled
         self.optimizer = build_optimizer(self.model.parameters(), c.optim)
         self.lr_schedule = build_schedule(c.lr_schedule, c.trainer.max_steps)
-        self.averager = build_averager(
+        # the strategy: warmup, averaging, drift; every rank starts from rank 0's model
+        self.sync = build_synchroniser(
             c.sync,
+            c.comm,
             self.model,
             self.optimizer,
             info.world_size,
             info.local_world_size,
-            self.comm,
-            link,
+            c.trainer.max_steps,
+            track_drift=c.trainer.track_drift,
         )
-        # Identical start even if ranks built different models (e.g. other torch builds); not a
-        # training-time collective, so it is not counted in the comm statistics.
-        self.averager.broadcast_(src=0)
-        self.grad_averager = (
-            GradientAverager(self.model, stats=self.comm, link=link)
-            if c.sync.warmup_steps > 0
-            else None
-        )
-        self.drift = DriftMeter(self.averager.flat.buffers) if c.trainer.track_drift else None
         # after the averager: its flat-buffer views are what gets compiled
         self.recipe = Recipe.from_config(self.model, device, c.trainer)
         torch.manual_seed(c.seed + 1000 * info.rank + 1)  # dropout etc. differ per rank
         # The loop's own state (the LR is a function of the step): LOOP_STATE, checkpointed.
         self.step = 0
-        self.in_sync = True  # replicas identical right now
         self.next_eval = c.trainer.eval_every
         self.loss_sum = torch.zeros((), device=device)  # summed on device, read at log steps
         self.loss_count = 0
@@ -117,15 +99,12 @@ class Trainer:
         self.stateful: dict[str, checkpoint.Stateful] = {
             "model": checkpoint.ModuleState(self.model),
             "optimizer": self.optimizer,
-            "averager": self.averager,
-            "comm": self.comm,
+            **self.sync.checkpoint_state(),  # averager, comm, drift
             "sampler": self.batches,
             "rng": checkpoint.RNGState(),
             "scaler": self.recipe,
             "loop": self,
         }
-        if self.drift is not None:
-            self.stateful["drift"] = self.drift
         self.resumed_from = resume_from
         if resume_from is not None:
             self.step = checkpoint.load(
@@ -136,7 +115,7 @@ class Trainer:
             build(cb, f"trainer.callbacks[{i}]") for i, cb in enumerate(c.trainer.callbacks)
         ]
         self.nonfinite = NonFiniteTracker(device)
-        self.stop = StopAgreement(store, f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}")
+        self.stop = StopAgreement(store, str(info.attempt))
 
     LOOP_STATE = ("in_sync", "next_eval", "loss_sum", "loss_count", "skipped_steps", "elapsed_s")
 
@@ -146,6 +125,20 @@ class Trainer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for k in self.LOOP_STATE:
             setattr(self, k, state[k])
+
+    @property
+    def in_sync(self) -> bool:
+        """The replicas are identical right now (kept by the synchroniser)."""
+        return self.sync.in_sync
+
+    @in_sync.setter
+    def in_sync(self, value: bool) -> None:
+        self.sync.in_sync = value
+
+    @property
+    def comm(self):
+        """Every collective's counters (`rounds`, `bytes`, `seconds`)."""
+        return self.sync.stats
 
     @property
     def samples_per_step(self) -> int:
@@ -183,63 +176,39 @@ class Trainer:
             if hasattr(callback, "on_step_start"):
                 callback.on_step_start(self, step)
         set_lr(self.optimizer, self.lr_schedule, step)
-        synchronous = self.averager.in_warmup
-        # In the warmup the gradients are views of GradientAverager's flat buffer: zero them in
-        # place. Afterwards drop them: zeroing and then accumulating into old gradients costs two
-        # extra passes over the model per step (~10% of a step for a 10M MLP on CPU).
-        self.optimizer.zero_grad(set_to_none=not synchronous)
+        self.sync.zero_grad(self.optimizer)
         loss = self.forward_backward()
-        skip = False
-        if self.cfg.trainer.nan_policy == "skip":
-            skip = not bool(torch.isfinite(loss))  # a host sync per step, only under this policy
-            if skip:  # drop what the bad batch contributed
-                self.optimizer.zero_grad(set_to_none=not synchronous)
-        else:
-            self.nonfinite.observe(loss, step)
-        if synchronous:
-            self.grad_averager.all_reduce()  # post-local SGD's warmup: plain mini-batch SGD
-        # In the warmup a skipping rank adds zero gradients but still steps, or replicas split.
-        if not skip or synchronous:
+        skip = self.skips(loss, step)
+        if skip:  # drop what the bad batch contributed
+            self.sync.zero_grad(self.optimizer)
+        if self.sync.after_backward(skip):  # the warmup's gradient average
             self.recipe.step(self.optimizer)
         self.skipped_steps += skip
-        if not skip:
-            self.averager.observe_loss(loss)  # only an adaptive period schedule reads it
-        if self.comm_disabled:  # the no-communication baseline: never average
-            self.in_sync = synchronous
-        else:
-            # drift is measured around averages that bring every replica together (widest level)
-            averager = self.averager
-            measure = self.drift is not None and averager.averages_all(averager.step)
-            if measure:
-                self.drift.before()
-            averager.maybe_average()
-            if measure:
-                self.drift.after()
-            self.in_sync = synchronous or self.averager.all_in_sync
+        self.sync.after_step(None if skip else loss)  # the model average, when due
         for callback in self.callbacks:
             if hasattr(callback, "on_step_end"):
                 callback.on_step_end(self, step)
         return None if skip else loss.detach()
 
+    def skips(self, loss: torch.Tensor, step: int) -> bool:
+        """The NaN policy: `skip` drops a step with a non-finite loss (a host sync per step,
+        only under this policy); `error` checks at log steps that none was seen."""
+        if self.cfg.trainer.nan_policy == "skip":
+            return not bool(torch.isfinite(loss))
+        self.nonfinite.observe(loss, step)
+        return False
+
     @property
     def merged(self) -> bool:
-        """With sync.overlap: the last step applied an average launched one step earlier (what
-        every rank received is identical; the replicas differ by their last local step)."""
-        return self.averager.merged
+        """With a delayed average: the last step applied one (see `Synchroniser.merged`)."""
+        return self.sync.merged
 
     def next_sync(self, step: int) -> int | None:
         """The first step index >= `step` whose update communicates, or None if none is left."""
-        # a global sync: narrower hierarchical levels do not make the replicas identical
-        nxt = step if step < self.cfg.sync.warmup_steps else self.averager.next_sync(step)
-        return nxt if nxt < self.cfg.trainer.max_steps else None
+        return self.sync.next_sync(step)
 
     def after_sync(self, step: int) -> None:
-        if self.cfg.sync.check_replicas:
-            # In the warmup only the parameters are kept identical (BatchNorm statistics stay
-            # local until the first average), so only they are compared there.
-            warm = step < self.cfg.sync.warmup_steps
-            tensors = list(self.model.parameters()) if warm else self.averager.common_tensors()
-            check_replicas(tensors, step, self.info.rank)
+        self.sync.check_replicas(step, self.info.rank)
         self.stop.after_sync()
 
     def evaluate(self, full: bool = False) -> dict[str, float]:
@@ -275,7 +244,7 @@ class Trainer:
             "samples_per_s": round(samples / max(interval_s, 1e-9), 1),
             "comm_share": round(self.comm.seconds / max(total_s, 1e-9), 4),
         }
-        drift = self.drift.take() if self.drift is not None else None
+        drift = self.sync.drift.take() if self.sync.drift is not None else None
         if drift is not None:
             record["drift"] = drift
         return record
@@ -387,9 +356,7 @@ class Trainer:
 
     def finish(self) -> dict[str, Any] | None:
         """The final average, then on rank 0 the evaluation, `model.pt` and the summary."""
-        if not self.in_sync and not self.comm_disabled:
-            self.averager.average()  # the final model is the average of the replicas
-            self.in_sync = True
+        self.sync.finish()  # the final model is the average of the replicas
         wall = self.elapsed()
         self.loop_seconds = wall  # this rank's training loop (benchmarks take the slowest)
         if not self.is_main:
@@ -402,11 +369,9 @@ class Trainer:
             **result,
             "steps": self.step,
             **self.comm_record(),
-            "comm_levels": self.averager.comm_levels(),
             "wall_time_s": round(wall, 3),
             "world_size": self.info.world_size,
-            "period": self.cfg.sync.period,
-            "warmup_steps": self.cfg.sync.warmup_steps,
+            **self.sync.summary(),  # period, warmup_steps, comm_levels
             "params": self.param_count,
             "skipped_steps": self.skipped_steps,
             "dataset": target_name(self.config["data"]),
