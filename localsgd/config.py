@@ -7,9 +7,8 @@ launching process before any worker starts.
 
 from __future__ import annotations
 
-import warnings
-from dataclasses import dataclass, field
-from typing import Any  # noqa: UP035  (OmegaConf needs typing.Dict)
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
 
 from omegaconf import MISSING
 
@@ -22,9 +21,14 @@ class ConfigError(ValueError):
 class DistConfig:
     # worker processes to spawn when not under torchrun; null = 4 on CPU, one per GPU on CUDA
     world_size: int | None = None
-    backend: str = "auto"  # auto | gloo | nccl
+    backend: str = "auto"  # one of BACKENDS
     timeout_s: float = 180.0  # every collective fails after this long instead of hanging
-    device: str = "auto"  # auto | cpu | cuda
+    device: str = "auto"  # one of DEVICES
+
+
+# dist.backend and dist.device (localsgd.cli.launch picks them: auto = nccl on CUDA, else gloo)
+BACKENDS = ("auto", "gloo", "nccl")
+DEVICES = ("auto", "cpu", "cuda")
 
 
 @dataclass
@@ -49,10 +53,11 @@ class TrainerConfig:
     checkpoint_every: int = 500  # steps between checkpoints, plus one at the end; 0 = none
     keep_checkpoints: int = 2  # complete checkpoints kept (older ones are deleted)
     resume: str = "auto"  # auto (newest complete checkpoint in the run dir) | never | a path
-    nan_policy: str = "error"  # error: stop at a non-finite loss | skip: skip that step
+    nan_policy: str = "error"  # localsgd.loop.guards.NAN_POLICIES: error | skip
     deterministic: bool = False  # torch.use_deterministic_algorithms (CUDA); CPU is anyway
-    # the recipe, named as in Lightning (localsgd/recipe.py)
-    precision: str = "32-true"  # 32-true | bf16-mixed | 16-mixed (autocast; params stay fp32)
+    # the recipe, named as in Lightning (localsgd/loop/recipe.py)
+    # localsgd.loop.recipe.PRECISIONS: 32-true | bf16-mixed | 16-mixed (autocast; params stay fp32)
+    precision: str = "32-true"
     gradient_clip_val: float | None = None  # clip the gradient norm to this; null / 0 = off
     accumulate_grad_batches: int = 1  # batches per optimizer step; sync.period counts steps
     compile: bool = False  # torch.compile the model's training forward
@@ -128,7 +133,7 @@ class AdamWConfig:  # DiLoCo's inner optimizer (Douillard et al. 2023)
 
 
 # Schedules: `lr_schedule(step)` is the factor of each parameter group's `lr` at that optimizer
-# step (localsgd/optim.py); `max_steps` comes from trainer.max_steps when it is built.
+# step (localsgd/loop/optim.py); `max_steps` comes from trainer.max_steps when it is built.
 @dataclass
 class WarmupCosineConfig:
     _target_: str = "localsgd.loop.optim.WarmupCosine"
@@ -150,29 +155,46 @@ class StepLRConfig:
     decay_factor: float = 0.1
 
 
-# The data and model nodes are open: besides the keys below they hold whatever their `_target_`
-# callable takes (`data.num_samples`, `model.hidden`, a user's own keys). Subclassing Dict keeps
-# Hydra's type check of the keys localsgd itself reads (`data.alpha=abc` is refused by Hydra, as
-# `optim.lr=abc` is) while admitting the callable's keys; a plain `Any` node would check nothing.
-# OmegaConf 2.3 (pinned) marks this subclassing deprecated with a warning, silenced here only.
-warnings.filterwarnings("ignore", message=r"Class `(DataConfig|ModelConfig)` subclasses `Dict`")
-
-
+# The data and model nodes are `_target_` configs, like `optim`: a callable and its keyword
+# arguments beside it (`data.num_samples`, `model.hidden`, a user's own keys). The data node also
+# holds localsgd's own keys, the fields of `DataOptions`: the schema puts them, with their
+# defaults, into every data node (so `data.partition=by_class` needs no `+`), `load_data` keeps
+# them from the callable, and `data_options` types them (`data.alpha=abc` is refused in one line).
 @dataclass
-class DataConfig(dict[str, Any]):
-    # any callable returning an object with `train`, `test` (Datasets of (x, y)) and `num_classes`
-    _target_: str = MISSING
-    partition: str = "iid"  # iid | by_class | dirichlet
+class DataOptions:
+    partition: str = "iid"  # localsgd.data.partition.PARTITIONS: iid | by_class | dirichlet
     classes_per_worker: int = 2  # by_class
     alpha: float = 0.5  # dirichlet concentration
-    # auto: in memory when `train` is a TensorDataset, else a DataLoader per rank | memory | stream
+    # localsgd.data.loader.LOADERS. auto: in memory when `train` is a TensorDataset, else a
+    # DataLoader per rank | memory | stream
     loader: str = "auto"
     num_workers: int = 0  # DataLoader worker processes per rank (stream only)
 
 
-@dataclass
-class ModelConfig(dict[str, Any]):
-    _target_: str = MISSING  # any callable returning an nn.Module; its own keys sit beside this
+# localsgd's own keys of the `data` node; every other key is an argument of its `_target_`
+DATA_OPTIONS = tuple(f.name for f in fields(DataOptions))
+
+
+def _data_node() -> dict[str, Any]:
+    # any callable returning an object with `train`, `test` (Datasets of (x, y)) and `num_classes`
+    return {"_target_": MISSING, **asdict(DataOptions())}
+
+
+def data_options(node: Any) -> DataOptions:
+    """The data node's own keys (a mapping), typed and with their defaults; a value of the
+    wrong type is a one-line ConfigError naming `data.KEY` and the type."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import ValidationError
+
+    schema = OmegaConf.structured(DataOptions)
+    for key in DATA_OPTIONS:
+        if key in node:
+            try:
+                schema[key] = node[key]
+            except ValidationError:
+                kind = type(getattr(DataOptions, key)).__name__
+                raise ConfigError(f"data.{key} must be of type {kind}, got {node[key]!r}") from None
+    return OmegaConf.to_object(schema)
 
 
 @dataclass
@@ -180,7 +202,7 @@ class WandbConfig:
     # null: wandb's own WANDB_MODE / WANDB_PROJECT / WANDB_ENTITY / WANDB_DIR decide, and where
     # those are unset too: offline (no account or network; `wandb sync` later), project localsgd,
     # the run directory
-    mode: str | None = None  # offline | online | disabled
+    mode: str | None = None  # localsgd.loop.loggers.WANDB_MODES: offline | online | disabled
     project: str | None = None
     entity: str | None = None
     dir: str | None = None
@@ -197,14 +219,17 @@ class LoggerConfig:
 @dataclass
 class Config:
     seed: int = 0
+    # the summary.json key `main` returns, the objective a Hydra sweeper (Optuna) optimises;
+    # the language-model data presets set test_loss (minimise it: hydra.sweeper.direction)
+    optimized_metric: str = "test_accuracy"
     dist: DistConfig = field(default_factory=DistConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     comm: CommConfig = field(default_factory=CommConfig)
     optim: Any = MISSING  # a `_target_` config: conf/optim/ (sgd | adamw) or your own
     lr_schedule: Any = MISSING  # a `_target_` config: conf/lr_schedule/ or your own
-    data: DataConfig = field(default_factory=DataConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
+    data: Any = field(default_factory=_data_node)  # a `_target_` config: conf/data/ or your own
+    model: Any = MISSING  # a `_target_` config: conf/model/ or your own
     logger: LoggerConfig = field(default_factory=LoggerConfig)
 
 
@@ -239,9 +264,11 @@ def typed(cfg: Any) -> Config:
         return cfg
     if not OmegaConf.is_config(cfg):
         cfg = OmegaConf.merge(OmegaConf.structured(Config), cfg)
-    # `data` and `model` hold their callable's own keys beside the schema's, which a dataclass
-    # object would drop: they stay whole, as OpenNodes
-    open_nodes = {k: OpenNode(OmegaConf.to_container(cfg[k], resolve=True)) for k in OPEN_NODES}
+    # `data` and `model` hold their callable's own keys, which a dataclass object would drop:
+    # they stay whole, as OpenNodes
+    open_nodes = {
+        k: _open_node(k, OmegaConf.to_container(cfg[k], resolve=True)) for k in OPEN_NODES
+    }
     out = OmegaConf.to_object(cfg)  # resolves interpolations
     for key, node in open_nodes.items():
         setattr(out, key, node)
@@ -249,6 +276,12 @@ def typed(cfg: Any) -> Config:
 
 
 OPEN_NODES = ("data", "model")
+
+
+def _open_node(key: str, node: dict) -> OpenNode:
+    if key == "data":
+        node.update(asdict(data_options(node)))  # localsgd's own keys typed, in the node's order
+    return OpenNode(node)
 
 
 class OpenNode(dict):
@@ -278,12 +311,3 @@ def plain(cfg: Any) -> dict:
             if k != "hydra"
         }
     return cfg
-
-
-LOADERS = ("auto", "memory", "stream")
-PARTITIONS = ("iid", "by_class", "dirichlet")
-BACKENDS = ("auto", "gloo", "nccl")
-DEVICES = ("auto", "cpu", "cuda")
-WANDB_MODES = ("offline", "online", "disabled")
-NAN_POLICIES = ("error", "skip")
-PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")  # localsgd.loop.recipe.PRECISIONS' keys

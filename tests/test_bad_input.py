@@ -57,6 +57,8 @@ CASES = [
         "model._target_ 'torch.nn.Identity' must return logits of shape (2, 10)",
     ),
     ("data.num_workers=-1", "data.num_workers"),
+    ("data.alpha=abc", "data.alpha"),  # localsgd's own data keys keep their types
+    ("data.classes_per_worker=1.5", "data.classes_per_worker"),
     ("trainer.max_epochs=2", "trainer.max_epochs"),  # and max_steps: which one?
     ("trainer.max_steps=null", "trainer.max_steps"),  # and no max_epochs: how long?
     ("trainer.resume=/nonexistent/checkpoints/step-5", "trainer.resume"),

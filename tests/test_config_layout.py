@@ -4,8 +4,10 @@ optimizers and schedules, the typed config workers get, and wandb's job_type."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
+import warnings
 
 import pytest
 import torch
@@ -13,9 +15,12 @@ import yaml
 
 from localsgd.cli.checks import validate
 from localsgd.config import (
+    DATA_OPTIONS,
     AdamWConfig,
     CommConfig,
     Config,
+    ConfigError,
+    DataOptions,
     DistConfig,
     LoggerConfig,
     SGDConfig,
@@ -232,3 +237,67 @@ def test_a_strategy_experiment_is_its_presets():
         ["sync=diloco", "optim=adamw", "optim.lr=0.003"]
     )
     assert compose_config(["+experiment=adaptive_period"]) == compose_config(["sync=adaptive"])
+
+
+def test_data_and_model_are_target_nodes_whose_own_keys_come_from_one_table():
+    types = {f.name: f.type for f in dataclasses.fields(Config)}
+    assert types["data"] == types["model"] == types["optim"] == "Any"  # no dict subclass
+    assert tuple(f.name for f in dataclasses.fields(DataOptions)) == DATA_OPTIONS
+    cfg = compose_config(["data.partition=dirichlet", "data.alpha=5", "data.num_workers=2"])
+    # the schema's defaults, then the preset's own keys; the typed value (5 -> 5.0)
+    assert list(cfg.data)[: 1 + len(DATA_OPTIONS)] == ["_target_", *DATA_OPTIONS]
+    assert cfg.data.num_samples == 10000 and cfg.data.classes_per_worker == 2
+    assert (cfg.data.partition, cfg.data.num_workers) == ("dirichlet", 2)
+    assert cfg.data.alpha == 5.0 and isinstance(cfg.data.alpha, float)
+    assert cfg.model == {"_target_": "localsgd.models.cnn", "channels": [32, 64],
+                         "kernel_size": 5, "dropout": 0.0}  # fmt: skip
+    with pytest.raises(ConfigError, match=r"^data\.alpha must be of type float, got 'abc'$"):
+        compose_config(["data.alpha=abc"])
+
+
+def test_composing_and_typing_the_config_warns_of_nothing():
+    """OmegaConf deprecates a structured config subclassing Dict; nothing may hide a warning."""
+    assert not [f for f in warnings.filters if f[1] is not None and "Dict" in f[1].pattern]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        compose_config(["data=text", "data.path=x", "model=transformer", "data.alpha=1"])
+
+
+@pytest.mark.parametrize(
+    "override,owner",
+    [
+        ("sync.schedule=x", "localsgd.loop.strategies:SCHEDULES"),
+        ("sync.outer=x", "localsgd.loop.strategies:OUTERS"),
+        ("sync.optimizer_state=x", "localsgd.averaging:OPTIMIZER_STATE_MODES"),
+        ("sync.comm_dtype=x", "localsgd.averaging:COMM_DTYPES"),
+        ("trainer.precision=x", "localsgd.loop.recipe:PRECISIONS"),
+        ("trainer.nan_policy=x", "localsgd.loop.guards:NAN_POLICIES"),
+        ("logger.wandb.mode=x", "localsgd.loop.loggers:WANDB_MODES"),
+        ("data.partition=x", "localsgd.data.partition:PARTITIONS"),
+        ("data.loader=x", "localsgd.data.loader:LOADERS"),
+        ("dist.backend=x", "localsgd.config:BACKENDS"),
+        ("dist.device=x", "localsgd.config:DEVICES"),
+    ],  # fmt: skip
+)
+def test_a_refused_choice_lists_the_table_of_the_module_that_implements_it(override, owner):
+    import importlib
+
+    module, name = owner.split(":")
+    table = getattr(importlib.import_module(module), name)
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError) as refused:
+        validate(compose_config([override]), world_size=4)
+    assert str(refused.value) == f"{key} must be one of {', '.join(table)}, got 'x'"
+
+
+def test_the_language_model_presets_optimise_the_test_loss():
+    assert compose_config([]).optimized_metric == "test_accuracy"
+    for data in ("text", "shakespeare"):
+        cfg = compose_config([f"data={data}", "model=transformer"])
+        assert cfg.optimized_metric == "test_loss", data
+        assert cfg.data.seq_len == 64 and cfg.data.partition == "iid"  # the node as before
+    # the Optuna preset names both halves of the objective: which key, and which way is better
+    with open(os.path.join(CONF, "experiment", "optuna_lr.yaml")) as f:
+        optuna = yaml.safe_load(f)
+    assert optuna["optimized_metric"] == "test_accuracy"
+    assert optuna["hydra"]["sweeper"]["direction"] == "maximize"

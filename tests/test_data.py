@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import io
 import pickle
+from dataclasses import asdict
 
 import numpy as np
 import pytest
 import torch
 
-from localsgd.config import ConfigError
+from localsgd.config import DATA_OPTIONS, ConfigError, DataOptions
 from localsgd.data import ShardSampler, load_data, shard_indices
 from localsgd.data.datasets import DataSplits, cifar10, digits, mnist1d, synthetic, text
 
@@ -88,10 +89,10 @@ def test_load_data_instantiates_the_target_with_the_run_seed_and_drops_own_keys(
         "num_samples": 50,
         "num_features": 4,
         "num_classes": 2,
-        "partition": "by_class",  # localsgd's own keys: not passed to the callable
-        "num_workers": 3,
-        "loader": "auto",
+        # localsgd's own keys, every one of them: not passed to the callable (which takes none)
+        **asdict(DataOptions(partition="by_class", num_workers=3)),
     }
+    assert set(node) >= set(DATA_OPTIONS)
     ds = load_data(node, seed=9)
     assert ds.input_shape == (4,) and len(ds.train) == 40
     assert torch.equal(ds.train.tensors[0], synthetic(50, 4, 2, seed=9).train.tensors[0])

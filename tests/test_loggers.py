@@ -106,7 +106,7 @@ def test_wandb_environment_decides_where_the_config_leaves_a_key_unset():
     defaults = WandbConfig()
     resolve_wandb_settings(defaults, {})
     assert defaults.mode == "offline" and defaults.project == "localsgd"
-    with pytest.raises(ValueError, match="^WANDB_MODE must be offline, online or disabled"):
+    with pytest.raises(ValueError, match="^WANDB_MODE must be one of offline, online, disabled,"):
         resolve_wandb_settings(WandbConfig(), {"WANDB_MODE": "cloud"})
 
 

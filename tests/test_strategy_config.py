@@ -7,6 +7,7 @@ import pytest
 
 from localsgd.cli.checks import validate
 from localsgd.config import ConfigError
+from localsgd.loop.strategies import resolve_group_size
 from tests.helpers import compose_config, refusal
 
 LEVELS_OK = "sync.levels=[{group_size:2,period:2},{group_size:world,period:8}]"
@@ -79,7 +80,7 @@ def test_experiment_files_compose_and_validate(name, expected):
         ),
         ([LEVELS_OK, "sync.outer=diloco"], 4, "sync.outer"),
         ([LEVELS_OK, "sync.schedule=adaptive"], 4, "sync.schedule"),
-        (["sync.comm_dtype=int8"], 4, "sync.comm_dtype"),
+        (["sync.comm_dtype=float64"], 4, "sync.comm_dtype"),
         (["sync.outer=adam"], 4, "sync.outer"),
         (["sync.optimizer_state=keep"], 4, "sync.optimizer_state"),
         (["sync.schedule=cyclic"], 4, "sync.schedule"),
@@ -100,7 +101,14 @@ def test_validate_refuses_bad_strategy_settings(overrides, world, key):
 
 def test_node_level_resolves_to_local_world_size():
     cfg = compose_config(["sync.levels=[{group_size:node,period:2},{group_size:world,period:8}]"])
+    # what build_averager gives the levels: node = torchrun's LOCAL_WORLD_SIZE, world = all
+    assert [resolve_group_size(lv.group_size, 4, 2) for lv in cfg.sync.levels] == [2, 4]
+    assert resolve_group_size("node", 4, None) == 4  # without torchrun: one machine, every rank
     validate(cfg, world_size=4, local_world_size=2)
+    # validate resolves `node` by the same rule: 3 processes per machine do not divide 4 workers
+    refused = r"^sync\.levels\[0\]\.group_size must be a divisor of 4 workers, got 3$"
+    with pytest.raises(ConfigError, match=refused):
+        validate(cfg, world_size=4, local_world_size=3)
 
 
 @pytest.mark.timeout(60)
@@ -111,7 +119,7 @@ def test_node_level_resolves_to_local_world_size():
             "sync.levels=[{group_size:3,period:2},{group_size:world,period:8}]",
             "sync.levels[0].group_size",
         ),
-        ("sync.comm_dtype=int8", "sync.comm_dtype"),
+        ("sync.comm_dtype=float64", "sync.comm_dtype"),
     ],
 )
 def test_cli_refuses_bad_strategy_in_one_line(tmp_path, capsys, override, key):

@@ -5,18 +5,17 @@ than the values are `localsgd.cli.overrides` and `localsgd.cli.preflight`."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
-from localsgd.config import (
-    BACKENDS,
-    DEVICES,
-    LOADERS,
-    NAN_POLICIES,
-    PARTITIONS,
-    PRECISIONS,
-    WANDB_MODES,
-    ConfigError,
-)
+from localsgd.averaging import COMM_DTYPES, OPTIMIZER_STATE_MODES
+from localsgd.config import BACKENDS, DEVICES, ConfigError, data_options
+from localsgd.data.loader import LOADERS
+from localsgd.data.partition import PARTITIONS
+from localsgd.loop.guards import NAN_POLICIES
+from localsgd.loop.loggers import WANDB_MODES
+from localsgd.loop.recipe import PRECISIONS
+from localsgd.loop.strategies import GROUP_SIZE_WORDS, OUTERS, SCHEDULES, resolve_group_size
 
 __all__ = ["ConfigError", "validate", "validate_optim", "validate_sync"]
 
@@ -26,7 +25,8 @@ def _require(ok: bool, key: str, allowed: str, value: Any) -> None:
         raise ConfigError(f"{key} must be {allowed}, got {value!r}")
 
 
-def _choice(cfg: Any, key: str, choices: tuple[str, ...]) -> None:
+def _choice(cfg: Any, key: str, choices: Iterable[str]) -> None:
+    """`key` is one of `choices`, the table of the module that implements them."""
     value = _get(cfg, key)
     _require(value in choices, key, "one of " + ", ".join(choices), value)
 
@@ -124,6 +124,7 @@ def validate(cfg: Any, world_size: int | None = None, local_world_size: int | No
     if _get(cfg, "logger.wandb.mode") is not None:
         _choice(cfg, "logger.wandb.mode", WANDB_MODES)
 
+    data_options(_get(cfg, "data"))  # each of localsgd's own data keys has its type
     _choice(cfg, "data.partition", PARTITIONS)
     _choice(cfg, "data.loader", LOADERS)
     alpha = _get(cfg, "data.alpha")
@@ -220,12 +221,6 @@ def validate_optim(cfg: Any) -> None:
             _require(ok(value), key, allowed, value)
 
 
-SCHEDULES = ("constant", "step", "adaptive")
-OUTERS = ("none", "diloco", "slowmo")
-OPTIMIZER_STATES = ("local", "average", "reset")
-COMM_DTYPES = ("float32", "bfloat16", "float16")
-
-
 def _validate_overlap(cfg: Any, has_levels: bool) -> None:
     """Delayed averaging is built for plain periodic averaging only."""
     bucket = _get(cfg, "sync.bucket_mb")
@@ -249,7 +244,7 @@ def validate_sync(cfg: Any, ws: int | None, local_ws: int | None) -> None:
     for key, choices in (
         ("sync.schedule", SCHEDULES),
         ("sync.outer", OUTERS),
-        ("sync.optimizer_state", OPTIMIZER_STATES),
+        ("sync.optimizer_state", OPTIMIZER_STATE_MODES),
         ("sync.comm_dtype", COMM_DTYPES),
     ):
         _choice(cfg, key, choices)
@@ -295,14 +290,11 @@ def validate_sync(cfg: Any, ws: int | None, local_ws: int | None) -> None:
     for i, level in enumerate(levels):
         size, lp = _get(level, "group_size"), _get(level, "period")
         key = f"sync.levels[{i}]"
-        ok = size in ("world", "node") or (isinstance(size, int) and size >= 1)
-        _require(ok, f"{key}.group_size", "an integer >= 1, node or world", size)
+        ok = size in GROUP_SIZE_WORDS or (isinstance(size, int) and size >= 1)
+        words = " or ".join(GROUP_SIZE_WORDS)
+        _require(ok, f"{key}.group_size", f"an integer >= 1, {words}", size)
         _require(isinstance(lp, int) and lp >= 1, f"{key}.period", "an integer >= 1", lp)
-        if size == "world":
-            size = ws
-        elif size == "node":
-            size = local_ws if local_ws is not None else ws
-        sizes.append(size)
+        sizes.append(resolve_group_size(size, ws, local_ws))  # None: ws not known yet
         periods.append(lp)
     if ws is not None:
         for i, size in enumerate(sizes):

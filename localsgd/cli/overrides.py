@@ -20,7 +20,7 @@ from omegaconf.errors import (
     ValidationError,
 )
 
-from localsgd.config import Config, ConfigError
+from localsgd.config import DATA_OPTIONS, Config, ConfigError, data_options
 
 # The package `localsgd.conf`: `conf/` of the source tree, mapped into the package by
 # pyproject.toml, so the same name finds it in a checkout, an editable install and a wheel.
@@ -82,6 +82,10 @@ def check_overrides(args: list[str]) -> None:
             continue
         if OmegaConf.select(schema, key, default="<missing>") == "<missing>" and o.is_add():
             continue  # `+key=value` adds a new key; Hydra handles it
+        if key.startswith("data.") and key[len("data.") :] in DATA_OPTIONS:
+            for value in _values(o):  # an open node: its schema types localsgd's own keys only
+                data_options({key[len("data.") :]: value})
+            continue
         for value in _values(o):
             try:
                 OmegaConf.update(schema, key, value, merge=True)

@@ -199,7 +199,25 @@ def main(cfg: DictConfig) -> float | None:
     if run_cfg.logger.wandb.mode == "offline":
         for path in offline_runs(run_dir):
             print(f"wandb offline run: upload it with `wandb sync {shlex.quote(path)}`")
-    return summary["test_accuracy"]  # the objective a Hydra sweeper (e.g. Optuna) maximises
+    try:
+        return objective(summary, run_cfg.optimized_metric)
+    except ConfigError as e:
+        fail(str(e))
+
+
+def objective(summary: dict, metric: str) -> float:
+    """The value a Hydra sweeper (e.g. Optuna) optimises: the summary's `optimized_metric`. The
+    run has finished either way; a name that is not a number of its summary.json is refused."""
+
+    def number(v) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    if not number(summary.get(metric)):
+        numeric = ", ".join(k for k, v in summary.items() if number(v))
+        raise ConfigError(
+            f"optimized_metric must be a numeric key of summary.json ({numeric}), got {metric!r}"
+        )
+    return summary[metric]
 
 
 def precheck(args: list[str]) -> None:

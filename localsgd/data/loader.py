@@ -26,19 +26,21 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset, default_collate
 
-from localsgd.config import ConfigError
+from localsgd.config import DATA_OPTIONS, ConfigError
 from localsgd.data._seeding import derive_seed
 from localsgd.data.sampler import ShardSampler
 from localsgd.instantiate import build
 
 _AUGMENT_STREAM = 4
-# the data node's keys that localsgd reads itself; the rest are the dataset callable's arguments
-OWN_KEYS = ("partition", "classes_per_worker", "alpha", "loader", "num_workers")
+
+# data.loader: the two paths above, or auto to pick one by the train set's type (`in_memory`)
+LOADERS = ("auto", "memory", "stream")
 
 
 def load_data(cfg: Mapping, seed: int) -> Any:
-    """Instantiate `cfg._target_` (offered `seed`) and check the result's contract."""
-    data = build(cfg, "data", drop=OWN_KEYS, seed=int(seed))
+    """Instantiate `cfg._target_` (offered `seed`) and check the result's contract. The node's
+    own keys (`localsgd.config.DataOptions`) are localsgd's, not the callable's arguments."""
+    data = build(cfg, "data", drop=DATA_OPTIONS, seed=int(seed))
     missing = [a for a in ("train", "test", "num_classes") if not hasattr(data, a)]
     if missing:
         raise ConfigError(
@@ -79,6 +81,8 @@ def input_shape_of(data: Any) -> tuple[int, ...]:
 
 def in_memory(train: Dataset, loader: str) -> bool:
     """data.loader=auto: memory exactly when the train set is a TensorDataset of (x, y)."""
+    if loader not in LOADERS:
+        raise ConfigError(f"data.loader must be one of {', '.join(LOADERS)}, got {loader!r}")
     if loader == "auto":
         return isinstance(train, TensorDataset) and len(train.tensors) == 2
     if loader == "memory" and not isinstance(train, TensorDataset):

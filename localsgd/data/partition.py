@@ -10,10 +10,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from localsgd.config import PARTITIONS
 from localsgd.data._seeding import derive_seed
 
 _PARTITION_STREAM = 2
+
+# data.partition: how `shard_indices` splits the train set (described in its docstring)
+PARTITIONS = ("iid", "by_class", "dirichlet")
 
 
 def shard_indices(

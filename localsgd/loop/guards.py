@@ -11,6 +11,11 @@ import torch.distributed as dist
 # ----------------------------------------------------------------------------------------------
 
 
+# trainer.nan_policy. error: a non-finite loss stops the run (NonFiniteTracker.check raises at
+# the next log or checkpoint step); skip: the trainer skips that step's update
+NAN_POLICIES = ("error", "skip")
+
+
 class NonFiniteLoss(RuntimeError):
     pass
 

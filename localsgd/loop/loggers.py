@@ -36,6 +36,7 @@ WANDB_ENV = {
     "dir": "WANDB_DIR",
 }
 WANDB_FALLBACK = {"mode": "offline", "project": "localsgd"}
+WANDB_MODES = ("offline", "online", "disabled")  # logger.wandb.mode, as wandb.init takes them
 WANDB_MODE_ALIASES = {"dryrun": "offline", "run": "online"}  # wandb's older names
 RUN_ID_FILE = "wandb_run_id"  # in the run directory: a resumed run continues the same wandb run
 
@@ -47,8 +48,8 @@ def resolve_wandb_settings(w: Any, env: dict[str, str] | None = None) -> None:
         if getattr(w, key) is None:
             setattr(w, key, env.get(var) or WANDB_FALLBACK.get(key))
     w.mode = WANDB_MODE_ALIASES.get(w.mode, w.mode)
-    if w.mode not in ("offline", "online", "disabled"):
-        raise ValueError(f"WANDB_MODE must be offline, online or disabled, got {w.mode!r}")
+    if w.mode not in WANDB_MODES:
+        raise ValueError(f"WANDB_MODE must be one of {', '.join(WANDB_MODES)}, got {w.mode!r}")
 
 
 def wandb_run_id(run_dir: str) -> str:
