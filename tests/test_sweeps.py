@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from localsgd.analysis.report import main as report_main
-from tests.helpers import FAST, run_cli
+from tests.helpers import FAST, cli, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -148,3 +148,43 @@ def test_optuna_search_maximises_the_returned_test_accuracy(tmp_path):
     best = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
     assert best["best_value"] == max(accuracies)
     assert 0.01 <= best["best_params"]["optim.lr"] <= 1.0
+
+
+@pytest.mark.timeout(300)
+def test_optuna_search_minimises_the_optimized_metric(tmp_path):
+    """`optimized_metric` names what each job returns and `direction` which way is better: two
+    trials minimising test_loss report the smaller of the two runs' losses as the best."""
+    sweep = tmp_path / "sweep"
+    proc = run_cli(
+        [
+            "-m",
+            "+experiment=optuna_lr",
+            "hydra.sweeper.n_trials=2",
+            "optimized_metric=test_loss",
+            "hydra.sweeper.direction=minimize",
+            *SWEEP,
+            f"hydra.sweep.dir={sweep}",
+            "hydra.sweep.subdir=${hydra.job.num}",  # all the overrides make too long a name
+        ]  # fmt: skip
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = [
+        json.loads((job / "summary.json").read_text())["test_loss"]
+        for job in sweep.iterdir()
+        if (job / "summary.json").is_file()
+    ]
+    assert len(losses) == 2 and min(losses) < max(losses)  # so that the direction matters
+    best = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
+    assert best["best_value"] == min(losses)
+
+
+@pytest.mark.timeout(120)
+def test_an_optimized_metric_the_summary_lacks_is_one_line_naming_the_keys(tmp_path):
+    run_dir = tmp_path / "run"
+    args = [*FAST, "dist.world_size=1", "trainer.max_steps=4", "optimized_metric=val_loss"]
+    proc, left = cli([*args, f"hydra.run.dir={run_dir}"], timeout=100)
+    assert proc.returncode == 2 and not left, proc.stderr[-3000:]
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: optimized_metric must be a numeric key of summary.json (")
+    assert line.endswith(", got 'val_loss'") and "(test_loss, test_accuracy, steps, " in line
+    assert (run_dir / "summary.json").is_file()  # the finished run is kept
