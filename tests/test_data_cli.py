@@ -106,4 +106,6 @@ def test_image_folder_preset_trains_on_a_folder_of_pngs(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["dataset"] == "image_folder" and summary["steps"] == 4
     state = torch.load(run_dir / "model.pt", weights_only=True)
-    assert next(v for k, v in state.items() if k.endswith("weight")).dim() == 4  # 2-D convs
+    weights = [v for k, v in state.items() if k.endswith("weight")]
+    assert weights[0].dim() == 4 and weights[0].shape[1] == 3  # 2-D convs over RGB images
+    assert weights[-1].shape[0] == 3  # one logit per class folder: cat, dog, fox

@@ -71,8 +71,8 @@ def test_docs_pages_exist():
     assert len(DOCS) > 1, "docs/*.md is missing"
 
 
-@pytest.mark.parametrize("path", DOCS, ids=lambda p: os.path.relpath(p, ROOT))
-def test_relative_links_resolve(path):
+def _broken(path: str) -> list[str]:
+    """The relative links in `path` whose file or #anchor does not exist."""
     broken = []
     for target in _links(path):
         if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # http:, https:, mailto: ...
@@ -84,7 +84,34 @@ def test_relative_links_resolve(path):
             broken.append(f"{target} (no such file)")
         elif anchor and dest.endswith(".md") and anchor not in _anchors(dest):
             broken.append(f"{target} (no heading with that anchor)")
+    return broken
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: os.path.relpath(p, ROOT))
+def test_relative_links_resolve(path):
+    broken = _broken(path)
     assert not broken, f"{os.path.relpath(path, ROOT)}: " + ", ".join(broken)
+
+
+def test_the_link_check_finds_the_links_and_reports_the_broken_ones(tmp_path):
+    """The check above passes for a page whose links it never saw: it must see them."""
+    (tmp_path / "other.md").write_text("# Other page\n\n## A `code` heading\n")
+    page = tmp_path / "page.md"
+    page.write_text(
+        "# Title\n"
+        "[ok](other.md) [ok anchor](other.md#a-code-heading) [here](#title) "
+        '![img](other.md "t") [web](https://example.com/missing.md)\n'
+        "[gone](missing.md) [bad anchor](other.md#nope) [bad here](#nothing)\n"
+        "`[in code](missing-too.md)`\n"
+        "```\n[fenced](missing-three.md)\n```\n"
+    )
+    assert _broken(str(page)) == [
+        "missing.md (no such file)",
+        "other.md#nope (no heading with that anchor)",
+        "#nothing (no heading with that anchor)",
+    ]
+    # and the real pages hold relative links for it to check
+    assert sum(not re.match(r"^[a-z][a-z0-9+.-]*:", t) for p in DOCS for t in _links(p)) > 10
 
 
 def test_slug_matches_github():

@@ -4,6 +4,7 @@ traceback, and no process is left behind."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -13,7 +14,7 @@ import time
 
 import pytest
 
-from tests.helpers import FAST, ROOT
+from tests.helpers import FAST, ROOT, cli
 
 pytestmark = pytest.mark.slow
 
@@ -76,6 +77,13 @@ def test_first_ctrl_c_stops_at_a_sync_with_a_checkpoint_and_resumes(tmp_path):
     assert (run_dir / "checkpoints" / f"step-{stopped}").is_dir()
     assert not (run_dir / "summary.json").exists()
     assert _group_gone(proc.pid)
+    # ... and resumes: the same command, one step longer, continues from that checkpoint
+    again = [a for a in LONG if not a.startswith("trainer.max_steps=")]
+    again += [f"trainer.max_steps={stopped + 1}", f"hydra.run.dir={run_dir}"]
+    resumed, left = cli(again)
+    assert resumed.returncode == 0 and not left, resumed.stderr[-2000:]
+    assert re.search(rf"resuming from \S*step-{stopped}\b", resumed.stderr), resumed.stderr[-2000:]
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == stopped + 1
 
 
 @pytest.mark.timeout(180)

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
+from torch import nn
 
 from localsgd.config import ConfigError
 from localsgd.models import build_model
@@ -81,8 +82,9 @@ def test_config_flavours_build_identical_models_under_seed(make):
 
 def test_mlp_dropout_and_hidden():
     model = build_model(cfg("mlp", hidden=[16, 8], dropout=0.5), (40,), 3)
-    kinds = [type(m).__name__ for m in model.modules()]
-    assert kinds.count("Linear") == 3 and kinds.count("Dropout") == 2
+    linears = [(m.in_features, m.out_features) for m in model.modules() if type(m) is nn.Linear]
+    assert linears == [(40, 16), (16, 8), (8, 3)]  # the widths asked for, not only the depth
+    assert [m.p for m in model.modules() if type(m) is nn.Dropout] == [0.5, 0.5]
 
 
 def test_cnn_overfits_tiny_mnist1d_batch():
@@ -103,6 +105,9 @@ def test_cnn_overfits_tiny_mnist1d_batch():
 def test_cnn_deep_config_on_tiny_images():
     model = build_model(cfg("cnn", channels=[8, 8, 8, 8, 8], kernel_size=3), (1, 8, 8), 10)
     assert model(torch.randn(2, 1, 8, 8)).shape == (2, 10)
+    # the deep config itself was built (five 3x3 convs of 8), not the preset's two layers
+    convs = [m for m in model.modules() if type(m) is nn.Conv2d]
+    assert [(c.out_channels, c.kernel_size) for c in convs] == [(8, (3, 3))] * 5
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,8 @@
 
 The bodies are those of torch/testing/_internal/distributed/distributed_test.py (torch 2.13),
 ported from NCCL on GPUs to gloo on CPU with 4 processes: `.cuda(...)` and `device_ids` dropped,
-torch's `TestCase` asserts kept through a small shim. `averagers.PeriodicModelAverager` and
+torch's `TestCase` asserts kept through a small shim; one body is corrected, where torch's never
+used the class it names (see its comment). `averagers.PeriodicModelAverager` and
 `hierarchicalSGD.HierarchicalModelAverager` name *our* classes here; every body also runs with
 torch's classes, which shows the port is faithful. The bodies rebind `param.data` every step,
 use mock gradients, torch's `PostLocalSGDOptimizer` and a `weights_only` reload.
@@ -184,30 +185,41 @@ class _Case:
                             self.assertEqual(param.data, torch.ones_like(param.data) * rank)
 
     def test_1_level_hierarchical_model_averager_equivalent_to_periodic_model_averager(self):
+        # Corrected: torch's body builds the hierarchical averager, then rebinds `averager` to a
+        # PeriodicModelAverager before the loop, so the class it names never averaged (only its
+        # constructor ran). Here the hierarchical averager averages `model` while a periodic one
+        # averages `twin` the same way, and the two must agree at every step. torch's warmups
+        # 12..15 become 0, 4, 12: the hierarchical rule counts `step % period`, the periodic one
+        # `(step - warmup_steps) % period`, so they are equivalent only when period divides the
+        # warmup (as torch's own classes show on 13, 14 and 15).
         averagers, hierarchicalSGD = self.averagers, self.hierarchicalSGD  # noqa: N806
         rank = dist.get_rank()
         world_size = dist.get_world_size()
         model = nn.Linear(1, 5, bias=False)
         param = next(model.parameters())
+        twin = nn.Linear(1, 5, bias=False)
+        twin_param = next(twin.parameters())
         tensor = torch.ones_like(param.data) * rank
         expected_avg_tensor = torch.ones_like(param.data) * sum(range(world_size)) / world_size
         period = 4
-        for warmup_steps in [12, 13, 14, 15]:
-            averager = hierarchicalSGD.HierarchicalModelAverager(
+        for warmup_steps in [0, 4, 12]:
+            hierarchical = hierarchicalSGD.HierarchicalModelAverager(
                 # Run the global averaging at a period of 4,
                 # which is equivalent to the above periodic model averaging test case.
                 period_group_size_dict=OrderedDict([(period, world_size)]),
                 warmup_steps=warmup_steps,
             )
-
-            averager = averagers.PeriodicModelAverager(period=period, warmup_steps=warmup_steps)
+            periodic = averagers.PeriodicModelAverager(period=period, warmup_steps=warmup_steps)
             for step in range(20):
                 # Reset the parameters at every step.
                 param.data = copy.deepcopy(tensor)
-                for params in model.parameters():
+                twin_param.data = copy.deepcopy(tensor)
+                for params in (param, twin_param):
                     # mock grad
-                    params.grad = torch.ones_like(param.data)
-                averager.average_parameters(model.parameters())
+                    params.grad = torch.ones_like(params.data)
+                hierarchical.average_parameters(model.parameters())
+                periodic.average_parameters(twin.parameters())
+                self.assertEqual(param.data, twin_param.data)
                 if step >= warmup_steps and (step - warmup_steps) % period == 0:
                     self.assertEqual(param.data, expected_avg_tensor)
                 else:
