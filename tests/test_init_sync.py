@@ -61,7 +61,10 @@ def _worker(rank, world_size, kind, init_sync):
 def _identical(results) -> list[bool]:
     """Per sync: whether both ranks hold bit-identical parameters."""
     a, b = results
-    return [all(torch.equal(x, y) for x, y in zip(pa, pb, strict=True)) for pa, pb in zip(a, b)]
+    return [
+        all(torch.equal(x, y) for x, y in zip(pa, pb, strict=True))
+        for pa, pb in zip(a, b, strict=True)
+    ]
 
 
 @pytest.mark.timeout(120)

@@ -1,4 +1,4 @@
-"""The training recipe (localsgd/recipe.py): mixed precision, gradient clipping, gradient
+"""The training recipe (localsgd/loop/recipe.py): mixed precision, gradient clipping, gradient
 accumulation, torch.compile, and the GradScaler in checkpoints."""
 
 from __future__ import annotations

@@ -195,6 +195,7 @@ RESUME_MAY_CHANGE = (
     "sync.check_replicas",
     "comm.simulate",
     "logger",
+    "optimized_metric",  # what a sweep reads of the summary, not how the run trains
 )
 
 
