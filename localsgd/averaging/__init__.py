@@ -15,6 +15,7 @@ from localsgd.averaging.optimizer_state import OPTIMIZER_STATE_MODES, OptimizerS
 from localsgd.averaging.outer import OUTER_DEFAULTS, OuterAverager, OuterStep
 from localsgd.averaging.overlap import DelayedMean
 from localsgd.averaging.periodic import PeriodicAverager
+from localsgd.averaging.quantize import QUANTIZED_FORMATS, BlockCodec, QuantizedWire
 from localsgd.averaging.reduce import PlainMean, Reducer
 from localsgd.averaging.schedule import AdaptivePeriod, ConstantPeriod, NeverAverage, StepPeriod
 
@@ -22,8 +23,10 @@ __all__ = [
     "COMM_DTYPES",
     "OPTIMIZER_STATE_MODES",
     "OUTER_DEFAULTS",
+    "QUANTIZED_FORMATS",
     "AdaptivePeriod",
     "Averager",
+    "BlockCodec",
     "CommStats",
     "Communicator",
     "ConstantPeriod",
@@ -38,6 +41,7 @@ __all__ = [
     "OuterStep",
     "PeriodicAverager",
     "PlainMean",
+    "QuantizedWire",
     "Reducer",
     "SimulatedLink",
     "StepPeriod",

@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch.torch_version import TorchVersion
+
+if TYPE_CHECKING:
+    from localsgd.averaging.quantize import QuantizedWire
 
 
 @dataclass
@@ -174,3 +178,47 @@ class Communicator:
             self.link.wait_out(start, nbytes)
         self.stats.bytes += nbytes
         self.stats.seconds += time.perf_counter() - start
+
+    def all_gather_(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        """Every rank's `inp` into `out` (`size * inp.numel()` elements, rank r's at
+        `[r * inp.numel():]`), with one all-gather; counted as `inp`'s bytes (what this rank
+        sends) and slowed by the link like every other collective."""
+        start = time.perf_counter()
+        _gather_into(out, inp, self.group)
+        self._account(start, _nbytes(inp))
+
+    def quantized_mean_(
+        self, flat: torch.Tensor, wire: QuantizedWire, residual: torch.Tensor | None = None
+    ) -> None:
+        """Replace `flat` by the mean over the group of every rank's quantised `flat`.
+
+        `wire` (a `localsgd.averaging.quantize.QuantizedWire` for `flat.numel()` values) holds
+        the preallocated buffers. Each rank encodes its `flat`; the messages (payload plus
+        scales, uint8) are all-gathered, since integers cannot be summed in a reduction; then
+        every rank decodes them all and sums them in fp32 in rank order, so every rank gets the
+        same bits. Counted as the message's bytes. With `residual` (error feedback), it receives
+        `flat - (the value this rank's message decodes to)`: what this rank failed to send.
+        """
+        start = time.perf_counter()
+        wire.encode_(flat)
+        if residual is not None:
+            residual.copy_(flat).sub_(wire.decode(wire.send))
+        gathered = wire.gathered(self.size)
+        _gather_into(gathered, wire.send, self.group)
+        acc = wire.accumulator(flat)
+        for rank in range(self.size):
+            value = wire.decode(gathered[rank * wire.nbytes : (rank + 1) * wire.nbytes])
+            if rank == 0:
+                acc.copy_(value)
+            else:
+                acc.add_(value)
+        acc.div_(self.size)
+        if acc is not flat:
+            flat.copy_(acc)
+        self._account(start, wire.nbytes)
+
+
+def _gather_into(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    # torch 2.13 renamed all_gather_into_tensor (gloo and NCCL both have it) to all_gather_single
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, inp, group=group)

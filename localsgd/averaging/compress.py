@@ -6,6 +6,18 @@ Instead each sync communicates the *change* since the last sync, `x - anchor`, w
 in the low precision; the result is `anchor + mean(change)`, added in fp32. All members of a
 group hold the same anchor (the state right after their last common sync), so the result is the
 same on every rank, bit for bit. The low-precision buffers are allocated once.
+
+Below 16 bits (`int8`, `float8_e4m3fn`, `int4`, `float4_e2m1`: `localsgd.averaging.quantize`)
+each value is sent as a code with one fp32 scale per block of values; the messages are
+all-gathered and every rank decodes and averages them in fp32 in rank order
+(`Communicator.quantized_mean_`), again the same bits on every rank.
+
+Error feedback (`error_feedback=True`; Seide et al. 2014, used by DeMo, MuLoCo, SparseLoCo):
+each worker keeps a residual, what it wanted to send minus what its message decodes to, and adds
+it to its next change before sending it, so rounding errors are delayed, never lost: the sum of
+what a worker sent plus its residual is the sum of its true changes. Without it a change that is
+always below a block's resolution (a slow coordinate beside a fast one) is never sent at all. The
+residual is per worker and is checkpointed (`state_dict`).
 """
 
 from __future__ import annotations
@@ -14,62 +26,152 @@ import torch
 
 from localsgd.averaging.comm import Communicator
 from localsgd.averaging.flat import Relayout
+from localsgd.averaging.quantize import (
+    DEFAULT_BLOCK_SIZE,
+    QUANTIZED_FORMATS,
+    BlockCodec,
+    QuantizedWire,
+)
 from localsgd.averaging.reduce import Reducer
 
-COMM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+COMM_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    # block-quantised, with the default block size (`comm_dtype_of` takes another)
+    **{name: BlockCodec(name) for name in QUANTIZED_FORMATS},
+}
+
+# What `comm_dtype_of` returns: a dtype to cast to, or a block-quantised format.
+CommFormat = torch.dtype | BlockCodec
 
 
-def comm_dtype_of(value: str | torch.dtype) -> torch.dtype:
-    if isinstance(value, torch.dtype):
+def comm_dtype_of(
+    value: str | torch.dtype | BlockCodec, block_size: int = DEFAULT_BLOCK_SIZE
+) -> CommFormat:
+    """The communication format named `value`: a torch dtype for float32/bfloat16/float16, a
+    `BlockCodec` with `block_size` values per scale for int8/float8_e4m3fn/int4/float4_e2m1."""
+    if isinstance(value, torch.dtype | BlockCodec):
         return value
     if value not in COMM_DTYPES:
         raise ValueError(f"comm_dtype must be one of {', '.join(COMM_DTYPES)}, got {value!r}")
+    if value in QUANTIZED_FORMATS:
+        return BlockCodec(value, block_size)
     return COMM_DTYPES[value]
 
 
-def wire_buffers(buffers: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor | None]:
-    """Preallocated buffers that carry each flat buffer's communication in `dtype` (None: the
-    buffer goes on the wire as it is)."""
+def wire_buffers(buffers: list[torch.Tensor], dtype: CommFormat) -> list:
+    """Preallocated buffers that carry each flat buffer's communication in `dtype`: a tensor of
+    that dtype, a `QuantizedWire` for a block-quantised format, or None (the buffer goes on the
+    wire as it is)."""
+    if isinstance(dtype, BlockCodec):
+        return [QuantizedWire(dtype, b.numel(), b.device) for b in buffers]
     return [
         None if b.dtype == dtype else torch.empty(b.numel(), dtype=dtype, device=b.device)
         for b in buffers
     ]
 
 
+def residual_buffers(buffers: list[torch.Tensor], low: list, error_feedback: bool) -> list:
+    """Error feedback's residual per flat buffer (zeros), None where nothing is lost (no error
+    feedback, or the buffer is sent as it is)."""
+    return [
+        torch.zeros_like(b) if error_feedback and w is not None else None
+        for b, w in zip(buffers, low, strict=True)
+    ]
+
+
+def lossy_mean_(flat: torch.Tensor, comm: Communicator, low, residual: torch.Tensor | None) -> None:
+    """`flat` (plus `residual`, with error feedback) replaced by its mean over `comm`'s group,
+    sent through `low` (see `wire_buffers`); `residual` then holds what this rank failed to
+    send."""
+    if residual is not None:
+        flat.add_(residual)
+    if isinstance(low, QuantizedWire):
+        comm.quantized_mean_(flat, low, residual)
+        return
+    if residual is not None:
+        low.copy_(flat)
+        torch.sub(flat, low, out=residual)  # wanted - sent
+    comm.mean_(flat, through=low)
+
+
+def load_residuals(residuals: list, saved: list | None) -> None:
+    """Restore the residuals (zeros where the checkpoint has none, e.g. taken without error
+    feedback)."""
+    for i, residual in enumerate(residuals):
+        if residual is None:
+            continue
+        value = saved[i] if saved is not None and i < len(saved) else None
+        if value is None:
+            residual.zero_()
+        else:
+            residual.copy_(value)
+
+
 class LowPrecisionMean(Reducer):
     """Averages flat buffers through low-precision copies of their change since the last sync.
 
-    `levels` anchors are kept for hierarchical averaging: anchor `l` is the state right after the
-    last sync at level `l` or wider, which is what every member of a level-`l` group shares.
+    `dtype`: a 16-bit dtype, or a block-quantised format (a name or a `BlockCodec`; see
+    `comm_dtype_of`). `levels` anchors are kept for hierarchical averaging: anchor `l` is the
+    state right after the last sync at level `l` or wider, which is what every member of a
+    level-`l` group shares. `error_feedback` keeps one residual per worker (one, whatever the
+    level: it is what this worker still owes the average).
     """
 
-    def __init__(self, buffers: list[torch.Tensor], dtype: torch.dtype, levels: int = 1):
-        self.dtype = dtype
+    anchored = True
+
+    def __init__(
+        self,
+        buffers: list[torch.Tensor],
+        dtype: str | torch.dtype | BlockCodec,
+        levels: int = 1,
+        error_feedback: bool = False,
+    ):
+        self.dtype = comm_dtype_of(dtype)
+        self.error_feedback = error_feedback
         self.anchors = [[b.detach().clone() for b in buffers] for _ in range(levels)]
-        self.low = wire_buffers(buffers, dtype)
+        self.low = wire_buffers(buffers, self.dtype)
+        self.residuals = residual_buffers(buffers, self.low, error_feedback)
 
     def reset(self, buffers: list[torch.Tensor]) -> None:
         for anchors in self.anchors:
             for anchor, flat in zip(anchors, buffers, strict=True):
                 anchor.copy_(flat)
+        for residual in self.residuals:
+            if residual is not None:
+                residual.zero_()
 
     def relayout(self, convert: Relayout) -> None:
+        old = [
+            r if r is not None else torch.zeros_like(a)
+            for r, a in zip(self.residuals, self.anchors[0], strict=True)
+        ]
         self.anchors = [convert(anchors) for anchors in self.anchors]
         self.low = wire_buffers(self.anchors[0], self.dtype)
+        self.residuals = residual_buffers(self.anchors[0], self.low, self.error_feedback)
+        if self.error_feedback:
+            load_residuals(self.residuals, convert(old))
 
     def reduce_(self, buffers: list[torch.Tensor], comm: Communicator, level: int, step: int):
-        for flat, anchor, low in zip(buffers, self.anchors[level], self.low, strict=True):
+        for flat, anchor, low, residual in zip(
+            buffers, self.anchors[level], self.low, self.residuals, strict=True
+        ):
             flat.sub_(anchor)  # the change since this group's last sync: small, so bf16 suffices
-            comm.mean_(flat, through=low)
+            lossy_mean_(flat, comm, low, residual)
             flat.add_(anchor)
         for anchors in self.anchors[: level + 1]:
             for anchor, flat in zip(anchors, buffers, strict=True):
                 anchor.copy_(flat)
 
     def state_dict(self) -> dict:
-        return {"anchors": [[a.clone() for a in anchors] for anchors in self.anchors]}
+        state = {"anchors": [[a.clone() for a in anchors] for anchors in self.anchors]}
+        if self.error_feedback:
+            state["residuals"] = [r.clone() if r is not None else None for r in self.residuals]
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         for anchors, saved in zip(self.anchors, state["anchors"], strict=True):
             for anchor, value in zip(anchors, saved, strict=True):
                 anchor.copy_(value)
+        load_residuals(self.residuals, state.get("residuals"))

@@ -21,9 +21,17 @@ import torch
 import torch.distributed as dist
 
 from localsgd.averaging.comm import CommStats, Communicator, SimulatedLink
-from localsgd.averaging.compress import comm_dtype_of, wire_buffers
+from localsgd.averaging.compress import (
+    CommFormat,
+    comm_dtype_of,
+    load_residuals,
+    lossy_mean_,
+    residual_buffers,
+    wire_buffers,
+)
 from localsgd.averaging.flat import FlatBuffers, Relayout
 from localsgd.averaging.periodic import PeriodicAverager
+from localsgd.averaging.quantize import DEFAULT_BLOCK_SIZE, BlockCodec
 from localsgd.averaging.reduce import Reducer
 from localsgd.averaging.schedule import ConstantPeriod
 
@@ -35,7 +43,11 @@ OUTER_DEFAULTS = {  # the papers' settings
 
 class OuterStep(Reducer):
     """The reducer of `OuterAverager`: the mean pseudo-gradient fed to an outer `torch.optim.SGD`
-    over the anchor (communicated in `comm_dtype`; anchor and outer state stay fp32)."""
+    over the anchor (communicated in `comm_dtype`, a dtype or a block-quantised format; anchor
+    and outer state stay fp32). `error_feedback` keeps this worker's residual, what it wanted to
+    send minus what it sent, and adds it to its next pseudo-gradient (see `compress`)."""
+
+    anchored = True
 
     def __init__(
         self,
@@ -44,9 +56,11 @@ class OuterStep(Reducer):
         lr: float,
         momentum: float,
         nesterov: bool,
-        comm_dtype: torch.dtype,
+        comm_dtype: CommFormat,
+        error_feedback: bool = False,
     ):
         self.warmup_steps = warmup_steps
+        self.error_feedback = error_feedback
         self.anchors: list[torch.Tensor] = []
         self.param_numels: list[int] = []
         outer_params = []
@@ -60,17 +74,18 @@ class OuterStep(Reducer):
                 outer_params.append(view)
             self.anchors.append(anchor)
             self.param_numels.append(n)
-        self.low = wire_buffers(flat.buffers, comm_dtype)
+        self.low = wire_buffers(flat.buffers, comm_dtype_of(comm_dtype))
+        self.residuals = residual_buffers(flat.buffers, self.low, error_feedback)
         self.optimizer = torch.optim.SGD(outer_params, lr=lr, momentum=momentum, nesterov=nesterov)
 
     def reduce_(self, buffers: list[torch.Tensor], comm: Communicator, level: int, step: int):
         # the first sync after a warmup (the rule fires at step `warmup_steps`), see the module doc
         plain = self.warmup_steps > 0 and step == self.warmup_steps
-        for flat, anchor, low, n in zip(
-            buffers, self.anchors, self.low, self.param_numels, strict=True
+        for flat, anchor, low, residual, n in zip(
+            buffers, self.anchors, self.low, self.residuals, self.param_numels, strict=True
         ):
             torch.sub(anchor, flat, out=flat)  # pseudo-gradient
-            comm.mean_(flat, through=low)
+            lossy_mean_(flat, comm, low, residual)
             start = 0 if plain else n  # buffers (or everything) are averaged plainly
             anchor[start:].sub_(flat[start:])
         if not plain:
@@ -81,6 +96,9 @@ class OuterStep(Reducer):
     def reset(self, buffers: list[torch.Tensor]) -> None:
         for flat, anchor in zip(buffers, self.anchors, strict=True):
             anchor.copy_(flat)
+        for residual in self.residuals:
+            if residual is not None:
+                residual.zero_()
 
     def relayout(self, convert: Relayout) -> None:
         raise ValueError(
@@ -89,10 +107,13 @@ class OuterStep(Reducer):
         )
 
     def state_dict(self) -> dict:
-        return {
+        state = {
             "anchors": [a.clone() for a in self.anchors],
             "outer_optimizer": self.optimizer.state_dict(),
         }
+        if self.error_feedback:
+            state["residuals"] = [r.clone() if r is not None else None for r in self.residuals]
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         for anchor, saved in zip(self.anchors, state["anchors"], strict=True):
@@ -100,6 +121,7 @@ class OuterStep(Reducer):
         # deep-copied: torch's load_state_dict would otherwise share the momentum tensors with
         # `state`, e.g. with the live averager it was taken from
         self.optimizer.load_state_dict(copy.deepcopy(state["outer_optimizer"]))
+        load_residuals(self.residuals, state.get("residuals"))
 
 
 class OuterAverager(PeriodicAverager):
@@ -107,8 +129,13 @@ class OuterAverager(PeriodicAverager):
 
     `outer_lr`, `outer_momentum`, `outer_nesterov` configure the outer `torch.optim.SGD`
     (DiLoCo: 0.7, 0.9, Nesterov; SlowMo: slow learning rate alpha, slow momentum beta).
-    With `comm_dtype` bfloat16/float16 the pseudo-gradient is communicated in that precision.
-    The anchor must exist from the start, so `module` is required.
+    With `comm_dtype` bfloat16/float16 the pseudo-gradient is communicated in that precision;
+    with int8/float8_e4m3fn/int4/float4_e2m1 it is block-quantised with one fp32 scale per
+    `quant_block_size` values (`localsgd.averaging.quantize`). `error_feedback` adds each
+    worker's rounding residual to its next pseudo-gradient (checkpointed; see `compress`).
+    The anchor must exist from the start, so `module` is required. The outer step moves the
+    anchor by the mean pseudo-gradient, so anchors that differed when built would never meet:
+    with `init_sync` (the default) every rank starts from rank 0's parameters and buffers.
     """
 
     def __init__(
@@ -123,13 +150,24 @@ class OuterAverager(PeriodicAverager):
         outer_momentum: float = 0.9,
         outer_nesterov: bool = True,
         schedule: ConstantPeriod | None = None,
-        comm_dtype: str | torch.dtype = torch.float32,
+        comm_dtype: str | torch.dtype | BlockCodec = torch.float32,
         link: SimulatedLink | None = None,
+        init_sync: bool = True,
+        error_feedback: bool = False,
+        quant_block_size: int = DEFAULT_BLOCK_SIZE,
     ):
-        dtype = comm_dtype_of(comm_dtype)
+        dtype = comm_dtype_of(comm_dtype, quant_block_size)
 
         def outer_step(flat: FlatBuffers) -> Reducer:
-            return OuterStep(flat, warmup_steps, outer_lr, outer_momentum, outer_nesterov, dtype)
+            return OuterStep(
+                flat,
+                warmup_steps,
+                outer_lr,
+                outer_momentum,
+                outer_nesterov,
+                dtype,
+                error_feedback=error_feedback,
+            )
 
         super().__init__(
             period,
@@ -140,7 +178,9 @@ class OuterAverager(PeriodicAverager):
             schedule=schedule,
             link=link,
             reducer=outer_step,
+            init_sync=init_sync,
         )
+        self.comm_dtype = dtype  # what goes on the wire (PeriodicAverager set float32)
 
     @property
     def outer_optimizer(self) -> torch.optim.Optimizer:
