@@ -1,0 +1,525 @@
+"""Averaging across replica groups through torchft's Manager: workers may die and rejoin.
+
+Each sync is one torchft *round*:
+
+1. `manager.start_quorum()` (with `use_async_quorum=False`, so the quorum and any heal happen
+   here): the live replica groups agree on a quorum, and a replica that is behind (restarted, or
+   rolled back while the others committed) loads a live peer's state;
+2. a one-element all-reduce counts the live participants (a replica that healed in this round
+   holds a copy of a peer's state: it contributes zeros and is not counted, so the average is
+   over the live replicas' own progress). It is also the barrier after which the peer that
+   serves its state may modify it (the HTTP transport serves the tensors by reference);
+3. the averager's reducer runs as usual; every `comm.mean_` is one `manager.allreduce` (SUM)
+   of the flat buffer, divided exactly as the plain `Communicator` divides (see
+   `TorchftCommunicator`), so with no fault the result is bit-identical to the
+   torch.distributed path;
+4. `manager.should_commit()`. On True the state is the new global state (snapshot kept); on
+   False every tensor the round touched is rolled back to the snapshot of the last commit
+   (never a half-average) and the average is retried at the next sync.
+
+torchft is imported only by the functions here that need it, never at module import, so a run
+without fault tolerance never imports it. Nothing here imports Hydra or wandb.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.torch_version import TorchVersion
+
+from localsgd.averaging.comm import CommStats, Communicator, SimulatedLink, _nbytes
+
+FT_STATE_KEY = "localsgd_ft"  # our entry in the Manager's state dict
+
+
+# --- services, bound to one interface --------------------------------------------------------
+
+
+def start_lighthouse(
+    min_replicas: int,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    join_timeout_ms: int = 60_000,
+    quorum_tick_ms: int = 50,
+    heartbeat_timeout_ms: int = 2_000,
+) -> tuple[Any, str]:
+    """Start torchft's Lighthouse in this process, bound to `host:port` (0: a free port).
+
+    Returns `(server, address)`; `server.shutdown()` stops it. The address names `host`
+    (torchft's own `address()` names the machine's hostname, which may resolve elsewhere).
+    `min_replicas` is the size of every quorum at least, so with W it makes the first quorum
+    wait for all W replicas: nobody trains alone at the start.
+    """
+    from torchft._torchft import LighthouseServer
+
+    server = LighthouseServer(
+        bind=f"{host}:{port}",
+        min_replicas=min_replicas,
+        join_timeout_ms=join_timeout_ms,
+        quorum_tick_ms=quorum_tick_ms,
+        heartbeat_timeout_ms=heartbeat_timeout_ms,
+    )
+    bound_port = int(server.address().rsplit(":", 1)[1])
+    return server, f"http://{host}:{bound_port}"
+
+
+def _loopback_transport(host: str, timeout: timedelta):
+    """torchft's HTTPTransport (the checkpoint server a healing replica fetches from), bound to
+    `host` instead of every interface and advertising `host` instead of the hostname."""
+    import socket
+    from http.server import ThreadingHTTPServer
+
+    import torchft.checkpointing.http_transport as http_transport
+
+    class Server(ThreadingHTTPServer):
+        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        daemon_threads = True
+
+        def __init__(self, server_address, handler):
+            super().__init__((host, server_address[1]), handler)
+
+    class Transport(http_transport.HTTPTransport):
+        def address(self) -> str:
+            port = self._server.socket.getsockname()[1]
+            name = f"[{host}]" if ":" in host else host
+            return f"http://{name}:{port}/checkpoint/"
+
+    with _patched(http_transport, "_IPv6HTTPServer", Server):
+        return Transport(timeout=timeout, num_chunks=0)
+
+
+_PATCH_LOCK = threading.RLock()
+
+
+@contextlib.contextmanager
+def _patched(module, name: str, value):
+    with _PATCH_LOCK:
+        saved = getattr(module, name)
+        setattr(module, name, value)
+        try:
+            yield
+        finally:
+            setattr(module, name, saved)
+
+
+def make_manager(
+    *,
+    replica_id: str,
+    lighthouse: str,
+    min_replicas: int = 1,
+    store_addr: str | None = None,
+    store_port: int | None = None,
+    rank: int = 0,
+    world_size: int = 1,
+    host: str = "127.0.0.1",
+    timeout_s: float = 30.0,
+    quorum_timeout_s: float = 60.0,
+    connect_timeout_s: float = 10.0,
+    heartbeat_ms: int = 100,
+    init_sync: bool = False,
+    **kwargs,
+):
+    """A torchft `Manager` for one rank of a replica group, every server bound to `host`.
+
+    The Manager needs the replica group's TCPStore (`store_addr:store_port`); with none given
+    a store is hosted here (enough for a single-process replica group) and kept on the manager
+    as `manager._localsgd_store`. Rank 0 of the group runs the ManagerServer (torchft binds it
+    to `[::]`; here to `host`), and every rank an HTTP checkpoint server (bound to `host`).
+
+    `replica_id` should end in digits that order the replicas as the plain path orders ranks
+    (`"replica_03"`): torchft sorts quorum members by id string and derives ranks from the
+    trailing digits. `init_sync=False`: replicas start identical (seeded) and nobody heals at
+    step 0. Extra `kwargs` go to `Manager`. The Manager is built with `use_async_quorum=False`.
+    """
+    import torchft.manager as ft_manager
+    from torchft.process_group import ProcessGroupGloo
+
+    store = None
+    if store_addr is None:
+        store = dist.TCPStore(
+            host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
+        )
+        store_addr, store_port = host, store.port
+    timeout = timedelta(seconds=timeout_s)
+    real_server = ft_manager.ManagerServer
+
+    def bound_server(**kw):
+        kw["bind"] = f"{host}:{kw['bind'].rsplit(':', 1)[1]}"
+        return real_server(**kw)
+
+    transport = _loopback_transport(host, timeout)
+    with _patched(ft_manager, "ManagerServer", bound_server):
+        manager = ft_manager.Manager(
+            pg=ProcessGroupGloo(timeout=timeout),
+            load_state_dict=None,
+            state_dict=None,
+            min_replica_size=min_replicas,
+            use_async_quorum=False,
+            timeout=timeout,
+            quorum_timeout=timedelta(seconds=quorum_timeout_s),
+            connect_timeout=timedelta(seconds=connect_timeout_s),
+            rank=rank,
+            world_size=world_size,
+            store_addr=store_addr,
+            store_port=store_port,
+            lighthouse_addr=lighthouse,
+            replica_id=replica_id,
+            hostname=host,
+            heartbeat_interval=timedelta(milliseconds=heartbeat_ms),
+            checkpoint_transport=transport,
+            init_sync=init_sync,
+            **kwargs,
+        )
+    manager._localsgd_store = store
+    return manager
+
+
+# --- the communicator ------------------------------------------------------------------------
+
+
+def _sum_then_divide(local: Communicator | None) -> bool:
+    """Divide as the plain path would: where the backend averages inside the reduction (gloo
+    from torch 2.13, NCCL) it sums then divides (measured bit-identical to gloo's AVG), so we
+    do too; else the plain path divides first, and so do we."""
+    if local is not None:
+        return local.use_avg
+    if torch.cuda.is_available():
+        return True
+    return TorchVersion(torch.__version__) >= (2, 13)
+
+
+class TorchftCommunicator(Communicator):
+    """The widest level of an averager, across replica groups, through a torchft Manager.
+
+    `local`, the communicator of this replica group (torch.distributed, size > 1 when the
+    group has several processes), is averaged first; then the groups average through
+    `manager.allreduce`. Collectives happen only inside a round (`begin()` ... `commit()`),
+    which `FaultTolerantAverager` drives. `participants` is the number of replica groups the
+    last average included; `size` the number of workers.
+    """
+
+    def __init__(
+        self,
+        manager,
+        *,
+        local: Communicator | None = None,
+        stats: CommStats | None = None,
+        link: SimulatedLink | None = None,
+        replicas: int = 1,
+    ):
+        self.manager = manager
+        self.local = local if local is not None and local.size > 1 else None
+        self.group = None
+        self.stats = stats if stats is not None else CommStats()
+        self.link = link
+        self.use_avg = False  # the division is ours (see mean_)
+        self.sum_first = _sum_then_divide(self.local)
+        self.participants = replicas  # replica groups in the last average
+        self.live = True  # this replica contributes to this round's average
+        self.healed = False  # this replica loaded a peer's state in this round
+        self.in_round = False
+        self._count = torch.zeros(1)
+
+    @property
+    def size(self) -> int:
+        return self.participants * (self.local.size if self.local is not None else 1)
+
+    def subgroups(self, size: int) -> Communicator:
+        raise ValueError(
+            "the torchft communicator spans replica groups: build inner levels from the "
+            "replica group's own torch.distributed communicator"
+        )
+
+    def begin(self) -> bool:
+        """Start a round: the quorum (and a heal, if this replica is behind), then the count of
+        live participants. Returns whether this replica healed."""
+        self.healed = False
+        self.in_round = True
+        self.manager.start_quorum()
+        self.live = not self.healed and self.manager.errored() is None
+        self._count.fill_(1.0 if self.live else 0.0)
+        self.manager.allreduce(self._count, reduce_op=dist.ReduceOp.SUM).wait()
+        if self.manager.errored() is None:
+            self.participants = int(round(self._count.item()))
+        return self.healed
+
+    def commit(self) -> bool:
+        """End the round: True when every replica group may keep its result."""
+        self.in_round = False
+        ok = self.manager.should_commit()
+        return bool(ok and self.participants > 0)
+
+    def mean_(self, flat: torch.Tensor, through: torch.Tensor | None = None) -> None:
+        """Replace `flat` by its mean over the live workers: one SUM all-reduce of the flat
+        buffer, divided as the plain `Communicator` divides. After an error the buffer may hold
+        anything: the round will not commit, and the caller rolls back."""
+        if not self.in_round:
+            raise RuntimeError("TorchftCommunicator.mean_ outside a round (begin()/commit())")
+        start = time.perf_counter()
+        if self.local is not None:
+            counted = (self.stats.bytes, self.stats.seconds)
+            self.local.mean_(flat, through)
+            self.stats.bytes, self.stats.seconds = counted  # the whole mean is counted below
+        wire = flat if through is None else through.copy_(flat)
+        if self.manager.errored() is None:
+            n = max(self.participants, 1)
+            if not self.live:
+                wire.zero_()
+            if not self.sum_first:
+                wire.div_(n)
+            self.manager.allreduce(wire, reduce_op=dist.ReduceOp.SUM).wait()
+            if self.sum_first and self.manager.errored() is None:
+                wire.div_(n)
+            if through is not None:
+                flat.copy_(wire)
+        self._account(start, _nbytes(wire))
+
+    def launch_mean_(self, pieces: list[torch.Tensor]):
+        raise NotImplementedError(
+            "delayed (overlapped) averaging is not supported across torchft replica groups"
+        )
+
+    def broadcast_(self, flat: torch.Tensor, src: int = 0) -> None:
+        """Inside the replica group only: across groups replicas start identical (seeded), or
+        heal from a peer (`make_manager(init_sync=True)`)."""
+        if self.local is not None:
+            self.local.broadcast_(flat, src)
+
+
+# --- the round driver around an averager -----------------------------------------------------
+
+
+def _clone_tree(value):
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _clone_tree(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_clone_tree(v) for v in value)
+    return value
+
+
+def attach(averager, comm: TorchftCommunicator) -> None:
+    """Make `comm` the widest level of `averager` (every level that is the averager's
+    `comm`), sharing its counters; a stop-gap until the averagers take `comm=`."""
+    old = averager.comm
+    if comm.local is None and old.size > 1:
+        comm.local = old
+        comm.sum_first = _sum_then_divide(old)
+    comm.stats = averager.stats
+    averager.levels = [comm if level is old else level for level in averager.levels]
+    averager.comm = comm
+
+
+class FaultTolerantAverager:
+    """Drives an averager's widest-level averages as torchft rounds, with rollback and heal.
+
+    `averager` is a `PeriodicAverager`, `OuterAverager` or `HierarchicalAverager` (built on the
+    replica group's own process group; its widest level is replaced by `comm`); `gradients`, an
+    optional `GradientAverager` for a synchronous warmup (its communicator is replaced too).
+
+    The owner calls `start()` once before training (the first quorum; a restarted replica heals
+    there and finishes the round its peers are in), then `maybe_average()` instead of
+    `averager.maybe_average()` after every optimizer step, and `all_reduce_gradients()` instead
+    of `gradients.all_reduce()` during the warmup (skip the optimizer step when it returns
+    False). `register_state(key, state_dict, load_state_dict)` adds what a healing replica must
+    receive besides the averager (model with integer buffers, optimizer, sampler, RNG, the
+    owner's counters); the averager's own state and the flat buffers are sent already.
+    `track(state_dict, load_state_dict)` adds state that a failed round must roll back.
+    """
+
+    def __init__(self, averager, comm: TorchftCommunicator, *, gradients=None):
+        if averager.reducer.delays:
+            raise ValueError("overlap (delayed averaging) cannot run through torchft")
+        self.averager = averager
+        self.comm = comm
+        self.manager = comm.manager
+        attach(averager, comm)
+        self.gradients = gradients
+        if gradients is not None:
+            gradients.comm = comm
+            gradients.stats = comm.stats
+        self.failed_syncs = 0  # rounds rolled back (the same on every replica)
+        self.heals = 0  # times this replica loaded a live peer's state
+        self.participants_min = comm.participants
+        self.phase = "start"  # the round this replica is in (sent to a healing peer)
+        self.tracked: list[tuple[Callable[[], Any], Callable[[Any], None]]] = []
+        self.committed: dict | None = None
+        self._peer: dict | None = None
+        self._snapshot_due = False
+        self.manager.register_state_dict_fn(FT_STATE_KEY, self._load_ft_state, self._ft_state)
+
+    # --- state ---------------------------------------------------------------------------------
+
+    @property
+    def participants(self) -> int:
+        return self.comm.participants
+
+    def register_state(
+        self, key: str, state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None]
+    ) -> None:
+        """What a healing replica receives besides the averager; loaded in registration
+        order, after the averager's state and flat buffers."""
+        self.manager.register_state_dict_fn(key, load_state_dict, state_dict)
+
+    def track(self, state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None]):
+        """State a failed round rolls back too (e.g. optimizer state averaged by a hook)."""
+        self.tracked.append((state_dict, load_state_dict))
+
+    def _snapshot(self) -> dict:
+        av = self.averager
+        av.ensure_bound()
+        return {
+            "buffers": [b.detach().clone() for b in av.flat.buffers],
+            "reducer": _clone_tree(av.reducer.state_dict()),
+            "tracked": [_clone_tree(fn()) for fn, _ in self.tracked],
+        }
+
+    def _restore(self, snap: dict) -> None:
+        av = self.averager
+        av.ensure_bound()
+        for mine, saved in zip(av.flat.buffers, snap["buffers"], strict=True):
+            mine.copy_(saved)
+        av.reducer.load_state_dict(_clone_tree(snap["reducer"]))
+        for (_, load), saved in zip(self.tracked, snap["tracked"], strict=True):
+            load(_clone_tree(saved))
+
+    def _ft_state(self) -> dict:
+        # served by reference until every healer has loaded it (the count all-reduce in
+        # begin() is the barrier), so no clones are needed beyond those state_dict() makes
+        av = self.averager
+        av.ensure_bound()
+        return {
+            "phase": self.phase,
+            "averager": av.state_dict(),
+            "buffers": list(av.flat.buffers),
+            "committed": self.committed,
+            "failed_syncs": self.failed_syncs,
+            "participants_min": self.participants_min,
+        }
+
+    def _load_ft_state(self, state: dict) -> None:
+        av = self.averager
+        av.ensure_bound()
+        av.load_state_dict(state["averager"])
+        for mine, theirs in zip(av.flat.buffers, state["buffers"], strict=True):
+            mine.copy_(theirs)
+        self.committed = _clone_tree(state["committed"])
+        self.failed_syncs = int(state["failed_syncs"])
+        self.participants_min = min(self.participants_min, int(state["participants_min"]))
+        self._peer = {"phase": state["phase"]}
+        self.comm.healed = True
+
+    def state_dict(self) -> dict:
+        """The counters, for the owner's checkpoint."""
+        return {
+            "failed_syncs": self.failed_syncs,
+            "heals": self.heals,
+            "participants_min": self.participants_min,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.failed_syncs = int(state["failed_syncs"])
+        self.heals = int(state["heals"])
+        self.participants_min = int(state["participants_min"])
+
+    # --- rounds --------------------------------------------------------------------------------
+
+    def _round(self, phase: str, body: Callable[[], Any]) -> bool:
+        self.phase = phase
+        if self.comm.begin():
+            self.heals += 1  # behind its peers (rolled back while they committed)
+        body()
+        ok = self.comm.commit()
+        if ok:
+            self.participants_min = min(self.participants_min, self.comm.participants)
+            if phase != "grad":
+                self.committed = self._snapshot()
+            else:
+                self._snapshot_due = True
+        else:
+            self.failed_syncs += 1
+            if phase != "grad" and self.committed is not None:
+                self._restore(self.committed)
+        self.phase = "idle"
+        return ok
+
+    def start(self, wait_for: int = 1, timeout_s: float = 120.0) -> str:
+        """The first round, before training. A fresh replica repeats empty rounds until a
+        quorum holds `wait_for` replica groups (give W: nobody trains alone while the others
+        still start; the lighthouse's own `min_replicas` is the steady-state minimum) and
+        returns "fresh". A restarted replica (behind its peers) heals from a live peer in the
+        first quorum, finishes the round that peer is in and returns "healed" ("grad" after a
+        warmup gradient round: the owner must still take that step's optimizer step)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.phase = "start"
+            self._peer = None
+            healed = self.comm.begin()
+            phase = self._peer["phase"] if healed and self._peer else "start"
+            # a late fresh replica gets its peers' start state: not counted as a heal
+            healed = healed and phase != "start"
+            self.heals += healed
+            if phase == "sync":
+                self.averager.maybe_average()
+            elif phase == "average":
+                self.averager.average()
+            elif phase == "grad" and self.gradients is not None:
+                self.gradients.all_reduce()
+            ok = self.comm.commit()
+            self.phase = "idle"
+            if ok and not healed and self.manager.num_participants() < wait_for:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"torchft: {self.manager.num_participants()} of {wait_for} replica "
+                        f"groups joined within {timeout_s:g} s"
+                    )
+                time.sleep(0.05)
+                continue
+            if ok:
+                if phase != "grad":
+                    self.committed = self._snapshot()
+                else:
+                    self._snapshot_due = True
+                if healed:
+                    return "grad" if phase == "grad" else "healed"
+                return "fresh"
+            self.failed_syncs += 1
+            if self.committed is not None:
+                self._restore(self.committed)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"torchft: no committed first round within {timeout_s:g} s")
+
+    def maybe_average(self) -> bool:
+        """`averager.maybe_average()`, where a widest-level average is a torchft round.
+        Returns whether the averager averaged (a rolled-back round counts as averaged: the
+        replicas hold the last global state)."""
+        av = self.averager
+        if self._snapshot_due and av.step == av.warmup_steps - 1:
+            # the last synchronous warmup step: every replica holds the same weights now
+            self.committed = self._snapshot()
+            self._snapshot_due = False
+        if not av.averages_all(av.step):
+            return av.maybe_average()
+        done = []
+        self._round("sync", lambda: done.append(av.maybe_average()))
+        return bool(done and done[0])
+
+    def average(self) -> bool:
+        """An average outside the schedule (e.g. before the final evaluation), as a round."""
+        return self._round("average", self.averager.average)
+
+    def all_reduce_gradients(self) -> bool:
+        """The warmup's gradient average as a round; False: the gradients are not valid on
+        this replica, skip this optimizer step."""
+        if self.gradients is None:
+            raise ValueError("FaultTolerantAverager(gradients=...) was not given")
+        return self._round("grad", self.gradients.all_reduce)

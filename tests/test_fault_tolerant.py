@@ -1,0 +1,265 @@
+"""Averaging through torchft's Manager (localsgd.averaging.fault_tolerant): no fault equals the
+plain torch.distributed path bit for bit; a replica killed between syncs is dropped and, once
+restarted, heals from a live peer; a replica killed inside the all-reduce makes the round roll
+back on the survivors, never leaving a half-average.
+
+Three single-process replica groups on gloo, one in-process lighthouse, all on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import multiprocessing
+import os
+import signal
+import socket
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytest.importorskip("torchft")
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
+
+W = 3
+PERIOD = 4
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+
+
+def _batch(index: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * index + step)
+    return torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)
+
+
+def _averager(kind: str, model: torch.nn.Module):
+    from localsgd.averaging import OuterAverager, PeriodicAverager
+
+    if kind == "outer":
+        return OuterAverager(PERIOD, module=model)
+    return PeriodicAverager(PERIOD, module=model)
+
+
+def _replica(cfg: dict) -> None:
+    """One worker: a replica group of one process (`mode="ft"`), or one rank of a plain
+    torch.distributed world of W (`mode="plain"`). Writes what it saw to `out/INDEX.pt`."""
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    faulthandler.dump_traceback_later(80, exit=True)  # a hung worker says where, then dies
+    torch.set_num_threads(1)
+    index, steps = cfg["index"], cfg["steps"]
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    timeout = timedelta(seconds=20)
+    seen: dict = {"participants": {}, "after": {}}
+    if cfg["mode"] == "plain":
+        store = dist.TCPStore("127.0.0.1", cfg["port"], W, index == 0, timeout=timeout)
+        dist.init_process_group("gloo", store=store, rank=index, world_size=W, timeout=timeout)
+        av = _averager(cfg["kind"], model)
+        ft = None
+    else:
+        from localsgd.averaging.fault_tolerant import (
+            FaultTolerantAverager,
+            TorchftCommunicator,
+            make_manager,
+        )
+
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        av = _averager(cfg["kind"], model)
+        manager = make_manager(
+            replica_id=f"replica_{index:02d}",
+            lighthouse=cfg["lighthouse"],
+            min_replicas=1,
+            timeout_s=cfg.get("timeout_s", 10.0),
+        )
+        comm = TorchftCommunicator(manager, replicas=W)
+        ft = FaultTolerantAverager(av, comm)
+        ft.register_state("model", model.state_dict, model.load_state_dict)
+        ft.register_state("optimizer", opt.state_dict, opt.load_state_dict)
+        if cfg.get("fail_at") is not None and index == cfg["victim"]:
+            real_mean = comm.mean_
+
+            def mean_(flat, through=None):
+                if av.step == cfg["fail_at"]:
+                    os.kill(os.getpid(), signal.SIGKILL)  # inside the round, mid all-reduces
+                real_mean(flat, through)
+
+            comm.mean_ = mean_
+        if cfg.get("restarted"):
+            open(cfg["ready"], "w").close()
+        seen["start"] = ft.start(wait_for=1 if cfg.get("restarted") else W)
+        if seen["start"] == "healed":
+            seen["participants"][av.step - 1] = ft.participants
+            seen["after"][av.step - 1] = [b.clone() for b in av.flat.buffers]
+    try:
+        while av.step < steps:
+            step = av.step
+            if step == cfg.get("kill_at") and index == cfg.get("victim"):
+                os.kill(os.getpid(), signal.SIGKILL)
+            if step == cfg.get("hold_at") and cfg.get("ready"):
+                deadline = time.monotonic() + 60
+                while not os.path.exists(cfg["ready"]) and time.monotonic() < deadline:
+                    time.sleep(0.02)
+            x, y = _batch(index, step)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            synced = ft.maybe_average() if ft is not None else av.maybe_average()
+            if synced:
+                seen["after"][step] = [b.clone() for b in av.flat.buffers]
+                if ft is not None:
+                    seen["participants"][step] = ft.participants
+        if ft is not None:
+            seen.update(ft.state_dict())
+        seen["flat"] = [b.clone() for b in av.flat.buffers]
+        torch.save(seen, os.path.join(cfg["out"], f"{index}.pt"))
+    finally:
+        if ft is not None:
+            ft.manager.shutdown(wait=False)
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Job:
+    """The worker processes of one test; every one is killed at the end."""
+
+    def __init__(self, tmp_path, **common):
+        self.ctx = multiprocessing.get_context("spawn")
+        self.common = {"out": str(tmp_path), **common}
+        self.procs: dict[int, multiprocessing.Process] = {}
+
+    def start(self, index: int, **extra) -> None:
+        proc = self.ctx.Process(target=_replica, args=({**self.common, "index": index, **extra},))
+        proc.start()
+        self.procs[index] = proc
+
+    def wait(self, index: int, timeout: float = 60) -> int:
+        self.procs[index].join(timeout)
+        assert self.procs[index].exitcode is not None, f"replica {index} hangs"
+        return self.procs[index].exitcode
+
+    def kill_all(self) -> None:
+        for proc in self.procs.values():
+            if proc.is_alive():
+                proc.kill()
+            proc.join(5)
+
+
+@pytest.fixture
+def lighthouse():
+    from localsgd.averaging.fault_tolerant import start_lighthouse
+
+    server, address = start_lighthouse(1, heartbeat_timeout_ms=1000, quorum_tick_ms=20)
+    yield address
+    server.shutdown()
+
+
+def _results(tmp_path, indices) -> dict:
+    return {i: torch.load(tmp_path / f"{i}.pt") for i in indices}
+
+
+def _identical(results: dict) -> None:
+    first, *others = results.values()
+    for other in others:
+        for a, b in zip(first["flat"], other["flat"], strict=True):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kind", ["periodic", "outer"])
+def test_no_fault_equals_plain_path(tmp_path, lighthouse, kind):
+    """No fault: the same bits as torch.distributed. gloo's AVG (torch 2.13) sums then
+    divides; the torchft path sums the same flat buffer over the same rank order, then divides
+    by the same count, so the results are bit-identical (not merely within 1e-6)."""
+    steps = 13
+    plain_dir, ft_dir = tmp_path / "plain", tmp_path / "ft"
+    plain_dir.mkdir(), ft_dir.mkdir()
+    plain = Job(plain_dir, mode="plain", kind=kind, steps=steps, port=_free_port())
+    ft = Job(ft_dir, mode="ft", kind=kind, steps=steps, lighthouse=lighthouse)
+    try:
+        for i in range(W):
+            plain.start(i)
+            ft.start(i)
+        for i in range(W):
+            assert plain.wait(i) == 0
+            assert ft.wait(i) == 0
+    finally:
+        plain.kill_all()
+        ft.kill_all()
+    want, got = _results(plain_dir, range(W)), _results(ft_dir, range(W))
+    _identical(got)
+    for a, b in zip(want[0]["flat"], got[0]["flat"], strict=True):
+        assert torch.equal(a, b)
+    assert got[0]["participants"] == {0: 3, 4: 3, 8: 3, 12: 3}
+    assert got[0]["failed_syncs"] == 0 and got[0]["heals"] == 0
+
+
+def test_killed_between_syncs_then_heals(tmp_path, lighthouse):
+    """Replica 2 dies at step 6; the sync after step 8 goes ahead with 2; restarted, it heals
+    from a live peer (model, optimizer, outer state) at the sync after step 12, which counts
+    the 2 live replicas; from the sync after step 16 on all 3 average, bit-identical."""
+    ready = str(tmp_path / "ready")
+    job = Job(
+        tmp_path, mode="ft", kind="outer", steps=17, lighthouse=lighthouse, victim=2,
+        kill_at=6, hold_at=9, ready=ready,
+    )
+    try:
+        for i in range(W):
+            job.start(i)
+        assert job.wait(2) == -signal.SIGKILL
+        job.start(2, kill_at=None, restarted=True)
+        for i in range(W):
+            assert job.wait(i) == 0
+    finally:
+        job.kill_all()
+    got = _results(tmp_path, range(W))
+    _identical(got)
+    assert got[0]["participants"] == {0: 3, 4: 3, 8: 2, 12: 2, 16: 3}
+    assert got[2]["start"] == "healed" and got[2]["heals"] == 1
+    assert got[2]["participants"] == {12: 2, 16: 3}
+    assert got[0]["heals"] == 0 and got[0]["failed_syncs"] == 0
+    for a, b in zip(got[0]["after"][12], got[2]["after"][12], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_killed_inside_all_reduce_rolls_back(tmp_path, lighthouse):
+    """Replica 2 dies inside the sync after step 8: the survivors' round fails to commit and
+    they hold exactly the global weights of the sync after step 4 (no half-average); the sync
+    after step 12 commits with 2, and the survivors end identical."""
+    job = Job(
+        tmp_path, mode="ft", kind="periodic", steps=13, lighthouse=lighthouse, victim=2,
+        fail_at=8, timeout_s=5.0,
+    )
+    try:
+        for i in range(W):
+            job.start(i)
+        assert job.wait(2) == -signal.SIGKILL
+        for i in range(2):
+            assert job.wait(i) == 0
+    finally:
+        job.kill_all()
+    got = _results(tmp_path, range(2))
+    _identical(got)
+    for r in got.values():
+        assert r["failed_syncs"] == 1
+        for a, b in zip(r["after"][4], r["after"][8], strict=True):
+            assert torch.equal(a, b)  # rolled back to the last global weights
+        assert r["participants"][12] == 2
+
+
+def test_import_does_not_load_torchft():
+    import subprocess
+    import sys
+
+    code = "import sys, localsgd.averaging; print('torchft' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False", out.stderr
