@@ -209,8 +209,15 @@ def test_killed_between_syncs_then_heals(tmp_path, lighthouse):
     the 2 live replicas; from the sync after step 16 on all 3 average, bit-identical."""
     ready = str(tmp_path / "ready")
     job = Job(
-        tmp_path, mode="ft", kind="outer", steps=17, lighthouse=lighthouse, victim=2,
-        kill_at=6, hold_at=9, ready=ready,
+        tmp_path,
+        mode="ft",
+        kind="outer",
+        steps=17,
+        lighthouse=lighthouse,
+        victim=2,
+        kill_at=6,
+        hold_at=9,
+        ready=ready,
     )
     try:
         for i in range(W):
@@ -236,8 +243,14 @@ def test_killed_inside_all_reduce_rolls_back(tmp_path, lighthouse):
     they hold exactly the global weights of the sync after step 4 (no half-average); the sync
     after step 12 commits with 2, and the survivors end identical."""
     job = Job(
-        tmp_path, mode="ft", kind="periodic", steps=13, lighthouse=lighthouse, victim=2,
-        fail_at=8, timeout_s=5.0,
+        tmp_path,
+        mode="ft",
+        kind="periodic",
+        steps=13,
+        lighthouse=lighthouse,
+        victim=2,
+        fail_at=8,
+        timeout_s=5.0,
     )
     try:
         for i in range(W):
