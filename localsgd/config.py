@@ -88,7 +88,20 @@ class SyncConfig:
     outer_momentum: float | None = None  # null = diloco 0.9, slowmo 0.5
     outer_nesterov: bool | None = None  # null = diloco true, slowmo false
     optimizer_state: str = "local"  # local | average | reset, at each sync
-    comm_dtype: str = "float32"  # float32 | bfloat16 | float16
+    # what an average sends (localsgd.averaging.COMM_DTYPES): float32 | bfloat16 | float16, or
+    # block-quantised int8 | float8_e4m3fn | int4 | float4_e2m1 (per-block fp32 scales)
+    comm_dtype: str = "float32"
+    quant_block_size: int = 128  # values per scale of the block-quantised formats
+    # keep each worker's rounding residual and add it to its next sync's change (checkpointed)
+    error_feedback: bool = False
+    # Streaming DiLoCo (Douillard et al. 2025): P fragments strided by block, fragment p's outer
+    # step every `period` steps offset by p*period/P (1 = the whole model at once)
+    fragments: int = 1
+    delay_steps: int = 0  # tau: a fragment's all-reduce runs while tau more steps train
+    merge_alpha: float = 0.0  # merged = alpha * local + (1 - alpha) * global (paper: 0.5)
+    # Eager updates (Kale et al. 2025): the outer step uses the fresh local pseudo-gradient with
+    # the others' one-round-late ones, so the whole outer all-reduce overlaps training
+    eager: bool = False
     check_replicas: bool = False  # after each sync, verify replicas are bit-identical (a gather)
     # launch each average asynchronously and apply it one step later, keeping that step's progress
     overlap: bool = False

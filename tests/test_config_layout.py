@@ -64,6 +64,14 @@ OLD_EXPERIMENTS = {
         "sync.max_period": 64,
         "sync.adaptive_tolerance": 0.01,
     },  # fmt: skip
+    "streaming_diloco": {
+        "sync.period": 48,
+        "sync.outer": "diloco",
+        "sync.fragments": 4,
+        "sync.delay_steps": 1,
+        "sync.merge_alpha": 0.5,
+        "optim._target_": "torch.optim.AdamW",
+    },  # fmt: skip
     "sweep_period": {"sync.warmup_steps": 0},
     "sweep_warmup": {"sync.period": 16},
     "sweep_lr": {},
@@ -77,6 +85,7 @@ JOB_TYPES = {
     "diloco": "diloco",
     "slowmo": "slowmo",
     "adaptive_period": "adaptive",
+    "streaming_diloco": "streaming_diloco",
 }
 
 

@@ -18,6 +18,7 @@ from localsgd.averaging.periodic import PeriodicAverager
 from localsgd.averaging.quantize import QUANTIZED_FORMATS, BlockCodec, QuantizedWire
 from localsgd.averaging.reduce import PlainMean, Reducer
 from localsgd.averaging.schedule import AdaptivePeriod, ConstantPeriod, NeverAverage, StepPeriod
+from localsgd.averaging.streaming import StreamingAverager
 
 __all__ = [
     "COMM_DTYPES",
@@ -45,5 +46,6 @@ __all__ = [
     "Reducer",
     "SimulatedLink",
     "StepPeriod",
+    "StreamingAverager",
     "averaged_tensors",
 ]

@@ -11,6 +11,7 @@ from localsgd.averaging.averager import Averager
 from localsgd.averaging.comm import CommStats, Communicator, SimulatedLink
 from localsgd.averaging.compress import LowPrecisionMean, comm_dtype_of
 from localsgd.averaging.flat import FlatBuffers
+from localsgd.averaging.quantize import DEFAULT_BLOCK_SIZE
 
 
 def check_levels(period_group_size_dict: dict[int, int], overall: int) -> None:
@@ -40,7 +41,8 @@ class HierarchicalAverager(Averager):
     At step `s` (the integer `step`, from 0), when `s >= warmup_steps`, the last-listed level
     whose period divides `s` averages within its groups (note: `s`, not `s - warmup_steps`, as in
     torch). `period_process_group_dict` maps each period to this rank's group at that level, as
-    torch's does. `module=`, `comm_dtype`, `link` and `init_sync` as in `PeriodicAverager`.
+    torch's does. `module=`, `comm_dtype`, `link`, `init_sync`, `error_feedback` and
+    `quant_block_size` as in `PeriodicAverager`.
 
     Every rank of the default group must construct it, in the same order relative to other
     group creations (the subgroups are made with `dist.new_subgroups_by_enumeration`).
@@ -57,6 +59,8 @@ class HierarchicalAverager(Averager):
         comm_dtype: str | torch.dtype = torch.float32,
         link: SimulatedLink | None = None,
         init_sync: bool | None = None,
+        error_feedback: bool = False,
+        quant_block_size: int = DEFAULT_BLOCK_SIZE,
     ):
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
@@ -73,7 +77,7 @@ class HierarchicalAverager(Averager):
             (period, comm.group if comm.group is not None else dist.group.WORLD)
             for period, comm in zip(self.periods, levels, strict=True)
         )
-        self.comm_dtype = comm_dtype_of(comm_dtype)
+        self.comm_dtype = comm_dtype_of(comm_dtype, quant_block_size)
         reducer = None
         if self.comm_dtype != torch.float32:
             sizes = list(period_group_size_dict.values())
@@ -82,7 +86,9 @@ class HierarchicalAverager(Averager):
             dtype, n = self.comm_dtype, len(levels)
 
             def reducer(flat: FlatBuffers) -> LowPrecisionMean:
-                return LowPrecisionMean(flat.buffers, dtype, levels=n)
+                return LowPrecisionMean(
+                    flat.buffers, dtype, levels=n, error_feedback=error_feedback
+                )
 
         super().__init__(
             levels,

@@ -10,6 +10,7 @@ from localsgd.averaging.comm import CommStats, Communicator, SimulatedLink
 from localsgd.averaging.compress import LowPrecisionMean, comm_dtype_of
 from localsgd.averaging.flat import FlatBuffers
 from localsgd.averaging.overlap import DelayedMean
+from localsgd.averaging.quantize import DEFAULT_BLOCK_SIZE
 from localsgd.averaging.schedule import ConstantPeriod
 
 
@@ -28,7 +29,10 @@ class PeriodicAverager(Averager):
     statistics), bound at construction. `schedule` (see `localsgd.averaging.schedule`) replaces
     the fixed period: then it averages when `s >= warmup_steps` and at least
     `schedule.period_at(s)` steps have passed since its last average. `comm_dtype` (bfloat16 /
-    float16) communicates in low precision (`localsgd.averaging.compress`). `overlap=True`
+    float16, or block-quantised int8 / float8_e4m3fn / int4 / float4_e2m1 with
+    `quant_block_size` values per scale) communicates the change since the last sync in low
+    precision (`localsgd.averaging.compress`); `error_feedback` carries each worker's rounding
+    residual into its next sync. `overlap=True`
     launches each average asynchronously in `bucket_mb` buckets and applies it one step later
     (`localsgd.averaging.overlap`). `link` simulates a slow network for every collective.
 
@@ -53,13 +57,15 @@ class PeriodicAverager(Averager):
         bucket_mb: float = 25.0,
         reducer: ReducerFactory | None = None,
         init_sync: bool | None = None,
+        error_feedback: bool = False,
+        quant_block_size: int = DEFAULT_BLOCK_SIZE,
     ):
         if period < 1:
             raise ValueError(f"period must be an integer >= 1, got {period!r}")
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
         self.schedule = schedule if schedule is not None else ConstantPeriod(period)
-        dtype = comm_dtype_of(comm_dtype)
+        dtype = comm_dtype_of(comm_dtype, quant_block_size)
         if overlap and (self.schedule.needs_loss or dtype != torch.float32):
             raise ValueError("overlap needs fp32 comm_dtype and a schedule without loss feedback")
         if reducer is None and overlap:
@@ -71,7 +77,7 @@ class PeriodicAverager(Averager):
         elif reducer is None and dtype != torch.float32:
 
             def reducer(flat: FlatBuffers) -> LowPrecisionMean:
-                return LowPrecisionMean(flat.buffers, dtype)
+                return LowPrecisionMean(flat.buffers, dtype, error_feedback=error_feedback)
 
         self.comm_dtype = dtype
         self.last_average = warmup_steps - self.schedule.period_at(warmup_steps)

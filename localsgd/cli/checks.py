@@ -239,6 +239,43 @@ def _validate_overlap(cfg: Any, has_levels: bool) -> None:
     )
 
 
+def _validate_streaming(cfg: Any, has_levels: bool) -> None:
+    """Fragments, a delayed or mixed merge, the eager outer step (`StreamingAverager`)."""
+    period, fragments = _get(cfg, "sync.period"), _get(cfg, "sync.fragments")
+    _require(fragments >= 1, "sync.fragments", "an integer >= 1", fragments)
+    _require(
+        period % fragments == 0,
+        "sync.fragments",
+        f"a divisor of sync.period ({period}): each fragment syncs every period, offset by "
+        "period/fragments",
+        fragments,
+    )
+    delay, spacing = _get(cfg, "sync.delay_steps"), period // fragments
+    _require(
+        0 <= delay < spacing,
+        "sync.delay_steps",
+        f"in [0, sync.period/sync.fragments) = [0, {spacing})",
+        delay,
+    )
+    alpha = _get(cfg, "sync.merge_alpha")
+    _require(0 <= alpha < 1, "sync.merge_alpha", "in [0, 1)", alpha)
+    outer = _get(cfg, "sync.outer")
+    if _get(cfg, "sync.eager"):
+        _require(outer != "none", "sync.eager", "false when sync.outer is none", True)
+        _require(delay == 0, "sync.delay_steps", "0 with sync.eager=true", delay)
+    what = "with sync.fragments, delay_steps, merge_alpha or eager"
+    _require(not has_levels, "sync.levels", f"empty {what}", list(_get(cfg, "sync.levels")))
+    for key, default in (
+        ("sync.overlap", False),  # delay_steps is its general form
+        ("sync.comm_dtype", "float32"),
+        ("sync.schedule", "constant"),
+        ("sync.optimizer_state", "local"),
+    ):
+        value = _get(cfg, key)
+        shown = str(default).lower() if isinstance(default, bool) else default
+        _require(value == default, key, f"{shown} {what}", value)
+
+
 def validate_sync(cfg: Any, ws: int | None, local_ws: int | None) -> None:
     """The averaging strategy's keys and their combinations. `ws` None: not known yet."""
     for key, choices in (
@@ -278,7 +315,25 @@ def validate_sync(cfg: Any, ws: int | None, local_ws: int | None) -> None:
     if _get(cfg, "sync.outer_nesterov") and outer_momentum == 0:
         _require(False, "sync.outer_nesterov", "false when sync.outer_momentum is 0", True)
 
+    block = _get(cfg, "sync.quant_block_size")
+    _require(block >= 1, "sync.quant_block_size", "an integer >= 1", block)
+    if _get(cfg, "sync.error_feedback"):
+        dtype = _get(cfg, "sync.comm_dtype")
+        _require(
+            dtype != "float32",
+            "sync.error_feedback",
+            "false with sync.comm_dtype=float32 (nothing is rounded)",
+            True,
+        )
     levels = list(_get(cfg, "sync.levels") or [])
+    streaming = (
+        _get(cfg, "sync.fragments") != 1
+        or _get(cfg, "sync.delay_steps") != 0
+        or _get(cfg, "sync.merge_alpha") != 0
+        or _get(cfg, "sync.eager")
+    )
+    if streaming:  # what localsgd.loop.strategies.streams() builds a StreamingAverager for
+        _validate_streaming(cfg, bool(levels))
     if _get(cfg, "sync.overlap"):
         _validate_overlap(cfg, bool(levels))
     if not levels:

@@ -28,13 +28,16 @@ def check_data(cfg: Any, world_size: int) -> int | None:
     data_cfg, model_cfg = plain(_get(cfg, "data")), plain(_get(cfg, "model"))
     seed, batch = _get(cfg, "seed"), _get(cfg, "trainer.batch_size")
     epochs = _get(cfg, "trainer.max_epochs")
-    key = json.dumps([data_cfg, model_cfg, seed, batch, epochs, world_size], sort_keys=True)
+    fragments = _get(cfg, "sync.fragments")
+    key = json.dumps(
+        [data_cfg, model_cfg, seed, batch, epochs, world_size, fragments], sort_keys=True
+    )
     if key not in _probed:
-        _probed[key] = _probe(data_cfg, model_cfg, seed, batch, epochs, world_size)
+        _probed[key] = _probe(data_cfg, model_cfg, seed, batch, epochs, world_size, fragments)
     return _probed[key]
 
 
-def _probe(data_cfg, model_cfg, seed, batch, epochs, world_size) -> int | None:
+def _probe(data_cfg, model_cfg, seed, batch, epochs, world_size, fragments=1) -> int | None:
     import torch
 
     from localsgd.data import input_shape_of, labels_of, load_data, shard_indices, task_of
@@ -78,6 +81,15 @@ def _probe(data_cfg, model_cfg, seed, batch, epochs, world_size) -> int | None:
                 f"model._target_ {model_cfg['_target_']!r} fails on a batch of the data (input "
                 f"{tuple(x.shape)}): {type(e).__name__}: {reason}"
             ) from None
+    if fragments > 1:  # Streaming DiLoCo strides its fragments over the model's blocks
+        from localsgd.averaging.streaming import model_blocks
+
+        blocks = len(model_blocks(model))
+        if blocks < fragments:
+            raise ConfigError(
+                f"sync.fragments must be <= the {blocks} blocks of model._target_ "
+                f"{model_cfg['_target_']!r} (fragments are strided by block), got {fragments}"
+            )
     expected = (*y.shape, data.num_classes)
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != expected:
         got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__

@@ -36,6 +36,7 @@ from localsgd.averaging import (
     PeriodicAverager,
     SimulatedLink,
     StepPeriod,
+    StreamingAverager,
 )
 from localsgd.config import CommConfig, SyncConfig
 from localsgd.loop.drift import DriftMeter
@@ -88,6 +89,8 @@ def strategy_name(sync: SyncConfig) -> str:
     period, a synchronous warmup, then k=1 or plain local SGD."""
     if sync.levels:
         return "hierarchical"
+    if streams(sync) and sync.outer != "none":
+        return f"streaming_{sync.outer}"
     if sync.outer != "none":
         return sync.outer
     if sync.schedule == "adaptive":
@@ -95,6 +98,12 @@ def strategy_name(sync: SyncConfig) -> str:
     if sync.warmup_steps > 0:
         return "post_local_sgd"
     return "sync_sgd" if sync.period == 1 else "local_sgd"
+
+
+def streams(sync: SyncConfig) -> bool:
+    """Whether the config asks for Streaming DiLoCo's mechanisms: fragments, a delayed merge, a
+    mixed merge or the eager outer step (`StreamingAverager`)."""
+    return sync.fragments > 1 or sync.delay_steps > 0 or sync.merge_alpha > 0 or sync.eager
 
 
 def build_averager(
@@ -117,7 +126,25 @@ def build_averager(
         return PeriodicAverager(
             1, module=model, stats=stats, schedule=NeverAverage(), link=link, init_sync=True
         )
-    if levels:
+    if streams(sync):
+        defaults = OUTER_DEFAULTS.get(outer, {})
+        averager = StreamingAverager(
+            sync.period,
+            sync.warmup_steps,
+            module=model,
+            stats=stats,
+            link=link,
+            fragments=sync.fragments,
+            delay_steps=sync.delay_steps,
+            merge_alpha=sync.merge_alpha,
+            eager=sync.eager,
+            outer=outer != "none",
+            outer_lr=_or(sync.outer_lr, defaults.get("lr", 0.7)),
+            outer_momentum=_or(sync.outer_momentum, defaults.get("momentum", 0.9)),
+            outer_nesterov=_or(sync.outer_nesterov, defaults.get("nesterov", True)),
+            init_sync=True,
+        )
+    elif levels:
         sizes = {
             int(lv.period): resolve_group_size(lv.group_size, world_size, local_world_size)
             for lv in levels
@@ -130,6 +157,8 @@ def build_averager(
             comm_dtype=comm_dtype,
             link=link,
             init_sync=True,
+            error_feedback=sync.error_feedback,
+            quant_block_size=sync.quant_block_size,
         )
     elif outer != "none":
         defaults = OUTER_DEFAULTS[outer]
@@ -144,6 +173,8 @@ def build_averager(
             schedule=build_schedule(sync),
             comm_dtype=comm_dtype,
             link=link,
+            error_feedback=sync.error_feedback,
+            quant_block_size=sync.quant_block_size,
         )  # anchored: it starts from rank 0's model
     else:
         averager = PeriodicAverager(
@@ -157,6 +188,8 @@ def build_averager(
             overlap=sync.overlap,
             bucket_mb=sync.bucket_mb,
             init_sync=True,
+            error_feedback=sync.error_feedback,
+            quant_block_size=sync.quant_block_size,
         )
     mode = sync.optimizer_state
     if mode != "local":
