@@ -56,10 +56,10 @@ class SimulatedLink:
     def __post_init__(self):
         if self.bandwidth_gbps is not None and not self.bandwidth_gbps > 0:
             raise ValueError(
-                f"comm.simulate.bandwidth_gbps must be > 0 (or null), got {self.bandwidth_gbps!r}"
+                f"bandwidth_gbps must be > 0 (or None: unlimited), got {self.bandwidth_gbps!r}"
             )
         if not self.latency_ms >= 0:
-            raise ValueError(f"comm.simulate.latency_ms must be >= 0, got {self.latency_ms!r}")
+            raise ValueError(f"latency_ms must be >= 0, got {self.latency_ms!r}")
 
     def seconds(self, nbytes: int) -> float:
         """How long a collective of `nbytes` per worker takes on this link."""
