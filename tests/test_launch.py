@@ -1,8 +1,10 @@
 """How local workers start: forked from one server that imported torch once, with the
-launcher's environment as it is at each launch, and never outliving their launcher."""
+launcher's environment as it is at each launch, and never outliving their launcher; the server
+forked from the launcher only on the CPython it was tested on, multiprocessing's own elsewhere."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing.forkserver
 import os
 import signal
@@ -10,10 +12,12 @@ import subprocess
 import sys
 import threading
 import time
+from types import SimpleNamespace
 from unittest import mock
 
 import pytest
 
+from localsgd.cli import forkserver
 from localsgd.loop import checkpoint
 from tests import helpers
 from tests.helpers import BASE, ROOT, run_distributed, survivors, tagged_env
@@ -87,8 +91,9 @@ def test_the_cli_forks_its_workers_server_and_a_sigkilled_launcher_takes_all_wit
 
 
 @pytest.mark.timeout(60)
-def test_workers_that_touch_no_peer_still_die_with_a_sigkilled_launcher():
-    env, tag = tagged_env()
+@pytest.mark.parametrize("kind", forkserver.KINDS)
+def test_workers_that_touch_no_peer_still_die_with_a_sigkilled_launcher(kind):
+    env, tag = tagged_env({forkserver.ENV: kind})
     harness = "from localsgd.cli.launch import spawn; from tests.test_launch import _sleep; "
     launcher = subprocess.Popen(
         [sys.executable, "-c", harness + "spawn(_sleep, 2, 60)"], cwd=ROOT, env=env
@@ -132,3 +137,83 @@ def test_the_harness_sees_every_process_of_a_command_it_forks(tmp_path):
         for pid in running:
             os.kill(pid, signal.SIGKILL)
         runner.join()
+
+
+def _authenticated_main(
+    listener_fd, alive_r, preload, main_path=None, sys_path=None, *, authkey_r=None
+):
+    pass  # multiprocessing.forkserver.main as CPython 3.14 declares it
+
+
+@pytest.mark.timeout(10)
+def test_the_forked_server_runs_only_on_a_tested_cpython_whose_server_skips_no_authentication(
+    monkeypatch,
+):
+    monkeypatch.delenv(forkserver.ENV, raising=False)
+    assert (3, 11) in forkserver.TESTED_PYTHONS  # what the suite runs on
+    here = (
+        sys.implementation.name == "cpython" and sys.version_info[:2] in forkserver.TESTED_PYTHONS
+    )
+    assert forkserver.server_kind() == ("forked" if here else "public")
+    monkeypatch.setenv(forkserver.ENV, "public")
+    assert forkserver.server_kind() == "public"
+    monkeypatch.setenv(forkserver.ENV, "fork")
+    with pytest.raises(ValueError, match="forked, public"):
+        forkserver.server_kind()
+    monkeypatch.setenv(forkserver.ENV, "forked")
+    server = multiprocessing.forkserver._forkserver
+    elsewhere = [
+        (sys, "version_info", (3, 10, 14, "final", 0)),
+        (sys, "version_info", (3, 12, 8, "final", 0)),
+        (sys, "version_info", (3, 13, 5, "final", 0)),  # its forkserver authenticates
+        (sys, "version_info", (3, 14, 0, "final", 0)),
+        (sys, "implementation", SimpleNamespace(name="pypy")),
+        # a 3.11 release whose server authenticated its clients (a backport) keeps that
+        (multiprocessing.forkserver, "_AUTHKEY_LEN", 32),
+        (multiprocessing.forkserver, "main", _authenticated_main),
+    ]
+    for where, name, value in elsewhere:
+        with monkeypatch.context() as m:
+            m.setattr(where, name, value, raising=False)
+            assert forkserver.server_kind() == "public", (name, value)
+    for field in ("_forkserver_alive_fd", "_lock"):
+        with monkeypatch.context() as m:
+            m.delattr(server, field)
+            assert forkserver.server_kind() == "public", field
+
+
+def _launch_outside_the_tested_set() -> None:
+    """Workers from a launcher that the gate takes for CPython 3.14 (after the imports: only the
+    gate reads the version), which would fork its server if the gate let it."""
+    sys.version_info = (3, 14, 0, "final", 0)
+    kind = forkserver.server_kind()
+    os.environ["LOCALSGD_PROBE"] = "set before the launch"
+    origins = run_distributed(_origin, 2)
+    server = multiprocessing.forkserver._forkserver._forkserver_pid
+    found = {"kind": kind, "origins": origins, "server": server, "launcher": os.getpid()}
+    found.update(parent=_ppid(server), cmdline=_cmdline(server).decode(errors="replace"))
+    print(json.dumps(found))
+
+
+@pytest.mark.timeout(90)
+def test_outside_the_tested_set_multiprocessing_starts_the_preloaded_server():
+    env, tag = tagged_env({forkserver.ENV: None})
+    harness = "from tests.test_launch import _launch_outside_the_tested_set as f; f()"
+    launcher = subprocess.run(
+        [sys.executable, "-c", harness],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=80,
+    )
+    assert launcher.returncode == 0, launcher.stderr[-3000:]
+    found = json.loads(launcher.stdout.strip().splitlines()[-1])
+    assert found["kind"] == "public"
+    # a fresh interpreter started by multiprocessing (not a fork of the launcher, whose command
+    # line is `python -c ...`), which preloaded torch._dynamo for the workers forked from it
+    assert "from multiprocessing.forkserver import main" in found["cmdline"]
+    assert found["parent"] == found["launcher"]
+    expected = [found["server"], "set before the launch", True]
+    assert found["origins"] == [expected, expected]
+    assert _all_gone(tag, within_s=10)

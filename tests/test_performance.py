@@ -34,9 +34,10 @@ def test_link_time_is_latency_plus_bytes_over_bandwidth():
     link = SimulatedLink(bandwidth_gbps=0.1, latency_ms=10)
     assert link.seconds(1_250_000) == pytest.approx(0.01 + 0.1)  # 10 Mbit at 100 Mbit/s
     assert SimulatedLink(latency_ms=5).seconds(10**9) == pytest.approx(0.005)
-    with pytest.raises(ValueError, match="comm.simulate.bandwidth_gbps"):
+    # the library is Hydra-free: its errors name its own arguments, the CLI's checks the keys
+    with pytest.raises(ValueError, match=r"^bandwidth_gbps must be > 0"):
         SimulatedLink(bandwidth_gbps=0)
-    with pytest.raises(ValueError, match="comm.simulate.latency_ms"):
+    with pytest.raises(ValueError, match=r"^latency_ms"):
         SimulatedLink(latency_ms=-1)
 
 

@@ -50,9 +50,12 @@ def test_augmented_batches_repeat_for_any_worker_count_and_after_a_mid_epoch_res
     resumed = batches(1)
     resumed.load_state_dict(state)
     assert _same(first + _take(resumed, 6), expected)  # crosses into the second epoch
+    # the worker counts compared were in effect (0 in this process, 2, then 1 loader process)
+    assert (ref.num_workers, two.num_workers, resumed.num_workers) == (0, 2, 1)
     two.close()
     resumed.close()
-    # augmentation is on: the same image is cropped/flipped differently in the two epochs
+    # augmentation is on (the batches differ from the unaugmented set's): what repeated above
+    # are random crops and flips, not fixed images that would repeat anyway
     plain = make_batches(cifar10(str(tmp_path), augment=False), cfg, batches(0).sampler, CPU)
     assert not _same(expected[:6], _take(plain, 6))
 
@@ -65,6 +68,7 @@ def test_tensor_sets_take_the_in_memory_path_and_stream_gives_the_same_batches()
     memory = make_batches(data, {"loader": "auto"}, sampler(), CPU)
     stream = make_batches(data, {"loader": "stream", "num_workers": 1}, sampler(), CPU)
     assert type(memory).__name__ == "MemoryBatches"
+    assert isinstance(stream, StreamBatches)  # else the comparison below is of one path twice
     assert _same(_take(memory, 20), _take(stream, 20))
     stream.close()
 

@@ -1,10 +1,19 @@
 """The process local workers are forked from, so that a worker starts in milliseconds instead of
 spending seconds of CPU importing torch and the training loop again.
 
-`python -m localsgd.train`, and any other single-threaded caller of `spawn` (Linux), forks it
-from itself once its imports are done, so the server holds them without importing anything twice;
-elsewhere (a process with more threads, such as a pytest-xdist worker, or macOS) multiprocessing
-starts it as a fresh interpreter that imports PRELOAD once for all workers.
+Two ways to start it, chosen by `LOCALSGD_FORKSERVER`:
+
+- `forked` (the default): `python -m localsgd.train`, and any other single-threaded caller of
+  `spawn` (Linux), forks the server from itself once its imports are done, so the server holds
+  them without importing anything twice. This sets four private fields of CPython's
+  `multiprocessing.forkserver`, so it runs only where that was tested: CPython 3.11
+  (`TESTED_PYTHONS`) with a forkserver that does not authenticate its clients (newer CPython
+  sends an authentication key, which this server would skip). Anywhere else it falls back to:
+- `public`: multiprocessing starts the server as a fresh interpreter that imports PRELOAD once
+  for all workers (`set_forkserver_preload`), as it also does from a process with more threads
+  (a pytest-xdist worker) and on macOS.
+
+docs/testing.md has what the forked server saves over the public path.
 """
 
 from __future__ import annotations
@@ -12,6 +21,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import inspect
 import multiprocessing
 import multiprocessing.forkserver
 import os
@@ -25,16 +35,55 @@ from multiprocessing import connection, resource_tracker
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 # Every optimizer's constructor imports torch._dynamo (add_param_group is wrapped by
-# torch._disable_dynamo): ~2 s of CPU per worker if it were not here.
-PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "localsgd.loop.trainer"]
+# torch._disable_dynamo): ~2 s of CPU per worker if it were not here. localsgd.cli.launch holds
+# the function each worker starts in.
+PRELOAD = [
+    "torch",
+    "torch._dynamo",
+    "torch.distributed",
+    "localsgd.loop.trainer",
+    "localsgd.cli.launch",
+]
+
+# The (major, minor) CPython versions whose multiprocessing.forkserver the forked server was
+# checked against, and which the test suite runs on; any other takes the public path.
+TESTED_PYTHONS = ((3, 11),)
+
+# LOCALSGD_FORKSERVER=forked|public picks how the server starts (`server_kind`).
+ENV = "LOCALSGD_FORKSERVER"
+KINDS = ("forked", "public")
 
 _stop_registered = False
 # The private fields of multiprocessing.forkserver.ForkServer (as of CPython 3.11) used here.
 _SERVER_FIELDS = ("_lock", "_forkserver_pid", "_forkserver_address", "_forkserver_alive_fd")
+# multiprocessing.forkserver.main as CPython 3.11 defines it: the forked server calls it so.
+_MAIN_PARAMETERS = ("listener_fd", "alive_r", "preload", "main_path", "sys_path")
 
 
 def under_torchrun() -> bool:
     return all(v in os.environ for v in TORCHRUN_VARS)
+
+
+def forked_server_supported() -> bool:
+    """Whether this interpreter's forkserver is the one the forked server copies: CPython of a
+    tested version, whose server takes no authentication key, with the fields set here."""
+    if sys.implementation.name != "cpython" or sys.version_info[:2] not in TESTED_PYTHONS:
+        return False
+    module = multiprocessing.forkserver
+    if hasattr(module, "_AUTHKEY_LEN"):  # its clients authenticate: keep that, its own server
+        return False
+    if tuple(inspect.signature(module.main).parameters) != _MAIN_PARAMETERS:
+        return False
+    return all(hasattr(module._forkserver, a) for a in _SERVER_FIELDS)
+
+
+def server_kind() -> str:
+    """`forked` or `public`: what LOCALSGD_FORKSERVER asks for (default `forked`), `public`
+    wherever the forked server is not supported."""
+    asked = os.environ.get(ENV, "forked") or "forked"
+    if asked not in KINDS:
+        raise ValueError(f"{ENV}={asked!r}: expected one of {', '.join(KINDS)}")
+    return "forked" if asked == "forked" and forked_server_supported() else "public"
 
 
 def start_method() -> str:
@@ -56,11 +105,11 @@ def fork_from_here() -> None:
     """
     if under_torchrun() or not sys.platform.startswith("linux") or start_method() == "spawn":
         return
+    if server_kind() == "public":
+        return  # multiprocessing's own server (a fresh interpreter), started at the first spawn
     if len(os.listdir("/proc/self/task")) > 1:
         return  # another thread may hold a lock the fork would copy held: a fresh one, then
     server = multiprocessing.forkserver._forkserver
-    if not all(hasattr(server, a) for a in _SERVER_FIELDS):
-        return  # another CPython's internals: its own server then (a fresh interpreter)
     with server._lock:
         if server._forkserver_pid is not None:
             return
