@@ -123,6 +123,23 @@ class CommConfig:
     disabled: bool = False
 
 
+@dataclass
+class FtConfig:
+    # ft=torchft: averaging across replica groups through torchft's Manager, so that the job
+    # outlives a dead worker (docs/reliability.md#workers-that-come-and-go)
+    backend: str = "none"  # FT_BACKENDS: none | torchft
+    lighthouse: str = ""  # host:port of a running torchft lighthouse; empty: start one here
+    replica_id: str | None = None  # this replica group's name (torchrun); null: from the rank
+    min_replicas: int = 1  # fewest replica groups an average may include
+    max_restarts: int = 3  # times a dead worker is restarted (then it is lost for good)
+    timeout_s: float = 30.0  # every torchft collective and heal fails after this long
+    quorum_timeout_s: float = 60.0  # how long an average waits for ft.min_replicas groups
+    host: str = "127.0.0.1"  # the interface the lighthouse, managers and heal servers bind to
+
+
+FT_BACKENDS = ("none", "torchft")
+
+
 # The optimizer and the LR schedule are built with hydra.utils.instantiate from `_target_`
 # (any torch.optim class, or your own, with its keyword arguments beside it). These dataclasses
 # are the schemas of the shipped presets (conf/optim/, conf/lr_schedule/) and hold their
@@ -239,6 +256,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     comm: CommConfig = field(default_factory=CommConfig)
+    ft: FtConfig = field(default_factory=FtConfig)
     optim: Any = MISSING  # a `_target_` config: conf/optim/ (sgd | adamw) or your own
     lr_schedule: Any = MISSING  # a `_target_` config: conf/lr_schedule/ or your own
     data: Any = field(default_factory=_data_node)  # a `_target_` config: conf/data/ or your own

@@ -15,6 +15,12 @@ def _no_process(*args, **kwargs):
     )
 
 
+def pytest_configure(config):
+    # matplotlib (imported by the mnist1d package) builds its font cache on first import, running
+    # `fc-list`: on a fresh machine that would be the first fast test's process. Build it here.
+    import matplotlib.font_manager  # noqa: F401
+
+
 def pytest_collection_modifyitems(config, items):
     """Modules with the longest time limits first: `make test` hands whole modules to two pytest
     workers (`-n 2 --dist loadscope`, so module-scoped fixtures are set up once), and the two

@@ -39,6 +39,10 @@ from localsgd.averaging.comm import CommStats, Communicator, SimulatedLink, _nby
 FT_STATE_KEY = "localsgd_ft"  # our entry in the Manager's state dict
 
 
+class ReplicaGroupsDiverged(RuntimeError):
+    """`check_replicas`: the replica groups do not hold the same weights after an average."""
+
+
 # --- services, bound to one interface --------------------------------------------------------
 
 
@@ -84,7 +88,11 @@ def _loopback_transport(host: str, timeout: timedelta):
         daemon_threads = True
 
         def __init__(self, server_address, handler):
-            super().__init__((host, server_address[1]), handler)
+            class QuietHandler(handler):
+                def log_message(self, *args) -> None:  # no access log line per heal
+                    pass
+
+            super().__init__((host, server_address[1]), QuietHandler)
 
     class Transport(http_transport.HTTPTransport):
         def address(self) -> str:
@@ -108,6 +116,20 @@ def _patched(module, name: str, value):
             yield
         finally:
             setattr(module, name, saved)
+
+
+def _drop_flight_recorder(record) -> bool:
+    return "flight recorder" not in record.getMessage()
+
+
+def _quiet_flight_recorder() -> None:
+    """torchft warns at every reconfiguration that NCCL's flight recorder cannot be reset, which
+    concerns NCCL debugging traces only (and says so on every CPU quorum): drop that line."""
+    import logging
+
+    logger = logging.getLogger("torchft.manager")
+    if _drop_flight_recorder not in logger.filters:
+        logger.addFilter(_drop_flight_recorder)
 
 
 def make_manager(
@@ -141,6 +163,8 @@ def make_manager(
     """
     import torchft.manager as ft_manager
     from torchft.process_group import ProcessGroupGloo
+
+    _quiet_flight_recorder()
 
     store = None
     if store_addr is None:
@@ -225,6 +249,7 @@ class TorchftCommunicator(Communicator):
         self.participants = replicas  # replica groups in the last average
         self.live = True  # this replica contributes to this round's average
         self.healed = False  # this replica loaded a peer's state in this round
+        self.healers = 0  # replica groups of this round's quorum that loaded a peer's state
         self.in_round = False
         self._count = torch.zeros(1)
 
@@ -249,6 +274,7 @@ class TorchftCommunicator(Communicator):
         self.manager.allreduce(self._count, reduce_op=dist.ReduceOp.SUM).wait()
         if self.manager.errored() is None:
             self.participants = int(round(self._count.item()))
+            self.healers = max(0, self.manager.num_participants() - self.participants)
         return self.healed
 
     def commit(self) -> bool:
@@ -281,6 +307,22 @@ class TorchftCommunicator(Communicator):
             if through is not None:
                 flat.copy_(wire)
         self._account(start, _nbytes(wire))
+
+    def identical(self, tensors: list[torch.Tensor]) -> bool:
+        """Inside a round: whether every replica group holds bit-identical `tensors` (two MAX
+        all-reduces per tensor: the element-wise maximum and minimum agree everywhere). True
+        after an error: the round will not commit and is rolled back anyway."""
+        if not self.in_round:
+            raise RuntimeError("TorchftCommunicator.identical outside a round")
+        for t in tensors:
+            high, low = t.detach().clone(), t.detach().neg()
+            for x in (high, low):
+                self.manager.allreduce(x, reduce_op=dist.ReduceOp.MAX).wait()
+            if self.manager.errored() is not None:
+                return True
+            if not torch.equal(high, low.neg_()):
+                return False
+        return True
 
     def launch_mean_(self, pieces: list[torch.Tensor]):
         raise NotImplementedError(
@@ -334,9 +376,13 @@ class FaultTolerantAverager:
     receive besides the averager (model with integer buffers, optimizer, sampler, RNG, the
     owner's counters); the averager's own state and the flat buffers are sent already.
     `track(state_dict, load_state_dict)` adds state that a failed round must roll back.
+    `check_replicas=True` verifies inside every round that averaged every replica that all
+    replica groups hold bit-identical `averager.common_tensors()` (ReplicaGroupsDiverged otherwise).
     """
 
-    def __init__(self, averager, comm: TorchftCommunicator, *, gradients=None):
+    def __init__(
+        self, averager, comm: TorchftCommunicator, *, gradients=None, check_replicas=False
+    ):
         if averager.reducer.delays:
             raise ValueError("overlap (delayed averaging) cannot run through torchft")
         self.averager = averager
@@ -349,6 +395,8 @@ class FaultTolerantAverager:
             gradients.stats = comm.stats
         self.failed_syncs = 0  # rounds rolled back (the same on every replica)
         self.heals = 0  # times this replica loaded a live peer's state
+        self.heals_seen = 0  # heals of any replica, counted alike by every replica
+        self.check_replicas = check_replicas
         self.participants_min = comm.participants
         self.phase = "start"  # the round this replica is in (sent to a healing peer)
         self.tracked: list[tuple[Callable[[], Any], Callable[[Any], None]]] = []
@@ -404,6 +452,7 @@ class FaultTolerantAverager:
             "committed": self.committed,
             "failed_syncs": self.failed_syncs,
             "participants_min": self.participants_min,
+            "heals_seen": self.heals_seen,
         }
 
     def _load_ft_state(self, state: dict) -> None:
@@ -415,6 +464,7 @@ class FaultTolerantAverager:
         self.committed = _clone_tree(state["committed"])
         self.failed_syncs = int(state["failed_syncs"])
         self.participants_min = min(self.participants_min, int(state["participants_min"]))
+        self.heals_seen = int(state["heals_seen"])
         self._peer = {"phase": state["phase"]}
         self.comm.healed = True
 
@@ -423,13 +473,23 @@ class FaultTolerantAverager:
         return {
             "failed_syncs": self.failed_syncs,
             "heals": self.heals,
+            "heals_seen": self.heals_seen,
             "participants_min": self.participants_min,
         }
 
     def load_state_dict(self, state: dict) -> None:
         self.failed_syncs = int(state["failed_syncs"])
         self.heals = int(state["heals"])
+        self.heals_seen = int(state.get("heals_seen", 0))
         self.participants_min = int(state["participants_min"])
+
+    def _verify(self) -> None:
+        if not self.check_replicas or not self.averager.all_in_sync:
+            return
+        if not self.comm.identical(self.averager.common_tensors()):
+            raise ReplicaGroupsDiverged(
+                f"replica groups differ after the average at step {self.averager.step - 1}"
+            )
 
     # --- rounds --------------------------------------------------------------------------------
 
@@ -437,7 +497,10 @@ class FaultTolerantAverager:
         self.phase = phase
         if self.comm.begin():
             self.heals += 1  # behind its peers (rolled back while they committed)
+        self.heals_seen += self.comm.healers
         body()
+        if phase != "grad":
+            self._verify()
         ok = self.comm.commit()
         if ok:
             self.participants_min = min(self.participants_min, self.comm.participants)
@@ -457,8 +520,10 @@ class FaultTolerantAverager:
         quorum holds `wait_for` replica groups (give W: nobody trains alone while the others
         still start; the lighthouse's own `min_replicas` is the steady-state minimum) and
         returns "fresh". A restarted replica (behind its peers) heals from a live peer in the
-        first quorum, finishes the round that peer is in and returns "healed" ("grad" after a
-        warmup gradient round: the owner must still take that step's optimizer step)."""
+        first quorum, finishes the round that peer is in and returns that round's phase:
+        "sync" (a scheduled average, inside the peer's `maybe_average`), "average" (an average
+        outside the schedule, e.g. the final one) or "grad" (a warmup gradient round: the
+        owner must still take that step's optimizer step)."""
         deadline = time.monotonic() + timeout_s
         while True:
             self.phase = "start"
@@ -468,12 +533,16 @@ class FaultTolerantAverager:
             # a late fresh replica gets its peers' start state: not counted as a heal
             healed = healed and phase != "start"
             self.heals += healed
+            if phase != "start":
+                self.heals_seen += self.comm.healers
             if phase == "sync":
                 self.averager.maybe_average()
             elif phase == "average":
                 self.averager.average()
             elif phase == "grad" and self.gradients is not None:
                 self.gradients.all_reduce()
+            if phase in ("sync", "average"):
+                self._verify()
             ok = self.comm.commit()
             self.phase = "idle"
             if ok and not healed and self.manager.num_participants() < wait_for:
@@ -489,9 +558,7 @@ class FaultTolerantAverager:
                     self.committed = self._snapshot()
                 else:
                     self._snapshot_due = True
-                if healed:
-                    return "grad" if phase == "grad" else "healed"
-                return "fresh"
+                return phase if healed else "fresh"
             self.failed_syncs += 1
             if self.committed is not None:
                 self._restore(self.committed)

@@ -9,6 +9,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from localsgd.averaging import COMM_DTYPES, OPTIMIZER_STATE_MODES
+from localsgd.cli.fault_tolerance import validate_ft
 from localsgd.config import BACKENDS, DEVICES, ConfigError, data_options
 from localsgd.data.loader import LOADERS
 from localsgd.data.partition import PARTITIONS
@@ -119,6 +120,7 @@ def validate(cfg: Any, world_size: int | None = None, local_world_size: int | No
         )
 
     validate_optim(cfg)
+    validate_ft(cfg, _get, ws)
     for i, _ in enumerate(_get(cfg, "trainer.callbacks") or ()):
         _importable(cfg, f"trainer.callbacks.{i}", "a callback (on_step_start/on_step_end)")
     if _get(cfg, "logger.wandb.mode") is not None:

@@ -8,6 +8,7 @@ dataclass objects) and the run directory.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import shlex
@@ -21,6 +22,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from localsgd.cli.checks import validate
+from localsgd.cli.fault_tolerance import ReplicasFailed, run_replicas
 from localsgd.cli.launch import (
     WorkerFailed,
     WorkerInfo,
@@ -62,7 +64,16 @@ def run_worker(
         torch.backends.cudnn.benchmark = False
     device = pick_device(cfg.dist.device, info.local_rank)
     backend = pick_backend(cfg.dist.backend, device)
-    store = init_process_group(info, backend, cfg.dist.timeout_s, store)
+    if cfg.ft.backend == "none":
+        store = init_process_group(info, backend, cfg.dist.timeout_s, store)
+    else:  # a replica group of one process: across groups, torchft's Manager averages
+        dist.init_process_group(
+            backend,
+            store=dist.HashStore(),
+            rank=0,
+            world_size=1,
+            timeout=datetime.timedelta(seconds=cfg.dist.timeout_s),
+        )
     try:
         run_dir = agree_on_run_dir(run_dir, info.rank)
         resume = agree_on(resume)
@@ -169,8 +180,14 @@ def main(cfg: DictConfig) -> float | None:
             # process whose `__main__` is not this file, where `__main__.run_worker` is no name.
             from localsgd.cli.train import run_worker as worker
 
-            spawn(worker, world_size, run_cfg.dist.timeout_s, args=(run_cfg, run_dir, resume))
-        except WorkerFailed as e:
+            if run_cfg.ft.backend == "none":
+                spawn(worker, world_size, run_cfg.dist.timeout_s, args=(run_cfg, run_dir, resume))
+            else:
+                outcome = run_replicas(worker, run_cfg, args=(run_cfg, run_dir, resume))
+                if outcome["lost"]:
+                    lost = ", ".join(map(str, outcome["lost"]))
+                    print(f"ft: finished without worker(s) {lost} (lost for good)", file=sys.stderr)
+        except (WorkerFailed, ReplicasFailed) as e:
             fail(str(e), code=1)
     if not os.path.exists(summary_path):  # stopped by SIGTERM after a checkpoint
         print(f"run dir: {run_dir} (interrupted; resumable)")

@@ -226,6 +226,14 @@ class Synchroniser:
         self.stats = averager.stats  # every collective's counters, the warmup's included
         self.in_sync = True  # the replicas are identical right now
         self.synchronous = False  # the step being taken belongs to the synchronous warmup
+        # ft=torchft: the averages (and the warmup's gradient averages) as torchft rounds
+        # (localsgd.loop.fault_tolerance); None: straight through torch.distributed
+        self.ft = None
+
+    @property
+    def rounds(self):
+        """What runs the averages: the averager, or its torchft round driver."""
+        return self.averager if self.ft is None else self.ft
 
     @property
     def warmup_steps(self) -> int:
@@ -254,6 +262,8 @@ class Synchroniser:
         skipping rank still steps in the warmup (on the others' gradients), or replicas split."""
         self.synchronous = self.in_warmup
         if self.synchronous:
+            if self.ft is not None:  # False: the round failed, every replica skips the step
+                return self.ft.all_reduce_gradients()
             self.grad_averager.all_reduce()
             return True
         return not skip
@@ -263,7 +273,7 @@ class Synchroniser:
         that adapts to it, then average when the schedule says."""
         if loss is not None:
             self.averager.observe_loss(loss)
-        self.averager.maybe_average()
+        self.rounds.maybe_average()
         self.in_sync = self.synchronous or self.averager.all_in_sync
 
     def next_sync(self, step: int) -> int | None:
@@ -283,14 +293,14 @@ class Synchroniser:
     def check_replicas(self, step: int, rank: int) -> None:
         """With `sync.check_replicas`: fail unless every rank holds the same `common_tensors`
         after step `step`, a sync (one gather; off by default)."""
-        if self.verify:
+        if self.verify and self.ft is None:  # under torchft: checked inside each round
             check_replicas(self.common_tensors(step), step, rank)
 
     def finish(self) -> None:
         """The final model is the average of the replicas: average once more if the last step
         was a local one (never in the no-communication baseline)."""
         if not self.in_sync and self.averager.ever_averages:
-            self.averager.average()
+            self.rounds.average()
             self.in_sync = True
 
     def summary(self) -> dict[str, Any]:
@@ -298,10 +308,25 @@ class Synchroniser:
         it never averages), the warmup, and each level's communication."""
         averager = self.averager
         widest = len(averager.levels) - 1
-        return {
+        summary = {
             "period": averager.period_of(widest) if averager.ever_averages else None,
             "warmup_steps": self.warmup_steps,
             "comm_levels": averager.comm_levels(),
+        }
+        if self.ft is not None:
+            summary.update(self.fault_record(), **self.ft_counters())
+        return summary
+
+    def fault_record(self) -> dict[str, Any]:
+        """Under ft=torchft: how many workers the last average included (every log line)."""
+        return {} if self.ft is None else {"participants": self.ft.participants}
+
+    def ft_counters(self) -> dict[str, Any]:
+        ft = self.ft
+        return {
+            "participants_min": ft.participants_min,
+            "heals": ft.heals_seen,  # of any worker, counted alike by every worker
+            "failed_syncs": ft.failed_syncs,
         }
 
     def checkpoint_state(self) -> dict[str, Any]:
@@ -321,6 +346,7 @@ def build_synchroniser(
     local_world_size: int,
     max_steps: int,
     track_drift: bool = True,
+    fault_tolerant: bool = False,
 ) -> Synchroniser:
     """The `sync` config's strategy over the `comm` config's network (a simulated slow link,
     or no communication at all), for `model` trained by `optimizer`."""
@@ -347,7 +373,9 @@ def build_synchroniser(
         if sync.warmup_steps > 0
         else None
     )
-    drift = DriftMeter(averager.flat.buffers) if track_drift and not comm.disabled else None
+    # under torchft the process group is the worker alone: drift would measure nothing
+    measure = track_drift and not comm.disabled and not fault_tolerant
+    drift = DriftMeter(averager.flat.buffers) if measure else None
     return Synchroniser(
         averager, model, max_steps, grad_averager, drift, verify=sync.check_replicas
     )

@@ -83,6 +83,7 @@ class Trainer:
             info.local_world_size,
             c.trainer.max_steps,
             track_drift=c.trainer.track_drift,
+            fault_tolerant=c.ft.backend != "none",
         )
         # after the averager: its flat-buffer views are what gets compiled
         self.recipe = Recipe.from_config(self.model, device, c.trainer)
@@ -116,6 +117,10 @@ class Trainer:
         ]
         self.nonfinite = NonFiniteTracker(device)
         self.stop = StopAgreement(store, str(info.attempt))
+        if c.ft.backend == "torchft":  # imported only here: a run without ft never imports it
+            from localsgd.loop.fault_tolerance import build_fault_tolerance
+
+            self.sync.ft = build_fault_tolerance(self)
 
     LOOP_STATE = ("in_sync", "next_eval", "loss_sum", "loss_count", "skipped_steps", "elapsed_s")
 
@@ -234,6 +239,7 @@ class Trainer:
             "comm_rounds": self.comm.rounds,
             "comm_bytes": self.comm.bytes,
             "comm_seconds": round(self.comm.seconds, 6),
+            **self.sync.fault_record(),  # ft=torchft: participants
         }
 
     def rate_record(self, interval_s: float, steps: int, total_s: float) -> dict[str, Any]:
@@ -255,6 +261,10 @@ class Trainer:
         logging, evaluation of the averaged model and a checkpoint, each when due. Returns the
         summary on rank 0; None on other ranks and after an agreed stop (SIGTERM, Ctrl-C)."""
         max_steps = self.cfg.trainer.max_steps
+        if self.sync.ft is not None:  # the first quorum; a restarted worker heals here
+            from localsgd.loop.fault_tolerance import join
+
+            join(self)
         self.open_run()
         failed = True
         try:
@@ -293,6 +303,8 @@ class Trainer:
         self.bar.close()
         self.batches.close()  # stops DataLoader worker processes
         self.logger.close(failed)  # wandb.finish() even on error: the next job starts clean
+        if self.sync.ft is not None:
+            self.sync.ft.manager.shutdown(wait=False)
 
     def elapsed(self) -> float:
         """Training seconds so far, including those before a resume."""

@@ -1,0 +1,261 @@
+"""`ft=torchft` on one machine: its checks, and the supervisor that runs the replica groups.
+
+Every worker is a replica group of one process. The launching process starts torchft's
+lighthouse (bound to `ft.host`, 127.0.0.1 unless told otherwise) unless `ft.lighthouse` names a
+running one, then forks the W workers. A worker that dies is restarted, up to `ft.max_restarts`
+times; the new process heals from a live peer at the next sync (`localsgd.loop.fault_tolerance`).
+A worker out of restarts is lost for good: the others finish without it, as long as a quorum of
+`ft.min_replicas` remains.
+
+torchft is imported only when a run asks for it (`start_lighthouse`, inside the workers).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import multiprocessing
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import urlparse
+
+from localsgd.config import FT_BACKENDS, ConfigError
+from localsgd.loop.worker import WorkerInfo
+
+# What cannot run through torchft's Manager yet, each with the value it must keep (the keys are
+# the averagers' features that need collectives other than one all-reduce per round, or state
+# that a failed round would not roll back).
+FT_REFUSED = (
+    ("sync.levels", [], "empty (hierarchical averaging through torchft is not built yet)"),
+    ("sync.overlap", False, "false (a delayed average cannot span a torchft round)"),
+    ("sync.fragments", 1, "1 (streaming through torchft is not built yet)"),
+    ("sync.delay_steps", 0, "0 (a delayed merge cannot span a torchft round)"),
+    ("sync.merge_alpha", 0.0, "0 (streaming through torchft is not built yet)"),
+    ("sync.eager", False, "false (streaming through torchft is not built yet)"),
+    ("sync.schedule", "constant", "constant (every replica must agree on when to sync)"),
+    ("sync.optimizer_state", "local", "local (averaged optimizer state is not rolled back)"),
+    ("comm.disabled", False, "false (nothing to make fault tolerant)"),
+)
+FT_COMM_DTYPES = ("float32", "bfloat16", "float16")  # one all-reduce; the block formats gather
+
+
+def lighthouse_url(address: str) -> str:
+    """`host:port` or `http://host:port` as torchft's Manager wants it."""
+    return address if "://" in address else f"http://{address}"
+
+
+def check_reachable(address: str, timeout_s: float) -> None:
+    """One line, and exit 2 through ConfigError, when no lighthouse answers at `address`."""
+    url = urlparse(lighthouse_url(address))
+    try:
+        host, port = url.hostname, url.port
+    except ValueError:
+        host = port = None
+    if not host or not port:
+        raise ConfigError(
+            f"ft.lighthouse must be HOST:PORT of a torchft lighthouse, got {address!r}"
+        )
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as e:
+        raise ConfigError(
+            f"ft.lighthouse: no torchft lighthouse answers at {host}:{port} ({e.strerror or e}); "
+            f"start one there (torchft_lighthouse --min_replicas N --bind {host}:{port}) or leave "
+            f"ft.lighthouse empty to start one here"
+        ) from None
+
+
+def validate_ft(cfg: Any, get: Callable[[Any, str], Any], world_size: int | None) -> None:
+    """The `ft` keys, and what does not compose with torchft yet (one line each)."""
+    backend = get(cfg, "ft.backend")
+    if backend not in FT_BACKENDS:
+        raise ConfigError(f"ft.backend must be one of {', '.join(FT_BACKENDS)}, got {backend!r}")
+    if backend == "none":
+        return
+    if importlib.util.find_spec("torchft") is None:
+        raise ConfigError(
+            "ft=torchft needs torchft: pip install torchft==0.2.0 (make install does), or drop ft="
+        )
+    from localsgd.cli.forkserver import under_torchrun
+
+    if under_torchrun():
+        raise ConfigError(
+            "ft=torchft under torchrun (one replica group per machine) is not built yet; run "
+            "python -m localsgd.train ft=torchft dist.world_size=W on one machine"
+        )
+    replica_id = get(cfg, "ft.replica_id")
+    if replica_id is not None:
+        raise ConfigError(
+            f"ft.replica_id must be null on one machine (workers are named replica_000, ...), "
+            f"got {replica_id!r}"
+        )
+    for key, low, allowed in (
+        ("ft.min_replicas", 1, "an integer >= 1"),
+        ("ft.max_restarts", 0, "an integer >= 0"),
+    ):
+        value = get(cfg, key)
+        if not isinstance(value, int) or value < low:
+            raise ConfigError(f"{key} must be {allowed}, got {value!r}")
+    if world_size is not None and get(cfg, "ft.min_replicas") > world_size:
+        raise ConfigError(
+            f"ft.min_replicas must be <= dist.world_size ({world_size}), got "
+            f"{get(cfg, 'ft.min_replicas')!r}"
+        )
+    for key in ("ft.timeout_s", "ft.quorum_timeout_s"):
+        value = get(cfg, key)
+        if not value > 0:
+            raise ConfigError(f"{key} must be > 0 seconds, got {value!r}")
+    if not get(cfg, "ft.host"):
+        raise ConfigError("ft.host must name the interface to bind (e.g. 127.0.0.1), got ''")
+    for key, keep, allowed in FT_REFUSED:
+        value = get(cfg, key)
+        if (list(value) if key == "sync.levels" else value) != keep:
+            raise ConfigError(f"{key} must be {allowed} with ft=torchft, got {value!r}")
+    dtype = get(cfg, "sync.comm_dtype")
+    if dtype not in FT_COMM_DTYPES:
+        raise ConfigError(
+            f"sync.comm_dtype must be one of {', '.join(FT_COMM_DTYPES)} with ft=torchft (the "
+            f"block-quantised formats are exchanged by all-gather), got {dtype!r}"
+        )
+    every = get(cfg, "trainer.checkpoint_every")
+    if every != 0:
+        raise ConfigError(
+            "trainer.checkpoint_every must be 0 with ft=torchft (a dead worker heals from a live "
+            f"peer; checkpoints on disk across replica groups are not built yet), got {every!r}"
+        )
+    lighthouse = get(cfg, "ft.lighthouse")
+    if lighthouse:
+        check_reachable(lighthouse, min(float(get(cfg, "ft.timeout_s")), 10.0))
+
+
+# --- the supervisor ---------------------------------------------------------------------------
+
+
+class ReplicasFailed(RuntimeError):
+    """Too few replica groups finished; the message says which were lost and why."""
+
+
+def _replica_main(info: WorkerInfo, environ: dict[str, str], fn: Callable, args: tuple) -> None:
+    from localsgd.cli.launch import _die_with_launcher
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides what Ctrl-C means
+    _die_with_launcher()
+    os.environ.clear()
+    os.environ.update(environ)
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        fn(info, None, *args)
+    except BaseException as e:  # one line; the supervisor restarts the worker or gives up
+        last = (str(e).strip().splitlines() or [""])[-1]
+        print(f"ft: worker {info.rank} failed: {type(e).__name__}: {last}", file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # as launch._spawned: no native-thread teardown that could abort a finished run
+
+
+def run_replicas(fn: Callable, cfg: Any, args: tuple, poll_s: float = 0.05) -> dict[str, Any]:
+    """Run `fn(info, None, *args)` as `dist.world_size` replica groups of one process each,
+    restarting a dead one up to `ft.max_restarts` times. Returns what happened: `restarts`
+    (per worker) and `lost` (workers out of restarts). Raises ReplicasFailed when worker 0
+    (which writes the results) did not finish, or fewer than `ft.min_replicas` did."""
+    from localsgd.averaging.fault_tolerant import start_lighthouse
+    from localsgd.cli.forkserver import fork_from_here, start_method
+
+    fork_from_here()  # before the lighthouse's threads start
+    # torchft's servers log every quorum at INFO: our own lines say what happened
+    os.environ.setdefault("RUST_LOG", "warn")
+    ft, world_size = cfg.ft, cfg.dist.world_size
+    server = None
+    if not ft.lighthouse:
+        # the lighthouse's minimum is the steady-state one; the first quorum waits for all W
+        # (`FaultTolerantAverager.start(wait_for=W)`), so nobody trains alone at the start
+        server, ft.lighthouse = start_lighthouse(
+            ft.min_replicas, host=ft.host, heartbeat_timeout_ms=2_000, quorum_tick_ms=20
+        )
+    ft.lighthouse = lighthouse_url(ft.lighthouse)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if ft.host in ("127.0.0.1", "localhost"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's pairs on loopback too
+    context = multiprocessing.get_context(start_method())
+    procs: dict[int, Any] = {}
+    restarts = dict.fromkeys(range(world_size), 0)
+    finished: set[int] = set()
+    lost: dict[int, str] = {}
+
+    def start(rank: int) -> None:
+        info = WorkerInfo(rank, world_size, rank, world_size, attempt=restarts[rank])
+        proc = context.Process(
+            target=_replica_main, args=(info, dict(os.environ), fn, args), daemon=False
+        )
+        proc.start()
+        procs[rank] = proc
+
+    def stop_all(signum=None, frame=None) -> None:
+        for proc in procs.values():
+            if proc.is_alive():
+                os.kill(proc.pid, signal.SIGKILL)
+        if signum is not None:
+            print(
+                "stopped: every worker killed (ft=torchft has no checkpoint on disk)",
+                file=sys.stderr,
+                flush=True,
+            )
+            os._exit(130 if signum == signal.SIGINT else 143)
+
+    previous = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGTERM, stop_all)
+    signal.signal(signal.SIGINT, stop_all)
+    try:
+        for rank in range(world_size):
+            start(rank)
+        while len(finished) + len(lost) < world_size:
+            time.sleep(poll_s)
+            for rank, proc in list(procs.items()):
+                if rank in finished or rank in lost or proc.is_alive():
+                    continue
+                proc.join()
+                code = proc.exitcode
+                if code == 0:
+                    finished.add(rank)
+                    continue
+                how = f"signal {-code}" if code < 0 else f"exit code {code}"
+                if restarts[rank] < ft.max_restarts:
+                    restarts[rank] += 1
+                    print(
+                        f"ft: worker {rank} died ({how}); restart {restarts[rank]} of "
+                        f"{ft.max_restarts}, it heals from a live peer at the next sync",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    start(rank)
+                else:
+                    lost[rank] = how
+                    print(
+                        f"ft: worker {rank} died ({how}) with no restart left; lost for good",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    if rank == 0:
+                        raise ReplicasFailed(
+                            f"ft: worker 0 (which writes the results) was lost ({how}); stopped"
+                        )
+                    if world_size - len(lost) < ft.min_replicas:
+                        raise ReplicasFailed(
+                            f"ft: {world_size - len(lost)} of {world_size} workers left, fewer "
+                            f"than ft.min_replicas={ft.min_replicas}; stopped"
+                        )
+        return {"restarts": restarts, "lost": sorted(lost)}
+    finally:
+        stop_all()
+        signal.signal(signal.SIGTERM, previous[0])
+        signal.signal(signal.SIGINT, previous[1])
+        if server is not None:
+            server.shutdown()

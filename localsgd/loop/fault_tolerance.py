@@ -1,0 +1,133 @@
+"""The trainer's side of `ft=torchft`: its averages as torchft rounds, and healing a restarted
+worker from a live peer.
+
+The averaging core's `FaultTolerantAverager` runs each widest-level average (and each warmup
+gradient average) as a round: a quorum of the live replica groups, the average over them,
+`should_commit()`, and a rollback to the last committed weights when the round failed. What a
+healing worker receives is registered here: the averager with its outer state and flat
+buffers (sent by the core), the model's other buffers, the optimizer, the GradScaler, the
+communication counters and the loop's own state (step, pending loss, next evaluation). Its
+sampler takes the peer's position in the data, which every worker shares at a given step, on
+its own shard. Its RNG is its own, reseeded for the new attempt, so that no two workers draw
+the same dropout masks.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from localsgd.averaging.fault_tolerant import (
+    FaultTolerantAverager,
+    TorchftCommunicator,
+    make_manager,
+)
+
+if TYPE_CHECKING:
+    from localsgd.loop.trainer import Trainer
+
+
+def replica_name(rank: int) -> str:
+    """torchft orders quorum members by id and reads trailing digits as ranks: zero-padded,
+    the replicas sum in the same order as ranks do on the torch.distributed path."""
+    return f"replica_{rank:03d}"
+
+
+def build_fault_tolerance(trainer: Trainer) -> FaultTolerantAverager:
+    """The trainer's synchroniser, averaging through a torchft Manager of its own."""
+    ft, info, sync = trainer.cfg.ft, trainer.info, trainer.sync
+    manager = make_manager(
+        replica_id=ft.replica_id or replica_name(info.rank),
+        lighthouse=ft.lighthouse,
+        min_replicas=ft.min_replicas,
+        host=ft.host,
+        timeout_s=ft.timeout_s,
+        quorum_timeout_s=ft.quorum_timeout_s,
+        connect_timeout_s=min(ft.timeout_s, 10.0),
+    )
+    comm = TorchftCommunicator(
+        manager, stats=sync.stats, link=sync.averager.comm.link, replicas=info.world_size
+    )
+    guard = FaultTolerantAverager(
+        sync.averager, comm, gradients=sync.grad_averager, check_replicas=sync.verify
+    )
+    loop = trainer
+    guard.register_state("model", _buffers_of(trainer.model), _load_buffers(trainer.model))
+    guard.register_state(
+        "optimizer", trainer.optimizer.state_dict, trainer.optimizer.load_state_dict
+    )
+    guard.register_state("scaler", trainer.recipe.state_dict, trainer.recipe.load_state_dict)
+    guard.register_state("comm", sync.stats.state_dict, sync.stats.load_state_dict)
+    guard.register_state("loop", lambda: {**loop.state_dict(), "step": loop.step}, _load_loop(loop))
+    guard.register_state("sampler", trainer.batches.state_dict, _load_position(trainer))
+    return guard
+
+
+def _buffers_of(model: torch.nn.Module):
+    # the parameters travel as the averager's flat buffers; what else the model holds
+    # (BatchNorm statistics) travels here
+    return lambda: dict(model.named_buffers())
+
+
+def _load_buffers(model: torch.nn.Module):
+    def load(state: dict[str, torch.Tensor]) -> None:
+        mine = dict(model.named_buffers())
+        with torch.no_grad():
+            for name, value in state.items():
+                mine[name].copy_(value)
+
+    return load
+
+
+def _load_loop(trainer: Trainer):
+    def load(state: dict[str, Any]) -> None:
+        trainer.load_state_dict({k: v for k, v in state.items() if k != "step"})
+        trainer.step = int(state["step"])
+
+    return load
+
+
+def _load_position(trainer: Trainer):
+    def load(state: dict[str, Any]) -> None:
+        # the peer's epoch and position, on this worker's own shard
+        own = trainer.batches.state_dict()
+        trainer.batches.load_state_dict({**state, "num_indices": own["num_indices"]})
+
+    return load
+
+
+def join(trainer: Trainer) -> str:
+    """Before the first step: the first round. A fresh worker waits until all W have joined;
+    a restarted one heals from a live peer inside the round that peer is in, finishes it, and
+    continues from where the peer will be after it. Returns the round's phase."""
+    guard, info, ft = trainer.sync.ft, trainer.info, trainer.cfg.ft
+    with warnings.catch_warnings():
+        # torch's checkpoint reader warns that the received bytes are read-only; they are
+        # copied into this worker's own tensors at once
+        warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
+        phase = guard.start(
+            wait_for=info.world_size if info.attempt == 0 else 1, timeout_s=ft.quorum_timeout_s
+        )
+    if phase == "fresh":
+        return phase
+    torch.manual_seed(trainer.cfg.seed + 1000 * info.rank + 1 + 7919 * info.attempt)
+    sync = trainer.sync
+    if phase == "grad":  # the peer is inside the warmup step's gradient average
+        trainer.recipe.step(trainer.optimizer)
+        sync.synchronous = True
+        sync.after_step(None)
+        trainer.step += 1
+    elif phase == "sync":  # inside the peer's after_step: the average of step `trainer.step`
+        sync.in_sync = sync.averager.all_in_sync
+        trainer.step += 1
+    else:  # "average": the final average, after the last step
+        sync.in_sync = True
+    print(
+        f"ft: worker {info.rank} healed from a live peer; it trains on from step {trainer.step}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return phase

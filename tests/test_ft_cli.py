@@ -1,0 +1,138 @@
+"""`ft=torchft` from the command line: the job outlives a dead worker.
+
+Each worker is a replica group of one process; the command starts the lighthouse itself (on
+127.0.0.1). Without a fault the run is bit-identical to the torch.distributed path; a worker
+SIGKILLed between syncs is restarted and heals from a live peer (participants 3 -> 2 -> 3); a
+worker with no restart left is lost for good and the others finish; bad setups get one line.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import FAST, ROOT, cli, refusal, same_model
+
+pytest.importorskip("torchft")
+
+FT = FAST + [
+    "data.num_samples=900",
+    "dist.world_size=3",
+    "trainer.max_steps=60",
+    "trainer.batch_size=16",
+    "trainer.log_every=4",
+    "trainer.eval_every=1000",
+    "trainer.checkpoint_every=0",
+    "sync.warmup_steps=4",
+    "sync.period=4",
+    "logger=jsonl",
+]
+
+
+def _participants(run_dir) -> list[int]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r["participants"] for r in map(json.loads, lines) if "participants" in r]
+
+
+def _collapse(seq: list[int]) -> list[int]:
+    return [x for i, x in enumerate(seq) if i == 0 or seq[i - 1] != x]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_no_fault_is_bit_identical_to_the_plain_path(tmp_path):
+    """The same job through torch.distributed and through torchft's Manager: one quorum per
+    sync, the same sums in the same order, the same model to the last bit."""
+    plain, ft = tmp_path / "plain", tmp_path / "ft"
+    for run_dir, extra in ((plain, []), (ft, ["ft=torchft", "sync.check_replicas=true"])):
+        proc, left = cli(FT + extra + [f"hydra.run.dir={run_dir}"])
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert not left
+    assert same_model(plain / "model.pt", ft / "model.pt")
+    summary = json.loads((ft / "summary.json").read_text())
+    assert summary["participants"] == summary["participants_min"] == 3
+    assert summary["heals"] == summary["failed_syncs"] == 0
+    assert set(_participants(ft)) == {3}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_killed_worker_is_restarted_and_heals_from_a_live_peer(tmp_path):
+    """Worker 1 SIGKILLed at step 30 (between syncs): the next syncs go ahead with 2, it is
+    restarted, heals from a live peer (model, optimizer, sampler position, loop state) and the
+    job ends with 3, every sync checked bit-identical across the replica groups."""
+    run_dir = tmp_path / "run"
+    once = tmp_path / "killed-once"
+    proc, left = cli(
+        FT + ["ft=torchft", "sync.check_replicas=true", f"hydra.run.dir={run_dir}"],
+        fault=f"kill:1:30:{once}",
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert not left
+    assert "ft: worker 1 died (signal 9); restart 1 of 3" in proc.stderr
+    assert _collapse(_participants(run_dir)) == [3, 2, 3]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["heals"] == 1 and summary["failed_syncs"] == 0
+    assert summary["participants_min"] == 2 and summary["participants"] == 3
+    assert summary["steps"] == 60
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_worker_lost_for_good_leaves_the_others_to_finish(tmp_path):
+    run_dir = tmp_path / "run"
+    proc, left = cli(
+        FT + ["ft=torchft", "ft.max_restarts=0", "ft.min_replicas=2", f"hydra.run.dir={run_dir}"],
+        fault="kill:2:30",
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert not left
+    assert "ft: worker 2 died (signal 9) with no restart left; lost for good" in proc.stderr
+    assert _collapse(_participants(run_dir)) == [3, 2]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["participants"] == 2 and summary["heals"] == 0
+
+
+@pytest.mark.parametrize(
+    "override,key",
+    [
+        ("ft.min_replicas=4", "ft.min_replicas"),  # more than dist.world_size=3
+        ("ft.min_replicas=0", "ft.min_replicas"),
+        ("ft.max_restarts=-1", "ft.max_restarts"),
+        ("ft.timeout_s=0", "ft.timeout_s"),
+        ("ft.replica_id=a", "ft.replica_id"),
+        ("sync.overlap=true", "sync.overlap"),
+        ("sync.comm_dtype=int4", "sync.comm_dtype"),
+        ("trainer.checkpoint_every=10", "trainer.checkpoint_every"),
+        ("ft.lighthouse=127.0.0.1:1", "ft.lighthouse"),  # nothing listens on port 1
+        ("ft.lighthouse=nohost", "ft.lighthouse"),
+    ],
+)
+def test_bad_ft_settings_are_refused_in_one_line(override, key, capsys):
+    line = refusal(FT + ["ft=torchft", override], capsys)
+    assert line.startswith(f"error: {key}"), line
+
+
+def test_a_missing_torchft_is_refused_in_one_line(capsys, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "torchft" else real(name, *a)
+    )
+    line = refusal(FT + ["ft=torchft"], capsys)
+    assert "pip install torchft==0.2.0" in line
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_a_run_without_ft_never_imports_torchft():
+    code = (
+        "import sys, localsgd.cli.train, localsgd.loop.trainer, localsgd.averaging; "
+        "print('torchft' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert out.stdout.strip() == "False", out.stderr
