@@ -129,7 +129,8 @@ class FtConfig:
     # outlives a dead worker (docs/reliability.md#workers-that-come-and-go)
     backend: str = "none"  # FT_BACKENDS: none | torchft
     lighthouse: str = ""  # host:port of a running torchft lighthouse; empty: start one here
-    replica_id: str | None = None  # this replica group's name (torchrun); null: from the rank
+    replica_id: str | None = None  # torchrun: this machine's replica group, NAME_INDEX
+    replica_groups: int | None = None  # torchrun: how many replica groups (machines) the job has
     min_replicas: int = 1  # fewest replica groups an average may include
     max_restarts: int = 3  # times a dead worker is restarted (then it is lost for good)
     timeout_s: float = 30.0  # every torchft collective and heal fails after this long

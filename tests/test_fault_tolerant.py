@@ -175,7 +175,8 @@ def _identical(results: dict) -> None:
             assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("kind", ["periodic", "outer"])
+# periodic averaging: tests/test_ft_cli.py's no-fault run, through the command line
+@pytest.mark.parametrize("kind", ["outer"])
 def test_no_fault_equals_plain_path(tmp_path, lighthouse, kind):
     """No fault: the same bits as torch.distributed. gloo's AVG (torch 2.13) sums then
     divides; the torchft path sums the same flat buffer over the same rank order, then divides

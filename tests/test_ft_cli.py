@@ -14,7 +14,18 @@ import sys
 
 import pytest
 
-from tests.helpers import FAST, ROOT, cli, refusal, same_model
+from tests import faults
+from tests.helpers import (
+    FAST,
+    ROOT,
+    TORCHRUN,
+    cli,
+    free_port,
+    refusal,
+    same_model,
+    survivors,
+    tagged_env,
+)
 
 pytest.importorskip("torchft")
 
@@ -136,3 +147,69 @@ def test_a_run_without_ft_never_imports_torchft():
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert out.stdout.strip() == "False", out.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_two_machines_each_a_replica_group_of_two_one_killed_and_restarted(tmp_path):
+    """Several machines on loopback: a lighthouse, and per machine `torchrun --nproc-per-node=2
+    ... ft=torchft ft.replica_id=group_I ft.replica_groups=2`. Each machine's two ranks average
+    among themselves, then with the other machine through torchft. Rank 2 (group 1's first) is
+    SIGKILLed at step 10; torchrun restarts group 1, whose ranks heal from group 0 and train on."""
+    from localsgd.averaging.fault_tolerant import start_lighthouse
+
+    server, address = start_lighthouse(1, heartbeat_timeout_ms=1000, quorum_tick_ms=20)
+    once = tmp_path / "killed-once"
+    env, tag = tagged_env({"RUST_LOG": "warn"})
+    try:
+        groups = []
+        for index in range(2):
+            args = FT + [
+                "ft=torchft",
+                f"ft.lighthouse={address.removeprefix('http://')}",
+                f"ft.replica_id=group_{index}",
+                "ft.replica_groups=2",
+                "ft.timeout_s=10",
+                "sync.check_replicas=true",
+                "dist.world_size=null",
+                # a slow link keeps group 0 training while torchrun restarts group 1
+                "trainer.max_steps=200",
+                "comm.simulate.latency_ms=250",
+                f"hydra.run.dir={tmp_path / f'group_{index}'}",
+                faults.override(f"kill:2:10:{once}"),
+            ]
+            port = free_port()
+            cmd = [
+                TORCHRUN,
+                "--nproc-per-node=2",
+                "--max-restarts=1",
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{port}",
+                "--monitor-interval=0.2",
+                "-m",
+                "localsgd.train",
+                *args,
+            ]
+            groups.append(
+                subprocess.Popen(
+                    cmd,
+                    cwd=ROOT,
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                )
+            )
+        outputs = [g.communicate(timeout=200)[0] for g in groups]
+    finally:
+        for g in groups:
+            g.kill()
+        server.shutdown()
+    assert [g.returncode for g in groups] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    assert "ft: worker 2 healed from a live peer" in outputs[1], outputs[1][-3000:]
+    run_dir = tmp_path / "group_0"  # global rank 0 writes the results
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 4 and summary["steps"] == 200
+    assert summary["heals"] >= 1 and summary["participants"] == 2
+    assert not (tmp_path / "group_1" / "summary.json").exists()
+    assert not survivors(tag)

@@ -124,12 +124,15 @@ def _drop_flight_recorder(record) -> bool:
 
 def _quiet_flight_recorder() -> None:
     """torchft warns at every reconfiguration that NCCL's flight recorder cannot be reset, which
-    concerns NCCL debugging traces only (and says so on every CPU quorum): drop that line."""
+    concerns NCCL debugging traces only (and says so on every CPU quorum): drop that line. Its
+    manager's INFO lines (one per commit) are off unless its logger's level was set."""
     import logging
 
     logger = logging.getLogger("torchft.manager")
     if _drop_flight_recorder not in logger.filters:
         logger.addFilter(_drop_flight_recorder)
+    if logger.level == logging.NOTSET:  # a line per commit at INFO (torchrun logs INFO)
+        logger.setLevel(logging.WARNING)
 
 
 def make_manager(
@@ -165,6 +168,8 @@ def make_manager(
     from torchft.process_group import ProcessGroupGloo
 
     _quiet_flight_recorder()
+    if "://" not in lighthouse:  # HOST:PORT, as torchft_lighthouse --bind takes it
+        lighthouse = f"http://{lighthouse}"
 
     store = None
     if store_addr is None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import multiprocessing
 import os
+import re
 import signal
 import socket
 import sys
@@ -82,17 +83,32 @@ def validate_ft(cfg: Any, get: Callable[[Any, str], Any], world_size: int | None
         )
     from localsgd.cli.forkserver import under_torchrun
 
+    replica_id, groups = get(cfg, "ft.replica_id"), get(cfg, "ft.replica_groups")
     if under_torchrun():
-        raise ConfigError(
-            "ft=torchft under torchrun (one replica group per machine) is not built yet; run "
-            "python -m localsgd.train ft=torchft dist.world_size=W on one machine"
-        )
-    replica_id = get(cfg, "ft.replica_id")
-    if replica_id is not None:
-        raise ConfigError(
-            f"ft.replica_id must be null on one machine (workers are named replica_000, ...), "
-            f"got {replica_id!r}"
-        )
+        if not get(cfg, "ft.lighthouse"):
+            raise ConfigError(
+                "ft.lighthouse must be HOST:PORT of the torchft_lighthouse every machine joins "
+                "under torchrun, got ''"
+            )
+        if not isinstance(groups, int) or groups < 1:
+            raise ConfigError(
+                f"ft.replica_groups must be the number of replica groups (machines), an integer "
+                f">= 1, under torchrun, got {groups!r}"
+            )
+        index = replica_index(replica_id)
+        if index is None or index >= groups:
+            raise ConfigError(
+                f"ft.replica_id must name this machine's replica group, ending in its index "
+                f"0..{groups - 1} (e.g. group_0), under torchrun, got {replica_id!r}"
+            )
+        world_size = groups
+    else:
+        for key, value in (("ft.replica_id", replica_id), ("ft.replica_groups", groups)):
+            if value is not None:
+                raise ConfigError(
+                    f"{key} must be null on one machine (each worker is a replica group, "
+                    f"replica_000 ...; torchrun runs one group per machine), got {value!r}"
+                )
     for key, low, allowed in (
         ("ft.min_replicas", 1, "an integer >= 1"),
         ("ft.max_restarts", 0, "an integer >= 0"),
@@ -101,9 +117,9 @@ def validate_ft(cfg: Any, get: Callable[[Any, str], Any], world_size: int | None
         if not isinstance(value, int) or value < low:
             raise ConfigError(f"{key} must be {allowed}, got {value!r}")
     if world_size is not None and get(cfg, "ft.min_replicas") > world_size:
+        what = "ft.replica_groups" if under_torchrun() else "dist.world_size"
         raise ConfigError(
-            f"ft.min_replicas must be <= dist.world_size ({world_size}), got "
-            f"{get(cfg, 'ft.min_replicas')!r}"
+            f"ft.min_replicas must be <= {what} ({world_size}), got {get(cfg, 'ft.min_replicas')!r}"
         )
     for key in ("ft.timeout_s", "ft.quorum_timeout_s"):
         value = get(cfg, key)
@@ -130,6 +146,26 @@ def validate_ft(cfg: Any, get: Callable[[Any, str], Any], world_size: int | None
     lighthouse = get(cfg, "ft.lighthouse")
     if lighthouse:
         check_reachable(lighthouse, min(float(get(cfg, "ft.timeout_s")), 10.0))
+
+
+def replica_index(replica_id: str | None) -> int | None:
+    """The index a replica group's name ends in (`group_1` -> 1), or None."""
+    match = re.search(r"(\d+)$", replica_id or "")
+    return int(match.group(1)) if match else None
+
+
+def replica_group_info(ft: Any, group: WorkerInfo) -> WorkerInfo:
+    """Under torchrun, one machine's ranks are one replica group: a worker's place among all
+    workers (its data shard, whether it writes the results) is its group's index times the
+    group's size plus its rank in the group."""
+    index = replica_index(ft.replica_id)
+    return WorkerInfo(
+        rank=index * group.world_size + group.rank,
+        world_size=ft.replica_groups * group.world_size,
+        local_rank=group.local_rank,
+        local_world_size=group.world_size,
+        attempt=group.attempt,
+    )
 
 
 # --- the supervisor ---------------------------------------------------------------------------

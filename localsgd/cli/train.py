@@ -22,7 +22,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from localsgd.cli.checks import validate
-from localsgd.cli.fault_tolerance import ReplicasFailed, run_replicas
+from localsgd.cli.fault_tolerance import ReplicasFailed, replica_group_info, run_replicas
 from localsgd.cli.launch import (
     WorkerFailed,
     WorkerInfo,
@@ -66,6 +66,8 @@ def run_worker(
     backend = pick_backend(cfg.dist.backend, device)
     if cfg.ft.backend == "none":
         store = init_process_group(info, backend, cfg.dist.timeout_s, store)
+    elif under_torchrun():  # this machine's ranks are one replica group
+        store = init_process_group(torchrun_info(), backend, cfg.dist.timeout_s)
     else:  # a replica group of one process: across groups, torchft's Manager averages
         dist.init_process_group(
             backend,
@@ -165,6 +167,8 @@ def main(cfg: DictConfig) -> float | None:
         print(f"resuming from {resume}", file=sys.stderr, flush=True)
     if torchrun:
         info = torchrun_info()
+        if run_cfg.ft.backend != "none":
+            info = replica_group_info(run_cfg.ft, info)
         try:
             run_worker(info, None, run_cfg, run_dir, resume)
         except Exception as e:  # one line naming the rank; torchrun then stops the others

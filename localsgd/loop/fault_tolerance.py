@@ -19,6 +19,7 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 from localsgd.averaging.fault_tolerant import (
     FaultTolerantAverager,
@@ -39,6 +40,9 @@ def replica_name(rank: int) -> str:
 def build_fault_tolerance(trainer: Trainer) -> FaultTolerantAverager:
     """The trainer's synchroniser, averaging through a torchft Manager of its own."""
     ft, info, sync = trainer.cfg.ft, trainer.info, trainer.sync
+    group: dict[str, Any] = {}
+    if ft.replica_groups is not None:  # torchrun: this machine's ranks are the replica group
+        group = {**_group_store(), "rank": dist.get_rank(), "world_size": dist.get_world_size()}
     manager = make_manager(
         replica_id=ft.replica_id or replica_name(info.rank),
         lighthouse=ft.lighthouse,
@@ -47,9 +51,10 @@ def build_fault_tolerance(trainer: Trainer) -> FaultTolerantAverager:
         timeout_s=ft.timeout_s,
         quorum_timeout_s=ft.quorum_timeout_s,
         connect_timeout_s=min(ft.timeout_s, 10.0),
+        **group,
     )
     comm = TorchftCommunicator(
-        manager, stats=sync.stats, link=sync.averager.comm.link, replicas=info.world_size
+        manager, stats=sync.stats, link=sync.averager.comm.link, replicas=replica_groups(trainer)
     )
     guard = FaultTolerantAverager(
         sync.averager, comm, gradients=sync.grad_averager, check_replicas=sync.verify
@@ -64,6 +69,22 @@ def build_fault_tolerance(trainer: Trainer) -> FaultTolerantAverager:
     guard.register_state("loop", lambda: {**loop.state_dict(), "step": loop.step}, _load_loop(loop))
     guard.register_state("sampler", trainer.batches.state_dict, _load_position(trainer))
     return guard
+
+
+def _group_store() -> dict[str, Any]:
+    """A store for the Manager of this machine's ranks, new with every torchrun attempt: in
+    torchrun's own store a restarted group would read the dead attempt's manager address.
+    Hosted by rank 0 of the group on 127.0.0.1 (the group is one machine)."""
+    store, box = None, [None]
+    if dist.get_rank() == 0:
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        box = [store.port]
+    dist.broadcast_object_list(box, src=0)
+    _STORES.append(store)  # kept alive for the process's life
+    return {"store_addr": "127.0.0.1", "store_port": box[0]}
+
+
+_STORES: list[Any] = []
 
 
 def _buffers_of(model: torch.nn.Module):
@@ -99,18 +120,35 @@ def _load_position(trainer: Trainer):
     return load
 
 
+def replica_groups(trainer: Trainer) -> int:
+    """How many replica groups the job has: one per machine under torchrun, else one per
+    worker."""
+    return trainer.cfg.ft.replica_groups or trainer.info.world_size
+
+
 def join(trainer: Trainer) -> str:
     """Before the first step: the first round. A fresh worker waits until all W have joined;
     a restarted one heals from a live peer inside the round that peer is in, finishes it, and
-    continues from where the peer will be after it. Returns the round's phase."""
+    continues from where the peer will be after it. Returns the round's phase, or "alone": a
+    restarted worker that found no peer ahead of it, which must not train."""
     guard, info, ft = trainer.sync.ft, trainer.info, trainer.cfg.ft
     with warnings.catch_warnings():
         # torch's checkpoint reader warns that the received bytes are read-only; they are
         # copied into this worker's own tensors at once
         warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
         phase = guard.start(
-            wait_for=info.world_size if info.attempt == 0 else 1, timeout_s=ft.quorum_timeout_s
+            wait_for=replica_groups(trainer) if info.attempt == 0 else 1,
+            timeout_s=ft.quorum_timeout_s,
         )
+    if phase == "fresh" and info.attempt > 0:
+        # restarted, and no peer was ahead of it: the others finished (or all died); training
+        # alone from step 0 would add nothing to the job
+        print(
+            f"ft: worker {info.rank} restarted but found no live peer to heal from; it stops",
+            file=sys.stderr,
+            flush=True,
+        )
+        return "alone"
     if phase == "fresh":
         return phase
     torch.manual_seed(trainer.cfg.seed + 1000 * info.rank + 1 + 7919 * info.attempt)

@@ -264,7 +264,8 @@ class Trainer:
         if self.sync.ft is not None:  # the first quorum; a restarted worker heals here
             from localsgd.loop.fault_tolerance import join
 
-            join(self)
+            if join(self) == "alone":
+                return None
         self.open_run()
         failed = True
         try:
