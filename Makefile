@@ -37,7 +37,7 @@ lint: $(STAMP)  ## ruff
 format: $(STAMP)  ## ruff format + import sorting
 	$(BIN)/ruff check --fix .
 
-bench: $(STAMP)  ## the performance suite, ~10 min (writes experiments/bench/RESULTS.md)
+bench: $(STAMP)  ## the performance suite, ~20 min (writes experiments/bench/RESULTS.md, FRONTIER.md, frontier.png)
 	$(BIN)/python experiments/bench/run.py $(ARGS)
 
 gpu-check: $(STAMP)  ## on a CUDA machine: NCCL, mixed precision, pinned memory, CUDA RNG, resume, train (<5 min)

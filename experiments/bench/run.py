@@ -8,6 +8,9 @@ repetitions; absolute times are context only (the machine may be shared). Items:
 1-2 averaging cost, low-precision and hierarchical averaging (averaging.py), 3 trainer throughput
 vs k, with and without `sync.overlap` (item 6), 4 framework overhead, 5 memory (training.py).
 Item 6's accuracy effect is measured by experiments/overlap_study.py (training runs).
+The full suite ends with the communication frontier (frontier.py, 7-10 min more: the LM job on a
+simulated 1 Gbit/s and 100 Mbit/s link, writing FRONTIER.md and frontier.png beside --out);
+`--no-frontier` skips it, `python experiments/bench/frontier.py` runs it alone.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 if ROOT not in sys.path:  # run as a script: make `experiments.bench` importable (and in workers)
     sys.path.insert(0, ROOT)
 
-from experiments.bench import averaging, training  # noqa: E402
+from experiments.bench import averaging, frontier, training  # noqa: E402
 from experiments.bench.common import load_average, machine  # noqa: E402
 
 FULL = {
@@ -81,6 +84,9 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--tiny", action="store_true", help="toy sizes: proves the suite runs")
     parser.add_argument("--out", default=os.path.join(ROOT, "experiments/bench/RESULTS.md"))
     parser.add_argument("--timeout", type=float, default=600.0, help="gloo/store timeout (s)")
+    parser.add_argument(
+        "--no-frontier", action="store_true", help="skip the communication frontier (frontier.py)"
+    )
     args = parser.parse_args(argv)
     p = TINY if args.tiny else FULL
     shown = sys.argv[1:] if argv is None else argv
@@ -105,6 +111,11 @@ def main(argv: list[str] | None = None) -> str:
         f"- machine: {machine()}",
         f"- load average (1/5/15 min) at start: {load_start}; at end: {load_average()} "
         "(other jobs shared the cores when this is above the core count)",
+        *(
+            []
+            if args.tiny or args.no_frontier
+            else ["- the communication frontier: FRONTIER.md, run after this file is written"]
+        ),
         "",
         *averaging.render(rows, p["avg_reps"]),
         "",
@@ -117,6 +128,11 @@ def main(argv: list[str] | None = None) -> str:
     with open(args.out, "w") as f:
         f.write(text)
     print(text, end="")
+    if not (args.tiny or args.no_frontier):  # its own test runs it at toy size
+        out_dir = os.path.dirname(os.path.abspath(args.out))
+        default = os.path.abspath(os.path.join(ROOT, "experiments/bench"))
+        frontier.main([] if out_dir == default else ["--out", out_dir])
+        print(f"frontier done after {time.perf_counter() - t0:.0f} s", flush=True)
     return text
 
 

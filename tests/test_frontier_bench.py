@@ -1,0 +1,52 @@
+"""The communication-frontier benchmark (experiments/bench/frontier.py) runs at toy size and
+reports every row; and the 4-bit format sends at most 0.14x fp32's bytes (a real property of the
+runs, counted by the trainer: payload plus scales)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_frontier_benchmark_runs_at_tiny_size(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "experiments/bench/frontier.py", "--tiny", "--out", str(tmp_path)],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "frontier.png").stat().st_size > 0
+    text = (tmp_path / "FRONTIER.md").read_text()
+    results = json.loads((tmp_path / "frontier.json").read_text())
+    (link,) = results["links"]
+    h = results["p"]["period"]
+    names = ["DDP", f"DiLoCo H={h}", *(f"streaming P=4 tau={t}" for t in (0, 1, 2)),
+             f"DiLoCo H={h} 4-bit"]  # fmt: skip
+    assert list(results["rows"][link]) == names
+    table = [line for line in text.splitlines() if line.startswith(f"| {link} |")]
+    assert [line.split(" | ")[1] for line in table] == names
+    assert all("nan" not in line for line in table)
+    runs = results["rows"][link]
+    fp32, four_bit = runs[f"DiLoCo H={h}"], runs[f"DiLoCo H={h} 4-bit"]
+    assert fp32["sync_bytes"] and len(four_bit["sync_bytes"]) == len(fp32["sync_bytes"])
+    assert four_bit["comm_bytes"] <= 0.14 * fp32["comm_bytes"]
+    # DDP sends the model every step; streaming the same total as DiLoCo, a quarter at a time
+    assert len(runs["DDP"]["sync_bytes"]) == results["p"]["steps"]
+    for tau in (0, 1, 2):
+        streaming = runs[f"streaming P=4 tau={tau}"]
+        assert streaming["comm_bytes"] == fp32["comm_bytes"]
+        assert len(streaming["sync_bytes"]) == 4 * len(fp32["sync_bytes"])
+        assert max(streaming["sync_bytes"]) < max(fp32["sync_bytes"])
+    for run in runs.values():
+        assert run["util_measured"] > 0 and 0 < run["util_model"] <= 1
