@@ -71,3 +71,26 @@ class Fault:
         else:
             self._poison.remove()
         self._poison = None
+
+
+class Snapshot:
+    """Saves, at the first step it sees, each rank's model, optimizer, averager and sampler state
+    to `DIR/rank-R.pt`: what a resumed run starts from."""
+
+    def __init__(self, dir: str):
+        self.dir = dir
+        self.done = False
+
+    def on_step_start(self, trainer, step: int) -> None:
+        if self.done:
+            return
+        self.done = True
+        state = {
+            "step": step,
+            "model": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
+            "optimizer": trainer.optimizer.state_dict(),
+            "averager": trainer.sync.averager.state_dict(),
+            "sampler": trainer.batches.state_dict(),
+        }
+        os.makedirs(self.dir, exist_ok=True)
+        torch.save(state, os.path.join(self.dir, f"rank-{trainer.info.rank}.pt"))

@@ -14,6 +14,7 @@ from typing import Any
 from localsgd.cli.checks import _get
 from localsgd.config import ConfigError, plain
 from localsgd.loop import checkpoint
+from localsgd.loop.reshard import reshard_refusal
 
 _probed: dict[str, int | None] = {}  # the launcher checks twice (before and inside Hydra)
 
@@ -107,7 +108,15 @@ def resolve_resume(
 ) -> str | None:
     found = _find_resume(cfg, world_size, run_dir, quiet)
     if found is not None:
-        diff = checkpoint.config_mismatch(checkpoint.verify(found, world_size), plain(cfg))
+        marker = checkpoint.verify(found, world_size)
+        if marker["world_size"] != world_size:
+            refusal = reshard_refusal(lambda key: _get(cfg, key))
+            if refusal is not None:
+                raise ConfigError(
+                    f"dist.world_size must stay {marker['world_size']} to resume {found} with "
+                    f"{refusal}"
+                )
+        diff = checkpoint.config_mismatch(marker, plain(cfg))
         if diff is not None:
             raise ConfigError(
                 f"trainer.resume must continue the same run, but {found} differs in {diff}; "

@@ -44,6 +44,7 @@ from localsgd.cli.overrides import (
 from localsgd.cli.preflight import check_data, resolve_resume
 from localsgd.config import Config, ConfigError, register_schemas, typed
 from localsgd.loop.loggers import offline_runs, resolve_wandb_settings
+from localsgd.loop.reshard import written_by
 
 register_schemas()
 
@@ -165,6 +166,16 @@ def main(cfg: DictConfig) -> float | None:
         run_cfg.trainer.max_steps = epoch_steps
     if resume is not None:
         print(f"resuming from {resume}", file=sys.stderr, flush=True)
+        before = written_by(resume)
+        if before != world_size_of(run_cfg):
+            print(
+                f"resuming at another world size: {before} workers' averaged model, step, "
+                f"outer state and schedule continue with {world_size_of(run_cfg)}; each "
+                f"worker's optimizer state is the old workers' average; the data is "
+                f"re-partitioned",
+                file=sys.stderr,
+                flush=True,
+            )
     if torchrun:
         info = torchrun_info()
         if run_cfg.ft.backend != "none":

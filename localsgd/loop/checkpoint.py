@@ -154,11 +154,7 @@ def verify(folder: str, world_size: int | None = None) -> dict:
     marker = _marker(folder)
     if marker is None:
         raise CheckpointError(f"{folder} is partial: no valid {MARKER} marker")
-    if world_size is not None and marker["world_size"] != world_size:
-        raise CheckpointError(
-            f"{folder} was written by {marker['world_size']} workers but this run has "
-            f"{world_size}; resume with the same dist.world_size"
-        )
+    at_sync = False
     for name, size in marker["files"].items():
         path = os.path.join(folder, name)
         if not os.path.isfile(path) or os.path.getsize(path) != size:
@@ -169,6 +165,16 @@ def verify(folder: str, world_size: int | None = None) -> dict:
             raise CheckpointError(f"{path} is corrupt ({type(e).__name__})") from None
         if not isinstance(state, dict) or state.get("step") != marker["step"]:
             raise CheckpointError(f"{path} is corrupt (not a localsgd rank state)")
+        if name == os.path.basename(rank_file(folder, 0)):
+            loop = state.get("loop")
+            at_sync = isinstance(loop, dict) and loop.get("in_sync") is True
+    if world_size is not None and marker["world_size"] != world_size and not at_sync:
+        # another world size continues only from the averaged model (localsgd.loop.reshard)
+        raise CheckpointError(
+            f"{folder} was written by {marker['world_size']} workers between syncs, and this "
+            f"run has {world_size}: resume with dist.world_size={marker['world_size']}, or from "
+            f"a checkpoint taken at a sync"
+        )
     return marker
 
 
@@ -190,6 +196,7 @@ RESUME_MAY_CHANGE = (
     "trainer.keep_checkpoints",
     "trainer.resume",
     "dist.timeout_s",
+    "dist.world_size",  # from a checkpoint taken at a sync (localsgd.loop.reshard)
     "data.num_workers",  # batches are seeded per batch: the same for any number of loaders
     "data.loader",  # memory or stream: the same batches
     "sync.check_replicas",

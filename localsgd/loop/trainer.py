@@ -29,6 +29,7 @@ from localsgd.loop.loggers import build_loggers
 from localsgd.loop.metrics import progress_bar, trim_metrics, write_json
 from localsgd.loop.optim import build_optimizer, build_schedule, set_lr
 from localsgd.loop.recipe import Recipe
+from localsgd.loop.reshard import load_resharded, written_by
 from localsgd.loop.stop import StopAgreement
 from localsgd.loop.strategies import build_synchroniser
 from localsgd.loop.worker import WorkerInfo
@@ -107,7 +108,12 @@ class Trainer:
             "loop": self,
         }
         self.resumed_from = resume_from
-        if resume_from is not None:
+        if resume_from is not None and written_by(resume_from) != info.world_size:
+            # a checkpoint of another world size, taken at a sync (localsgd/loop/reshard.py)
+            self.step = load_resharded(
+                resume_from, info.rank, device, self.stateful, optional=("drift",)
+            )
+        elif resume_from is not None:
             self.step = checkpoint.load(
                 resume_from, info.rank, device, self.stateful, optional=("drift",)
             )

@@ -1,0 +1,109 @@
+"""Resuming at another world size (localsgd.loop.reshard): 4 -> 2 and 2 -> 4.
+
+A run is SIGKILLed after its step-10 checkpoint (taken at a sync) and resumed with another
+`dist.world_size`. Every new worker starts from rank 0's averaged model, the step and the
+averager's state (DiLoCo's anchor and outer momentum), with the old workers' mean optimizer state
+and its new shard at the old epoch's fraction; the run finishes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from localsgd.loop import checkpoint
+from tests.helpers import BASE, cli, refusal
+
+pytestmark = pytest.mark.slow
+
+# averages after step indices 4, 9, 14, ...: the step-10 checkpoint is taken at a sync, step 15
+# too; the kill at step 13 leaves 10 as the newest
+RESHARD = BASE + ["sync.warmup_steps=4", "sync.period=5", "trainer.checkpoint_every=5"]
+
+
+def _run(args, run_dir, world, fault=None):
+    return cli(args + [f"hydra.run.dir={run_dir}", f"dist.world_size={world}"], fault=fault)
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    items = tree.values() if isinstance(tree, dict) else tree if isinstance(tree, list) else []
+    return [t for item in items for t in _tensors(item)]
+
+
+def _mean(tensors):
+    total = tensors[0].clone()
+    for t in tensors[1:]:
+        total.add_(t)
+    return total.div_(len(tensors))
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    "before,after,extra",
+    [
+        (4, 2, ["sync.outer=diloco", "optim=adamw", "optim.lr=0.01"]),
+        (2, 4, []),
+    ],
+)
+def test_resume_at_another_world_size(tmp_path, before, after, extra):
+    run_dir, probe = tmp_path / "run", tmp_path / "probe"
+    args = RESHARD + extra
+    proc, left = _run(args, run_dir, before, fault="kill:0:13")
+    assert proc.returncode == 1 and not left, proc.stderr[-2000:]
+    saved = checkpoint.step_dir(str(run_dir), 10)
+    old = [torch.load(checkpoint.rank_file(saved, r), weights_only=True) for r in range(before)]
+    snap = f"trainer.callbacks=[{{_target_:tests.faults.Snapshot,dir:'{probe}'}}]"
+    proc, left = _run(args + [snap], run_dir, after)
+    assert proc.returncode == 0 and not left, proc.stderr[-3000:]
+    assert f"resuming at another world size: {before} workers'" in proc.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == after and summary["steps"] == 24
+    for rank in range(after):
+        got = torch.load(probe / f"rank-{rank}.pt", weights_only=False)
+        assert got["step"] == 10
+        for name, value in old[0]["model"].items():  # the averaged model, bit for bit
+            assert torch.equal(got["model"][name], value), name
+        assert got["averager"]["step"] == old[0]["averager"]["step"]
+        ref = _tensors(old[0]["averager"]["reducer"])  # DiLoCo's anchors and outer momentum
+        mine = _tensors(got["averager"]["reducer"])
+        assert len(mine) == len(ref) and all(torch.equal(a, b) for a, b in zip(mine, ref, strict=True))
+        for index, entry in old[0]["optimizer"]["state"].items():
+            for name, value in entry.items():
+                if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim():
+                    want = _mean([o["optimizer"]["state"][index][name] for o in old])
+                    assert torch.equal(got["optimizer"]["state"][index][name], want)
+        assert got["sampler"]["epoch"] == old[0]["sampler"]["epoch"]
+        assert got["sampler"]["num_indices"] != old[0]["sampler"]["num_indices"]  # new shards
+    if extra:  # anchors and momentum buffers were compared
+        assert len(_tensors(old[0]["averager"]["reducer"])) >= 2  # flat: anchor, momentum
+
+
+def test_a_checkpoint_between_syncs_or_per_worker_state_is_refused(tmp_path, capsys):
+    """Refusals need no process: a fake rank state written by 2 workers between syncs."""
+    folder = checkpoint.step_dir(str(tmp_path), 7)
+    import os
+
+    os.makedirs(folder)
+    sizes = {}
+    for r in range(2):
+        path = checkpoint.rank_file(folder, r)
+        torch.save({"step": 7, "loop": {"in_sync": False}}, path)
+        sizes[os.path.basename(path)] = os.path.getsize(path)
+    marker = {"step": 7, "world_size": 2, "files": sizes, "config": None}
+    with open(os.path.join(folder, checkpoint.MARKER), "w") as f:
+        json.dump(marker, f)
+    with pytest.raises(checkpoint.CheckpointError, match="between syncs"):
+        checkpoint.verify(folder, world_size=4)
+    for r in range(2):  # now taken at a sync
+        torch.save({"step": 7, "loop": {"in_sync": True}}, checkpoint.rank_file(folder, r))
+        sizes[f"rank-{r}.pt"] = os.path.getsize(checkpoint.rank_file(folder, r))
+    with open(os.path.join(folder, checkpoint.MARKER), "w") as f:
+        json.dump({**marker, "files": sizes}, f)
+    assert checkpoint.verify(folder, world_size=4)["world_size"] == 2
+    line = refusal(
+        BASE + ["dist.world_size=4", f"trainer.resume={folder}", "sync.overlap=true"], capsys
+    )
+    assert line.startswith("error: dist.world_size must stay 2") and "sync.overlap" in line
