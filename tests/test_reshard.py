@@ -69,7 +69,9 @@ def test_resume_at_another_world_size(tmp_path, before, after, extra):
         assert got["averager"]["step"] == old[0]["averager"]["step"]
         ref = _tensors(old[0]["averager"]["reducer"])  # DiLoCo's anchors and outer momentum
         mine = _tensors(got["averager"]["reducer"])
-        assert len(mine) == len(ref) and all(torch.equal(a, b) for a, b in zip(mine, ref, strict=True))
+        assert len(mine) == len(ref) and all(
+            torch.equal(a, b) for a, b in zip(mine, ref, strict=True)
+        )
         for index, entry in old[0]["optimizer"]["state"].items():
             for name, value in entry.items():
                 if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim():
