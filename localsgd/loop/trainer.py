@@ -341,7 +341,9 @@ class Trainer:
                 **self.rate_record(now - last_time, self.step - last_step, now - self.start),
             }
         )
-        self.bar.set_postfix(loss=f"{loss:.4f}", syncs=self.comm.rounds, refresh=False)
+        self.bar.set_postfix(
+            loss=f"{loss:.4f}", syncs=self.comm.rounds, **self.sync.fault_record(), refresh=False
+        )
 
     def maybe_evaluate(self) -> None:
         # The averaged model exists only right after a sync, so evaluation waits for one (with
