@@ -235,11 +235,15 @@ def test_empty_shard_refused():
         shard_indices(labels, 8, 0, "iid", 0)
 
 
-def test_lm_only_iid():
+def test_lm_takes_iid_or_contiguous():
     targets = torch.zeros(20, 8, dtype=torch.int64)
     assert len(shard_indices(targets, 2, 1, "iid", 0)) == 10
     with pytest.raises(ValueError, match="data.partition"):
         shard_indices(targets, 2, 0, "by_class", 0)
+    # contiguous: consecutive stretches of the text, in order (different plays), seed-free
+    text = torch.zeros(21, 8, dtype=torch.int64)
+    shards = [shard_indices(text, 4, r, "contiguous", seed=r).tolist() for r in range(4)]
+    assert shards == [list(range(0, 6)), *(list(range(a, a + 5)) for a in (6, 11, 16))]
 
 
 def test_unknown_partition():

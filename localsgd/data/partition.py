@@ -15,7 +15,7 @@ from localsgd.data._seeding import derive_seed
 _PARTITION_STREAM = 2
 
 # data.partition: how `shard_indices` splits the train set (described in its docstring)
-PARTITIONS = ("iid", "by_class", "dirichlet")
+PARTITIONS = ("iid", "by_class", "dirichlet", "contiguous")
 
 
 def shard_indices(
@@ -33,23 +33,28 @@ def shard_indices(
     classes, workers take `classes_per_worker` consecutive classes round-robin and split each
     class's samples evenly with the other holders (when world_size * classes_per_worker is below
     the number of classes, the unassigned classes' samples go unused). dirichlet: each class's
-    samples are split by proportions drawn from Dirichlet(alpha) over the workers.
+    samples are split by proportions drawn from Dirichlet(alpha) over the workers. contiguous:
+    worker r takes the r-th of `world_size` near-equal consecutive runs of the train set, in its
+    order: for a text corpus, a stretch of the text (with Shakespeare, different plays), the
+    non-iid split of language-model data.
     """
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside world_size {world_size}")
     if partition not in PARTITIONS:
         allowed = ", ".join(PARTITIONS)
         raise ValueError(f"data.partition must be one of {allowed}, got {partition!r}")
-    if labels.dim() != 1 and partition != "iid":
+    if labels.dim() != 1 and partition not in ("iid", "contiguous"):
         raise ValueError(
-            f"data.partition must be iid for language-model data (its targets are "
-            f"sequences, not classes), got {partition!r}"
+            f"data.partition must be iid or contiguous for language-model data (its targets "
+            f"are sequences, not classes), got {partition!r}"
         )
     n = labels.shape[0]
     stream = derive_seed(seed, _PARTITION_STREAM)
     if partition == "iid":
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(stream))
         shards = [s.numpy() for s in torch.tensor_split(perm, world_size)]
+    elif partition == "contiguous":
+        shards = np.array_split(np.arange(n), world_size)
     else:
         y = labels.cpu().numpy()
         rng = np.random.default_rng(stream)
