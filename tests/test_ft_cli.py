@@ -71,14 +71,16 @@ def test_no_fault_is_bit_identical_to_the_plain_path(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_a_killed_worker_is_restarted_and_heals_from_a_live_peer(tmp_path):
+@pytest.mark.parametrize("strategy", [[], ["sync.outer=diloco", "optim=adamw", "optim.lr=0.003"]])
+def test_a_killed_worker_is_restarted_and_heals_from_a_live_peer(tmp_path, strategy):
     """Worker 1 SIGKILLed at step 30 (between syncs): the next syncs go ahead with 2, it is
-    restarted, heals from a live peer (model, optimizer, sampler position, loop state) and the
-    job ends with 3, every sync checked bit-identical across the replica groups."""
+    restarted, heals from a live peer (model, optimizer, DiLoCo's anchor and outer momentum,
+    sampler position, loop state) and the job ends with 3, every sync checked bit-identical
+    across the replica groups (with DiLoCo: the anchors too)."""
     run_dir = tmp_path / "run"
     once = tmp_path / "killed-once"
     proc, left = cli(
-        FT + ["ft=torchft", "sync.check_replicas=true", f"hydra.run.dir={run_dir}"],
+        FT + strategy + ["ft=torchft", "sync.check_replicas=true", f"hydra.run.dir={run_dir}"],
         fault=f"kill:1:30:{once}",
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
