@@ -9,6 +9,7 @@ averaging all call it, so a simulated link applies to every one of them by const
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
@@ -87,11 +88,21 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 class PendingMean:
-    """Asynchronous all-reduces launched by `Communicator.launch_mean_`; `wait()` finishes them
-    (and a simulated link's time)."""
+    """Asynchronous collectives launched by `Communicator.launch_mean_` or
+    `launch_quantized_mean_`; `wait()` finishes them (and a simulated link's time), then runs
+    `finish` once (copying a low-precision result back, or decoding and averaging the gathered
+    messages)."""
 
-    def __init__(self, comm: Communicator, works: list, nbytes: int, start: float):
+    def __init__(
+        self,
+        comm: Communicator,
+        works: list,
+        nbytes: int,
+        start: float,
+        finish: Callable[[], None] | None = None,
+    ):
         self.comm, self.works, self.nbytes, self.start = comm, works, nbytes, start
+        self.finish = finish
 
     def wait(self) -> None:
         begin = time.perf_counter()
@@ -100,6 +111,9 @@ class PendingMean:
         if self.comm.link is not None:
             self.comm.link.wait_out(self.start, self.nbytes)
         self.works = []
+        if self.finish is not None:
+            self.finish()
+            self.finish = None
         self.comm.stats.seconds += time.perf_counter() - begin
 
 
@@ -153,20 +167,63 @@ class Communicator:
             flat.copy_(wire)
         self._account(start, _nbytes(wire))
 
-    def launch_mean_(self, pieces: list[torch.Tensor]) -> PendingMean:
+    def launch_mean_(
+        self, pieces: list[torch.Tensor], through: list[torch.Tensor] | None = None
+    ) -> PendingMean:
         """Start averaging each of `pieces` in place, asynchronously, one all-reduce each; the
-        caller must `wait()` the result before reading them."""
+        caller must `wait()` the result before reading them. `through`, one preallocated buffer
+        of another dtype per piece, carries the communication in that precision (bytes counted
+        at it), exactly as `mean_(piece, through=...)` does: the same bits."""
         start = time.perf_counter()
         op = dist.ReduceOp.AVG if self.use_avg else dist.ReduceOp.SUM
+        wires = pieces if through is None else [
+            t.copy_(p) for t, p in zip(through, pieces, strict=True)
+        ]  # fmt: skip
         works = []
-        for piece in pieces:
+        for wire in wires:
             if not self.use_avg:
-                piece.div_(self.size)
-            works.append(dist.all_reduce(piece, op=op, group=self.group, async_op=True))
-        nbytes = sum(_nbytes(p) for p in pieces)
+                wire.div_(self.size)
+            works.append(dist.all_reduce(wire, op=op, group=self.group, async_op=True))
+        nbytes = sum(_nbytes(w) for w in wires)
         self.stats.bytes += nbytes
         self.stats.seconds += time.perf_counter() - start
-        return PendingMean(self, works, nbytes, start)
+
+        def copy_back() -> None:
+            for piece, wire in zip(pieces, wires, strict=True):
+                piece.copy_(wire)
+
+        return PendingMean(self, works, nbytes, start, None if through is None else copy_back)
+
+    def launch_quantized_mean_(
+        self,
+        pieces: list[torch.Tensor],
+        wires: list[QuantizedWire],
+        residuals: list[torch.Tensor | None] | None = None,
+    ) -> PendingMean:
+        """`quantized_mean_` of each of `pieces`, asynchronously: every piece is encoded now and
+        its message's all-gather launched; `wait()` decodes the gathered messages and averages
+        them in fp32 in rank order into the piece, the same bits as `quantized_mean_`. The
+        caller must not touch `pieces` or `wires` before `wait()`. Counted as the messages'
+        bytes (payload plus scales); a simulated link's time is waited out at `wait()`, only for
+        what is left. `residuals` (error feedback) as in `quantized_mean_`, filled at launch."""
+        start = time.perf_counter()
+        residuals = residuals if residuals is not None else [None] * len(pieces)
+        works = []
+        for piece, wire, residual in zip(pieces, wires, residuals, strict=True):
+            wire.encode_(piece)
+            if residual is not None:
+                residual.copy_(piece).sub_(wire.decode(wire.send))
+            gathered = wire.gathered(self.size)
+            works.append(_gather_into(gathered, wire.send, self.group, async_op=True))
+        nbytes = sum(w.nbytes for w in wires)
+        self.stats.bytes += nbytes
+        self.stats.seconds += time.perf_counter() - start
+
+        def decode() -> None:
+            for piece, wire in zip(pieces, wires, strict=True):
+                self._average_gathered(piece, wire)
+
+        return PendingMean(self, works, nbytes, start, decode)
 
     def broadcast_(self, flat: torch.Tensor, src: int = 0) -> None:
         """Every rank gets rank `src`'s `flat` (setup, not training communication: not counted,
@@ -203,8 +260,14 @@ class Communicator:
         wire.encode_(flat)
         if residual is not None:
             residual.copy_(flat).sub_(wire.decode(wire.send))
+        _gather_into(wire.gathered(self.size), wire.send, self.group)
+        self._average_gathered(flat, wire)
+        self._account(start, wire.nbytes)
+
+    def _average_gathered(self, flat: torch.Tensor, wire: QuantizedWire) -> None:
+        """`flat` <- the fp32 mean of the messages gathered in `wire`, decoded and summed in
+        rank order (the same bits on every rank)."""
         gathered = wire.gathered(self.size)
-        _gather_into(gathered, wire.send, self.group)
         acc = wire.accumulator(flat)
         for rank in range(self.size):
             value = wire.decode(gathered[rank * wire.nbytes : (rank + 1) * wire.nbytes])
@@ -215,10 +278,11 @@ class Communicator:
         acc.div_(self.size)
         if acc is not flat:
             flat.copy_(acc)
-        self._account(start, wire.nbytes)
 
 
-def _gather_into(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+def _gather_into(
+    out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool = False
+):
     # torch 2.13 renamed all_gather_into_tensor (gloo and NCCL both have it) to all_gather_single
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, inp, group=group)
+    return gather(out, inp, group=group, async_op=async_op)

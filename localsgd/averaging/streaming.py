@@ -41,9 +41,23 @@ ones (M = world size). Anchors and outer states are then per worker; what every 
 Replicas share bit for bit, after each merge, what `common_tensors()` returns: every anchor (not
 eager), the merged fragment's values when α=0, or the mean received (plain, eager).
 
-Every fragment goes on the wire through `Fragments.exchange` (swap it for a quantised exchange).
+**Below fp32** (`comm_dtype`, outer steps only: the pseudo-gradient is what is rounded). Every
+fragment goes on the wire through `Fragments.exchange`, one message per piece (the fragment's
+region of one flat buffer). bfloat16/float16: the piece is cast to a 16-bit copy and all-reduced,
+as `LowPrecisionMean` does. int8/float8_e4m3fn/int4/float4_e2m1 (`localsgd.averaging.quantize`,
+one fp32 scale per `quant_block_size` values, blocks starting at the piece's start): each rank
+encodes its piece, the messages are all-gathered (asynchronously when τ>0 and for eager rounds),
+and every rank decodes them all and averages in fp32 in rank order, so all ranks get the same
+bits, blocking or launched. A sync counts what this rank sends: payload plus scales (4 bits at
+the default block: 0.133x fp32). `error_feedback` keeps one residual per piece (what this rank
+wanted to send minus what its message decodes to), adds it to that fragment's next
+pseudo-gradient before encoding, and checkpoints it. The final blocking `average()` of plain or
+eager runs sends the whole model in fp32.
+
 Memory beyond the model: the anchors and outer momentum, one fragment-sized wire buffer per
-fragment (all fragments together: one model), three more with `eager`.
+fragment (all fragments together: one model), three more with `eager`; below fp32, per piece the
+wire's buffers (`QuantizedWire`: about two fp32 copies of the piece for float4_e2m1 and the
+gathered messages) or a 16-bit copy, and a residual with `error_feedback`.
 """
 
 from __future__ import annotations
@@ -58,7 +72,16 @@ from torch import nn
 
 from localsgd.averaging.averager import Averager
 from localsgd.averaging.comm import CommStats, Communicator, PendingMean, SimulatedLink
+from localsgd.averaging.compress import (
+    CommFormat,
+    comm_dtype_of,
+    load_residuals,
+    lossy_mean_,
+    residual_buffers,
+    wire_buffers,
+)
 from localsgd.averaging.flat import FlatBuffers, Relayout, averaged_tensors
+from localsgd.averaging.quantize import DEFAULT_BLOCK_SIZE, BlockCodec
 from localsgd.averaging.reduce import Reducer
 
 Tensors = list[torch.Tensor]
@@ -122,6 +145,8 @@ class Fragments(Reducer):
         outer: dict | None,
         eager: bool,
         size: int,
+        comm_dtype: CommFormat = torch.float32,
+        error_feedback: bool = False,
     ):
         self.anchored = outer is not None
         fragments = max(ids, default=0) + 1
@@ -141,6 +166,15 @@ class Fragments(Reducer):
             return [[flat.buffers[g].new_empty(e - s) for g, s, _, e in rs] for rs in self.regions]
 
         self.sent = new()  # on the wire, in place: the values or pseudo-gradient, then its mean
+        # per piece: None (sent as it is), a 16-bit copy or a `QuantizedWire`; error feedback's
+        # residual (None where nothing is rounded)
+        self.comm_dtype, self.error_feedback = comm_dtype, error_feedback
+        self.quantized = isinstance(comm_dtype, BlockCodec)
+        self.low = [wire_buffers(pieces, comm_dtype) for pieces in self.sent]
+        self.residuals = [
+            residual_buffers(pieces, low, error_feedback)
+            for pieces, low in zip(self.sent, self.low, strict=True)
+        ]
         self.flight: list[PendingMean | None] = [None] * fragments
         self.holding = [False] * fragments  # a launched mean not yet consumed
         self.pending_step = [-1] * fragments  # the step it was launched after
@@ -157,15 +191,33 @@ class Fragments(Reducer):
 
     # --- the wire ------------------------------------------------------------------------------
 
-    def exchange(self, pieces: Tensors, comm: Communicator, blocking: bool):
-        """The one place a fragment goes on the wire: each piece replaced in place by its mean
-        over `comm`'s group; blocking, or launched (returns the handle to wait on). Swap this
-        method for a quantised exchange."""
+    def exchange(self, p: int, pieces: Tensors, comm: Communicator, blocking: bool):
+        """The one place fragment p goes on the wire: each piece replaced in place by its mean
+        over `comm`'s group; blocking, or launched (returns the handle to wait on). In fp32, a
+        16-bit copy, or block-quantised (`Communicator.quantized_mean_`: the messages
+        all-gathered, decoded and averaged in fp32 in rank order); blocking and launched give
+        the same bits. With error feedback each piece's residual is added first and then holds
+        what this rank failed to send."""
+        lows, residuals = self.low[p], self.residuals[p]
         if blocking:
-            for piece in pieces:
-                comm.mean_(piece)
+            for piece, low, residual in zip(pieces, lows, residuals, strict=True):
+                lossy_mean_(piece, comm, low, residual)
             return None
-        return comm.launch_mean_(pieces)
+        for piece, residual in zip(pieces, residuals, strict=True):
+            if residual is not None:
+                piece.add_(residual)
+        if self.quantized:
+            return comm.launch_quantized_mean_(pieces, lows, residuals)
+        if all(low is None for low in lows):
+            return comm.launch_mean_(pieces)
+        through = []
+        for piece, low, residual in zip(pieces, lows, residuals, strict=True):
+            if low is not None:
+                low.copy_(piece)
+                if residual is not None:
+                    torch.sub(piece, low, out=residual)  # wanted - sent
+            through.append(piece if low is None else low)
+        return comm.launch_mean_(pieces, through=through)
 
     def wait(self, p: int) -> None:
         if self.flight[p] is not None:
@@ -211,7 +263,7 @@ class Fragments(Reducer):
 
     def blocking(self, p: int, buffers: Tensors, comm: Communicator, alpha: float, plain: bool):
         self._load(p, buffers, self.sent[p])
-        self.exchange(self.sent[p], comm, blocking=True)
+        self.exchange(p, self.sent[p], comm, blocking=True)
         if self.eager:  # what every rank received, for common_tensors
             for r, d in zip(self.received[p], self.sent[p], strict=True):
                 r.copy_(d)
@@ -221,7 +273,7 @@ class Fragments(Reducer):
 
     def launch(self, p: int, buffers: Tensors, comm: Communicator, step: int, plain: bool):
         self._load(p, buffers, self.sent[p])
-        self.flight[p] = self.exchange(self.sent[p], comm, blocking=False)
+        self.flight[p] = self.exchange(p, self.sent[p], comm, blocking=False)
         self.holding[p], self.pending_step[p], self.pending_plain[p] = True, step, plain
 
     def finish(self, p: int, buffers: Tensors, alpha: float) -> None:
@@ -245,7 +297,7 @@ class Fragments(Reducer):
         self._load(p, buffers, fresh)
         for wire, f in zip(self.sent[p], fresh, strict=True):
             wire.copy_(f)
-        self.flight[p] = self.exchange(self.sent[p], comm, blocking=False)
+        self.flight[p] = self.exchange(p, self.sent[p], comm, blocking=False)
         self.holding[p], self.pending_step[p] = True, step
         for o, r, f in zip(own, self.received[p], fresh, strict=True):
             o.div_(-self.size).add_(r).add_(f, alpha=1 / self.size)  # D - d_prev/M + d/M
@@ -264,6 +316,9 @@ class Fragments(Reducer):
     def reset(self, buffers: Tensors) -> None:
         for flat, anchor in zip(buffers, self.anchors, strict=False):
             anchor.copy_(flat)
+        for residual in chain.from_iterable(self.residuals):
+            if residual is not None:
+                residual.zero_()
 
     def relayout(self, convert: Relayout) -> None:
         raise ValueError(
@@ -287,6 +342,10 @@ class Fragments(Reducer):
         }
         if self.eager:
             state["own"] = [[t.clone() for t in ts] for ts in self.own]
+        if self.error_feedback:
+            state["residuals"] = [
+                [r.clone() if r is not None else None for r in rs] for rs in self.residuals
+            ]
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -306,6 +365,9 @@ class Fragments(Reducer):
         for ts, saved in zip(getattr(self, "own", []), state.get("own", []), strict=True):
             for mine, value in zip(ts, saved, strict=True):
                 mine.copy_(value)
+        saved_residuals = state.get("residuals") or [None] * self.fragments
+        for residuals, saved in zip(self.residuals, saved_residuals, strict=True):
+            load_residuals(residuals, saved)
 
 
 class StreamingAverager(Averager):
@@ -334,6 +396,9 @@ class StreamingAverager(Averager):
         stats: CommStats | None = None,
         link: SimulatedLink | None = None,
         init_sync: bool | None = None,
+        comm_dtype: str | torch.dtype | BlockCodec = torch.float32,
+        quant_block_size: int = DEFAULT_BLOCK_SIZE,
+        error_feedback: bool = False,
     ):
         if period < 1 or warmup_steps < 0 or fragments < 1:
             raise ValueError("period and fragments must be >= 1, warmup_steps >= 0")
@@ -347,6 +412,15 @@ class StreamingAverager(Averager):
             raise ValueError(
                 "eager overlaps the whole outer step: it needs outer and delay_steps=0"
             )
+        dtype = comm_dtype_of(comm_dtype, quant_block_size)
+        if dtype != torch.float32 and not outer:
+            raise ValueError(
+                "comm_dtype below float32 needs outer=True under streaming: the pseudo-gradient "
+                "is what is rounded (plain streaming sends the values themselves)"
+            )
+        if error_feedback and dtype == torch.float32:
+            raise ValueError("error_feedback needs a comm_dtype below float32 (nothing is rounded)")
+        self.comm_dtype = dtype  # what goes on the wire
         self.period, self.fragments, self.delay = period, fragments, delay_steps
         self.alpha, self.eager, self.outer = float(merge_alpha), eager, outer
         self.offset = period // fragments
@@ -365,6 +439,8 @@ class StreamingAverager(Averager):
                 sgd if outer else None,
                 eager,
                 comm.size,
+                dtype,
+                error_feedback,
             )
 
         comm = Communicator(process_group, stats, link)

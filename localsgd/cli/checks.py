@@ -267,9 +267,12 @@ def _validate_streaming(cfg: Any, has_levels: bool) -> None:
         _require(delay == 0, "sync.delay_steps", "0 with sync.eager=true", delay)
     what = "with sync.fragments, delay_steps, merge_alpha or eager"
     _require(not has_levels, "sync.levels", f"empty {what}", list(_get(cfg, "sync.levels")))
+    dtype = _get(cfg, "sync.comm_dtype")
+    if outer == "none":  # plain streaming would round the values themselves, not a change
+        _require(dtype == "float32", "sync.comm_dtype", f"float32 with sync.outer=none {what}",
+                 dtype)  # fmt: skip
     for key, default in (
         ("sync.overlap", False),  # delay_steps is its general form
-        ("sync.comm_dtype", "float32"),
         ("sync.schedule", "constant"),
         ("sync.optimizer_state", "local"),
     ):

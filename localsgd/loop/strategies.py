@@ -143,6 +143,9 @@ def build_averager(
             outer_momentum=_or(sync.outer_momentum, defaults.get("momentum", 0.9)),
             outer_nesterov=_or(sync.outer_nesterov, defaults.get("nesterov", True)),
             init_sync=True,
+            comm_dtype=comm_dtype,
+            quant_block_size=sync.quant_block_size,
+            error_feedback=sync.error_feedback,
         )
     elif levels:
         sizes = {
