@@ -329,7 +329,7 @@ class TorchftCommunicator(Communicator):
                 return False
         return True
 
-    def launch_mean_(self, pieces: list[torch.Tensor]):
+    def launch_mean_(self, pieces: list[torch.Tensor], through=None):
         raise NotImplementedError(
             "delayed (overlapped) averaging is not supported across torchft replica groups"
         )
