@@ -21,8 +21,8 @@ gives each sync's size) up to the last step, i.e. the training loop without the 
 - utilisation, timers: 1 - comm_seconds / loop wall, rank 0's own clock inside the collectives
   (with tau > 0 only the wait at the merge: the exposed part).
 - utilisation, model (labelled so): steps*c / (steps*c + sum over syncs of
-  max(0, latency + bytes/bandwidth - tau*c)), c the compute-only seconds per step (the median
-  of the compute-only runs); the plot draws
+  max(0, latency + bytes/bandwidth - tau*c)), c the seconds per step of the row's paired
+  compute-only run (the plot's curves: the fastest of them); the plot draws
   it over 10 Mbit/s-100 Gbit/s, the measured points on top (Streaming DiLoCo's figure 4).
 
 Writes FRONTIER.md, frontier.png and frontier.json into --out (default experiments/bench).
@@ -190,7 +190,7 @@ def derive(results: dict) -> None:
     for link in results["links"]:
         gbps = LINKS[link]
         for run in results["rows"][link].values():
-            step_s = compute_s / run["steps"]
+            step_s = run["compute_wall_s"] / run["steps"]  # c under the row's own paired load
             run["util_measured"] = run["compute_wall_s"] / run["wall_s"]
             run["util_timers"] = 1 - run["comm_s"] / run["wall_s"]
             run["util_model"] = model_utilisation(run, run["tau"], gbps, step_s)
@@ -228,7 +228,8 @@ def render(results: dict, command: str) -> str:
         "run's loop wall; *load* = the 1-minute load average as the row started (2 cores); "
         "utilisation *measured* = compute wall / row wall, measured side by side in this "
         "invocation; *timers* = 1 - exposed / row wall (rank 0's clock, one run); *model* = the "
-        "formula in the script (tau steps of compute hide each sync), not a measurement.",
+        "formula in the script (tau steps of compute hide each sync; c from the paired run), not a "
+        "measurement.",
         "",
         "| link | row | syncs | MB sent | bytes/step kB | peak bytes/step kB | bytes vs DiLoCo "
         "| peak vs DiLoCo | link s | exposed s | compute wall s | row wall s | load "
@@ -258,7 +259,8 @@ def plot(results: dict, path: str) -> None:
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     bandwidths = np.logspace(-2, 2, 60)
     link0 = results["links"][0]
-    step_s = results["compute_s"] / results["p"]["steps"]
+    # the curves: the fastest compute-only run's step, the machine's speed under the least load
+    step_s = min(r["wall_s"] for r in results["baseline"]) / results["p"]["steps"]
     top = 0.0
     for i, name in enumerate(results["rows"][link0]):
         color = f"C{i}"
@@ -278,7 +280,7 @@ def plot(results: dict, path: str) -> None:
     ax.grid(alpha=0.3, which="both")
     ax.set_title(
         "filled: measured, compute-only wall / row wall (side by side); hollow: 1 - exposed / "
-        "wall\n(rank 0's timers); dashed: model, c = median compute-only step",
+        "wall\n(rank 0's timers); dashed: model, c = the fastest compute-only run's step",
         fontsize=9,
     )
     ax.legend(fontsize=8, loc="lower right")
@@ -296,6 +298,9 @@ def main(argv: list[str] | None = None) -> dict:
     if args.replot:
         with open(json_path) as f:
             results = json.load(f)
+        derive(results)
+        with open(json_path, "w") as f:
+            json.dump(results, f, indent=1)
         write_outputs(results, args.out)
         return results
     p = TINY if args.tiny else FULL
@@ -336,7 +341,7 @@ def main(argv: list[str] | None = None) -> dict:
             results["rows"][link] = {}
             for name, (overrides, tau) in rows(p).items():
                 if p["paired"]:
-                    compute_wall = 0.0 if p["paired"] else baseline()
+                    compute_wall = baseline()
                 n += 1
                 load = os.getloadavg()[0]
                 run = run_one([*base, *overrides, *simulate], os.path.join(tmp, f"{n}"), name)
