@@ -12,7 +12,8 @@ from torch import nn
 
 from localsgd.averaging import OuterAverager, PeriodicAverager, SimulatedLink
 from localsgd.averaging.comm import supports_avg
-from localsgd.averaging.streaming import StreamingAverager, fragment_ids, model_blocks
+from localsgd.averaging.fragments import fragment_ids, model_blocks
+from localsgd.averaging.streaming import StreamingAverager
 from tests.helpers import run_distributed
 
 

@@ -23,11 +23,8 @@ without fault tolerance never imports it. Nothing here imports Hydra or wandb.
 
 from __future__ import annotations
 
-import contextlib
-import threading
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -35,180 +32,22 @@ import torch.distributed as dist
 from torch.torch_version import TorchVersion
 
 from localsgd.averaging.comm import CommStats, Communicator, SimulatedLink, _nbytes
+from localsgd.averaging.torchft_services import make_manager, start_lighthouse
+
+__all__ = [
+    "FaultTolerantAverager",
+    "ReplicaGroupsDiverged",
+    "TorchftCommunicator",
+    "attach",
+    "make_manager",
+    "start_lighthouse",
+]
 
 FT_STATE_KEY = "localsgd_ft"  # our entry in the Manager's state dict
 
 
 class ReplicaGroupsDiverged(RuntimeError):
     """`check_replicas`: the replica groups do not hold the same weights after an average."""
-
-
-# --- services, bound to one interface --------------------------------------------------------
-
-
-def start_lighthouse(
-    min_replicas: int,
-    *,
-    host: str = "127.0.0.1",
-    port: int = 0,
-    join_timeout_ms: int = 60_000,
-    quorum_tick_ms: int = 50,
-    heartbeat_timeout_ms: int = 2_000,
-) -> tuple[Any, str]:
-    """Start torchft's Lighthouse in this process, bound to `host:port` (0: a free port).
-
-    Returns `(server, address)`; `server.shutdown()` stops it. The address names `host`
-    (torchft's own `address()` names the machine's hostname, which may resolve elsewhere).
-    `min_replicas` is the size of every quorum at least, so with W it makes the first quorum
-    wait for all W replicas: nobody trains alone at the start.
-    """
-    from torchft._torchft import LighthouseServer
-
-    server = LighthouseServer(
-        bind=f"{host}:{port}",
-        min_replicas=min_replicas,
-        join_timeout_ms=join_timeout_ms,
-        quorum_tick_ms=quorum_tick_ms,
-        heartbeat_timeout_ms=heartbeat_timeout_ms,
-    )
-    bound_port = int(server.address().rsplit(":", 1)[1])
-    return server, f"http://{host}:{bound_port}"
-
-
-def _loopback_transport(host: str, timeout: timedelta):
-    """torchft's HTTPTransport (the checkpoint server a healing replica fetches from), bound to
-    `host` instead of every interface and advertising `host` instead of the hostname."""
-    import socket
-    from http.server import ThreadingHTTPServer
-
-    import torchft.checkpointing.http_transport as http_transport
-
-    class Server(ThreadingHTTPServer):
-        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        daemon_threads = True
-
-        def __init__(self, server_address, handler):
-            class QuietHandler(handler):
-                def log_message(self, *args) -> None:  # no access log line per heal
-                    pass
-
-            super().__init__((host, server_address[1]), QuietHandler)
-
-    class Transport(http_transport.HTTPTransport):
-        def address(self) -> str:
-            port = self._server.socket.getsockname()[1]
-            name = f"[{host}]" if ":" in host else host
-            return f"http://{name}:{port}/checkpoint/"
-
-    with _patched(http_transport, "_IPv6HTTPServer", Server):
-        return Transport(timeout=timeout, num_chunks=0)
-
-
-_PATCH_LOCK = threading.RLock()
-
-
-@contextlib.contextmanager
-def _patched(module, name: str, value):
-    with _PATCH_LOCK:
-        saved = getattr(module, name)
-        setattr(module, name, value)
-        try:
-            yield
-        finally:
-            setattr(module, name, saved)
-
-
-def _drop_flight_recorder(record) -> bool:
-    return "flight recorder" not in record.getMessage()
-
-
-def _quiet_flight_recorder() -> None:
-    """torchft warns at every reconfiguration that NCCL's flight recorder cannot be reset, which
-    concerns NCCL debugging traces only (and says so on every CPU quorum): drop that line. Its
-    manager's INFO lines (one per commit) are off unless its logger's level was set."""
-    import logging
-
-    logger = logging.getLogger("torchft.manager")
-    if _drop_flight_recorder not in logger.filters:
-        logger.addFilter(_drop_flight_recorder)
-    if logger.level == logging.NOTSET:  # a line per commit at INFO (torchrun logs INFO)
-        logger.setLevel(logging.WARNING)
-
-
-def make_manager(
-    *,
-    replica_id: str,
-    lighthouse: str,
-    min_replicas: int = 1,
-    store_addr: str | None = None,
-    store_port: int | None = None,
-    rank: int = 0,
-    world_size: int = 1,
-    host: str = "127.0.0.1",
-    timeout_s: float = 30.0,
-    quorum_timeout_s: float = 60.0,
-    connect_timeout_s: float = 10.0,
-    heartbeat_ms: int = 100,
-    init_sync: bool = False,
-    **kwargs,
-):
-    """A torchft `Manager` for one rank of a replica group, every server bound to `host`.
-
-    The Manager needs the replica group's TCPStore (`store_addr:store_port`); with none given
-    a store is hosted here (enough for a single-process replica group) and kept on the manager
-    as `manager._localsgd_store`. Rank 0 of the group runs the ManagerServer (torchft binds it
-    to `[::]`; here to `host`), and every rank an HTTP checkpoint server (bound to `host`).
-
-    `replica_id` should end in digits that order the replicas as the plain path orders ranks
-    (`"replica_03"`): torchft sorts quorum members by id string and derives ranks from the
-    trailing digits. `init_sync=False`: replicas start identical (seeded) and nobody heals at
-    step 0. Extra `kwargs` go to `Manager`. The Manager is built with `use_async_quorum=False`.
-    """
-    import torchft.manager as ft_manager
-    from torchft.process_group import ProcessGroupGloo
-
-    _quiet_flight_recorder()
-    if "://" not in lighthouse:  # HOST:PORT, as torchft_lighthouse --bind takes it
-        lighthouse = f"http://{lighthouse}"
-
-    store = None
-    if store_addr is None:
-        store = dist.TCPStore(
-            host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
-        )
-        store_addr, store_port = host, store.port
-    timeout = timedelta(seconds=timeout_s)
-    real_server = ft_manager.ManagerServer
-
-    def bound_server(**kw):
-        kw["bind"] = f"{host}:{kw['bind'].rsplit(':', 1)[1]}"
-        return real_server(**kw)
-
-    transport = _loopback_transport(host, timeout)
-    with _patched(ft_manager, "ManagerServer", bound_server):
-        manager = ft_manager.Manager(
-            pg=ProcessGroupGloo(timeout=timeout),
-            load_state_dict=None,
-            state_dict=None,
-            min_replica_size=min_replicas,
-            use_async_quorum=False,
-            timeout=timeout,
-            quorum_timeout=timedelta(seconds=quorum_timeout_s),
-            connect_timeout=timedelta(seconds=connect_timeout_s),
-            rank=rank,
-            world_size=world_size,
-            store_addr=store_addr,
-            store_port=store_port,
-            lighthouse_addr=lighthouse,
-            replica_id=replica_id,
-            hostname=host,
-            heartbeat_interval=timedelta(milliseconds=heartbeat_ms),
-            checkpoint_transport=transport,
-            init_sync=init_sync,
-            **kwargs,
-        )
-    manager._localsgd_store = store
-    return manager
 
 
 # --- the communicator ------------------------------------------------------------------------

@@ -83,7 +83,7 @@ def _probe(data_cfg, model_cfg, seed, batch, epochs, world_size, fragments=1) ->
                 f"{tuple(x.shape)}): {type(e).__name__}: {reason}"
             ) from None
     if fragments > 1:  # Streaming DiLoCo strides its fragments over the model's blocks
-        from localsgd.averaging.streaming import model_blocks
+        from localsgd.averaging.fragments import model_blocks
 
         blocks = len(model_blocks(model))
         if blocks < fragments:
