@@ -88,11 +88,11 @@ def run(sizes: list[int], reps: int) -> list[dict]:
     return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--out", default=os.path.join(ROOT, "experiments", "bench", "FT_SYNC.md"))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     sizes, reps = ([100_000], 3) if args.tiny else ([1_000_000, 10_000_000], 15)
     started = time.perf_counter()
     rows = run(sizes, reps)

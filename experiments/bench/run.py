@@ -8,8 +8,10 @@ repetitions; absolute times are context only (the machine may be shared). Items:
 1-2 averaging cost, low-precision and hierarchical averaging (averaging.py), 3 trainer throughput
 vs k, with and without `sync.overlap` (item 6), 4 framework overhead, 5 memory (training.py).
 Item 6's accuracy effect is measured by experiments/overlap_study.py (training runs).
-The full suite ends with the communication frontier (frontier.py, 7-10 min more: the LM job on a
-simulated 1 Gbit/s and 100 Mbit/s link, writing FRONTIER.md and frontier.png beside --out);
+After the suite, ft_sync.py measures a sync through torchft's quorum against plain
+torch.distributed (FT_SYNC.md, ~1 min). The full suite ends with the communication frontier
+(frontier.py, 7-10 min more: the LM job on a simulated 1 Gbit/s and 100 Mbit/s link, writing
+FRONTIER.md and frontier.png beside --out);
 `--no-frontier` skips it, `python experiments/bench/frontier.py` runs it alone.
 """
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import os
 import sys
 import time
@@ -25,7 +28,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 if ROOT not in sys.path:  # run as a script: make `experiments.bench` importable (and in workers)
     sys.path.insert(0, ROOT)
 
-from experiments.bench import averaging, frontier, training  # noqa: E402
+from experiments.bench import averaging, frontier, ft_sync, training  # noqa: E402
 from experiments.bench.common import load_average, machine  # noqa: E402
 
 FULL = {
@@ -128,6 +131,11 @@ def main(argv: list[str] | None = None) -> str:
     with open(args.out, "w") as f:
         f.write(text)
     print(text, end="")
+    if not args.tiny and importlib.util.find_spec("torchft") is not None:
+        # a sync through torchft's quorum against plain torch.distributed (ft_sync.py)
+        out_dir = os.path.dirname(os.path.abspath(args.out))
+        ft_sync.main(["--out", os.path.join(out_dir, "FT_SYNC.md")])
+        print(f"ft_sync done after {time.perf_counter() - t0:.0f} s", flush=True)
     if not (args.tiny or args.no_frontier):  # its own test runs it at toy size
         out_dir = os.path.dirname(os.path.abspath(args.out))
         default = os.path.abspath(os.path.join(ROOT, "experiments/bench"))
