@@ -85,12 +85,13 @@ def rows(p: dict) -> dict[str, tuple[list[str], int]]:
     return out
 
 
-def corpus(tmp: str) -> tuple[str, str]:
-    """(path, description) of the text: the Shakespeare corpus if `make data` built it, else the
-    Python documentation topics shipped with the standard library (offline, ~465k characters)."""
+def corpus(tmp: str, tiny: bool = False) -> tuple[str, str]:
+    """(path, description) of the text: the Shakespeare corpus if `make data` built it (not for
+    `--tiny`, whose input must not depend on the machine), else the Python documentation topics
+    shipped with the standard library (offline, ~465k characters)."""
     data_dir = os.environ.get("LOCALSGD_DATA_DIR", os.path.expanduser("~/.cache/localsgd"))
     shakespeare = os.path.join(data_dir, "shakespeare", "input.txt")
-    if os.path.isfile(shakespeare):
+    if os.path.isfile(shakespeare) and not tiny:
         return shakespeare, "character-level Shakespeare (`make data`)"
     import pydoc_data.topics
 
@@ -315,7 +316,7 @@ def main(argv: list[str] | None = None) -> dict:
         "baseline": [],
     }
     with tempfile.TemporaryDirectory() as tmp:
-        text, results["corpus"] = corpus(tmp)
+        text, results["corpus"] = corpus(tmp, tiny=args.tiny)
         base = job(p, text)
         n = 0
 
