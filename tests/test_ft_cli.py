@@ -117,6 +117,7 @@ def test_a_worker_lost_for_good_leaves_the_others_to_finish(tmp_path):
         ("ft.max_restarts=-1", "ft.max_restarts"),
         ("ft.timeout_s=0", "ft.timeout_s"),
         ("ft.replica_id=a", "ft.replica_id"),
+        ("sync.levels=[{group_size:1,period:2},{group_size:world,period:4}]", "sync.levels"),
         ("sync.overlap=true", "sync.overlap"),
         ("sync.comm_dtype=int4", "sync.comm_dtype"),
         ("trainer.checkpoint_every=10", "trainer.checkpoint_every"),
@@ -155,8 +156,9 @@ def test_a_run_without_ft_never_imports_torchft():
 @pytest.mark.timeout(240)
 def test_two_machines_each_a_replica_group_of_two_one_killed_and_restarted(tmp_path):
     """Several machines on loopback: a lighthouse, and per machine `torchrun --nproc-per-node=2
-    ... ft=torchft ft.replica_id=group_I ft.replica_groups=2`. Each machine's two ranks average
-    among themselves, then with the other machine through torchft. Rank 2 (group 1's first) is
+    ... ft=torchft ft.replica_id=group_I ft.replica_groups=2`, with hierarchical levels: each
+    machine's two ranks average among themselves every 2 steps (torch.distributed), and every 4
+    steps with the other machine too (torchft). Rank 2 (group 1's first) is
     SIGKILLed at step 10; torchrun restarts group 1, whose ranks heal from group 0 and train on."""
     from localsgd.averaging.fault_tolerant import start_lighthouse
 
@@ -174,6 +176,9 @@ def test_two_machines_each_a_replica_group_of_two_one_killed_and_restarted(tmp_p
                 "ft.timeout_s=10",
                 "sync.check_replicas=true",
                 "dist.world_size=null",
+                # hierarchical: each machine's pair every 2 steps (torch.distributed), both
+                # machines every 4 (torchft), as torchft #171 asks
+                "sync.levels=[{group_size:node,period:2},{group_size:world,period:4}]",
                 # a slow link keeps group 0 training while torchrun restarts group 1
                 "trainer.max_steps=200",
                 "comm.simulate.latency_ms=250",
@@ -214,4 +219,7 @@ def test_two_machines_each_a_replica_group_of_two_one_killed_and_restarted(tmp_p
     assert summary["world_size"] == 4 and summary["steps"] == 200
     assert summary["heals"] >= 1 and summary["participants"] == 2
     assert not (tmp_path / "group_1" / "summary.json").exists()
+    inner, widest = summary["comm_levels"]
+    assert inner["group_size"] == 2 and inner["rounds"] > 0  # inside the machine
+    assert widest["group_size"] == 4 and widest["rounds"] > 0  # both machines, through torchft
     assert not survivors(tag)

@@ -194,14 +194,18 @@ def _clone_tree(value):
 
 
 def attach(averager, comm: TorchftCommunicator) -> None:
-    """Make `comm` the widest level of `averager` (every level that is the averager's
-    `comm`), sharing its counters; a stop-gap until the averagers take `comm=`."""
+    """Make `comm` the widest level of `averager`, sharing its counters; a stop-gap until the
+    averagers take `comm=`. Only the widest level goes across replica groups: a hierarchical
+    averager's inner levels (even one spanning the whole replica group, the same communicator
+    as the widest's) stay inside the group, on torch.distributed."""
     old = averager.comm
+    if averager.levels[-1] is not old:
+        raise ValueError("the averager's widest level is not its communicator")
     if comm.local is None and old.size > 1:
         comm.local = old
         comm.sum_first = _sum_then_divide(old)
     comm.stats = averager.stats
-    averager.levels = [comm if level is old else level for level in averager.levels]
+    averager.levels = [*averager.levels[:-1], comm]
     averager.comm = comm
 
 

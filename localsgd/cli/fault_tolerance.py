@@ -31,7 +31,6 @@ from localsgd.loop.worker import WorkerInfo
 # the averagers' features that need collectives other than one all-reduce per round, or state
 # that a failed round would not roll back).
 FT_REFUSED = (
-    ("sync.levels", [], "empty (hierarchical averaging through torchft is not built yet)"),
     ("sync.overlap", False, "false (a delayed average cannot span a torchft round)"),
     ("sync.fragments", 1, "1 (streaming through torchft is not built yet)"),
     ("sync.delay_steps", 0, "0 (a delayed merge cannot span a torchft round)"),
@@ -129,8 +128,20 @@ def validate_ft(cfg: Any, get: Callable[[Any, str], Any], world_size: int | None
         raise ConfigError("ft.host must name the interface to bind (e.g. 127.0.0.1), got ''")
     for key, keep, allowed in FT_REFUSED:
         value = get(cfg, key)
-        if (list(value) if key == "sync.levels" else value) != keep:
+        if value != keep:
             raise ConfigError(f"{key} must be {allowed} with ft=torchft, got {value!r}")
+    levels = list(get(cfg, "sync.levels") or [])
+    if levels and not under_torchrun():
+        raise ConfigError(
+            "sync.levels must be empty with ft=torchft on one machine (each worker is a replica "
+            "group of its own); under torchrun the inner levels average inside each machine's "
+            "group and the widest across groups"
+        )
+    if levels and get(cfg, f"sync.levels.{len(levels) - 1}.group_size") != "world":
+        raise ConfigError(
+            "sync.levels: the last level's group_size must be world with ft=torchft (it spans "
+            f"every replica group, through torchft), got {levels[-1]!r}"
+        )
     dtype = get(cfg, "sync.comm_dtype")
     if dtype not in FT_COMM_DTYPES:
         raise ConfigError(

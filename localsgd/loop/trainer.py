@@ -75,13 +75,15 @@ class Trainer:
         self.optimizer = build_optimizer(self.model.parameters(), c.optim)
         self.lr_schedule = build_schedule(c.lr_schedule, c.trainer.max_steps)
         # the strategy: warmup, averaging, drift; every rank starts from rank 0's model
+        # under ft=torchft the process group is one replica group: levels are sized within it
+        group = dist.get_world_size() if c.ft.backend != "none" else info.world_size
         self.sync = build_synchroniser(
             c.sync,
             c.comm,
             self.model,
             self.optimizer,
-            info.world_size,
-            info.local_world_size,
+            group,
+            min(info.local_world_size, group),
             c.trainer.max_steps,
             track_drift=c.trainer.track_drift,
             fault_tolerant=c.ft.backend != "none",
