@@ -4,13 +4,16 @@ plays (`data.partition=contiguous`) beside the iid shards (`data.partition=iid`)
     make data                                        # the corpus, once
     python experiments/lm_noniid/study.py run        # 18 runs into /tmp/lm_noniid
     python experiments/lm_noniid/study.py export     # -> experiments/lm_noniid/runs.jsonl
-    python experiments/lm_noniid/study.py report     # -> report.md and loss_vs_step.png
+    python experiments/lm_noniid/study.py run --world-size 2 --rows local_k16 diloco_h16
+    python experiments/lm_noniid/study.py export --world-size 2   # adds 2-worker lines
+    python experiments/lm_noniid/study.py report     # -> report.md and loss_vs_step*.png
 
 The model, optimizer, batch, world size and simulated link are the Shakespeare study's `COMMON`
 (experiments/lm_shakespeare/study.py), imported, with a shorter budget: 600 steps per worker,
-evaluation every 100 steps. `run` skips runs that finished and resumes ones that were cut short,
-so it can be restarted; it runs seed by seed, so a cut-short study still has whole seeds.
-`report` reads only the committed table.
+evaluation every 100 steps. `--world-size 2` checks the pilot at 2 workers, nothing else changed.
+`run` skips runs that finished and resumes ones that were cut short, so it can be restarted; it
+runs seed by seed, so a cut-short study still has whole seeds. `report` reads only the committed
+table.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ SEEDS = (0, 1, 2)
 STEPS = 600
 EVAL_EVERY = 100
 PARTITIONS = ("iid", "contiguous")
+# 4: the pilot's setting (COMMON's); 2: a check on a setting the pilot was not tuned on
+WORLD_SIZES = (4, 2)
 
 
 def with_budget(common: list[str]) -> list[str]:
@@ -66,23 +71,37 @@ ROWS = {
 }
 
 
-def run_dir(row: str, partition: str, seed: int) -> Path:
-    return RUNS / f"{row}_{partition}_s{seed}"
+def with_world_size(common: list[str], world_size: int) -> list[str]:
+    """COMMON with `dist.world_size` replaced (in place, so the override lists of the 4-worker
+    runs are unchanged)."""
+    if "dist.world_size=4" not in common:
+        raise SystemExit("the Shakespeare study's COMMON no longer sets dist.world_size=4")
+    return [f"dist.world_size={world_size}" if item == "dist.world_size=4" else item
+            for item in common]  # fmt: skip
 
 
-def command(row: str, partition: str, seed: int) -> list[str]:
-    out = run_dir(row, partition, seed)
-    return [sys.executable, "-m", "localsgd.train", *COMMON, *ROWS[row],
-            f"data.partition={partition}", f"seed={seed}", f"hydra.run.dir={out}"]  # fmt: skip
+def run_dir(row: str, partition: str, seed: int, world_size: int = 4) -> Path:
+    # the 4-worker runs keep the pilot's names; other world sizes are tagged
+    tag = "" if world_size == 4 else f"_w{world_size}"
+    return RUNS / f"{row}_{partition}{tag}_s{seed}"
 
 
-def run_all(rows: list[str], partitions: list[str], seeds: list[int], timeout: float) -> None:
+def command(row: str, partition: str, seed: int, world_size: int = 4) -> list[str]:
+    out = run_dir(row, partition, seed, world_size)
+    return [sys.executable, "-m", "localsgd.train", *with_world_size(COMMON, world_size),
+            *ROWS[row], f"data.partition={partition}", f"seed={seed}",
+            f"hydra.run.dir={out}"]  # fmt: skip
+
+
+def run_all(
+    rows: list[str], partitions: list[str], seeds: list[int], timeout: float, world_size: int = 4
+) -> None:
     for seed in seeds:
         for row in rows:
             for partition in partitions:
-                if (run_dir(row, partition, seed) / "summary.json").is_file():
+                if (run_dir(row, partition, seed, world_size) / "summary.json").is_file():
                     continue
-                cmd = command(row, partition, seed)
+                cmd = command(row, partition, seed, world_size)
                 print(" ".join(cmd[1:]), flush=True)
                 # its own session, so a timeout ends the launcher and its 4 workers together
                 proc = subprocess.Popen(cmd, start_new_session=True)
@@ -97,16 +116,23 @@ def run_all(rows: list[str], partitions: list[str], seeds: list[int], timeout: f
                     raise SystemExit(f"{row} {partition} seed {seed}: exit status {rc}")
 
 
-def export() -> None:
-    """One line per finished run: row, partition, seed, the final (whole validation set) loss and
-    perplexity, communication per worker, wall time, the overrides and the validation curve."""
+def export(world_size: int = 4) -> None:
+    """One line per finished run of `world_size` workers: row, partition, seed, world size, the
+    final (whole validation set) loss and perplexity, communication per worker, wall time, the
+    overrides and the validation curve. The table's lines for other world sizes are kept as they
+    are (the pilot's 4-worker lines carry no `world_size` key: `read` takes them as 4)."""
     from localsgd.analysis.runs import load_run
 
+    kept = []
+    if TABLE.is_file():
+        with open(TABLE, encoding="utf-8") as f:
+            kept = [line for line in f if line.strip()
+                    and json.loads(line).get("world_size", 4) != world_size]  # fmt: skip
     lines = []
     for seed in SEEDS:
         for row in ROWS:
             for partition in PARTITIONS:
-                path = run_dir(row, partition, seed)
+                path = run_dir(row, partition, seed, world_size)
                 if not (path / "summary.json").is_file():
                     continue
                 run = load_run(str(path))
@@ -116,23 +142,28 @@ def export() -> None:
                     "row": row,
                     "partition": partition,
                     "seed": seed,
+                    "world_size": world_size,
                     "test_loss": s["test_loss"],
                     "test_perplexity": s["test_perplexity"],
                     "comm_bytes": s["comm_bytes"],
                     "comm_rounds": s["comm_rounds"],
                     "wall_time_s": s["wall_time_s"],
                     "steps": s["steps"],
-                    "overrides": command(row, partition, seed)[3:-1],
+                    "overrides": command(row, partition, seed, world_size)[3:-1],
                     "curve": {"step": [m["step"] for m in curve],
                               "test_loss": [m["test_loss"] for m in curve]},
                 })  # fmt: skip
-    TABLE.write_text("".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")
-    print(f"wrote {len(lines)} runs to {TABLE}")
+    text = "".join(kept) + "".join(json.dumps(line) + "\n" for line in lines)
+    TABLE.write_text(text, encoding="utf-8")
+    print(f"wrote {len(lines)} runs of {world_size} workers to {TABLE} ({len(kept)} others kept)")
 
 
 def read() -> list[dict]:
     with open(TABLE, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+        runs = [json.loads(line) for line in f if line.strip()]
+    for r in runs:
+        r.setdefault("world_size", 4)  # the pilot's lines predate the key
+    return runs
 
 
 def mean_std(values: list[float]) -> tuple[float, float]:
@@ -156,8 +187,28 @@ def holds(deltas: list[float], spread: float) -> bool:
     return same_sign and abs(mean) > max(spread, std)
 
 
+def plot_name(world_size: int) -> str:
+    return "loss_vs_step.png" if world_size == 4 else f"loss_vs_step_w{world_size}.png"
+
+
 def report() -> None:
     runs = read()
+    world_sizes = [w for w in WORLD_SIZES if any(r["world_size"] == w for r in runs)]
+    lines = [
+        f"{len(runs)} runs from `runs.jsonl` (mean ± std over seeds), {STEPS} steps per worker, "
+        f"batch 16 x 64 characters per worker, at world sizes {', '.join(map(str, world_sizes))} "
+        f"(everything else identical). Validation loss in nats per character on the whole "
+        f"validation set (the last 10% of the corpus: plays no worker trains on), from the final "
+        f"averaged model. Communication per worker. Wall time: the training loop on the simulated "
+        f"1 Gbit/s, 100 ms link, on a shared 2-core machine.\n",
+    ]
+    for world_size in world_sizes:
+        lines += report_world_size([r for r in runs if r["world_size"] == world_size], world_size)
+    (HERE / "report.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    print("\n".join(lines))
+
+
+def report_world_size(runs: list[dict], world_size: int) -> list[str]:
     cell: dict[tuple[str, str], dict[int, dict]] = defaultdict(dict)
     for r in runs:
         cell[(r["row"], r["partition"])][r["seed"]] = r
@@ -167,12 +218,9 @@ def report() -> None:
         return {s: r["test_loss"] for s, r in cell[(row, partition)].items()}
 
     lines = [
-        f"{len(runs)} runs from `runs.jsonl` (mean ± std over seeds {seeds}). 4 workers, "
-        f"{STEPS} steps each, batch 16 x 64 characters per worker. Validation loss in nats per "
-        f"character on the whole validation set (the last 10% of the corpus: plays no worker "
-        f"trains on), from the final averaged model. Communication per worker. Wall time: the "
-        f"training loop on the simulated 1 Gbit/s, 100 ms link, on a shared 2-core machine.\n",
-        "## Final validation loss\n",
+        f"# {world_size} workers\n",
+        f"{len(runs)} runs, seeds {seeds}, `dist.world_size={world_size}`.\n",
+        f"## Final validation loss, {world_size} workers\n",
         "| row | partition | seeds | val loss | perplexity | comm rounds | comm MB | wall s |",
         "|---|---|---|---|---|---|---|---|",
     ]
@@ -190,7 +238,7 @@ def report() -> None:
             )
 
     lines += [
-        "\n## iid → contiguous, per method\n",
+        f"\n## iid → contiguous, per method, {world_size} workers\n",
         "Δ = contiguous − iid validation loss, paired by seed (same seed: same initial model). "
         "*Counts*: Δ has the same sign on every seed and |mean Δ| is larger than the seeds' "
         "spread (the larger std of the two cells, and the std of the Δs).\n",
@@ -213,7 +261,7 @@ def report() -> None:
         )
 
     lines += [
-        "\n## Method against method, within each partition\n",
+        f"\n## Method against method, within each partition, {world_size} workers\n",
         "Difference of validation loss, paired by seed; the same rule for *counts*. Last rows: "
         "whether the non-iid penalty (Δ above) differs between two methods.\n",
         "| comparison | per seed | mean ± std | counts |",
@@ -244,7 +292,7 @@ def report() -> None:
         )
 
     lines += [
-        "\n## Per run\n",
+        f"\n## Per run, {world_size} workers\n",
         "| row | partition | seed | val loss | wall s |",
         "|---|---|---|---|---|",
     ]
@@ -256,13 +304,13 @@ def report() -> None:
             f"| {r['row']} | {r['partition']} | {r['seed']} | {r['test_loss']:.4f} "
             f"| {r['wall_time_s']:.0f} |"
         )
-    lines.append("\n![validation loss against step](loss_vs_step.png)")
-    (HERE / "report.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    print("\n".join(lines))
-    plot(cell)
+    name = plot_name(world_size)
+    lines.append(f"\n![validation loss against step, {world_size} workers]({name})\n")
+    plot(cell, world_size)
+    return lines
 
 
-def plot(cell) -> None:
+def plot(cell, world_size: int = 4) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -285,11 +333,12 @@ def plot(cell) -> None:
                     label=f"{row}, {partition}")  # fmt: skip
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("validation loss (nats/char), mean over seeds")
-    ax.set_title("solid: iid shards; dashed: contiguous (each worker its own plays)", fontsize=9)
+    ax.set_title(f"{world_size} workers. solid: iid shards; dashed: contiguous "
+                 f"(each worker its own plays)", fontsize=9)  # fmt: skip
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(HERE / "loss_vs_step.png", dpi=110)
+    fig.savefig(HERE / plot_name(world_size), dpi=110)
     plt.close(fig)
 
 
@@ -302,11 +351,13 @@ def main() -> None:
     parser.add_argument("--partitions", nargs="*", default=list(PARTITIONS), choices=PARTITIONS)
     parser.add_argument("--seeds", nargs="*", type=int, default=list(SEEDS))
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per run (300)")
+    parser.add_argument("--world-size", type=int, default=4, choices=WORLD_SIZES,
+                        help="workers per run (4, the pilot's; 2)")  # fmt: skip
     args = parser.parse_args()
     if args.action == "run":
-        run_all(args.rows, args.partitions, args.seeds, args.timeout)
+        run_all(args.rows, args.partitions, args.seeds, args.timeout, args.world_size)
     elif args.action == "export":
-        export()
+        export(args.world_size)
     else:
         report()
 
