@@ -4,7 +4,7 @@ plays (`data.partition=contiguous`) beside the iid shards (`data.partition=iid`)
     make data                                        # the corpus, once
     python experiments/lm_noniid/study.py run        # 18 runs into /tmp/lm_noniid
     python experiments/lm_noniid/study.py export     # -> experiments/lm_noniid/runs.jsonl
-    python experiments/lm_noniid/study.py run --world-size 2 --rows local_k16 diloco_h16
+    python experiments/lm_noniid/study.py run --world-size 2     # 18 runs
     python experiments/lm_noniid/study.py export --world-size 2   # adds 2-worker lines
     python experiments/lm_noniid/study.py report     # -> report.md and loss_vs_step*.png
 
