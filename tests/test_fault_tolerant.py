@@ -1,9 +1,11 @@
-"""Averaging through torchft's Manager (localsgd.averaging.fault_tolerant): no fault equals the
-plain torch.distributed path bit for bit; a replica killed between syncs is dropped and, once
+"""Averaging through torchft's Manager (localsgd.averaging.fault_tolerant): a replica killed
+between syncs is dropped and, once
 restarted, heals from a live peer; a replica killed inside the all-reduce makes the round roll
 back on the survivors, never leaving a half-average.
 
-Three single-process replica groups on gloo, one in-process lighthouse, all on 127.0.0.1.
+Three single-process replica groups on gloo, one in-process lighthouse, all on 127.0.0.1. That
+no fault equals the torch.distributed path bit for bit (periodic averaging and DiLoCo) is
+tests/test_ft_cli.py's, through the command line.
 """
 
 from __future__ import annotations
@@ -12,9 +14,7 @@ import faulthandler
 import multiprocessing
 import os
 import signal
-import socket
 import time
-from datetime import timedelta
 
 import pytest
 import torch
@@ -47,55 +47,47 @@ def _averager(kind: str, model: torch.nn.Module):
 
 
 def _replica(cfg: dict) -> None:
-    """One worker: a replica group of one process (`mode="ft"`), or one rank of a plain
-    torch.distributed world of W (`mode="plain"`). Writes what it saw to `out/INDEX.pt`."""
+    """One worker, a replica group of one process. Writes what it saw to `out/INDEX.pt`."""
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     faulthandler.dump_traceback_later(80, exit=True)  # a hung worker says where, then dies
     torch.set_num_threads(1)
     index, steps = cfg["index"], cfg["steps"]
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    timeout = timedelta(seconds=20)
     seen: dict = {"participants": {}, "after": {}}
-    if cfg["mode"] == "plain":
-        store = dist.TCPStore("127.0.0.1", cfg["port"], W, index == 0, timeout=timeout)
-        dist.init_process_group("gloo", store=store, rank=index, world_size=W, timeout=timeout)
-        av = _averager(cfg["kind"], model)
-        ft = None
-    else:
-        from localsgd.averaging.fault_tolerant import (
-            FaultTolerantAverager,
-            TorchftCommunicator,
-            make_manager,
-        )
+    from localsgd.averaging.fault_tolerant import (
+        FaultTolerantAverager,
+        TorchftCommunicator,
+        make_manager,
+    )
 
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        av = _averager(cfg["kind"], model)
-        manager = make_manager(
-            replica_id=f"replica_{index:02d}",
-            lighthouse=cfg["lighthouse"],
-            min_replicas=1,
-            timeout_s=cfg.get("timeout_s", 10.0),
-        )
-        comm = TorchftCommunicator(manager, replicas=W)
-        ft = FaultTolerantAverager(av, comm)
-        ft.register_state("model", model.state_dict, model.load_state_dict)
-        ft.register_state("optimizer", opt.state_dict, opt.load_state_dict)
-        if cfg.get("fail_at") is not None and index == cfg["victim"]:
-            real_mean = comm.mean_
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    av = _averager(cfg["kind"], model)
+    manager = make_manager(
+        replica_id=f"replica_{index:02d}",
+        lighthouse=cfg["lighthouse"],
+        min_replicas=1,
+        timeout_s=cfg.get("timeout_s", 10.0),
+    )
+    comm = TorchftCommunicator(manager, replicas=W)
+    ft = FaultTolerantAverager(av, comm)
+    ft.register_state("model", model.state_dict, model.load_state_dict)
+    ft.register_state("optimizer", opt.state_dict, opt.load_state_dict)
+    if cfg.get("fail_at") is not None and index == cfg["victim"]:
+        real_mean = comm.mean_
 
-            def mean_(flat, through=None):
-                if av.step == cfg["fail_at"]:
-                    os.kill(os.getpid(), signal.SIGKILL)  # inside the round, mid all-reduces
-                real_mean(flat, through)
+        def mean_(flat, through=None):
+            if av.step == cfg["fail_at"]:
+                os.kill(os.getpid(), signal.SIGKILL)  # inside the round, mid all-reduces
+            real_mean(flat, through)
 
-            comm.mean_ = mean_
-        if cfg.get("restarted"):
-            open(cfg["ready"], "w").close()
-        seen["start"] = ft.start(wait_for=1 if cfg.get("restarted") else W)
-        if seen["start"] == "sync":
-            seen["participants"][av.step - 1] = ft.participants
-            seen["after"][av.step - 1] = [b.clone() for b in av.flat.buffers]
+        comm.mean_ = mean_
+    if cfg.get("restarted"):
+        open(cfg["ready"], "w").close()
+    seen["start"] = ft.start(wait_for=1 if cfg.get("restarted") else W)
+    if seen["start"] == "sync":
+        seen["participants"][av.step - 1] = ft.participants
+        seen["after"][av.step - 1] = [b.clone() for b in av.flat.buffers]
     try:
         while av.step < steps:
             step = av.step
@@ -122,12 +114,6 @@ def _replica(cfg: dict) -> None:
         if ft is not None:
             ft.manager.shutdown(wait=False)
         dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Job:
@@ -175,34 +161,6 @@ def _identical(results: dict) -> None:
             assert torch.equal(a, b)
 
 
-# periodic averaging: tests/test_ft_cli.py's no-fault run, through the command line
-@pytest.mark.parametrize("kind", ["outer"])
-def test_no_fault_equals_plain_path(tmp_path, lighthouse, kind):
-    """No fault: the same bits as torch.distributed. gloo's AVG (torch 2.13) sums then
-    divides; the torchft path sums the same flat buffer over the same rank order, then divides
-    by the same count, so the results are bit-identical (not merely within 1e-6)."""
-    steps = 13
-    plain_dir, ft_dir = tmp_path / "plain", tmp_path / "ft"
-    plain_dir.mkdir(), ft_dir.mkdir()
-    plain = Job(plain_dir, mode="plain", kind=kind, steps=steps, port=_free_port())
-    ft = Job(ft_dir, mode="ft", kind=kind, steps=steps, lighthouse=lighthouse)
-    try:
-        for job in (plain, ft):  # one after the other: at most W worker processes at a time
-            for i in range(W):
-                job.start(i)
-            for i in range(W):
-                assert job.wait(i) == 0
-    finally:
-        plain.kill_all()
-        ft.kill_all()
-    want, got = _results(plain_dir, range(W)), _results(ft_dir, range(W))
-    _identical(got)
-    for a, b in zip(want[0]["flat"], got[0]["flat"], strict=True):
-        assert torch.equal(a, b)
-    assert got[0]["participants"] == {0: 3, 4: 3, 8: 3, 12: 3}
-    assert got[0]["failed_syncs"] == 0 and got[0]["heals"] == 0
-
-
 def test_killed_between_syncs_then_heals(tmp_path, lighthouse):
     """Replica 2 dies at step 6; the sync after step 8 goes ahead with 2; restarted, it heals
     from a live peer (model, optimizer, outer state) at the first sync it reaches (after step
@@ -211,7 +169,6 @@ def test_killed_between_syncs_then_heals(tmp_path, lighthouse):
     ready = str(tmp_path / "ready")
     job = Job(
         tmp_path,
-        mode="ft",
         kind="outer",
         steps=25,
         lighthouse=lighthouse,
@@ -250,7 +207,6 @@ def test_killed_inside_all_reduce_rolls_back(tmp_path, lighthouse):
     after step 12 commits with 2, and the survivors end identical."""
     job = Job(
         tmp_path,
-        mode="ft",
         kind="periodic",
         steps=13,
         lighthouse=lighthouse,

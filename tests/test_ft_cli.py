@@ -54,12 +54,14 @@ def _collapse(seq: list[int]) -> list[int]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_no_fault_is_bit_identical_to_the_plain_path(tmp_path):
+@pytest.mark.parametrize("strategy", [[], ["sync.outer=diloco", "optim=adamw", "optim.lr=0.003"]])
+def test_no_fault_is_bit_identical_to_the_plain_path(tmp_path, strategy):
     """The same job through torch.distributed and through torchft's Manager: one quorum per
-    sync, the same sums in the same order, the same model to the last bit."""
+    sync, the same sums in the same order, the same model to the last bit (post-local SGD, and
+    DiLoCo with its anchor and outer momentum)."""
     plain, ft = tmp_path / "plain", tmp_path / "ft"
     for run_dir, extra in ((plain, []), (ft, ["ft=torchft", "sync.check_replicas=true"])):
-        proc, left = cli(FT + extra + [f"hydra.run.dir={run_dir}"])
+        proc, left = cli(FT + strategy + extra + [f"hydra.run.dir={run_dir}"])
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert not left
     assert same_model(plain / "model.pt", ft / "model.pt")
