@@ -270,12 +270,19 @@ def load(
     """Restore every component from this rank's file in `folder`; returns the step. Those named
     in `optional` may be absent from the file (e.g. drift, when tracking was off)."""
     state = torch.load(rank_file(folder, rank), map_location=device, weights_only=True)
+    restore(state, components, optional, folder)
+    return int(state["step"])
+
+
+def restore(
+    state: dict, components: Mapping[str, Stateful], optional: tuple[str, ...], folder: str
+) -> None:
+    """Load each component from its entry of `state`, a rank state read from `folder`."""
     for name, component in components.items():
         if name in state:
             component.load_state_dict(state[name])
         elif name not in optional:
             raise ValueError(f"checkpoint {folder} holds no {name!r} state")
-    return int(state["step"])
 
 
 # RNG states: the torch generators always; Python's and NumPy's as plain lists and tensors, so the

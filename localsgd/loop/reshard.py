@@ -23,16 +23,12 @@ from collections.abc import Mapping
 
 import torch
 
-from localsgd.loop.checkpoint import MARKER, Stateful, rank_file
+from localsgd.loop.checkpoint import Stateful, _marker, rank_file, restore
 
 
 def written_by(folder: str) -> int:
     """The world size that wrote a (verified) checkpoint folder."""
-    import json
-    import os
-
-    with open(os.path.join(folder, MARKER), encoding="utf-8") as f:
-        return int(json.load(f)["world_size"])
+    return int(_marker(folder)["world_size"])
 
 
 RESHARD_REFUSED = {  # sync key: why its per-worker state cannot move to another world size
@@ -107,9 +103,5 @@ def load_resharded(
         merged["rng"] = states[rank]["rng"]
     else:
         merged.pop("rng", None)  # the per-rank seed the trainer set
-    for name, component in components.items():
-        if name in merged:
-            component.load_state_dict(merged[name])
-        elif name not in (*optional, "rng"):
-            raise ValueError(f"checkpoint {folder} holds no {name!r} state")
+    restore(merged, components, (*optional, "rng"), folder)
     return int(states[0]["step"])
