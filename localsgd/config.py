@@ -75,7 +75,9 @@ class SyncLevel:
 class SyncConfig:
     period: int = 16  # k: average parameters every k optimizer steps
     warmup_steps: int = 0  # synchronous (gradient all-reduce) steps before local SGD starts
-    # hierarchical local SGD, narrowest first; replaces `period` when given
+    # hierarchical local SGD, narrowest first; replaces `period` when given. With `outer` or the
+    # streaming keys below, the widest level takes the (streamed) outer step and the others
+    # average the whole model plainly
     levels: list[SyncLevel] = field(default_factory=list)
     schedule: str = "constant"  # constant | step | adaptive
     period_factor: int = 2  # step: k *= factor at each milestone; adaptive: k *= or //= factor

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tests.helpers import BASE, killed_and_resumed
+from tests.helpers import BASE, cli, killed_and_resumed
 
 pytestmark = pytest.mark.slow
 
@@ -50,3 +50,21 @@ def test_4bit_diloco_with_error_feedback_resumes_bit_identical(tmp_path):
     fp32 = summary["params"] * 4  # what one fp32 pseudo-gradient would send
     per_sync = summary["comm_levels"][0]["bytes"] / summary["comm_levels"][0]["rounds"]
     assert per_sync <= 0.14 * fp32  # 4-bit payload plus one fp32 scale per block
+
+
+@pytest.mark.timeout(120)
+def test_streaming_diloco_over_hierarchical_levels_from_the_cli(tmp_path):
+    # 4 workers: pairs average the whole model after steps 6, 9, ..., 21; the widest level is
+    # Streaming DiLoCo's (fragments launched after 5, 9, 13, 17, 21), each merge checked
+    levels = "sync.levels=[{group_size:2,period:3},{group_size:world,period:8}]"
+    args = [a for a in STREAMING if not a.startswith("sync.period")]
+    args += [levels, "dist.world_size=4", "trainer.checkpoint_every=0", f"hydra.run.dir={tmp_path}"]
+    proc, left = cli(args)
+    assert proc.returncode == 0 and not left, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    inner, widest = summary["comm_levels"]
+    assert (inner["group_size"], inner["period"], inner["rounds"]) == (2, 3, 6)
+    assert inner["bytes"] == 6 * 4 * summary["params"]  # the whole model each time, in fp32
+    # 5 launches of one fragment each, then the final blocking step of both fragments
+    assert (widest["group_size"], widest["period"], widest["rounds"]) == (4, 8, 6)
+    assert summary["comm_rounds"] == 5 + inner["rounds"] + widest["rounds"]

@@ -10,10 +10,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from localsgd.averaging import OuterAverager, PeriodicAverager, SimulatedLink
+from localsgd.averaging import CommStats, OuterAverager, PeriodicAverager, SimulatedLink
 from localsgd.averaging.comm import supports_avg
 from localsgd.averaging.fragments import fragment_ids, model_blocks
 from localsgd.averaging.streaming import StreamingAverager
+from localsgd.config import SyncConfig, SyncLevel
+from localsgd.loop.strategies import build_averager
 from tests.helpers import run_distributed
 
 
@@ -206,7 +208,20 @@ def test_each_sync_sends_its_fragment_at_the_documented_steps():
 # --- (3) τ=2, α=0.5 against a blocking reference ----------------------------------------------
 
 
-def _reference_worker(rank, world_size, steps, warmup, period, delay, alpha, eager=False):
+def _mean(t: torch.Tensor, size: int, group=None) -> None:
+    """A blocking mean over `group`, as every averager here takes it."""
+    if supports_avg(group):
+        dist.all_reduce(t, op=dist.ReduceOp.AVG, group=group)
+    else:
+        dist.all_reduce(t.div_(size), group=group)
+
+
+def _reference_worker(
+    rank, world_size, steps, warmup, period, delay, alpha, eager=False, inner=None
+):
+    """`inner=(period, group_size)`: one inner level, written out as documented: after step s
+    (s >= warmup, its period dividing s) the whole model is averaged within contiguous groups,
+    before the merge and the launch of that step."""
     torch.set_num_threads(1)
     fragments = 2
     ours_model, ref_model = _net(), _net()
@@ -214,8 +229,13 @@ def _reference_worker(rank, world_size, steps, warmup, period, delay, alpha, eag
     ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=0.01)
     ours = StreamingAverager(
         period, warmup, module=ours_model, fragments=fragments, delay_steps=delay,
-        merge_alpha=alpha, eager=eager,
+        merge_alpha=alpha, eager=eager, inner_levels=dict([inner]) if inner else None,
     )  # fmt: skip
+    group = None
+    if inner:
+        size = inner[1]
+        chunks = [list(range(i, i + size)) for i in range(0, world_size, size)]
+        group, _ = dist.new_subgroups_by_enumeration(chunks)
     ids = fragment_ids(ref_model, fragments)
     params = list(ref_model.parameters())
     members = [[t for t, f in zip(params, ids, strict=True) if f == p] for p in range(fragments)]
@@ -233,6 +253,9 @@ def _reference_worker(rank, world_size, steps, warmup, period, delay, alpha, eag
         ours.maybe_average()
         _step(ref_model, ref_opt, gens[1])
         with torch.no_grad():
+            if inner and s >= warmup and s % inner[0] == 0:
+                for t in params:
+                    _mean(t.data, inner[1], group)
             if pending is not None and s == pending[2] + delay:
                 p, mean, _, plain = pending
                 if plain:
@@ -256,49 +279,84 @@ def _reference_worker(rank, world_size, steps, warmup, period, delay, alpha, eag
                 delayed[p] = (d, mean)
             elif p is not None:
                 g = anchors[p] - flat(p)
-                if supports_avg(None):
-                    dist.all_reduce(g, op=dist.ReduceOp.AVG)
-                else:
-                    dist.all_reduce(g.div_(world_size))
+                _mean(g, world_size)
                 pending = (p, g, s, warmup > 0 and s == warmup + p * period // fragments)
         equal.append(_same(list(ours_model.parameters()), list(ref_model.parameters())))
         if ours.merged:
             common.append(torch.cat([t.reshape(-1) for t in ours.common_tensors()]))
-    return equal, common
+    return equal, common, ours.comm_levels()
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_delayed_mixed_merges_match_a_blocking_reference_bit_for_bit():
     results = run_distributed(_reference_worker, 2, 26, 3, 8, 2, 0.5)
-    for equal, _ in results:
+    for equal, _, _ in results:
         assert all(equal), equal.index(False)
-    (_, common0), (_, common1) = results
+    (_, common0, _), (_, common1, _) = results
     assert len(common0) == 6 and _same(common0, common1)  # the anchors, on every rank
     # eager rounds (no warmup: no blocking first round), written out with a blocking all-reduce
     results = run_distributed(_reference_worker, 2, 26, 0, 8, 0, 0.25, True)
-    for equal, _ in results:
+    for equal, _, _ in results:
         assert all(equal), equal.index(False)
-    (_, common0), (_, common1) = results
+    (_, common0, _), (_, common1, _) = results
     assert len(common0) == 5 and _same(common0, common1)  # rounds 3-7 received a mean
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_inner_levels_compose_with_delayed_mixed_fragments_bit_for_bit():
+    # 4 workers, pairs average the whole model after every step s >= 2 with s % 3 == 0; the
+    # fragments launch after 2, 10, 18 (0) and 6, 14, 22 (1) and merge one step later: the pairs'
+    # averages fall on launches (6, 18) and on merges (3, 15), where they come first
+    steps, warmup = 24, 2
+    results = run_distributed(_reference_worker, 4, steps, warmup, 8, 1, 0.5, False, (3, 2))
+    for equal, _, _ in results:
+        assert all(equal), equal.index(False)
+    commons = [common for _, common, _ in results]
+    assert len(commons[0]) == 6 and all(_same(commons[0], c) for c in commons[1:])
+    inner, widest = results[0][2]
+    numel = sum(t.numel() for t in _net().parameters())
+    pairs = sum(1 for s in range(warmup, steps) if s % 3 == 0)
+    assert (inner["group_size"], inner["period"], inner["rounds"]) == (2, 3, pairs)
+    assert inner["bytes"] == 4 * numel * pairs  # the whole model, in fp32
+    assert (widest["group_size"], widest["period"], widest["rounds"]) == (4, 8, 6)
+    assert widest["bytes"] == 3 * 4 * numel  # each fragment three times: the model three times
 
 
 # --- (5) resume with a fragment in flight, and eager rounds ---------------------------------------
 
 
-def _resume_worker(rank, world_size, steps, save_at):
+def _levels_averager(model, opt, world_size):
+    """Built from the config, as the trainer does: pairs every 3 steps, then streaming at the
+    widest level (H = 8, warmup 2, fragment 0 launched after step 10 and merged after 12)."""
+    sync = SyncConfig(
+        warmup_steps=2,
+        levels=[SyncLevel(group_size=2, period=3), SyncLevel(group_size="world", period=8)],
+        outer="diloco",
+        fragments=2,
+        delay_steps=2,
+        merge_alpha=0.5,
+    )
+    return build_averager(sync, model, opt, world_size, world_size, CommStats())
+
+
+def _resume_worker(rank, world_size, steps, save_at, names=("delayed", "eager", "plain")):
     torch.set_num_threads(1)
     configs = {
         "delayed": dict(fragments=2, delay_steps=2, merge_alpha=0.5),
         "eager": dict(fragments=2, eager=True, merge_alpha=0.25),
         "plain": dict(fragments=4, delay_steps=1, outer=False),
+        "levels": None,
     }
     out = {}
-    for name, kw in configs.items():
+    for name in names:
 
-        def build(kw=kw):
+        def build(kw=configs[name]):
             model = _net(bn=True)
             opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+            if kw is None:
+                return model, opt, _levels_averager(model, opt, world_size)
             return model, opt, StreamingAverager(8, 2, module=model, **kw)
 
         def run(model, opt, avg, gen, start, stop, commons):
@@ -329,7 +387,7 @@ def _resume_worker(rank, world_size, steps, save_at):
         gen = torch.Generator()
         gen.set_state(saved[3])
         run(model, opt, avg, gen, save_at, steps, [])
-        out[name] = (in_flight, _same(straight, _state(model)), commons)
+        out[name] = (in_flight, _same(straight, _state(model)), commons, avg.comm_levels())
     return out
 
 
@@ -342,3 +400,16 @@ def test_resume_with_a_fragment_in_flight_is_bit_identical():
         assert r0[name][0], name  # something was in flight at the save
         assert r0[name][1] and r1[name][1], name
         assert r0[name][2] and _same(r0[name][2], r1[name][2]), name  # common_tensors agree
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_resume_under_inner_levels_with_a_fragment_in_flight_is_bit_identical():
+    # 4 workers: the pairs' averages (after 3, 6, 9, 12, ...) around the step-10 launch
+    results = run_distributed(_resume_worker, 4, 22, 11, ("levels",))
+    for r in results:
+        in_flight, same, commons, levels = r["levels"]
+        assert in_flight and same
+        assert _same(commons, results[0]["levels"][2])  # what every rank shares, after each merge
+        # the pairs averaged (after 3, 6, ..., 21) and the counters came through the checkpoint
+        assert [(lv["group_size"], lv["rounds"]) for lv in levels] == [(2, 7), (4, 5)]

@@ -78,7 +78,13 @@ def test_experiment_files_compose_and_validate(name, expected):
             4,
             "sync.levels[1].group_size",
         ),
-        ([LEVELS_OK, "sync.outer=diloco"], 4, "sync.outer"),
+        ([LEVELS_OK, "sync.outer=diloco"], 4, None),  # the widest level's outer step
+        (
+            [LEVELS_OK, "sync.outer=diloco", "sync.optimizer_state=average"],
+            4,
+            "sync.optimizer_state",
+        ),
+        ([LEVELS_OK, "sync.outer=diloco", "ft=torchft"], 4, "ft.backend"),
         ([LEVELS_OK, "sync.schedule=adaptive"], 4, "sync.schedule"),
         (["sync.comm_dtype=float64"], 4, "sync.comm_dtype"),
         (["sync.outer=adam"], 4, "sync.outer"),
@@ -129,6 +135,10 @@ def test_cli_refuses_bad_strategy_in_one_line(tmp_path, capsys, override, key):
 
 
 @pytest.mark.timeout(60)
-def test_cli_refuses_outer_with_levels(tmp_path, capsys):
-    line = refusal([LEVELS_OK, "sync.outer=diloco", f"hydra.run.dir={tmp_path / 'run'}"], capsys)
-    assert line == "error: sync.outer must be none when sync.levels is set, got 'diloco'"
+def test_cli_refuses_an_outer_step_over_levels_with_averaged_optimizer_state(tmp_path, capsys):
+    args = [LEVELS_OK, "sync.outer=diloco", "sync.optimizer_state=average"]
+    line = refusal([*args, f"hydra.run.dir={tmp_path / 'run'}"], capsys)
+    assert line == (
+        "error: sync.optimizer_state must be local with sync.fragments, delay_steps, merge_alpha, "
+        "eager or an outer step over sync.levels, got 'average'"
+    )

@@ -38,6 +38,17 @@ t-1 (zeros at the first round), and steps its outer optimizer at once with
 ones (M = world size). Anchors and outer states are then per worker; what every rank receives,
 `D_{t-1}`, is identical. The first round after a warmup is a blocking plain average.
 
+**Inner levels** (`inner_levels={period: group_size}`, narrowest first, as
+`HierarchicalAverager`'s levels without the widest): each averages the whole model plainly, in
+fp32, within groups of contiguous ranks, after step s when `s >= warmup_steps` and its period
+divides s (the last listed such level: torch's hierarchical rule among the inner levels; the
+widest level, every rank, is the streaming schedule above with H = `period`). An inner average
+is not skipped on a launch or merge step (a fragment is only part of the model). On one step
+the order is: the inner average, then the merge of the fragment in flight, then the launch. So
+a launch sends what the group agreed on, and a merge acts last on the local values (α=0 leaves
+the merged fragment equal to the global value on every rank). Anchors, outer states and values
+in flight are never touched by an inner average.
+
 Replicas share bit for bit, after each merge, what `common_tensors()` returns: every anchor (not
 eager), the merged fragment's values when α=0, or the mean received (plain, eager).
 
@@ -81,9 +92,11 @@ from localsgd.averaging.quantize import DEFAULT_BLOCK_SIZE, BlockCodec
 class StreamingAverager(Averager):
     """Streaming DiLoCo: `fragments` fragments synced in turn, each `delay_steps` late, merged
     with `merge_alpha`; `eager` overlaps the whole outer step; `outer=False` streams plain
-    averages. Called once after every optimizer step, like every averager here. See the module
-    docstring for the split, the schedule and the arithmetic; P=1, τ=0, α=0 is `OuterAverager`
-    bit for bit. `module` is required (the blocks come from it)."""
+    averages; `inner_levels` adds hierarchical levels below the streaming one. Called once after
+    every optimizer step, like every averager here. See the module docstring for the split, the
+    schedule, the levels and the arithmetic; P=1, τ=0, α=0 is `OuterAverager` bit for bit.
+    `module` is required (the blocks come from it). Every rank must construct it in the same
+    order relative to other group creations when `inner_levels` make subgroups."""
 
     def __init__(
         self,
@@ -107,6 +120,7 @@ class StreamingAverager(Averager):
         comm_dtype: str | torch.dtype | BlockCodec = torch.float32,
         quant_block_size: int = DEFAULT_BLOCK_SIZE,
         error_feedback: bool = False,
+        inner_levels: dict[int, int] | None = None,
     ):
         if period < 1 or warmup_steps < 0 or fragments < 1:
             raise ValueError("period and fragments must be >= 1, warmup_steps >= 0")
@@ -152,8 +166,20 @@ class StreamingAverager(Averager):
             )
 
         comm = Communicator(process_group, stats, link)
+        inner = dict(inner_levels or {})
+        for p, size in inner.items():
+            if p < 1 or size < 1 or comm.size % size:
+                raise ValueError(
+                    f"each inner level needs a period >= 1 and a group size dividing the "
+                    f"group's size ({comm.size}), got {p} -> {size}"
+                )
+        by_size: dict[int, Communicator] = {}  # one set of subgroups per distinct size
+        for size in inner.values():
+            if size not in by_size:
+                by_size[size] = comm.subgroups(size)
+        self.inner_periods = list(inner)
         super().__init__(
-            [comm],
+            [*(by_size[size] for size in inner.values()), comm],
             process_group,
             module=module,
             reducer=make,
@@ -199,11 +225,26 @@ class StreamingAverager(Averager):
         """The fragment merged (eager: stepped) after step `step`, or None."""
         return self.launching(step - self.delay)
 
+    def inner_level_at(self, step: int) -> int | None:
+        """The inner level that averages the whole model after step `step`, or None."""
+        if step < self.warmup_steps:
+            return None
+        for i in reversed(range(len(self.inner_periods))):
+            if step % self.inner_periods[i] == 0:
+                return i
+        return None
+
     def level_at(self, step: int) -> int | None:
-        return 0 if self.launching(step) is not None else None
+        if self.launching(step) is not None:
+            return self.widest
+        return self.inner_level_at(step)
+
+    @property
+    def widest(self) -> int:
+        return len(self.levels) - 1
 
     def period_of(self, level: int) -> int:
-        return self.period
+        return self.period if level == self.widest else self.inner_periods[level]
 
     def next_sync(self, step: int) -> int | None:
         s = max(step, self.warmup_steps + self.delay)
@@ -222,6 +263,9 @@ class StreamingAverager(Averager):
         self.ensure_bound()
         self.merged, self.last_fragment, step = False, None, self.step
         buffers = self.flat.buffers
+        level = self.inner_level_at(step)
+        if level is not None:
+            self._inner_average(level)
         q = self.merging(step) if self.delay else None
         if q is not None and frags.holding[q] and frags.pending_step[q] == step - self.delay:
             self._global_hooks("before")
@@ -245,12 +289,23 @@ class StreamingAverager(Averager):
                     self._merged(p)
                 else:
                     self._global_hooks("after")
-            self.stats.rounds += 1
-            self.level_stats[0].rounds += 1
-            self.level_stats[0].bytes += self.stats.bytes - before
+            self._count(self.widest, before)
         self.all_in_sync = self.merged and self.fragments == 1 and not self.alpha and not self.eager
         self.step += 1
-        return p is not None
+        return p is not None or level is not None
+
+    def _inner_average(self, level: int) -> None:
+        comm, before = self.levels[level], self.stats.bytes
+        for flat in self.flat.buffers:
+            comm.mean_(flat)
+        self._run_hooks(comm)
+        self._count(level, before)
+
+    def _count(self, level: int, before: int) -> None:
+        """One round of `level`, which sent what the counters gained since `before`."""
+        self.stats.rounds += 1
+        self.level_stats[level].rounds += 1
+        self.level_stats[level].bytes += self.stats.bytes - before
 
     def _merged(self, p: int) -> None:
         self._run_hooks(self.comm)
@@ -280,9 +335,7 @@ class StreamingAverager(Averager):
                 self.comm.mean_(flat)
             frags.reset(buffers)
         self._run_hooks(self.comm)
-        self.stats.rounds += 1
-        self.level_stats[0].rounds += 1
-        self.level_stats[0].bytes += self.stats.bytes - before
+        self._count(self.widest, before)
         self.all_in_sync = True
 
     def common_tensors(self) -> Tensors:

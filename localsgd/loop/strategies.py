@@ -4,9 +4,11 @@
 model averager, the no-communication baseline (a schedule that never averages), drift measured
 around the averages that bring every replica together, and what the summary reports.
 
-`sync.levels` gives a `HierarchicalAverager`; `sync.outer` (diloco | slowmo) an `OuterAverager`;
-otherwise a `PeriodicAverager`, each with the period schedule, the communication precision and
-the optimizer-state policy the config names. `localsgd.cli.checks.validate` has already refused
+Streaming DiLoCo's keys (and an outer optimizer over `sync.levels`) give a `StreamingAverager`,
+whose widest level is the streaming one; `sync.levels` otherwise a `HierarchicalAverager`;
+`sync.outer` (diloco | slowmo) an `OuterAverager`; otherwise a `PeriodicAverager`, each with
+the period schedule, the communication precision and the optimizer-state policy the config
+names. `localsgd.cli.checks.validate` has already refused
 bad combinations, reading the tables of allowed values defined here and in the averaging core;
 the averagers check their own arguments again.
 
@@ -102,8 +104,15 @@ def strategy_name(sync: SyncConfig) -> str:
 
 def streams(sync: SyncConfig) -> bool:
     """Whether the config asks for Streaming DiLoCo's mechanisms: fragments, a delayed merge, a
-    mixed merge or the eager outer step (`StreamingAverager`)."""
-    return sync.fragments > 1 or sync.delay_steps > 0 or sync.merge_alpha > 0 or sync.eager
+    mixed merge or the eager outer step, or an outer optimizer over hierarchical levels (the
+    widest level's outer step: `StreamingAverager` with inner levels)."""
+    return (
+        sync.fragments > 1
+        or sync.delay_steps > 0
+        or sync.merge_alpha > 0
+        or sync.eager
+        or bool(sync.levels and sync.outer != "none")
+    )
 
 
 def build_averager(
@@ -126,10 +135,15 @@ def build_averager(
         return PeriodicAverager(
             1, module=model, stats=stats, schedule=NeverAverage(), link=link, init_sync=True
         )
+    sizes = {
+        int(lv.period): resolve_group_size(lv.group_size, world_size, local_world_size)
+        for lv in levels
+    }
     if streams(sync):
         defaults = OUTER_DEFAULTS.get(outer, {})
+        # with levels, the widest is the streaming one; the others average the whole model
         averager = StreamingAverager(
-            sync.period,
+            int(levels[-1].period) if levels else sync.period,
             sync.warmup_steps,
             module=model,
             stats=stats,
@@ -146,12 +160,9 @@ def build_averager(
             comm_dtype=comm_dtype,
             quant_block_size=sync.quant_block_size,
             error_feedback=sync.error_feedback,
+            inner_levels=dict(list(sizes.items())[:-1]),
         )
     elif levels:
-        sizes = {
-            int(lv.period): resolve_group_size(lv.group_size, world_size, local_world_size)
-            for lv in levels
-        }
         averager = HierarchicalAverager(
             sizes,
             sync.warmup_steps,
