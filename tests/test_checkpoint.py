@@ -61,6 +61,37 @@ def test_prune_keeps_the_newest_complete_and_newer_partial_ones(tmp_path):
     assert checkpoint.listed_steps(str(tmp_path)) == [20, 15, 10]
 
 
+class _State:
+    def __init__(self, value):
+        self.value = value
+
+    def state_dict(self):
+        return self.value
+
+
+def test_a_shared_checkpoint_is_one_state_and_the_first_writer_of_a_step_wins(tmp_path):
+    """`save_shared` (ft=torchft's checkpoints): one rank state for a job of 3 workers, written
+    with no collective; a second worker writing the same step (the survivors of a lost quorum
+    race) leaves the first folder whole and no temporary folder behind; a partial folder of an
+    earlier life is replaced."""
+    loop = {"in_sync": True}
+    first = checkpoint.save_shared(
+        str(tmp_path), 8, 3, {"model": _State({"w": torch.ones(2)}), "loop": _State(loop)}, 2
+    )
+    again = checkpoint.save_shared(
+        str(tmp_path), 8, 3, {"model": _State({"w": torch.zeros(2)}), "loop": _State(loop)}, 2
+    )
+    assert again == first and os.listdir(checkpoint.checkpoint_root(str(tmp_path))) == ["step-8"]
+    assert sorted(os.listdir(first)) == [checkpoint.MARKER, "rank-0.pt"]
+    marker = checkpoint.verify(first, world_size=2)  # any world size continues it
+    assert marker["shared"] and marker["world_size"] == 3
+    assert torch.equal(torch.load(checkpoint.rank_file(first, 0))["model"]["w"], torch.ones(2))
+    partial = checkpoint.step_dir(str(tmp_path), 16)
+    os.makedirs(partial)  # killed before its rename in an earlier life: no marker
+    checkpoint.save_shared(str(tmp_path), 16, 3, {"loop": _State(loop)}, 2)
+    assert checkpoint.verify(partial)["step"] == 16
+
+
 def test_rng_states_round_trip_through_a_weights_only_file(tmp_path):
     import random
 

@@ -87,7 +87,14 @@ def test_torchrun_two_nodes_train_into_one_run_directory(tmp_path):
     port = free_port()
     # the narrow hierarchical level defaults to the node: pairs here, torchrun's LOCAL_WORLD_SIZE
     levels = "sync.levels=[{group_size:node,period:2},{group_size:world,period:4}]"
-    args = BASE + [f"hydra.run.dir={run_dir}", "dist.world_size=null", levels]
+    # a checkpoint at step 21, after a global sync (torch's rule: step index 20, 20 % 4 == 0)
+    base = [a for a in BASE if not a.startswith("trainer.checkpoint_every")]
+    args = base + [
+        "trainer.checkpoint_every=7",
+        f"hydra.run.dir={run_dir}",
+        "dist.world_size=null",
+        levels,
+    ]
     env, tag = tagged_env()
     nodes = [
         subprocess.Popen(
@@ -106,6 +113,23 @@ def test_torchrun_two_nodes_train_into_one_run_directory(tmp_path):
     assert summary["world_size"] == 4 and summary["steps"] == 24
     assert [lv["group_size"] for lv in summary["comm_levels"]] == [2, 4]
     assert checkpoint.newest_complete(str(run_dir), 4) == checkpoint.step_dir(str(run_dir), 24)
+    # the same run continues under torchrun at another world size: 4 -> 2 (one node)
+    at_sync = checkpoint.step_dir(str(run_dir), 21)
+    more = tmp_path / "more"
+    proc = subprocess.run(
+        _torchrun(1, free_port(), [])
+        + [a for a in args if not a.startswith("hydra.run.dir")]
+        + [f"hydra.run.dir={more}", f"trainer.resume={at_sync}", "trainer.max_steps=32"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert "resuming at another world size: 4 workers' averaged model" in proc.stderr
+    summary = json.loads((more / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 32
     assert not survivors(tag)
 
 

@@ -14,6 +14,7 @@ import sys
 
 import pytest
 
+from localsgd.loop import checkpoint
 from tests import faults
 from tests.helpers import (
     FAST,
@@ -111,6 +112,44 @@ def test_a_worker_lost_for_good_leaves_the_others_to_finish(tmp_path):
     assert summary["participants"] == 2 and summary["heals"] == 0
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_below_min_replicas_the_job_stops_with_a_checkpoint_and_resumes_at_another_size(tmp_path):
+    """3 workers, ft.min_replicas=3, checkpoints every 8 steps. Worker 2 is lost for good at
+    step 30: the next sync finds no quorum for ft.quorum_timeout_s, is rolled back, and the
+    survivors stop with one line naming the checkpoint of the last global state (one shared
+    state). The same run then continues from it with 2 workers (torchft's again, with
+    ft.min_replicas=2: the ft settings may change on resume)."""
+    run_dir = tmp_path / "run"
+    base = [a for a in FT if not a.startswith("trainer.checkpoint_every")] + [
+        "trainer.checkpoint_every=8",
+        "trainer.keep_checkpoints=3",
+        f"hydra.run.dir={run_dir}",
+    ]
+    ft = ["ft=torchft", "ft.max_restarts=0", "ft.min_replicas=3", "ft.quorum_timeout_s=3"]
+    proc, left = cli(base + ft, fault="kill:2:30")
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert not left
+    stop = checkpoint.step_dir(str(run_dir), 33)  # the sync after step 30
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ft: fewer than ft.min_replicas=3 replica groups for "), last
+    assert f"stopped with the last global state in {stop}: run the same command" in last
+    assert checkpoint.listed_steps(str(run_dir)) == [33, 25, 17]  # the first sync past 8k
+    for step in (33, 25, 17):
+        marker = checkpoint.verify(checkpoint.step_dir(str(run_dir), step))
+        assert marker["shared"] and list(marker["files"]) == ["rank-0.pt"]
+    assert not (run_dir / "summary.json").exists()
+
+    proc, left = cli(base + ["ft=torchft", "ft.min_replicas=2", "dist.world_size=2"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert not left
+    assert f"resuming from {stop}" in proc.stderr
+    assert "resuming at another world size: 3 workers' averaged model" in proc.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 60 and summary["world_size"] == 2
+    assert summary["participants"] == summary["participants_min"] == 2
+
+
 @pytest.mark.parametrize(
     "override,key",
     [
@@ -122,7 +161,6 @@ def test_a_worker_lost_for_good_leaves_the_others_to_finish(tmp_path):
         ("sync.levels=[{group_size:1,period:2},{group_size:world,period:4}]", "sync.levels"),
         ("sync.overlap=true", "sync.overlap"),
         ("sync.comm_dtype=int4", "sync.comm_dtype"),
-        ("trainer.checkpoint_every=10", "trainer.checkpoint_every"),
         ("ft.lighthouse=127.0.0.1:1", "ft.lighthouse"),  # nothing listens on port 1
         ("ft.lighthouse=nohost", "ft.lighthouse"),
     ],

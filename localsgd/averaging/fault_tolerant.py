@@ -17,6 +17,11 @@ Each sync is one torchft *round*:
    False every tensor the round touched is rolled back to the snapshot of the last commit
    (never a half-average) and the average is retried at the next sync.
 
+A quorum that cannot form (fewer than the lighthouse's `min_replicas` live replica groups for the
+quorum timeout) is a round that failed the same way: rolled back, counted in `failed_syncs`, and
+`quorum_lost` says why, so that the owner can stop with a checkpoint of the last global state
+rather than wait forever.
+
 torchft is imported only by the functions here that need it, never at module import, so a run
 without fault tolerance never imports it. Nothing here imports Hydra or wandb.
 """
@@ -36,6 +41,7 @@ from localsgd.averaging.torchft_services import make_manager, start_lighthouse
 
 __all__ = [
     "FaultTolerantAverager",
+    "QuorumLost",
     "ReplicaGroupsDiverged",
     "TorchftCommunicator",
     "attach",
@@ -48,6 +54,10 @@ FT_STATE_KEY = "localsgd_ft"  # our entry in the Manager's state dict
 
 class ReplicaGroupsDiverged(RuntimeError):
     """`check_replicas`: the replica groups do not hold the same weights after an average."""
+
+
+class QuorumLost(RuntimeError):
+    """No quorum of enough live replica groups formed within the quorum timeout."""
 
 
 # --- the communicator ------------------------------------------------------------------------
@@ -95,6 +105,7 @@ class TorchftCommunicator(Communicator):
         self.healed = False  # this replica loaded a peer's state in this round
         self.healers = 0  # replica groups of this round's quorum that loaded a peer's state
         self.in_round = False
+        self.lost = False  # no quorum formed this round: nothing goes on the wire
         self._count = torch.zeros(1)
 
     @property
@@ -112,7 +123,12 @@ class TorchftCommunicator(Communicator):
         live participants. Returns whether this replica healed."""
         self.healed = False
         self.in_round = True
-        self.manager.start_quorum()
+        self.lost = False
+        try:
+            self.manager.start_quorum()
+        except Exception as e:  # the quorum's timeout, or the lighthouse gone
+            self.lost = True
+            raise QuorumLost(f"no quorum: {type(e).__name__}") from e
         self.live = not self.healed and self.manager.errored() is None
         self._count.fill_(1.0 if self.live else 0.0)
         self.manager.allreduce(self._count, reduce_op=dist.ReduceOp.SUM).wait()
@@ -124,6 +140,8 @@ class TorchftCommunicator(Communicator):
     def commit(self) -> bool:
         """End the round: True when every replica group may keep its result."""
         self.in_round = False
+        if self.lost:
+            return False
         ok = self.manager.should_commit()
         return bool(ok and self.participants > 0)
 
@@ -139,7 +157,7 @@ class TorchftCommunicator(Communicator):
             self.local.mean_(flat, through)
             self.stats.bytes, self.stats.seconds = counted  # the whole mean is counted below
         wire = flat if through is None else through.copy_(flat)
-        if self.manager.errored() is None:
+        if not self.lost and self.manager.errored() is None:
             n = max(self.participants, 1)
             if not self.live:
                 wire.zero_()
@@ -158,6 +176,8 @@ class TorchftCommunicator(Communicator):
         after an error: the round will not commit and is rolled back anyway."""
         if not self.in_round:
             raise RuntimeError("TorchftCommunicator.identical outside a round")
+        if self.lost:
+            return True  # the round is rolled back
         for t in tensors:
             high, low = t.detach().clone(), t.detach().neg()
             for x in (high, low):
@@ -249,6 +269,10 @@ class FaultTolerantAverager:
         self.phase = "start"  # the round this replica is in (sent to a healing peer)
         self.tracked: list[tuple[Callable[[], Any], Callable[[Any], None]]] = []
         self.committed: dict | None = None
+        self.just_committed = False  # a round committed since the owner last looked
+        self.leads = False  # this replica group ranked first in the last committed round
+        self.checkpoint_mark = 0  # the owner's schedule of checkpoints (sent to healers)
+        self.quorum_lost: str | None = None  # why the last round found no quorum
         self._peer: dict | None = None
         self._snapshot_due = False
         self.manager.register_state_dict_fn(FT_STATE_KEY, self._load_ft_state, self._ft_state)
@@ -301,6 +325,7 @@ class FaultTolerantAverager:
             "failed_syncs": self.failed_syncs,
             "participants_min": self.participants_min,
             "heals_seen": self.heals_seen,
+            "checkpoint_mark": self.checkpoint_mark,
         }
 
     def _load_ft_state(self, state: dict) -> None:
@@ -313,6 +338,7 @@ class FaultTolerantAverager:
         self.failed_syncs = int(state["failed_syncs"])
         self.participants_min = min(self.participants_min, int(state["participants_min"]))
         self.heals_seen = int(state["heals_seen"])
+        self.checkpoint_mark = int(state["checkpoint_mark"])
         self._peer = {"phase": state["phase"]}
         self.comm.healed = True
 
@@ -343,14 +369,19 @@ class FaultTolerantAverager:
 
     def _round(self, phase: str, body: Callable[[], Any]) -> bool:
         self.phase = phase
-        if self.comm.begin():
-            self.heals += 1  # behind its peers (rolled back while they committed)
-        self.heals_seen += self.comm.healers
-        body()
+        try:
+            if self.comm.begin():
+                self.heals += 1  # behind its peers (rolled back while they committed)
+            self.heals_seen += self.comm.healers
+        except QuorumLost as e:
+            self.quorum_lost = str(e)
+        body()  # with no quorum: the counters advance, nothing is sent, the round rolls back
         if phase != "grad":
             self._verify()
         ok = self.comm.commit()
+        self.just_committed = ok
         if ok:
+            self.leads = self.manager.participating_rank() == 0
             self.participants_min = min(self.participants_min, self.comm.participants)
             if phase != "grad":
                 self.committed = self._snapshot()

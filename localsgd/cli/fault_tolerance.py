@@ -148,12 +148,6 @@ def validate_ft(cfg: Any, get: Callable[[Any, str], Any], world_size: int | None
             f"sync.comm_dtype must be one of {', '.join(FT_COMM_DTYPES)} with ft=torchft (the "
             f"block-quantised formats are exchanged by all-gather), got {dtype!r}"
         )
-    every = get(cfg, "trainer.checkpoint_every")
-    if every != 0:
-        raise ConfigError(
-            "trainer.checkpoint_every must be 0 with ft=torchft (a dead worker heals from a live "
-            f"peer; checkpoints on disk across replica groups are not built yet), got {every!r}"
-        )
     lighthouse = get(cfg, "ft.lighthouse")
     if lighthouse:
         check_reachable(lighthouse, min(float(get(cfg, "ft.timeout_s")), 10.0))
@@ -186,7 +180,12 @@ class ReplicasFailed(RuntimeError):
     """Too few replica groups finished; the message says which were lost and why."""
 
 
-def _replica_main(info: WorkerInfo, environ: dict[str, str], fn: Callable, args: tuple) -> None:
+EXIT_STOPPED = 3  # a worker that found no quorum and wrote the stop checkpoint
+
+
+def _replica_main(
+    info: WorkerInfo, environ: dict[str, str], fn: Callable, args: tuple, stops: Any
+) -> None:
     from localsgd.cli.launch import _die_with_launcher
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides what Ctrl-C means
@@ -196,8 +195,13 @@ def _replica_main(info: WorkerInfo, environ: dict[str, str], fn: Callable, args:
     import torch
 
     torch.set_num_threads(1)
+    from localsgd.averaging.fault_tolerant import QuorumLost
+
     try:
         fn(info, None, *args)
+    except QuorumLost as e:  # not restarted: the supervisor reports it once
+        stops.put(str(e))
+        os._exit(EXIT_STOPPED)
     except BaseException as e:  # one line; the supervisor restarts the worker or gives up
         last = (str(e).strip().splitlines() or [""])[-1]
         print(f"ft: worker {info.rank} failed: {type(e).__name__}: {last}", file=sys.stderr)
@@ -212,7 +216,8 @@ def run_replicas(fn: Callable, cfg: Any, args: tuple, poll_s: float = 0.05) -> d
     """Run `fn(info, None, *args)` as `dist.world_size` replica groups of one process each,
     restarting a dead one up to `ft.max_restarts` times. Returns what happened: `restarts`
     (per worker) and `lost` (workers out of restarts). Raises ReplicasFailed when worker 0
-    (which writes the results) did not finish, or fewer than `ft.min_replicas` did."""
+    (which writes the results) did not finish, or when the survivors, fewer than
+    `ft.min_replicas`, found no quorum and stopped with a checkpoint."""
     from localsgd.averaging.fault_tolerant import start_lighthouse
     from localsgd.cli.forkserver import fork_from_here, start_method
 
@@ -236,11 +241,13 @@ def run_replicas(fn: Callable, cfg: Any, args: tuple, poll_s: float = 0.05) -> d
     restarts = dict.fromkeys(range(world_size), 0)
     finished: set[int] = set()
     lost: dict[int, str] = {}
+    stopped: set[int] = set()  # found no quorum, wrote the stop checkpoint
+    stops = context.SimpleQueue()  # their one line each (the same checkpoint)
 
     def start(rank: int) -> None:
         info = WorkerInfo(rank, world_size, rank, world_size, attempt=restarts[rank])
         proc = context.Process(
-            target=_replica_main, args=(info, dict(os.environ), fn, args), daemon=False
+            target=_replica_main, args=(info, dict(os.environ), fn, args, stops), daemon=False
         )
         proc.start()
         procs[rank] = proc
@@ -251,7 +258,8 @@ def run_replicas(fn: Callable, cfg: Any, args: tuple, poll_s: float = 0.05) -> d
                 os.kill(proc.pid, signal.SIGKILL)
         if signum is not None:
             print(
-                "stopped: every worker killed (ft=torchft has no checkpoint on disk)",
+                "stopped: every worker killed; the same command resumes from the newest "
+                "checkpoint (trainer.checkpoint_every), if one was written",
                 file=sys.stderr,
                 flush=True,
             )
@@ -263,15 +271,18 @@ def run_replicas(fn: Callable, cfg: Any, args: tuple, poll_s: float = 0.05) -> d
     try:
         for rank in range(world_size):
             start(rank)
-        while len(finished) + len(lost) < world_size:
+        while len(finished) + len(lost) + len(stopped) < world_size:
             time.sleep(poll_s)
             for rank, proc in list(procs.items()):
-                if rank in finished or rank in lost or proc.is_alive():
+                if rank in finished or rank in lost or rank in stopped or proc.is_alive():
                     continue
                 proc.join()
                 code = proc.exitcode
                 if code == 0:
                     finished.add(rank)
+                    continue
+                if code == EXIT_STOPPED:
+                    stopped.add(rank)
                     continue
                 how = f"signal {-code}" if code < 0 else f"exit code {code}"
                 if restarts[rank] < ft.max_restarts:
@@ -292,13 +303,19 @@ def run_replicas(fn: Callable, cfg: Any, args: tuple, poll_s: float = 0.05) -> d
                     )
                     if rank == 0:
                         raise ReplicasFailed(
-                            f"ft: worker 0 (which writes the results) was lost ({how}); stopped"
+                            f"ft: worker 0 (which writes the results) was lost ({how}); "
+                            "stopped; the same command resumes from the newest checkpoint"
                         )
                     if world_size - len(lost) < ft.min_replicas:
-                        raise ReplicasFailed(
+                        print(
                             f"ft: {world_size - len(lost)} of {world_size} workers left, fewer "
-                            f"than ft.min_replicas={ft.min_replicas}; stopped"
+                            f"than ft.min_replicas={ft.min_replicas}: they stop with a "
+                            f"checkpoint within ft.quorum_timeout_s={ft.quorum_timeout_s:g}",
+                            file=sys.stderr,
+                            flush=True,
                         )
+        if stopped:
+            raise ReplicasFailed(f"ft: {stops.get()}")
         return {"restarts": restarts, "lost": sorted(lost)}
     finally:
         stop_all()

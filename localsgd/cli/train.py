@@ -44,7 +44,7 @@ from localsgd.cli.overrides import (
 from localsgd.cli.preflight import check_data, resolve_resume
 from localsgd.config import Config, ConfigError, register_schemas, typed
 from localsgd.loop.loggers import offline_runs, resolve_wandb_settings
-from localsgd.loop.reshard import written_by
+from localsgd.loop.reshard import rank_states, written_by
 
 register_schemas()
 
@@ -166,13 +166,18 @@ def main(cfg: DictConfig) -> float | None:
         run_cfg.trainer.max_steps = epoch_steps
     if resume is not None:
         print(f"resuming from {resume}", file=sys.stderr, flush=True)
-        before = written_by(resume)
-        if before != world_size_of(run_cfg):
+        before, now = written_by(resume), world_size_of(run_cfg)
+        shared = rank_states(resume) == 1 and before > 1
+        if before != now or shared:
+            optimizer = (
+                "the optimizer state of the worker that wrote it"
+                if shared
+                else "the old workers' average optimizer state"
+            )
             print(
-                f"resuming at another world size: {before} workers' averaged model, step, "
-                f"outer state and schedule continue with {world_size_of(run_cfg)}; each "
-                f"worker's optimizer state is the old workers' average; the data is "
-                f"re-partitioned",
+                f"resuming {'at another world size' if before != now else 'every worker'}: "
+                f"{before} workers' averaged model, step, outer state and schedule continue "
+                f"with {now}, each with {optimizer}; the data is re-partitioned",
                 file=sys.stderr,
                 flush=True,
             )

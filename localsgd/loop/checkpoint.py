@@ -5,6 +5,12 @@ syncs) and `COMPLETE`, a small JSON file rank 0 writes after a barrier, i.e. onc
 is on disk. Each file is written to a temporary name, fsynced and renamed, so a process killed
 mid-write leaves either nothing or a whole file under the real name, and a checkpoint without its
 marker is never used. Only checkpoint steps run the barrier; the local phase stays collective-free.
+
+A *shared* checkpoint (`save_shared`, written under `ft=torchft`) holds one state, `rank-0.pt`,
+written by one worker right after a global average, when every worker holds the same model: the
+job continues from it at any world size, as from a checkpoint taken at a sync
+(`localsgd.loop.reshard`). Its folder is written under a temporary name and renamed into place, so
+that when several workers race to write the same step, one folder wins whole.
 """
 
 from __future__ import annotations
@@ -126,6 +132,45 @@ def save(
     return folder
 
 
+def save_shared(
+    run_dir: str,
+    step: int,
+    world_size: int,
+    components: Mapping[str, Stateful],
+    keep: int,
+    config: dict | None = None,
+) -> str:
+    """One worker's state, taken when every worker holds the same (averaged) model, as the
+    whole checkpoint of a job of `world_size` workers; no collective. Returns the folder; if
+    another worker wrote this step first, that folder is kept and this state dropped."""
+    state = {"step": step, **{name: c.state_dict() for name, c in components.items()}}
+    folder = step_dir(run_dir, step)
+    root = checkpoint_root(run_dir)
+    os.makedirs(root, exist_ok=True)
+    tmp = os.path.join(root, f".{_PREFIX}{step}.tmp{os.getpid()}")  # not a listed step
+    os.makedirs(tmp, exist_ok=True)
+    _write_atomic(rank_file(tmp, 0), lambda f: torch.save(state, f))
+    name = os.path.basename(rank_file(tmp, 0))
+    marker = {
+        "step": step,
+        "world_size": world_size,
+        "files": {name: os.path.getsize(rank_file(tmp, 0))},
+        "shared": True,
+        "config": config,
+    }
+    _write_atomic(os.path.join(tmp, MARKER), lambda f: f.write(json.dumps(marker).encode()))
+    if os.path.isdir(folder) and _marker(folder) is None:
+        shutil.rmtree(folder, ignore_errors=True)  # a partial folder of an earlier life
+    try:
+        os.rename(tmp, folder)  # fails if the folder exists: another worker won
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        return folder
+    _fsync_dir(root)
+    prune(run_dir, keep)
+    return folder
+
+
 def prune(run_dir: str, keep: int) -> None:
     """Keep the newest `keep` complete checkpoints; drop older ones and older partial ones."""
     complete = [s for s in listed_steps(run_dir) if _marker(step_dir(run_dir, s)) is not None]
@@ -168,6 +213,8 @@ def verify(folder: str, world_size: int | None = None) -> dict:
         if name == os.path.basename(rank_file(folder, 0)):
             loop = state.get("loop")
             at_sync = isinstance(loop, dict) and loop.get("in_sync") is True
+    if marker.get("shared") and not at_sync:
+        raise CheckpointError(f"{folder} is corrupt (a shared state taken between syncs)")
     if world_size is not None and marker["world_size"] != world_size and not at_sync:
         # another world size continues only from the averaged model (localsgd.loop.reshard)
         raise CheckpointError(
@@ -203,6 +250,7 @@ RESUME_MAY_CHANGE = (
     "comm.simulate",
     "logger",
     "optimized_metric",  # what a sweep reads of the summary, not how the run trains
+    "ft",  # with no fault, averaging through torchft is bit-identical (tests/test_ft_cli.py)
 )
 
 

@@ -10,6 +10,15 @@ communication counters and the loop's own state (step, pending loss, next evalua
 sampler takes the peer's position in the data, which every worker shares at a given step, on
 its own shard. Its RNG is its own, reseeded for the new attempt, so that no two workers draw
 the same dropout masks.
+
+Checkpoints on disk are *shared* (`checkpoint.save_shared`): right after a committed round every
+worker holds the same model, so one worker's state is the job's. The first committed round at or
+after each multiple of `trainer.checkpoint_every` (and the final average) is written by the
+replica group that ranked first in its quorum (its rank 0), with no collective. A round that
+finds no quorum (fewer than `ft.min_replicas` groups for `ft.quorum_timeout_s`) is rolled back to
+the last global state; every surviving group's rank 0 then races to write that state as the
+stop checkpoint (one folder wins whole) and the worker raises `QuorumLost` naming it. The job
+continues from either at any world size, with or without ft (`localsgd.loop.reshard`).
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import torch.distributed as dist
 
 from localsgd.averaging.fault_tolerant import (
     FaultTolerantAverager,
+    QuorumLost,
     TorchftCommunicator,
     make_manager,
 )
@@ -169,3 +179,31 @@ def join(trainer: Trainer) -> str:
         flush=True,
     )
     return phase
+
+
+def after_round(trainer: Trainer, final: bool = False) -> None:
+    """After a step (or the final average): a shared checkpoint when one is due and a round just
+    committed; after a round that found no quorum, the stop checkpoint, then `QuorumLost`."""
+    guard, every = trainer.sync.ft, trainer.cfg.trainer.checkpoint_every
+    committed, guard.just_committed = guard.just_committed, False
+    final = final or trainer.step >= trainer.cfg.trainer.max_steps
+    writes = dist.get_rank() == 0  # one process per replica group
+    if guard.quorum_lost is not None:
+        why, guard.quorum_lost = guard.quorum_lost, None
+        trainer.in_sync = True  # rolled back: every worker holds the last global state
+        folder = trainer.save_checkpoint(shared=True) if writes else "its newest checkpoint"
+        ft = trainer.cfg.ft
+        raise QuorumLost(
+            f"fewer than ft.min_replicas={ft.min_replicas} replica groups for "
+            f"ft.quorum_timeout_s={ft.quorum_timeout_s:g} at step {trainer.step} ({why}); "
+            f"stopped with the last global state in {folder}: run the same command to resume, "
+            f"at any dist.world_size"
+        )
+    if every <= 0 or not committed or not trainer.in_sync:
+        return
+    mark = trainer.step // every
+    if mark <= guard.checkpoint_mark and not final:
+        return
+    guard.checkpoint_mark = mark
+    if guard.leads and writes:
+        trainer.save_checkpoint(shared=True)

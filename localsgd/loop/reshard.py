@@ -31,6 +31,18 @@ def written_by(folder: str) -> int:
     return int(_marker(folder)["world_size"])
 
 
+def rank_states(folder: str) -> int:
+    """How many rank states a (verified) checkpoint folder holds: one per worker, or one for
+    all (a shared checkpoint, `checkpoint.save_shared`)."""
+    return len(_marker(folder)["files"])
+
+
+def needs_reshard(folder: str, world_size: int) -> bool:
+    """Whether `world_size` workers continue `folder` through `load_resharded`: written by
+    another world size, or shared (one state for every worker)."""
+    return rank_states(folder) != world_size or written_by(folder) != world_size
+
+
 RESHARD_REFUSED = {  # sync key: why its per-worker state cannot move to another world size
     "sync.error_feedback": "each worker's rounding residual is its own",
     "sync.overlap": "an average is in flight at every sync",
@@ -83,8 +95,8 @@ def load_resharded(
     optional: tuple[str, ...] = (),
 ) -> int:
     """Restore `components` for rank `rank` of a new world size from a checkpoint taken at a
-    global sync by another world size; returns the step."""
-    old = written_by(folder)
+    global sync by another world size, or from a shared checkpoint; returns the step."""
+    old = rank_states(folder)
     states = [
         torch.load(rank_file(folder, r), map_location=device, weights_only=True) for r in range(old)
     ]

@@ -29,7 +29,7 @@ from localsgd.loop.loggers import build_loggers
 from localsgd.loop.metrics import progress_bar, trim_metrics, write_json
 from localsgd.loop.optim import build_optimizer, build_schedule, set_lr
 from localsgd.loop.recipe import Recipe
-from localsgd.loop.reshard import load_resharded, written_by
+from localsgd.loop.reshard import load_resharded, needs_reshard
 from localsgd.loop.stop import StopAgreement
 from localsgd.loop.strategies import build_synchroniser
 from localsgd.loop.worker import WorkerInfo
@@ -109,26 +109,26 @@ class Trainer:
             "scaler": self.recipe,
             "loop": self,
         }
+        if c.ft.backend == "torchft":  # imported only here: a run without ft never imports it
+            from localsgd.loop.fault_tolerance import build_fault_tolerance
+
+            self.sync.ft = build_fault_tolerance(self)
+            self.stateful["ft"] = self.sync.ft  # its counters
         self.resumed_from = resume_from
-        if resume_from is not None and written_by(resume_from) != info.world_size:
-            # a checkpoint of another world size, taken at a sync (localsgd/loop/reshard.py)
-            self.step = load_resharded(
-                resume_from, info.rank, device, self.stateful, optional=("drift",)
-            )
+        optional = ("drift", "ft")
+        if resume_from is not None and needs_reshard(resume_from, info.world_size):
+            # another world size's, or a shared one, taken at a sync (localsgd/loop/reshard.py)
+            self.step = load_resharded(resume_from, info.rank, device, self.stateful, optional)
         elif resume_from is not None:
-            self.step = checkpoint.load(
-                resume_from, info.rank, device, self.stateful, optional=("drift",)
-            )
+            self.step = checkpoint.load(resume_from, info.rank, device, self.stateful, optional)
+        if self.sync.ft is not None and c.trainer.checkpoint_every > 0:
+            self.sync.ft.checkpoint_mark = self.step // c.trainer.checkpoint_every
         # objects with optional on_step_start(trainer, step) / on_step_end(trainer, step)
         self.callbacks = [
             build(cb, f"trainer.callbacks[{i}]") for i, cb in enumerate(c.trainer.callbacks)
         ]
         self.nonfinite = NonFiniteTracker(device)
         self.stop = StopAgreement(store, str(info.attempt))
-        if c.ft.backend == "torchft":  # imported only here: a run without ft never imports it
-            from localsgd.loop.fault_tolerance import build_fault_tolerance
-
-            self.sync.ft = build_fault_tolerance(self)
 
     LOOP_STATE = ("in_sync", "next_eval", "loss_sum", "loss_count", "skipped_steps", "elapsed_s")
 
@@ -361,6 +361,11 @@ class Trainer:
 
     def maybe_checkpoint(self) -> bool:
         """Save when due or when a stop was agreed for this step; True to stop the run."""
+        if self.sync.ft is not None:  # one shared checkpoint, after a committed round
+            from localsgd.loop.fault_tolerance import after_round
+
+            after_round(self)
+            return False
         c = self.cfg.trainer
         # (a stop agreed for the very last step just lets the run finish)
         stopping = self.stop.should_stop(self.step) and self.step < c.max_steps
@@ -380,6 +385,10 @@ class Trainer:
     def finish(self) -> dict[str, Any] | None:
         """The final average, then on rank 0 the evaluation, `model.pt` and the summary."""
         self.sync.finish()  # the final model is the average of the replicas
+        if self.sync.ft is not None:
+            from localsgd.loop.fault_tolerance import after_round
+
+            after_round(self, final=True)
         wall = self.elapsed()
         self.loop_seconds = wall  # this rank's training loop (benchmarks take the slowest)
         if not self.is_main:
@@ -404,10 +413,21 @@ class Trainer:
         self.logger.summary(summary)
         return summary
 
-    def save_checkpoint(self) -> None:
+    def save_checkpoint(self, shared: bool = False) -> str:
+        """Every rank's own state (a collective); `shared`: this rank's state alone, for every
+        worker (all hold the same model), with no collective."""
         self.nonfinite.check(self.info.rank)  # a checkpoint never holds a diverged state
         self.elapsed_s = self.elapsed()
-        checkpoint.save(
+        if shared:
+            return checkpoint.save_shared(
+                self.run_dir,
+                self.step,
+                self.info.world_size,
+                self.stateful,
+                self.cfg.trainer.keep_checkpoints,
+                config=self.config,
+            )
+        return checkpoint.save(
             self.run_dir,
             self.step,
             self.info.rank,
