@@ -101,13 +101,17 @@ class SyncConfig:
     fragments: int = 1
     delay_steps: int = 0  # tau: a fragment's all-reduce runs while tau more steps train
     merge_alpha: float = 0.0  # merged = alpha * local + (1 - alpha) * global (paper: 0.5)
+    # how a delayed merge treats the local values: mix (merge_alpha, above) | progress (global +
+    # this rank's progress since the launch: DaSGD's delayed averaging; needs delay_steps >= 1)
+    merge_rule: str = "mix"
     # Eager updates (Kale et al. 2025): the outer step uses the fresh local pseudo-gradient with
     # the others' one-round-late ones, so the whole outer all-reduce overlaps training
     eager: bool = False
     check_replicas: bool = False  # after each sync, verify replicas are bit-identical (a gather)
-    # launch each average asynchronously and apply it one step later, keeping that step's progress
+    # shorthand for delay_steps=1 with merge_rule=progress: each average launched asynchronously
+    # and applied one step later, keeping that step's progress
     overlap: bool = False
-    bucket_mb: float = 25.0  # overlap: the all-reduce is launched per bucket of this many MiB
+    bucket_mb: float = 25.0  # a launched (delay_steps >= 1) fp32 average: buckets of this many MiB
 
 
 @dataclass

@@ -98,7 +98,9 @@ def test_a_model_with_too_few_blocks_is_refused_in_one_line():
     with pytest.raises(ValueError, match="multiple of fragments"):
         StreamingAverager(10, module=_net(), fragments=4)
     with pytest.raises(ValueError, match="delay_steps"):
-        StreamingAverager(8, module=_net(), fragments=4, delay_steps=2)
+        StreamingAverager(8, module=_net(), fragments=4, delay_steps=3)
+    with pytest.raises(ValueError, match="progress' needs delay_steps >= 1"):
+        StreamingAverager(8, module=_net(), fragments=2, merge_rule="progress")
 
 
 # --- (1) P=1 is today's DiLoCo / plain averaging, bit for bit ----------------------------------
@@ -217,11 +219,12 @@ def _mean(t: torch.Tensor, size: int, group=None) -> None:
 
 
 def _reference_worker(
-    rank, world_size, steps, warmup, period, delay, alpha, eager=False, inner=None
+    rank, world_size, steps, warmup, period, delay, alpha, eager=False, inner=None, rule="mix"
 ):
     """`inner=(period, group_size)`: one inner level, written out as documented: after step s
     (s >= warmup, its period dividing s) the whole model is averaged within contiguous groups,
-    before the merge and the launch of that step."""
+    before the merge and the launch of that step. `rule="progress"`: a merge gives the new
+    anchor plus this rank's progress since the launch."""
     torch.set_num_threads(1)
     fragments = 2
     ours_model, ref_model = _net(), _net()
@@ -230,6 +233,7 @@ def _reference_worker(
     ours = StreamingAverager(
         period, warmup, module=ours_model, fragments=fragments, delay_steps=delay,
         merge_alpha=alpha, eager=eager, inner_levels=dict([inner]) if inner else None,
+        merge_rule=rule,
     )  # fmt: skip
     group = None
     if inner:
@@ -257,13 +261,16 @@ def _reference_worker(
                 for t in params:
                     _mean(t.data, inner[1], group)
             if pending is not None and s == pending[2] + delay:
-                p, mean, _, plain = pending
+                p, mean, _, plain, origin = pending
                 if plain:
                     anchors[p].sub_(mean)
                 else:
                     anchors[p].grad = mean
                     outer[p].step()
-                merged = flat(p).mul_(alpha).add_(anchors[p], alpha=1 - alpha)
+                if rule == "progress":
+                    merged = flat(p).sub_(origin).add_(anchors[p])
+                else:
+                    merged = flat(p).mul_(alpha).add_(anchors[p], alpha=1 - alpha)
                 torch.nn.utils.vector_to_parameters(merged, members[p])
                 pending = None
             p = _launch_fragment(s, warmup, period, fragments)
@@ -280,7 +287,8 @@ def _reference_worker(
             elif p is not None:
                 g = anchors[p] - flat(p)
                 _mean(g, world_size)
-                pending = (p, g, s, warmup > 0 and s == warmup + p * period // fragments)
+                plain = warmup > 0 and s == warmup + p * period // fragments
+                pending = (p, g, s, plain, flat(p))
         equal.append(_same(list(ours_model.parameters()), list(ref_model.parameters())))
         if ours.merged:
             common.append(torch.cat([t.reshape(-1) for t in ours.common_tensors()]))
@@ -301,6 +309,12 @@ def test_delayed_mixed_merges_match_a_blocking_reference_bit_for_bit():
         assert all(equal), equal.index(False)
     (_, common0, _), (_, common1, _) = results
     assert len(common0) == 5 and _same(common0, common1)  # rounds 3-7 received a mean
+    # merge_rule=progress: the new anchor plus this rank's progress over the τ=2 steps
+    results = run_distributed(_reference_worker, 2, 26, 3, 8, 2, 0.0, False, None, "progress")
+    for equal, _, _ in results:
+        assert all(equal), equal.index(False)
+    (_, common0, _), (_, common1, _) = results
+    assert len(common0) == 6 and _same(common0, common1)  # the anchors only: locals differ
 
 
 @pytest.mark.slow
@@ -341,12 +355,15 @@ def _levels_averager(model, opt, world_size):
     return build_averager(sync, model, opt, world_size, world_size, CommStats())
 
 
-def _resume_worker(rank, world_size, steps, save_at, names=("delayed", "eager", "plain")):
+def _resume_worker(
+    rank, world_size, steps, save_at, names=("delayed", "eager", "plain", "progress")
+):
     torch.set_num_threads(1)
     configs = {
         "delayed": dict(fragments=2, delay_steps=2, merge_alpha=0.5),
         "eager": dict(fragments=2, eager=True, merge_alpha=0.25),
         "plain": dict(fragments=4, delay_steps=1, outer=False),
+        "progress": dict(fragments=2, delay_steps=2, merge_rule="progress"),
         "levels": None,
     }
     out = {}

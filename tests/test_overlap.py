@@ -1,4 +1,5 @@
-"""sync.overlap: the average launched asynchronously at a sync and merged one step later."""
+"""sync.overlap: the average launched asynchronously at a sync and merged one step later; it is
+Streaming DiLoCo's delayed merge at P=1, τ=1 with merge_rule=progress, bit for bit."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from localsgd.averaging import PeriodicAverager
+from localsgd.averaging import PeriodicAverager, StreamingAverager
 from tests.helpers import CollectiveCounter, run_distributed
 
 pytestmark = pytest.mark.slow
@@ -138,3 +139,53 @@ def test_overlap_refuses_what_it_does_not_support():
     # refused before anything collective: no process group needed
     with pytest.raises(ValueError, match="overlap needs fp32"):
         PeriodicAverager(2, module=_model(), overlap=True, comm_dtype="bfloat16")
+
+
+def _general_worker(rank, world_size, steps):
+    """PeriodicAverager(overlap=True) (DelayedMean) next to the general mechanism it is a case of:
+    StreamingAverager with τ=1, merge_rule=progress, plain averaging, the same buckets."""
+    out = {}
+    for period, warmup in ((3, 2), (1, 0)):  # period 1: each step merges, then launches again
+        models = [_model(), _model()]
+        opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in models]
+        old = PeriodicAverager(period, warmup, module=models[0], overlap=True, bucket_mb=BUCKET_MB)
+        new = StreamingAverager(
+            period, warmup, module=models[1], delay_steps=1, merge_rule="progress", outer=False,
+            bucket_mb=BUCKET_MB, init_sync=False,
+        )  # fmt: skip
+        gens = [torch.Generator().manual_seed(3 + rank) for _ in models]
+        same, calls, received = [], [], []
+        for _ in range(steps):
+            counts = []
+            for m, o, g, avg in zip(models, opts, gens, (old, new), strict=True):
+                _local_step(m, o, g)
+                with CollectiveCounter() as counter:
+                    avg.maybe_average()
+                counts.append(counter.count)
+            calls.append(counts[0] == counts[1])
+            same.append(torch.equal(_flat(models[0]), _flat(models[1])))
+            assert old.merged == new.merged and old.all_in_sync == new.all_in_sync
+            if new.merged:
+                ours = torch.cat([t.reshape(-1) for t in new.common_tensors()])
+                theirs = torch.cat([t.reshape(-1) for t in old.common_tensors()])
+                # (at period 1 DelayedMean's `averages` already hold the next launch's values)
+                assert period == 1 or torch.equal(ours, theirs)
+                received.append(ours)
+        old.average()
+        new.average()
+        same.append(torch.equal(_flat(models[0]), _flat(models[1])))
+        counters = [(a.stats.rounds, a.stats.bytes, a.comm_levels()) for a in (old, new)]
+        out[period] = (same, calls, counters[0] == counters[1], received)
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_overlap_is_the_delayed_progress_merge_of_the_general_mechanism_bit_for_bit():
+    results = run_distributed(_general_worker, 2, 10)
+    for period in (3, 1):
+        for r in results:
+            same, calls, counters, _ = r[period]
+            assert all(same), (period, same.index(False))
+            assert all(calls) and counters, period  # the same buckets, rounds and bytes
+        a, b = results[0][period][3], results[1][period][3]
+        assert a and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))  # the mean received

@@ -63,13 +63,28 @@ def test_overlap_sigterm_stops_where_the_average_is_merged(tmp_path, overlap_ref
 
 
 @pytest.mark.timeout(60)
+def test_overlap_is_shorthand_for_delay_steps_1_with_the_progress_merge(
+    tmp_path, overlap_reference
+):
+    general = [a for a in OVERLAP if a != "sync.overlap=true"]
+    general += ["sync.delay_steps=1", "sync.merge_rule=progress", "trainer.checkpoint_every=0"]
+    proc, left = cli(general + [f"hydra.run.dir={tmp_path}"])
+    assert proc.returncode == 0 and not left, proc.stderr[-3000:]
+    assert same_model(tmp_path / "model.pt", overlap_reference / "model.pt")
+    ours = json.loads((tmp_path / "summary.json").read_text())
+    ref = json.loads((overlap_reference / "summary.json").read_text())
+    assert ours["comm_levels"] == ref["comm_levels"]
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("sync.outer=diloco", "sync.outer must be none when sync.overlap=true, got 'diloco'"),
-        ("sync.comm_dtype=bfloat16", "sync.comm_dtype must be float32 when sync.overlap=true"),
-        ("sync.schedule=adaptive", "sync.schedule must be constant or step when sync.overlap"),
-        ("sync.bucket_mb=0", "sync.bucket_mb must be > 0, got 0"),
+        ("sync.comm_dtype=bfloat16", "sync.comm_dtype must be float32 with sync.outer=none"),
+        ("sync.schedule=adaptive", "sync.schedule must be constant with sync.fragments"),
+        ("sync.bucket_mb=0", "sync.bucket_mb must be > 0 (MiB), got 0"),
+        ("sync.delay_steps=2", "sync.delay_steps must be 0 or 1 with sync.overlap=true (its"),
+        ("sync.merge_alpha=0.5", "sync.merge_alpha must be 0 with sync.overlap=true (its"),
     ],
 )
 def test_overlap_bad_combinations_are_one_line_errors(tmp_path, capsys, override, message):

@@ -140,5 +140,5 @@ def test_cli_refuses_an_outer_step_over_levels_with_averaged_optimizer_state(tmp
     line = refusal([*args, f"hydra.run.dir={tmp_path / 'run'}"], capsys)
     assert line == (
         "error: sync.optimizer_state must be local with sync.fragments, delay_steps, merge_alpha, "
-        "eager or an outer step over sync.levels, got 'average'"
+        "eager, overlap or an outer step over sync.levels, got 'average'"
     )

@@ -22,6 +22,7 @@ from localsgd.averaging.compress import (
     wire_buffers,
 )
 from localsgd.averaging.flat import FlatBuffers, Relayout, averaged_tensors
+from localsgd.averaging.overlap import buckets, keep_progress_
 from localsgd.averaging.quantize import BlockCodec
 from localsgd.averaging.reduce import Reducer
 
@@ -88,8 +89,12 @@ class Fragments(Reducer):
         size: int,
         comm_dtype: CommFormat = torch.float32,
         error_feedback: bool = False,
+        progress: bool = False,
+        bucket_bytes: int | None = None,
     ):
         self.anchored = outer is not None
+        # a delayed merge keeps this rank's progress since the launch (`merge_rule="progress"`)
+        self.progress, self.bucket_bytes = progress, bucket_bytes
         fragments = max(ids, default=0) + 1
         self.eager, self.size, self.fragments = eager, size, fragments
         spans: dict[tuple[int, int], list[int]] = {}  # (fragment, buffer) -> [start, n, end]
@@ -107,6 +112,7 @@ class Fragments(Reducer):
             return [[flat.buffers[g].new_empty(e - s) for g, s, _, e in rs] for rs in self.regions]
 
         self.sent = new()  # on the wire, in place: the values or pseudo-gradient, then its mean
+        self.origins = new() if progress else []  # the local values at the launch
         # per piece: None (sent as it is), a 16-bit copy or a `QuantizedWire`; error feedback's
         # residual (None where nothing is rounded)
         self.comm_dtype, self.error_feedback = comm_dtype, error_feedback
@@ -150,7 +156,7 @@ class Fragments(Reducer):
         if self.quantized:
             return comm.launch_quantized_mean_(pieces, lows, residuals)
         if all(low is None for low in lows):
-            return comm.launch_mean_(pieces)
+            return comm.launch_mean_(buckets(pieces, self.bucket_bytes))
         through = []
         for piece, low, residual in zip(pieces, lows, residuals, strict=True):
             if low is not None:
@@ -190,12 +196,15 @@ class Fragments(Reducer):
                 param.grad = d
             opt.step()
 
-    def _merge(self, p: int, buffers: Tensors, alpha: float) -> None:
-        """local <- α·local + (1-α)·global (α=0: a copy)."""
+    def _merge(self, p: int, buffers: Tensors, alpha: float, delayed: bool = False) -> None:
+        """local <- α·local + (1-α)·global (α=0: a copy), or, for a delayed merge under
+        `progress`, local <- global + (local - local at the launch)."""
         for i, (g, s, _, e) in enumerate(self.regions[p]):
             glob = self.anchors[g][s:e] if self.anchored else self.sent[p][i]
             local = buffers[g][s:e]
-            if alpha == 0:
+            if delayed and self.progress:
+                keep_progress_(local, glob, self.origins[p][i])
+            elif alpha == 0:
                 local.copy_(glob)
             else:
                 local.mul_(alpha).add_(glob, alpha=1 - alpha)
@@ -214,6 +223,9 @@ class Fragments(Reducer):
 
     def launch(self, p: int, buffers: Tensors, comm: Communicator, step: int, plain: bool):
         self._load(p, buffers, self.sent[p])
+        if self.progress:
+            for (g, s, _, e), origin in zip(self.regions[p], self.origins[p], strict=True):
+                origin.copy_(buffers[g][s:e])
         self.flight[p] = self.exchange(p, self.sent[p], comm, blocking=False)
         self.holding[p], self.pending_step[p], self.pending_plain[p] = True, step, plain
 
@@ -221,7 +233,7 @@ class Fragments(Reducer):
         self.wait(p)
         if self.anchored:
             self._outer(p, self.sent[p], self.pending_plain[p])
-        self._merge(p, buffers, alpha)
+        self._merge(p, buffers, alpha, delayed=True)
         self.holding[p] = False
 
     def eager_round(self, p: int, buffers: Tensors, comm: Communicator, alpha: float, step: int):
@@ -283,6 +295,11 @@ class Fragments(Reducer):
         }
         if self.eager:
             state["own"] = [[t.clone() for t in ts] for ts in self.own]
+        if self.progress:
+            state["origins"] = [
+                [t.clone() if h else None for t in ts]
+                for ts, h in zip(self.origins, self.holding, strict=True)
+            ]
         if self.error_feedback:
             state["residuals"] = [
                 [r.clone() if r is not None else None for r in rs] for rs in self.residuals
@@ -299,10 +316,14 @@ class Fragments(Reducer):
         self.holding = [bool(h) for h in state["holding"]]
         self.pending_step = [int(s) for s in state["pending_step"]]
         self.pending_plain = [bool(b) for b in state["pending_plain"]]
-        for p, saved in enumerate(state["sent"]):
-            for mine, value in zip(self.sent[p], saved, strict=True):
-                if value is not None:
-                    mine.copy_(value)
+        for mine_all, saved_all in (
+            (self.sent, state["sent"]),
+            (self.origins, state.get("origins", [])),
+        ):
+            for ts, saved in zip(mine_all, saved_all, strict=True):
+                for mine, value in zip(ts, saved, strict=True):
+                    if value is not None:
+                        mine.copy_(value)
         for ts, saved in zip(getattr(self, "own", []), state.get("own", []), strict=True):
             for mine, value in zip(ts, saved, strict=True):
                 mine.copy_(value)

@@ -10,6 +10,12 @@ receives, `mean(x_s)`, is identical, bit for bit.
 
 Costs two model-sized buffers, allocated once: the launch copy (it becomes the average) and the
 rank's state at the sync.
+
+This is `PeriodicAverager(overlap=True)`, the torch-style library form. The general mechanism is
+`StreamingAverager(delay_steps=τ, merge_rule="progress")` (any τ, fragments, an outer step),
+which at τ=1, one fragment and plain averaging computes the same bits (it shares `buckets` and
+`keep_progress_` with this module; `tests/test_overlap.py` compares them): the trainer's
+`sync.overlap=true` runs that.
 """
 
 from __future__ import annotations
@@ -19,6 +25,20 @@ import torch
 from localsgd.averaging.comm import Communicator, PendingMean
 from localsgd.averaging.flat import Relayout
 from localsgd.averaging.reduce import Reducer
+
+
+def buckets(pieces: list[torch.Tensor], bucket_bytes: int | None) -> list[torch.Tensor]:
+    """`pieces` split into views of at most `bucket_bytes` each (None: as they are), so that the
+    first transfers start while later buckets are still being scaled."""
+    if bucket_bytes is None:
+        return list(pieces)
+    return [b for t in pieces for b in t.split(max(1, bucket_bytes // t.element_size()))]
+
+
+def keep_progress_(local: torch.Tensor, average: torch.Tensor, origin: torch.Tensor) -> None:
+    """`local <- average + (local - origin)`: the delayed average plus this rank's progress since
+    `origin` was taken (in this order of operations, which every delayed merge here shares)."""
+    local.sub_(origin).add_(average)
 
 
 class DelayedMean(Reducer):
@@ -40,13 +60,10 @@ class DelayedMean(Reducer):
         """Start averaging `buffers` as they are now; returns without waiting."""
         if self.pending:
             raise RuntimeError("an average is still in flight: finish_() it before another")
-        pieces = []
         for flat, average, origin in zip(buffers, self.averages, self.origins, strict=True):
             origin.copy_(flat)
             average.copy_(flat)
-            # bucket by bucket, so that the first transfers start while later buckets are scaled
-            pieces.extend(average.split(max(1, self.bucket_bytes // flat.element_size())))
-        self.in_flight = comm.launch_mean_(pieces)
+        self.in_flight = comm.launch_mean_(buckets(self.averages, self.bucket_bytes))
         self.pending = True
 
     def wait(self) -> None:
@@ -59,7 +76,7 @@ class DelayedMean(Reducer):
         """Wait for the average and apply it: `x <- average + (x - origin)`."""
         self.wait()
         for flat, average, origin in zip(buffers, self.averages, self.origins, strict=True):
-            flat.sub_(origin).add_(average)  # the local progress since the sync, on the average
+            keep_progress_(flat, average, origin)
         self.pending = False
 
     def relayout(self, convert: Relayout) -> None:

@@ -34,7 +34,9 @@ class PeriodicAverager(Averager):
     precision (`localsgd.averaging.compress`); `error_feedback` carries each worker's rounding
     residual into its next sync. `overlap=True`
     launches each average asynchronously in `bucket_mb` buckets and applies it one step later
-    (`localsgd.averaging.overlap`). `link` simulates a slow network for every collective.
+    (`localsgd.averaging.overlap`; the same bits as `StreamingAverager(delay_steps=1,
+    merge_rule="progress", outer=False)`, the general form the trainer runs). `link` simulates
+    a slow network for every collective.
 
     `init_sync=True` gives every rank rank 0's tensors when they are bound, as DDP does when
     built; None (the default) does so only where replicas that start apart would never meet: a

@@ -10,11 +10,13 @@ the first). Each tensor outside every block (embeddings, final norm, head), in t
 index). P=1 needs no blocks. In the flat buffers each fragment is one contiguous region per
 buffer (its parameters, then its floating-point buffers), so a sync sends that region only.
 
-**Schedule** (H = `period`, H % P == 0, τ = `delay_steps` < H/P). Fragment p is *launched*
+**Schedule** (H = `period`, H % P == 0, τ = `delay_steps` <= H/P). Fragment p is *launched*
 after step s (from 0, torch's counter) when `s >= warmup_steps and (s - warmup_steps) % H ==
 p*H/P`, and *merged* after step s + τ. P=1, τ=0 is `OuterAverager`'s rule. With τ=0 the
 all-reduce blocks; with τ>0 it runs asynchronously while τ steps train (a simulated link's time
-is waited out at the merge, only for what is left). τ < H/P: at most one fragment in flight.
+is waited out at the merge, only for what is left). τ <= H/P: at most one fragment in flight
+between steps (at τ = H/P a merge precedes the next launch within the step). Launched fp32
+exchanges go out in buckets of `bucket_mb` MiB (None: one all-reduce per piece).
 
     steps:       0 1 2 3 4 5 6 7 8 9 ...     H=8, P=4, warmup=0, τ=1: L launch, M merge
     fragment 0:  L M . . . . . . L M          (blocks 0, 4, 8, ...)
@@ -27,8 +29,12 @@ momentum 0.9, Nesterov): at the launch the pseudo-gradient `anchor - local` goes
 the merge its mean updates the anchor by the outer step (parameters; floating-point buffers take
 the mean plainly; the fragment's first sync after a warmup is a plain average, as in
 `OuterAverager`), and the local values become `α·local + (1-α)·anchor` with α = `merge_alpha`
-and `local` the values at the merge (α=0: DiLoCo's replacement). `outer=False` is plain
-averaging by fragment: the global value is the mean of the values launched.
+and `local` the values at the merge (α=0: DiLoCo's replacement): `merge_rule="mix"`. With
+`merge_rule="progress"` (τ >= 1, α = 0) a merge keeps this rank's progress since the launch
+instead: `local <- global + (local - local at the launch)`, the delayed averaging of DaSGD.
+`outer=False` is plain averaging by fragment: the global value is the mean of the values launched.
+P=1, τ=1, `outer=False`, "progress" is `PeriodicAverager(overlap=True)` (`overlap.DelayedMean`)
+bit for bit: the trainer's `sync.overlap=true` is that configuration of this averager.
 
 **Eager** (`eager=True`, Kale et al. 2025, "eager updates"): the whole outer step overlaps the
 next H steps. At fragment p's round t each worker m computes its fresh pseudo-gradient
@@ -50,7 +56,7 @@ the merged fragment equal to the global value on every rank). Anchors, outer sta
 in flight are never touched by an inner average.
 
 Replicas share bit for bit, after each merge, what `common_tensors()` returns: every anchor (not
-eager), the merged fragment's values when α=0, or the mean received (plain, eager).
+eager), the merged fragment's values when α=0 under "mix", or the mean received (plain, eager).
 
 **Below fp32** (`comm_dtype`, outer steps only: the pseudo-gradient is what is rounded). Every
 fragment goes on the wire through `Fragments.exchange`, one message per piece (the fragment's
@@ -66,9 +72,10 @@ pseudo-gradient before encoding, and checkpoints it. The final blocking `average
 eager runs sends the whole model in fp32.
 
 Memory beyond the model: the anchors and outer momentum, one fragment-sized wire buffer per
-fragment (all fragments together: one model), three more with `eager`; below fp32, per piece the
-wire's buffers (`QuantizedWire`: about two fp32 copies of the piece for float4_e2m1 and the
-gathered messages) or a 16-bit copy, and a residual with `error_feedback`.
+fragment (all fragments together: one model), one more under "progress", three more with
+`eager`; below fp32, per piece the wire's buffers (`QuantizedWire`: about two fp32 copies of
+the piece for float4_e2m1 and the gathered messages) or a 16-bit copy, and a residual with
+`error_feedback`.
 """
 
 from __future__ import annotations
@@ -87,6 +94,9 @@ from localsgd.averaging.compress import (
 from localsgd.averaging.flat import FlatBuffers, averaged_tensors
 from localsgd.averaging.fragments import Fragments, Tensors, fragment_ids
 from localsgd.averaging.quantize import DEFAULT_BLOCK_SIZE, BlockCodec
+
+# how a delayed merge combines the global value with the local one (see the module docstring)
+MERGE_RULES = ("mix", "progress")
 
 
 class StreamingAverager(Averager):
@@ -121,15 +131,24 @@ class StreamingAverager(Averager):
         quant_block_size: int = DEFAULT_BLOCK_SIZE,
         error_feedback: bool = False,
         inner_levels: dict[int, int] | None = None,
+        merge_rule: str = "mix",
+        bucket_mb: float | None = None,
     ):
         if period < 1 or warmup_steps < 0 or fragments < 1:
             raise ValueError("period and fragments must be >= 1, warmup_steps >= 0")
         if period % fragments:
             raise ValueError(f"period={period} must be a multiple of fragments={fragments}")
-        if not 0 <= delay_steps < period // fragments:
-            raise ValueError(f"delay_steps must be in [0, period/fragments), got {delay_steps}")
+        if not 0 <= delay_steps <= period // fragments:
+            raise ValueError(f"delay_steps must be in [0, period/fragments], got {delay_steps}")
         if not 0 <= merge_alpha < 1:
             raise ValueError(f"merge_alpha must be in [0, 1), got {merge_alpha!r}")
+        if merge_rule not in MERGE_RULES:
+            raise ValueError(f"merge_rule must be one of {MERGE_RULES}, got {merge_rule!r}")
+        progress = merge_rule == "progress"
+        if progress and (merge_alpha or not delay_steps):
+            raise ValueError("merge_rule='progress' needs delay_steps >= 1 and merge_alpha=0")
+        if bucket_mb is not None and bucket_mb <= 0:
+            raise ValueError(f"bucket_mb must be > 0, got {bucket_mb!r}")
         if eager and (delay_steps or not outer):
             raise ValueError(
                 "eager overlaps the whole outer step: it needs outer and delay_steps=0"
@@ -145,12 +164,14 @@ class StreamingAverager(Averager):
         self.comm_dtype = dtype  # what goes on the wire
         self.period, self.fragments, self.delay = period, fragments, delay_steps
         self.alpha, self.eager, self.outer = float(merge_alpha), eager, outer
+        self.progress = progress
         self.offset = period // fragments
         ids = fragment_ids(module, fragments, blocks)
         n_params = sum(1 for t in module.parameters() if torch.is_floating_point(t))
         self._order = sorted(range(len(ids)), key=lambda i: (ids[i], i >= n_params, i))
         self._param_ids: set[int] = set()
         self.last_fragment: int | None = None  # merged (or eagerly stepped) by the last step
+        self.received: Tensors | None = None  # the mean merged, if relaunched (τ = period)
         sgd = {"lr": outer_lr, "momentum": outer_momentum, "nesterov": outer_nesterov}
 
         def make(flat: FlatBuffers) -> Fragments:
@@ -163,6 +184,8 @@ class StreamingAverager(Averager):
                 comm.size,
                 dtype,
                 error_feedback,
+                progress,
+                None if bucket_mb is None else int(bucket_mb * 2**20),
             )
 
         comm = Communicator(process_group, stats, link)
@@ -253,7 +276,8 @@ class StreamingAverager(Averager):
         return s
 
     def averages_all(self, step: int) -> bool:
-        return self.merging(step) is not None and self.fragments == 1 and not self.alpha
+        one = self.fragments == 1 and not self.alpha and not self.progress
+        return one and self.merging(step) is not None
 
     # --- the rounds ----------------------------------------------------------------------------
 
@@ -262,6 +286,7 @@ class StreamingAverager(Averager):
         self._bound()
         self.ensure_bound()
         self.merged, self.last_fragment, step = False, None, self.step
+        self.received = None
         buffers = self.flat.buffers
         level = self.inner_level_at(step)
         if level is not None:
@@ -270,6 +295,8 @@ class StreamingAverager(Averager):
         if q is not None and frags.holding[q] and frags.pending_step[q] == step - self.delay:
             self._global_hooks("before")
             frags.finish(q, buffers, self.alpha)
+            if not self.outer and self.launching(step) == q:  # the launch reuses q's wire
+                self.received = [t.clone() for t in frags.sent[q]]
             self._merged(q)
         p = self.launching(step)
         if p is not None:
@@ -290,7 +317,7 @@ class StreamingAverager(Averager):
                 else:
                     self._global_hooks("after")
             self._count(self.widest, before)
-        self.all_in_sync = self.merged and self.fragments == 1 and not self.alpha and not self.eager
+        self.all_in_sync = self.merged and self.fragments == 1 and self._replaces
         self.step += 1
         return p is not None or level is not None
 
@@ -306,6 +333,11 @@ class StreamingAverager(Averager):
         self.stats.rounds += 1
         self.level_stats[level].rounds += 1
         self.level_stats[level].bytes += self.stats.bytes - before
+
+    @property
+    def _replaces(self) -> bool:
+        """A merge leaves the merged fragment equal to the global value on every rank."""
+        return not self.alpha and not self.eager and not self.progress
 
     def _merged(self, p: int) -> None:
         self._run_hooks(self.comm)
@@ -346,8 +378,8 @@ class StreamingAverager(Averager):
         p = self.last_fragment
         if self.eager:
             return list(frags.received[p])
-        out = list(frags.anchors) if self.outer else list(frags.sent[p])
-        if not self.alpha:
+        out = list(frags.anchors) if self.outer else list(self.received or frags.sent[p])
+        if self._replaces:
             out += [self.flat.buffers[g][s:e] for g, s, _, e in frags.regions[p]]
         return out
 

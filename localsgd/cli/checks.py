@@ -9,6 +9,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from localsgd.averaging import COMM_DTYPES, OPTIMIZER_STATE_MODES
+from localsgd.averaging.streaming import MERGE_RULES
 from localsgd.cli.fault_tolerance import validate_ft
 from localsgd.config import BACKENDS, DEVICES, ConfigError, data_options
 from localsgd.data.loader import LOADERS
@@ -223,24 +224,6 @@ def validate_optim(cfg: Any) -> None:
             _require(ok(value), key, allowed, value)
 
 
-def _validate_overlap(cfg: Any, has_levels: bool) -> None:
-    """Delayed averaging is built for plain periodic averaging only."""
-    bucket = _get(cfg, "sync.bucket_mb")
-    _require(bucket > 0, "sync.bucket_mb", "> 0", bucket)
-    _require(not has_levels, "sync.overlap", "false when sync.levels is set", True)
-    for key, allowed in (
-        ("sync.outer", "none"),
-        ("sync.comm_dtype", "float32"),
-        ("sync.optimizer_state", "local"),
-    ):
-        value = _get(cfg, key)
-        _require(value == allowed, key, f"{allowed} when sync.overlap=true", value)
-    schedule = _get(cfg, "sync.schedule")
-    _require(
-        schedule != "adaptive", "sync.schedule", "constant or step when sync.overlap=true", schedule
-    )
-
-
 def _validate_streaming(cfg: Any, levels: list) -> None:
     """Fragments, a delayed or mixed merge, the eager outer step, an outer optimizer over
     levels (`StreamingAverager`; with levels, the widest level is the streaming one)."""
@@ -256,25 +239,36 @@ def _validate_streaming(cfg: Any, levels: list) -> None:
         fragments,
     )
     delay, spacing = _get(cfg, "sync.delay_steps"), period // fragments
+    alpha, rule = _get(cfg, "sync.merge_alpha"), _get(cfg, "sync.merge_rule")
+    if _get(cfg, "sync.overlap"):  # shorthand for delay_steps=1 merge_rule=progress
+        alias = "with sync.overlap=true (its shorthand for delay_steps=1, merge_rule=progress)"
+        _require(delay in (0, 1), "sync.delay_steps", f"0 or 1 {alias}", delay)
+        _require(alpha == 0, "sync.merge_alpha", f"0 {alias}", alpha)
+        delay, rule = 1, "progress"
     _require(
-        0 <= delay < spacing,
+        0 <= delay <= spacing,
         "sync.delay_steps",
-        f"in [0, {period_key}/sync.fragments) = [0, {spacing})",
+        f"in [0, {period_key}/sync.fragments] = [0, {spacing}]",
         delay,
     )
-    alpha = _get(cfg, "sync.merge_alpha")
     _require(0 <= alpha < 1, "sync.merge_alpha", "in [0, 1)", alpha)
+    if rule == "progress":
+        _require(delay >= 1, "sync.merge_rule", "mix with sync.delay_steps=0 (no progress "
+                 "since the launch to keep)", rule)  # fmt: skip
+        _require(alpha == 0, "sync.merge_alpha", "0 with sync.merge_rule=progress", alpha)
     outer = _get(cfg, "sync.outer")
     if _get(cfg, "sync.eager"):
         _require(outer != "none", "sync.eager", "false when sync.outer is none", True)
         _require(delay == 0, "sync.delay_steps", "0 with sync.eager=true", delay)
-    what = "with sync.fragments, delay_steps, merge_alpha, eager or an outer step over sync.levels"
+    what = (
+        "with sync.fragments, delay_steps, merge_alpha, eager, overlap or an outer step over "
+        "sync.levels"
+    )
     dtype = _get(cfg, "sync.comm_dtype")
     if outer == "none":  # plain streaming would round the values themselves, not a change
         _require(dtype == "float32", "sync.comm_dtype", f"float32 with sync.outer=none {what}",
                  dtype)  # fmt: skip
     for key, default in (
-        ("sync.overlap", False),  # delay_steps is its general form
         ("sync.schedule", "constant"),
         ("sync.optimizer_state", "local"),
     ):
@@ -294,8 +288,11 @@ def validate_sync(cfg: Any, ws: int | None, local_ws: int | None) -> None:
         ("sync.outer", OUTERS),
         ("sync.optimizer_state", OPTIMIZER_STATE_MODES),
         ("sync.comm_dtype", COMM_DTYPES),
+        ("sync.merge_rule", MERGE_RULES),
     ):
         _choice(cfg, key, choices)
+    bucket = _get(cfg, "sync.bucket_mb")
+    _require(bucket > 0, "sync.bucket_mb", "> 0 (MiB)", bucket)
     schedule = _get(cfg, "sync.schedule")
     factor = _get(cfg, "sync.period_factor")
     period = _get(cfg, "sync.period")
@@ -343,12 +340,12 @@ def validate_sync(cfg: Any, ws: int | None, local_ws: int | None) -> None:
         or _get(cfg, "sync.delay_steps") != 0
         or _get(cfg, "sync.merge_alpha") != 0
         or _get(cfg, "sync.eager")
+        or _get(cfg, "sync.overlap")
+        or _get(cfg, "sync.merge_rule") != "mix"
         or (levels and outer != "none")
     )
     if streaming:  # what localsgd.loop.strategies.streams() builds a StreamingAverager for
         _validate_streaming(cfg, levels)
-    if _get(cfg, "sync.overlap"):
-        _validate_overlap(cfg, bool(levels))
     if not levels:
         return
     _require(schedule == "constant", "sync.schedule", "constant when sync.levels is set", schedule)

@@ -104,15 +104,24 @@ def strategy_name(sync: SyncConfig) -> str:
 
 def streams(sync: SyncConfig) -> bool:
     """Whether the config asks for Streaming DiLoCo's mechanisms: fragments, a delayed merge, a
-    mixed merge or the eager outer step, or an outer optimizer over hierarchical levels (the
-    widest level's outer step: `StreamingAverager` with inner levels)."""
+    mixed merge (or `sync.overlap`, its one-step progress-keeping case) or the eager outer step,
+    or an outer optimizer over hierarchical levels (the widest level's outer step:
+    `StreamingAverager` with inner levels)."""
     return (
         sync.fragments > 1
         or sync.delay_steps > 0
         or sync.merge_alpha > 0
         or sync.eager
+        or sync.overlap
         or bool(sync.levels and sync.outer != "none")
     )
+
+
+def delay_and_rule(sync: SyncConfig) -> tuple[int, str]:
+    """τ and the merge rule: `sync.overlap=true` is shorthand for `sync.delay_steps=1
+    sync.merge_rule=progress` (the average of the states at the launch plus this rank's step
+    since)."""
+    return (1, "progress") if sync.overlap else (sync.delay_steps, sync.merge_rule)
 
 
 def build_averager(
@@ -141,6 +150,7 @@ def build_averager(
     }
     if streams(sync):
         defaults = OUTER_DEFAULTS.get(outer, {})
+        delay, rule = delay_and_rule(sync)
         # with levels, the widest is the streaming one; the others average the whole model
         averager = StreamingAverager(
             int(levels[-1].period) if levels else sync.period,
@@ -149,8 +159,10 @@ def build_averager(
             stats=stats,
             link=link,
             fragments=sync.fragments,
-            delay_steps=sync.delay_steps,
+            delay_steps=delay,
             merge_alpha=sync.merge_alpha,
+            merge_rule=rule,
+            bucket_mb=sync.bucket_mb,
             eager=sync.eager,
             outer=outer != "none",
             outer_lr=_or(sync.outer_lr, defaults.get("lr", 0.7)),
@@ -199,8 +211,6 @@ def build_averager(
             schedule=build_schedule(sync),
             comm_dtype=comm_dtype,
             link=link,
-            overlap=sync.overlap,
-            bucket_mb=sync.bucket_mb,
             init_sync=True,
             error_feedback=sync.error_feedback,
             quant_block_size=sync.quant_block_size,
