@@ -39,10 +39,12 @@ def _batch(index: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _averager(kind: str, model: torch.nn.Module):
-    from localsgd.averaging import OuterAverager, PeriodicAverager
+    from localsgd.averaging import OuterAverager, PeriodicAverager, StreamingAverager
 
     if kind == "outer":
         return OuterAverager(PERIOD, module=model)
+    if kind == "streaming":  # fragment 0 syncs after steps 0, 4, 8, 12; fragment 1 after 2, 6, 10
+        return StreamingAverager(PERIOD, module=model, fragments=2, merge_alpha=0.5)
     return PeriodicAverager(PERIOD, module=model)
 
 
@@ -54,7 +56,7 @@ def _replica(cfg: dict) -> None:
     index, steps = cfg["index"], cfg["steps"]
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    seen: dict = {"participants": {}, "after": {}}
+    seen: dict = {"participants": {}, "after": {}, "before": {}}
     from localsgd.averaging.fault_tolerant import (
         FaultTolerantAverager,
         TorchftCommunicator,
@@ -101,6 +103,7 @@ def _replica(cfg: dict) -> None:
             opt.zero_grad()
             torch.nn.functional.mse_loss(model(x), y).backward()
             opt.step()
+            seen["before"][step] = [b.clone() for b in av.flat.buffers]
             synced = ft.maybe_average() if ft is not None else av.maybe_average()
             if synced:
                 seen["after"][step] = [b.clone() for b in av.flat.buffers]
@@ -109,6 +112,8 @@ def _replica(cfg: dict) -> None:
         if ft is not None:
             seen.update(ft.state_dict())
         seen["flat"] = [b.clone() for b in av.flat.buffers]
+        if cfg["kind"] == "streaming":
+            seen["anchors"] = [a.clone() for a in av.frags.anchors]
         torch.save(seen, os.path.join(cfg["out"], f"{index}.pt"))
     finally:
         if ft is not None:
@@ -229,6 +234,38 @@ def test_killed_inside_all_reduce_rolls_back(tmp_path, lighthouse):
         for a, b in zip(r["after"][4], r["after"][8], strict=True):
             assert torch.equal(a, b)  # rolled back to the last global weights
         assert r["participants"][12] == 2
+
+
+def test_a_streaming_round_killed_inside_its_all_reduce_is_undone(tmp_path, lighthouse):
+    """Streaming DiLoCo (2 fragments, alpha 0.5) through torchft: replica 2 dies inside
+    fragment 0's sync after step 8. The survivors' round fails and is undone: they hold exactly
+    their state before it (the other fragment keeps its local progress, fragment 0 its anchor
+    and outer state); the next syncs commit with 2, and the anchors end identical."""
+    job = Job(
+        tmp_path,
+        kind="streaming",
+        steps=13,
+        lighthouse=lighthouse,
+        victim=2,
+        fail_at=8,
+        timeout_s=5.0,
+    )
+    try:
+        for i in range(W):
+            job.start(i)
+        assert job.wait(2) == -signal.SIGKILL
+        for i in range(2):
+            assert job.wait(i) == 0
+    finally:
+        job.kill_all()
+    got = _results(tmp_path, range(2))
+    for r in got.values():
+        assert r["failed_syncs"] == 1
+        for a, b in zip(r["before"][8], r["after"][8], strict=True):
+            assert torch.equal(a, b)  # undone: no half-average, no progress lost
+        assert r["participants"][10] == r["participants"][12] == 2
+    for a, b in zip(got[0]["anchors"], got[1]["anchors"], strict=True):
+        assert torch.equal(a, b)
 
 
 def test_import_does_not_load_torchft():

@@ -44,6 +44,17 @@ FT = FAST + [
 ]
 
 
+STREAMING = [  # Streaming DiLoCo, 2 fragments, 4-bit pseudo-gradients with error feedback
+    "sync.outer=diloco",
+    "optim=adamw",
+    "optim.lr=0.003",
+    "model.hidden=[64,64]",
+    "sync.fragments=2",
+    "sync.comm_dtype=int4",
+    "sync.error_feedback=true",
+]
+
+
 def _participants(run_dir) -> list[int]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [r["participants"] for r in map(json.loads, lines) if "participants" in r]
@@ -55,11 +66,14 @@ def _collapse(seq: list[int]) -> list[int]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("strategy", [[], ["sync.outer=diloco", "optim=adamw", "optim.lr=0.003"]])
+@pytest.mark.parametrize(
+    "strategy", [[], ["sync.outer=diloco", "optim=adamw", "optim.lr=0.003"], STREAMING]
+)
 def test_no_fault_is_bit_identical_to_the_plain_path(tmp_path, strategy):
     """The same job through torch.distributed and through torchft's Manager: one quorum per
-    sync, the same sums in the same order, the same model to the last bit (post-local SGD, and
-    DiLoCo with its anchor and outer momentum)."""
+    sync, the same sums in the same order, the same model to the last bit (post-local SGD,
+    DiLoCo with its anchor and outer momentum, and Streaming DiLoCo whose 4-bit messages are
+    all-gathered through the Manager's process group)."""
     plain, ft = tmp_path / "plain", tmp_path / "ft"
     for run_dir, extra in ((plain, []), (ft, ["ft=torchft", "sync.check_replicas=true"])):
         proc, left = cli(FT + strategy + extra + [f"hydra.run.dir={run_dir}"])
@@ -74,12 +88,20 @@ def test_no_fault_is_bit_identical_to_the_plain_path(tmp_path, strategy):
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("strategy", [[], ["sync.outer=diloco", "optim=adamw", "optim.lr=0.003"]])
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        [],
+        ["sync.outer=diloco", "optim=adamw", "optim.lr=0.003"],
+        [*STREAMING, "sync.merge_alpha=0.5"],
+    ],
+)
 def test_a_killed_worker_is_restarted_and_heals_from_a_live_peer(tmp_path, strategy):
     """Worker 1 SIGKILLed at step 30 (between syncs): the next syncs go ahead with 2, it is
     restarted, heals from a live peer (model, optimizer, DiLoCo's anchor and outer momentum,
-    sampler position, loop state) and the job ends with 3, every sync checked bit-identical
-    across the replica groups (with DiLoCo: the anchors too)."""
+    Streaming DiLoCo's anchors, outer states and error-feedback residuals, sampler position,
+    loop state) and the job ends with 3, every sync checked bit-identical across the replica
+    groups in what they share (the anchors too)."""
     run_dir = tmp_path / "run"
     once = tmp_path / "killed-once"
     proc, left = cli(
@@ -160,13 +182,14 @@ def test_below_min_replicas_the_job_stops_with_a_checkpoint_and_resumes_at_anoth
         ("ft.replica_id=a", "ft.replica_id"),
         ("sync.levels=[{group_size:1,period:2},{group_size:world,period:4}]", "sync.levels"),
         ("sync.overlap=true", "sync.overlap"),
-        ("sync.comm_dtype=int4", "sync.comm_dtype"),
+        ("sync.delay_steps=1", "sync.delay_steps"),
+        ("sync.fragments=2 trainer.checkpoint_every=8", "trainer.checkpoint_every"),
         ("ft.lighthouse=127.0.0.1:1", "ft.lighthouse"),  # nothing listens on port 1
         ("ft.lighthouse=nohost", "ft.lighthouse"),
     ],
 )
 def test_bad_ft_settings_are_refused_in_one_line(override, key, capsys):
-    line = refusal(FT + ["ft=torchft", override], capsys)
+    line = refusal(FT + ["ft=torchft", *override.split()], capsys)
     assert line.startswith(f"error: {key}"), line
 
 

@@ -33,10 +33,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch.torch_version import TorchVersion
 
-from localsgd.averaging.comm import CommStats, Communicator, SimulatedLink, _nbytes
+from localsgd.averaging.torchft_comm import QuorumLost, TorchftCommunicator, _sum_then_divide
 from localsgd.averaging.torchft_services import make_manager, start_lighthouse
 
 __all__ = [
@@ -54,150 +52,6 @@ FT_STATE_KEY = "localsgd_ft"  # our entry in the Manager's state dict
 
 class ReplicaGroupsDiverged(RuntimeError):
     """`check_replicas`: the replica groups do not hold the same weights after an average."""
-
-
-class QuorumLost(RuntimeError):
-    """No quorum of enough live replica groups formed within the quorum timeout."""
-
-
-# --- the communicator ------------------------------------------------------------------------
-
-
-def _sum_then_divide(local: Communicator | None) -> bool:
-    """Divide as the plain path would: where the backend averages inside the reduction (gloo
-    from torch 2.13, NCCL) it sums then divides (measured bit-identical to gloo's AVG), so we
-    do too; else the plain path divides first, and so do we."""
-    if local is not None:
-        return local.use_avg
-    if torch.cuda.is_available():
-        return True
-    return TorchVersion(torch.__version__) >= (2, 13)
-
-
-class TorchftCommunicator(Communicator):
-    """The widest level of an averager, across replica groups, through a torchft Manager.
-
-    `local`, the communicator of this replica group (torch.distributed, size > 1 when the
-    group has several processes), is averaged first; then the groups average through
-    `manager.allreduce`. Collectives happen only inside a round (`begin()` ... `commit()`),
-    which `FaultTolerantAverager` drives. `participants` is the number of replica groups the
-    last average included; `size` the number of workers.
-    """
-
-    def __init__(
-        self,
-        manager,
-        *,
-        local: Communicator | None = None,
-        stats: CommStats | None = None,
-        link: SimulatedLink | None = None,
-        replicas: int = 1,
-    ):
-        self.manager = manager
-        self.local = local if local is not None and local.size > 1 else None
-        self.group = None
-        self.stats = stats if stats is not None else CommStats()
-        self.link = link
-        self.use_avg = False  # the division is ours (see mean_)
-        self.sum_first = _sum_then_divide(self.local)
-        self.participants = replicas  # replica groups in the last average
-        self.live = True  # this replica contributes to this round's average
-        self.healed = False  # this replica loaded a peer's state in this round
-        self.healers = 0  # replica groups of this round's quorum that loaded a peer's state
-        self.in_round = False
-        self.lost = False  # no quorum formed this round: nothing goes on the wire
-        self._count = torch.zeros(1)
-
-    @property
-    def size(self) -> int:
-        return self.participants * (self.local.size if self.local is not None else 1)
-
-    def subgroups(self, size: int) -> Communicator:
-        raise ValueError(
-            "the torchft communicator spans replica groups: build inner levels from the "
-            "replica group's own torch.distributed communicator"
-        )
-
-    def begin(self) -> bool:
-        """Start a round: the quorum (and a heal, if this replica is behind), then the count of
-        live participants. Returns whether this replica healed."""
-        self.healed = False
-        self.in_round = True
-        self.lost = False
-        try:
-            self.manager.start_quorum()
-        except Exception as e:  # the quorum's timeout, or the lighthouse gone
-            self.lost = True
-            raise QuorumLost(f"no quorum: {type(e).__name__}") from e
-        self.live = not self.healed and self.manager.errored() is None
-        self._count.fill_(1.0 if self.live else 0.0)
-        self.manager.allreduce(self._count, reduce_op=dist.ReduceOp.SUM).wait()
-        if self.manager.errored() is None:
-            self.participants = int(round(self._count.item()))
-            self.healers = max(0, self.manager.num_participants() - self.participants)
-        return self.healed
-
-    def commit(self) -> bool:
-        """End the round: True when every replica group may keep its result."""
-        self.in_round = False
-        if self.lost:
-            return False
-        ok = self.manager.should_commit()
-        return bool(ok and self.participants > 0)
-
-    def mean_(self, flat: torch.Tensor, through: torch.Tensor | None = None) -> None:
-        """Replace `flat` by its mean over the live workers: one SUM all-reduce of the flat
-        buffer, divided as the plain `Communicator` divides. After an error the buffer may hold
-        anything: the round will not commit, and the caller rolls back."""
-        if not self.in_round:
-            raise RuntimeError("TorchftCommunicator.mean_ outside a round (begin()/commit())")
-        start = time.perf_counter()
-        if self.local is not None:
-            counted = (self.stats.bytes, self.stats.seconds)
-            self.local.mean_(flat, through)
-            self.stats.bytes, self.stats.seconds = counted  # the whole mean is counted below
-        wire = flat if through is None else through.copy_(flat)
-        if not self.lost and self.manager.errored() is None:
-            n = max(self.participants, 1)
-            if not self.live:
-                wire.zero_()
-            if not self.sum_first:
-                wire.div_(n)
-            self.manager.allreduce(wire, reduce_op=dist.ReduceOp.SUM).wait()
-            if self.sum_first and self.manager.errored() is None:
-                wire.div_(n)
-            if through is not None:
-                flat.copy_(wire)
-        self._account(start, _nbytes(wire))
-
-    def identical(self, tensors: list[torch.Tensor]) -> bool:
-        """Inside a round: whether every replica group holds bit-identical `tensors` (two MAX
-        all-reduces per tensor: the element-wise maximum and minimum agree everywhere). True
-        after an error: the round will not commit and is rolled back anyway."""
-        if not self.in_round:
-            raise RuntimeError("TorchftCommunicator.identical outside a round")
-        if self.lost:
-            return True  # the round is rolled back
-        for t in tensors:
-            high, low = t.detach().clone(), t.detach().neg()
-            for x in (high, low):
-                self.manager.allreduce(x, reduce_op=dist.ReduceOp.MAX).wait()
-            if self.manager.errored() is not None:
-                return True
-            if not torch.equal(high, low.neg_()):
-                return False
-        return True
-
-    def launch_mean_(self, pieces: list[torch.Tensor], through=None):
-        raise NotImplementedError(
-            "delayed (overlapped) averaging is not supported across torchft replica groups"
-        )
-
-    def broadcast_(self, flat: torch.Tensor, src: int = 0) -> None:
-        """Inside the replica group only: across groups replicas start identical (seeded), or
-        heal from a peer (`make_manager(init_sync=True)`)."""
-        if self.local is not None:
-            self.local.broadcast_(flat, src)
 
 
 # --- the round driver around an averager -----------------------------------------------------
@@ -265,6 +119,10 @@ class FaultTolerantAverager:
         self.heals = 0  # times this replica loaded a live peer's state
         self.heals_seen = 0  # heals of any replica, counted alike by every replica
         self.check_replicas = check_replicas
+        # Streaming DiLoCo: a round is one fragment's sync, and a failed one is undone (the
+        # state before the round restored, on every replica) rather than rolled back to the
+        # last commit, which would drop the other fragments' local progress
+        self.undo = hasattr(averager, "launching")
         self.participants_min = comm.participants
         self.phase = "start"  # the round this replica is in (sent to a healing peer)
         self.tracked: list[tuple[Callable[[], Any], Callable[[Any], None]]] = []
@@ -368,6 +226,7 @@ class FaultTolerantAverager:
     # --- rounds --------------------------------------------------------------------------------
 
     def _round(self, phase: str, body: Callable[[], Any]) -> bool:
+        before = self._snapshot() if self.undo and phase != "grad" else None
         self.phase = phase
         try:
             if self.comm.begin():
@@ -383,13 +242,15 @@ class FaultTolerantAverager:
         if ok:
             self.leads = self.manager.participating_rank() == 0
             self.participants_min = min(self.participants_min, self.comm.participants)
-            if phase != "grad":
+            if phase != "grad" and not self.undo:
                 self.committed = self._snapshot()
-            else:
+            elif phase == "grad":
                 self._snapshot_due = True
         else:
             self.failed_syncs += 1
-            if phase != "grad" and self.committed is not None:
+            if before is not None:
+                self._restore(before)
+            elif phase != "grad" and self.committed is not None:
                 self._restore(self.committed)
         self.phase = "idle"
         return ok
@@ -414,6 +275,7 @@ class FaultTolerantAverager:
             self.heals += healed
             if phase != "start":
                 self.heals_seen += self.comm.healers
+            before = self._snapshot() if self.undo and phase in ("sync", "average") else None
             if phase == "sync":
                 self.averager.maybe_average()
             elif phase == "average":
@@ -433,13 +295,15 @@ class FaultTolerantAverager:
                 time.sleep(0.05)
                 continue
             if ok:
-                if phase != "grad":
-                    self.committed = self._snapshot()
-                else:
+                if phase == "grad":
                     self._snapshot_due = True
+                elif not self.undo:
+                    self.committed = self._snapshot()
                 return phase if healed else "fresh"
             self.failed_syncs += 1
-            if self.committed is not None:
+            if before is not None:
+                self._restore(before)
+            elif self.committed is not None:
                 self._restore(self.committed)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"torchft: no committed first round within {timeout_s:g} s")
@@ -449,15 +313,22 @@ class FaultTolerantAverager:
         Returns whether the averager averaged (a rolled-back round counts as averaged: the
         replicas hold the last global state)."""
         av = self.averager
-        if self._snapshot_due and av.step == av.warmup_steps - 1:
+        if self._snapshot_due and av.step == av.warmup_steps - 1 and not self.undo:
             # the last synchronous warmup step: every replica holds the same weights now
             self.committed = self._snapshot()
             self._snapshot_due = False
-        if not av.averages_all(av.step):
+        if not self._crosses_groups(av.step):
             return av.maybe_average()
         done = []
         self._round("sync", lambda: done.append(av.maybe_average()))
         return bool(done and done[0])
+
+    def _crosses_groups(self, step: int) -> bool:
+        """Whether the averager's update after `step` averages across replica groups (its
+        widest level): a round. For Streaming DiLoCo (tau = 0): a fragment's sync."""
+        if self.undo:
+            return self.averager.launching(step) is not None
+        return self.averager.averages_all(step)
 
     def average(self) -> bool:
         """An average outside the schedule (e.g. before the final evaluation), as a round."""

@@ -32,15 +32,12 @@ from localsgd.loop.worker import WorkerInfo
 # that a failed round would not roll back).
 FT_REFUSED = (
     ("sync.overlap", False, "false (a delayed average cannot span a torchft round)"),
-    ("sync.fragments", 1, "1 (streaming through torchft is not built yet)"),
-    ("sync.delay_steps", 0, "0 (a delayed merge cannot span a torchft round)"),
-    ("sync.merge_alpha", 0.0, "0 (streaming through torchft is not built yet)"),
-    ("sync.eager", False, "false (streaming through torchft is not built yet)"),
+    ("sync.delay_steps", 0, "0 (a torchft round begins and commits within one step)"),
+    ("sync.eager", False, "false (an eager round carries each worker's pseudo-gradient over)"),
     ("sync.schedule", "constant", "constant (every replica must agree on when to sync)"),
     ("sync.optimizer_state", "local", "local (averaged optimizer state is not rolled back)"),
     ("comm.disabled", False, "false (nothing to make fault tolerant)"),
 )
-FT_COMM_DTYPES = ("float32", "bfloat16", "float16")  # one all-reduce; the block formats gather
 
 
 def lighthouse_url(address: str) -> str:
@@ -142,11 +139,13 @@ def validate_ft(cfg: Any, get: Callable[[Any, str], Any], world_size: int | None
             "sync.levels: the last level's group_size must be world with ft=torchft (it spans "
             f"every replica group, through torchft), got {levels[-1]!r}"
         )
-    dtype = get(cfg, "sync.comm_dtype")
-    if dtype not in FT_COMM_DTYPES:
+    every = get(cfg, "trainer.checkpoint_every")
+    never_in_sync = get(cfg, "sync.fragments") > 1 or get(cfg, "sync.merge_alpha") > 0
+    if every and never_in_sync:
         raise ConfigError(
-            f"sync.comm_dtype must be one of {', '.join(FT_COMM_DTYPES)} with ft=torchft (the "
-            f"block-quantised formats are exchanged by all-gather), got {dtype!r}"
+            "trainer.checkpoint_every must be 0 with ft=torchft and sync.fragments > 1 or "
+            "sync.merge_alpha > 0 (checkpoints under ft are one shared state, and Streaming "
+            f"DiLoCo's workers are never all in sync), got {every!r}"
         )
     lighthouse = get(cfg, "ft.lighthouse")
     if lighthouse:
@@ -181,6 +180,7 @@ class ReplicasFailed(RuntimeError):
 
 
 EXIT_STOPPED = 3  # a worker that found no quorum and wrote the stop checkpoint
+EXIT_NO_PEER = 4  # a restarted worker that found no live peer to heal from
 
 
 def _replica_main(
@@ -196,12 +196,16 @@ def _replica_main(
 
     torch.set_num_threads(1)
     from localsgd.averaging.fault_tolerant import QuorumLost
+    from localsgd.loop.fault_tolerance import NoLivePeer
 
     try:
         fn(info, None, *args)
     except QuorumLost as e:  # not restarted: the supervisor reports it once
         stops.put(str(e))
         os._exit(EXIT_STOPPED)
+    except NoLivePeer as e:
+        print(f"ft: {e}", file=sys.stderr, flush=True)
+        os._exit(EXIT_NO_PEER)
     except BaseException as e:  # one line; the supervisor restarts the worker or gives up
         last = (str(e).strip().splitlines() or [""])[-1]
         print(f"ft: worker {info.rank} failed: {type(e).__name__}: {last}", file=sys.stderr)
@@ -283,6 +287,14 @@ def run_replicas(fn: Callable, cfg: Any, args: tuple, poll_s: float = 0.05) -> d
                     continue
                 if code == EXIT_STOPPED:
                     stopped.add(rank)
+                    continue
+                if code == EXIT_NO_PEER:  # another restart would find no peer either
+                    lost[rank] = "restarted with no live peer"
+                    if rank == 0 or not finished:
+                        raise ReplicasFailed(
+                            f"ft: worker {rank} restarted but found no live peer to heal from "
+                            "(every worker had failed: see the lines above); stopped"
+                        )
                     continue
                 how = f"signal {-code}" if code < 0 else f"exit code {code}"
                 if restarts[rank] < ft.max_restarts:

@@ -43,6 +43,7 @@ from localsgd.cli.overrides import (
 )
 from localsgd.cli.preflight import check_data, resolve_resume
 from localsgd.config import Config, ConfigError, register_schemas, typed
+from localsgd.loop.fault_tolerance import NoLivePeer
 from localsgd.loop.loggers import offline_runs, resolve_wandb_settings
 from localsgd.loop.reshard import rank_states, written_by
 
@@ -187,6 +188,9 @@ def main(cfg: DictConfig) -> float | None:
             info = replica_group_info(run_cfg.ft, info)
         try:
             run_worker(info, None, run_cfg, run_dir, resume)
+        except NoLivePeer as e:  # a group restarted after the others finished
+            print(f"ft: {e}", file=sys.stderr, flush=True)
+            return None
         except Exception as e:  # one line naming the rank; torchrun then stops the others
             last = (str(e).strip().splitlines() or [""])[-1]
             fail(f"worker rank {info.rank} failed: {type(e).__name__}: {last}", code=1)

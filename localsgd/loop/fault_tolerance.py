@@ -41,6 +41,10 @@ if TYPE_CHECKING:
     from localsgd.loop.trainer import Trainer
 
 
+class NoLivePeer(RuntimeError):
+    """A restarted worker found no live peer to heal from (the others finished, or died)."""
+
+
 def replica_name(rank: int) -> str:
     """torchft orders quorum members by id and reads trailing digits as ranks: zero-padded,
     the replicas sum in the same order as ranks do on the torch.distributed path."""
@@ -139,8 +143,8 @@ def replica_groups(trainer: Trainer) -> int:
 def join(trainer: Trainer) -> str:
     """Before the first step: the first round. A fresh worker waits until all W have joined;
     a restarted one heals from a live peer inside the round that peer is in, finishes it, and
-    continues from where the peer will be after it. Returns the round's phase, or "alone": a
-    restarted worker that found no peer ahead of it, which must not train."""
+    continues from where the peer will be after it. Returns the round's phase; raises
+    `NoLivePeer` for a restarted worker that found no peer ahead of it, which must not train."""
     guard, info, ft = trainer.sync.ft, trainer.info, trainer.cfg.ft
     with warnings.catch_warnings():
         # torch's checkpoint reader warns that the received bytes are read-only; they are
@@ -153,12 +157,9 @@ def join(trainer: Trainer) -> str:
     if phase == "fresh" and info.attempt > 0:
         # restarted, and no peer was ahead of it: the others finished (or all died); training
         # alone from step 0 would add nothing to the job
-        print(
-            f"ft: worker {info.rank} restarted but found no live peer to heal from; it stops",
-            file=sys.stderr,
-            flush=True,
+        raise NoLivePeer(
+            f"worker {info.rank} restarted but found no live peer to heal from; it stops"
         )
-        return "alone"
     if phase == "fresh":
         return phase
     torch.manual_seed(trainer.cfg.seed + 1000 * info.rank + 1 + 7919 * info.attempt)
@@ -190,14 +191,21 @@ def after_round(trainer: Trainer, final: bool = False) -> None:
     writes = dist.get_rank() == 0  # one process per replica group
     if guard.quorum_lost is not None:
         why, guard.quorum_lost = guard.quorum_lost, None
+        ft = trainer.cfg.ft
+        below = (
+            f"fewer than ft.min_replicas={ft.min_replicas} replica groups for "
+            f"ft.quorum_timeout_s={ft.quorum_timeout_s:g} at step {trainer.step} ({why})"
+        )
+        if guard.undo:  # a fragment's sync undone: the workers hold their own values
+            raise QuorumLost(
+                f"{below}; stopped without a checkpoint of this state (Streaming DiLoCo's "
+                "workers are not in sync between rounds)"
+            )
         trainer.in_sync = True  # rolled back: every worker holds the last global state
         folder = trainer.save_checkpoint(shared=True) if writes else "its newest checkpoint"
-        ft = trainer.cfg.ft
         raise QuorumLost(
-            f"fewer than ft.min_replicas={ft.min_replicas} replica groups for "
-            f"ft.quorum_timeout_s={ft.quorum_timeout_s:g} at step {trainer.step} ({why}); "
-            f"stopped with the last global state in {folder}: run the same command to resume, "
-            f"at any dist.world_size"
+            f"{below}; stopped with the last global state in {folder}: run the same command to "
+            f"resume, at any dist.world_size"
         )
     if every <= 0 or not committed or not trainer.in_sync:
         return

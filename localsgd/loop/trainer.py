@@ -272,8 +272,7 @@ class Trainer:
         if self.sync.ft is not None:  # the first quorum; a restarted worker heals here
             from localsgd.loop.fault_tolerance import join
 
-            if join(self) == "alone":
-                return None
+            join(self)  # NoLivePeer: restarted, and nobody is left to heal from
         self.open_run()
         failed = True
         try:

@@ -1,0 +1,213 @@
+"""The widest level of an averager, across replica groups, through a torchft Manager.
+
+`TorchftCommunicator` is a `Communicator` whose collectives are torchft's, inside a round that
+`localsgd.averaging.fault_tolerant.FaultTolerantAverager` drives (`begin()`: the quorum and the
+count of live replica groups; `commit()`: `should_commit()`). An average is one SUM all-reduce of
+the flat buffer through `manager.allreduce`, divided as the plain `Communicator` divides; a
+block-quantised average all-gathers the messages through the Manager's process group and
+decodes them in rank order, as `Communicator.quantized_mean_` does. With no fault both give the
+torch.distributed path's bits. torchft is imported only inside functions that need it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+from torch.torch_version import TorchVersion
+
+from localsgd.averaging.comm import CommStats, Communicator, SimulatedLink, _nbytes
+
+__all__ = ["QuorumLost", "TorchftCommunicator"]
+
+
+class QuorumLost(RuntimeError):
+    """No quorum of enough live replica groups formed within the quorum timeout."""
+
+
+def _sum_then_divide(local: Communicator | None) -> bool:
+    """Divide as the plain path would: where the backend averages inside the reduction (gloo
+    from torch 2.13, NCCL) it sums then divides (measured bit-identical to gloo's AVG), so we
+    do too; else the plain path divides first, and so do we."""
+    if local is not None:
+        return local.use_avg
+    if torch.cuda.is_available():
+        return True
+    return TorchVersion(torch.__version__) >= (2, 13)
+
+
+class TorchftCommunicator(Communicator):
+    """The widest level of an averager, across replica groups, through a torchft Manager.
+
+    `local`, the communicator of this replica group (torch.distributed, size > 1 when the
+    group has several processes), is averaged first; then the groups average through
+    `manager.allreduce`. Collectives happen only inside a round (`begin()` ... `commit()`),
+    which `FaultTolerantAverager` drives. `participants` is the number of replica groups the
+    last average included; `size` the number of workers.
+    """
+
+    def __init__(
+        self,
+        manager,
+        *,
+        local: Communicator | None = None,
+        stats: CommStats | None = None,
+        link: SimulatedLink | None = None,
+        replicas: int = 1,
+    ):
+        self.manager = manager
+        self.local = local if local is not None and local.size > 1 else None
+        self.group = None
+        self.stats = stats if stats is not None else CommStats()
+        self.link = link
+        self.use_avg = False  # the division is ours (see mean_)
+        self.sum_first = _sum_then_divide(self.local)
+        self.participants = replicas  # replica groups in the last average
+        self.live = True  # this replica contributes to this round's average
+        self.healed = False  # this replica loaded a peer's state in this round
+        self.healers = 0  # replica groups of this round's quorum that loaded a peer's state
+        self.in_round = False
+        self.lost = False  # no quorum formed this round: nothing goes on the wire
+        self._count = torch.zeros(1)
+
+    @property
+    def size(self) -> int:
+        return self.participants * (self.local.size if self.local is not None else 1)
+
+    def subgroups(self, size: int) -> Communicator:
+        raise ValueError(
+            "the torchft communicator spans replica groups: build inner levels from the "
+            "replica group's own torch.distributed communicator"
+        )
+
+    def begin(self) -> bool:
+        """Start a round: the quorum (and a heal, if this replica is behind), then the count of
+        live participants. Returns whether this replica healed."""
+        self.healed = False
+        self.in_round = True
+        self.lost = False
+        try:
+            self.manager.start_quorum()
+        except Exception as e:  # the quorum's timeout, or the lighthouse gone
+            self.lost = True
+            raise QuorumLost(f"no quorum: {type(e).__name__}") from e
+        self.live = not self.healed and self.manager.errored() is None
+        self._count.fill_(1.0 if self.live else 0.0)
+        self.manager.allreduce(self._count, reduce_op=dist.ReduceOp.SUM).wait()
+        if self.manager.errored() is None:
+            self.participants = int(round(self._count.item()))
+            self.healers = max(0, self.manager.num_participants() - self.participants)
+        return self.healed
+
+    def commit(self) -> bool:
+        """End the round: True when every replica group may keep its result."""
+        self.in_round = False
+        if self.lost:
+            return False
+        ok = self.manager.should_commit()
+        return bool(ok and self.participants > 0)
+
+    def mean_(self, flat: torch.Tensor, through: torch.Tensor | None = None) -> None:
+        """Replace `flat` by its mean over the live workers: one SUM all-reduce of the flat
+        buffer, divided as the plain `Communicator` divides. After an error the buffer may hold
+        anything: the round will not commit, and the caller rolls back."""
+        if not self.in_round:
+            raise RuntimeError("TorchftCommunicator.mean_ outside a round (begin()/commit())")
+        start = time.perf_counter()
+        if self.local is not None:
+            counted = (self.stats.bytes, self.stats.seconds)
+            self.local.mean_(flat, through)
+            self.stats.bytes, self.stats.seconds = counted  # the whole mean is counted below
+        wire = flat if through is None else through.copy_(flat)
+        if not self.lost and self.manager.errored() is None:
+            n = max(self.participants, 1)
+            if not self.live:
+                wire.zero_()
+            if not self.sum_first:
+                wire.div_(n)
+            self.manager.allreduce(wire, reduce_op=dist.ReduceOp.SUM).wait()
+            if self.sum_first and self.manager.errored() is None:
+                wire.div_(n)
+            if through is not None:
+                flat.copy_(wire)
+        self._account(start, _nbytes(wire))
+
+    def identical(self, tensors: list[torch.Tensor]) -> bool:
+        """Inside a round: whether every replica group holds bit-identical `tensors` (two MAX
+        all-reduces per tensor: the element-wise maximum and minimum agree everywhere). True
+        after an error: the round will not commit and is rolled back anyway."""
+        if not self.in_round:
+            raise RuntimeError("TorchftCommunicator.identical outside a round")
+        if self.lost:
+            return True  # the round is rolled back
+        for t in tensors:
+            high, low = t.detach().clone(), t.detach().neg()
+            for x in (high, low):
+                self.manager.allreduce(x, reduce_op=dist.ReduceOp.MAX).wait()
+            if self.manager.errored() is not None:
+                return True
+            if not torch.equal(high, low.neg_()):
+                return False
+        return True
+
+    def quantized_mean_(self, flat: torch.Tensor, wire, residual: torch.Tensor | None = None):
+        """`Communicator.quantized_mean_` across replica groups: the messages (this group's,
+        all-gathered inside it first) are all-gathered through the Manager's process group in
+        replica-rank order, i.e. in global rank order, then decoded and summed in that order
+        and divided by the live workers. A replica healing in this round sends a message that
+        decodes to zeros and keeps its residual (a peer's, just received)."""
+        if not self.in_round:
+            raise RuntimeError("TorchftCommunicator.quantized_mean_ outside a round")
+        start = time.perf_counter()
+        if self.live:
+            wire.encode_(flat)
+            if residual is not None:
+                residual.copy_(flat).sub_(wire.decode(wire.send))
+        else:
+            wire.encode_(torch.zeros_like(flat))
+        mine, per_group = wire.send, 1
+        if self.local is not None:
+            per_group = self.local.size
+            mine = torch.empty(per_group * wire.nbytes, dtype=torch.uint8, device=flat.device)
+            counted = (self.stats.bytes, self.stats.seconds)
+            self.local.all_gather_(mine, wire.send)
+            self.stats.bytes, self.stats.seconds = counted  # counted below, once
+        if not self.lost and self.manager.errored() is None:
+            members = self.manager.num_participants() * per_group  # healers' messages too
+            gathered = wire.gathered(members)
+            self._all_gather(gathered, mine)
+            if self.manager.errored() is None:
+                acc = wire.accumulator(flat)
+                for r in range(members):
+                    value = wire.decode(gathered[r * wire.nbytes : (r + 1) * wire.nbytes])
+                    if r == 0:
+                        acc.copy_(value)
+                    else:
+                        acc.add_(value)
+                acc.div_(max(self.size, 1))
+                if acc is not flat:
+                    flat.copy_(acc)
+        self._account(start, wire.nbytes)
+
+    def _all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        # the Manager has no all-gather: its process group's, with errors reported to it so
+        # that the round does not commit
+        from torch.distributed.distributed_c10d import AllgatherOptions
+
+        pg = self.manager._pg
+        try:
+            pg.allgather_into_tensor_coalesced([out], [inp], AllgatherOptions()).wait()
+        except Exception as e:
+            self.manager.report_error(e)
+
+    def launch_mean_(self, pieces: list[torch.Tensor], through=None):
+        raise NotImplementedError(
+            "delayed (overlapped) averaging is not supported across torchft replica groups"
+        )
+
+    def broadcast_(self, flat: torch.Tensor, src: int = 0) -> None:
+        """Inside the replica group only: across groups replicas start identical (seeded), or
+        heal from a peer (`make_manager(init_sync=True)`)."""
+        if self.local is not None:
+            self.local.broadcast_(flat, src)
