@@ -20,6 +20,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from localsgd.cli.forkserver import start_method
+
 pytest.importorskip("torchft")
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
@@ -125,7 +127,8 @@ class Job:
     """The worker processes of one test; every one is killed at the end."""
 
     def __init__(self, tmp_path, **common):
-        self.ctx = multiprocessing.get_context("spawn")
+        # forked from the session's preloaded server (torch imported once), as the CLI's workers
+        self.ctx = multiprocessing.get_context(start_method())
         self.common = {"out": str(tmp_path), **common}
         self.procs: dict[int, multiprocessing.Process] = {}
 
@@ -168,9 +171,9 @@ def _identical(results: dict) -> None:
 
 def test_killed_between_syncs_then_heals(tmp_path, lighthouse):
     """Replica 2 dies at step 6; the sync after step 8 goes ahead with 2; restarted, it heals
-    from a live peer (model, optimizer, outer state) at the first sync it reaches (after step
-    12, or later on a loaded machine), which counts the 2 live replicas; from the next sync on
-    all 3 average, bit-identical."""
+    from a live peer (model, optimizer, outer state) at the first sync it reaches (the one
+    after step 8 when its process starts fast, else a later one), which counts the 2 live
+    replicas; from the next sync on all 3 average, bit-identical."""
     ready = str(tmp_path / "ready")
     job = Job(
         tmp_path,
@@ -194,7 +197,7 @@ def test_killed_between_syncs_then_heals(tmp_path, lighthouse):
     got = _results(tmp_path, range(W))
     _identical(got)
     healed_at = min(got[2]["participants"])  # the round replica 2 healed in
-    assert healed_at in (12, 16, 20), got[2]["participants"]
+    assert healed_at in (8, 12, 16, 20), got[2]["participants"]
     syncs = range(0, 25, PERIOD)
     want = {s: 3 if s < 8 or s > healed_at else 2 for s in syncs}
     assert got[0]["participants"] == want  # 3 -> 2 -> 3
