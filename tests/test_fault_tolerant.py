@@ -45,8 +45,12 @@ def _averager(kind: str, model: torch.nn.Module):
 
     if kind == "outer":
         return OuterAverager(PERIOD, module=model)
-    if kind == "streaming":  # fragment 0 syncs after steps 0, 4, 8, 12; fragment 1 after 2, 6, 10
-        return StreamingAverager(PERIOD, module=model, fragments=2, merge_alpha=0.5)
+    # fragment 0 launches after steps 0, 4, 8, 12; fragment 1 after 2, 6, 10
+    if kind.startswith("streaming"):
+        delay = 1 if kind == "streaming_delayed" else 0  # merged one step after the launch
+        return StreamingAverager(
+            PERIOD, module=model, fragments=2, merge_alpha=0.5, delay_steps=delay
+        )
     return PeriodicAverager(PERIOD, module=model)
 
 
@@ -78,14 +82,19 @@ def _replica(cfg: dict) -> None:
     ft.register_state("model", model.state_dict, model.load_state_dict)
     ft.register_state("optimizer", opt.state_dict, opt.load_state_dict)
     if cfg.get("fail_at") is not None and index == cfg["victim"]:
-        real_mean = comm.mean_
+        real_mean, real_launch = comm.mean_, comm.launch_mean_
 
         def mean_(flat, through=None):
             if av.step == cfg["fail_at"]:
                 os.kill(os.getpid(), signal.SIGKILL)  # inside the round, mid all-reduces
             real_mean(flat, through)
 
-        comm.mean_ = mean_
+        def launch_mean_(pieces, through=None):
+            if av.step == cfg["fail_at"]:
+                os.kill(os.getpid(), signal.SIGKILL)  # the round opened, nothing sent yet
+            return real_launch(pieces, through)
+
+        comm.mean_, comm.launch_mean_ = mean_, launch_mean_
     if cfg.get("restarted"):
         open(cfg["ready"], "w").close()
     seen["start"] = ft.start(wait_for=1 if cfg.get("restarted") else W)
@@ -114,7 +123,7 @@ def _replica(cfg: dict) -> None:
         if ft is not None:
             seen.update(ft.state_dict())
         seen["flat"] = [b.clone() for b in av.flat.buffers]
-        if cfg["kind"] == "streaming":
+        if cfg["kind"].startswith("streaming"):
             seen["anchors"] = [a.clone() for a in av.frags.anchors]
         torch.save(seen, os.path.join(cfg["out"], f"{index}.pt"))
     finally:
@@ -239,14 +248,17 @@ def test_killed_inside_all_reduce_rolls_back(tmp_path, lighthouse):
         assert r["participants"][12] == 2
 
 
-def test_a_streaming_round_killed_inside_its_all_reduce_is_undone(tmp_path, lighthouse):
+@pytest.mark.parametrize("kind", ["streaming", "streaming_delayed"])
+def test_a_streaming_round_killed_inside_its_all_reduce_is_undone(tmp_path, lighthouse, kind):
     """Streaming DiLoCo (2 fragments, alpha 0.5) through torchft: replica 2 dies inside
     fragment 0's sync after step 8. The survivors' round fails and is undone: they hold exactly
     their state before it (the other fragment keeps its local progress, fragment 0 its anchor
-    and outer state); the next syncs commit with 2, and the anchors end identical."""
+    and outer state); the next syncs commit with 2, and the anchors end identical. With
+    tau = 1 the round opens at the launch and fails at the merge a step later, which then
+    merges nothing."""
     job = Job(
         tmp_path,
-        kind="streaming",
+        kind=kind,
         steps=13,
         lighthouse=lighthouse,
         victim=2,
@@ -264,8 +276,9 @@ def test_a_streaming_round_killed_inside_its_all_reduce_is_undone(tmp_path, ligh
     got = _results(tmp_path, range(2))
     for r in got.values():
         assert r["failed_syncs"] == 1
-        for a, b in zip(r["before"][8], r["after"][8], strict=True):
-            assert torch.equal(a, b)  # undone: no half-average, no progress lost
+        if kind == "streaming":
+            for a, b in zip(r["before"][8], r["after"][8], strict=True):
+                assert torch.equal(a, b)  # undone: no half-average, no progress lost
         assert r["participants"][10] == r["participants"][12] == 2
     for a, b in zip(got[0]["anchors"], got[1]["anchors"], strict=True):
         assert torch.equal(a, b)

@@ -67,15 +67,22 @@ def _collapse(seq: list[int]) -> list[int]:
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
-    "strategy", [[], ["sync.outer=diloco", "optim=adamw", "optim.lr=0.003"], STREAMING]
+    "strategy",
+    [
+        [],
+        ["sync.outer=diloco", "optim=adamw", "optim.lr=0.003"],
+        [*STREAMING, "sync.delay_steps=1"],
+    ],
 )
 def test_no_fault_is_bit_identical_to_the_plain_path(tmp_path, strategy):
     """The same job through torch.distributed and through torchft's Manager: one quorum per
     sync, the same sums in the same order, the same model to the last bit (post-local SGD,
     DiLoCo with its anchor and outer momentum, and Streaming DiLoCo whose 4-bit messages are
-    all-gathered through the Manager's process group)."""
+    all-gathered through the Manager's process group, launched at a fragment's sync and merged
+    a step later: a round from the launch to the merge)."""
     plain, ft = tmp_path / "plain", tmp_path / "ft"
-    for run_dir, extra in ((plain, []), (ft, ["ft=torchft", "sync.check_replicas=true"])):
+    check = [] if "sync.delay_steps=1" in strategy else ["sync.check_replicas=true"]
+    for run_dir, extra in ((plain, []), (ft, ["ft=torchft", *check])):
         proc, left = cli(FT + strategy + extra + [f"hydra.run.dir={run_dir}"])
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert not left
@@ -181,8 +188,9 @@ def test_below_min_replicas_the_job_stops_with_a_checkpoint_and_resumes_at_anoth
         ("ft.timeout_s=0", "ft.timeout_s"),
         ("ft.replica_id=a", "ft.replica_id"),
         ("sync.levels=[{group_size:1,period:2},{group_size:world,period:4}]", "sync.levels"),
-        ("sync.overlap=true", "sync.overlap"),
-        ("sync.delay_steps=1", "sync.delay_steps"),
+        ("sync.eager=true", "sync.eager"),
+        ("sync.delay_steps=1 sync.fragments=4", "sync.delay_steps"),  # 4/4 = 1 step apart
+        ("sync.delay_steps=1 sync.check_replicas=true", "sync.check_replicas"),
         ("sync.fragments=2 trainer.checkpoint_every=8", "trainer.checkpoint_every"),
         ("ft.lighthouse=127.0.0.1:1", "ft.lighthouse"),  # nothing listens on port 1
         ("ft.lighthouse=nohost", "ft.lighthouse"),

@@ -131,6 +131,7 @@ class FaultTolerantAverager:
         self.leads = False  # this replica group ranked first in the last committed round
         self.checkpoint_mark = 0  # the owner's schedule of checkpoints (sent to healers)
         self.quorum_lost: str | None = None  # why the last round found no quorum
+        self._open: dict | None = None  # tau > 0: the state before the round in flight
         self._peer: dict | None = None
         self._snapshot_due = False
         self.manager.register_state_dict_fn(FT_STATE_KEY, self._load_ft_state, self._ft_state)
@@ -317,11 +318,47 @@ class FaultTolerantAverager:
             # the last synchronous warmup step: every replica holds the same weights now
             self.committed = self._snapshot()
             self._snapshot_due = False
+        if self.undo and av.delay:
+            return self._delayed_round()
         if not self._crosses_groups(av.step):
             return av.maybe_average()
         done = []
         self._round("sync", lambda: done.append(av.maybe_average()))
         return bool(done and done[0])
+
+    def _delayed_round(self) -> bool:
+        """Streaming DiLoCo with tau > 0: a round opens at a fragment's launch (the quorum, then
+        the all-reduce launched, while tau steps train) and closes at its merge
+        (`should_commit()`, then the merge). A failed round merges nothing: the fragment keeps
+        its local values and its state (anchor, outer state, residual) from before the launch.
+        tau < period/fragments, so no launch or other merge falls inside a round."""
+        av = self.averager
+        step = av.step
+        q = av.merging(step)
+        if q is not None and self._open is not None:
+            av.frags.wait(q)
+            ok = self.comm.commit()
+            self.just_committed = ok
+            if ok:
+                self.leads = self.manager.participating_rank() == 0
+                self.participants_min = min(self.participants_min, self.comm.participants)
+            else:
+                self.failed_syncs += 1
+                av.reducer.load_state_dict(_clone_tree(self._open["reducer"]))
+            self._open = None
+            self.phase = "idle"
+            return av.maybe_average()
+        if av.launching(step) is None:
+            return av.maybe_average()
+        self.phase = "sync"
+        try:
+            if self.comm.begin():
+                self.heals += 1
+            self.heals_seen += self.comm.healers
+        except QuorumLost as e:
+            self.quorum_lost = str(e)
+        self._open = self._snapshot()
+        return av.maybe_average()  # launches the fragment's exchange
 
     def _crosses_groups(self, step: int) -> bool:
         """Whether the averager's update after `step` averages across replica groups (its

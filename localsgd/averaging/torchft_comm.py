@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.torch_version import TorchVersion
 
-from localsgd.averaging.comm import CommStats, Communicator, SimulatedLink, _nbytes
+from localsgd.averaging.comm import CommStats, Communicator, PendingMean, SimulatedLink, _nbytes
 
 __all__ = ["QuorumLost", "TorchftCommunicator"]
 
@@ -35,6 +35,23 @@ def _sum_then_divide(local: Communicator | None) -> bool:
     if torch.cuda.is_available():
         return True
     return TorchVersion(torch.__version__) >= (2, 13)
+
+
+class _ReportedWork:
+    """A process-group work whose failure is reported to the Manager (the round then does not
+    commit) instead of raised."""
+
+    def __init__(self, manager, work):
+        self.manager, self.work = manager, work
+
+    def wait(self) -> None:
+        if self.work is None:
+            return
+        try:
+            self.work.wait()
+        except Exception as e:
+            self.manager.report_error(e)
+        self.work = None
 
 
 class TorchftCommunicator(Communicator):
@@ -157,9 +174,40 @@ class TorchftCommunicator(Communicator):
         replica-rank order, i.e. in global rank order, then decoded and summed in that order
         and divided by the live workers. A replica healing in this round sends a message that
         decodes to zeros and keeps its residual (a peer's, just received)."""
-        if not self.in_round:
-            raise RuntimeError("TorchftCommunicator.quantized_mean_ outside a round")
         start = time.perf_counter()
+        members, gathered, mine = self._encode(flat, wire, residual)
+        if gathered is not None:
+            _ReportedWork(self.manager, self._all_gather(gathered, mine)).wait()
+            self._decode_mean(flat, wire, gathered, members)
+        self._account(start, wire.nbytes)
+
+    def launch_quantized_mean_(self, pieces, wires, residuals=None) -> PendingMean:
+        """`quantized_mean_` of each piece, the all-gathers launched now and decoded at
+        `wait()` (the same bits)."""
+        start = time.perf_counter()
+        residuals = residuals if residuals is not None else [None] * len(pieces)
+        works, todo = [], []
+        for piece, wire, residual in zip(pieces, wires, residuals, strict=True):
+            members, gathered, mine = self._encode(piece, wire, residual)
+            if gathered is not None:
+                works.append(_ReportedWork(self.manager, self._all_gather(gathered, mine)))
+                todo.append((piece, wire, gathered, members))
+        nbytes = sum(w.nbytes for w in wires)
+        self.stats.bytes += nbytes
+        self.stats.seconds += time.perf_counter() - start
+
+        def finish() -> None:
+            for piece, wire, gathered, members in todo:
+                self._decode_mean(piece, wire, gathered, members)
+
+        return PendingMean(self, works, nbytes, start, finish)
+
+    def _encode(self, flat: torch.Tensor, wire, residual: torch.Tensor | None):
+        """Encode this replica's message (and, under torchrun, gather its group's): returns
+        the number of messages the round gathers, their buffer (None after an error) and
+        what this replica group sends."""
+        if not self.in_round:
+            raise RuntimeError("TorchftCommunicator: a quantised mean outside a round")
         if self.live:
             wire.encode_(flat)
             if residual is not None:
@@ -172,39 +220,74 @@ class TorchftCommunicator(Communicator):
             mine = torch.empty(per_group * wire.nbytes, dtype=torch.uint8, device=flat.device)
             counted = (self.stats.bytes, self.stats.seconds)
             self.local.all_gather_(mine, wire.send)
-            self.stats.bytes, self.stats.seconds = counted  # counted below, once
-        if not self.lost and self.manager.errored() is None:
-            members = self.manager.num_participants() * per_group  # healers' messages too
-            gathered = wire.gathered(members)
-            self._all_gather(gathered, mine)
-            if self.manager.errored() is None:
-                acc = wire.accumulator(flat)
-                for r in range(members):
-                    value = wire.decode(gathered[r * wire.nbytes : (r + 1) * wire.nbytes])
-                    if r == 0:
-                        acc.copy_(value)
-                    else:
-                        acc.add_(value)
-                acc.div_(max(self.size, 1))
-                if acc is not flat:
-                    flat.copy_(acc)
-        self._account(start, wire.nbytes)
+            self.stats.bytes, self.stats.seconds = counted  # counted once, by the caller
+        if self.lost or self.manager.errored() is not None:
+            return 0, None, mine
+        members = self.manager.num_participants() * per_group  # healers' messages too
+        return members, torch.empty(members * wire.nbytes, dtype=torch.uint8), mine
 
-    def _all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+    def _decode_mean(self, flat: torch.Tensor, wire, gathered: torch.Tensor, members: int):
+        if self.manager.errored() is not None:
+            return  # the round will not commit
+        acc = wire.accumulator(flat)
+        for r in range(members):
+            value = wire.decode(gathered[r * wire.nbytes : (r + 1) * wire.nbytes])
+            if r == 0:
+                acc.copy_(value)
+            else:
+                acc.add_(value)
+        acc.div_(max(self.size, 1))
+        if acc is not flat:
+            flat.copy_(acc)
+
+    def _all_gather(self, out: torch.Tensor, inp: torch.Tensor):
         # the Manager has no all-gather: its process group's, with errors reported to it so
         # that the round does not commit
         from torch.distributed.distributed_c10d import AllgatherOptions
 
         pg = self.manager._pg
         try:
-            pg.allgather_into_tensor_coalesced([out], [inp], AllgatherOptions()).wait()
+            return pg.allgather_into_tensor_coalesced([out], [inp], AllgatherOptions())
         except Exception as e:
             self.manager.report_error(e)
+            return None
 
-    def launch_mean_(self, pieces: list[torch.Tensor], through=None):
-        raise NotImplementedError(
-            "delayed (overlapped) averaging is not supported across torchft replica groups"
-        )
+    def launch_mean_(self, pieces: list[torch.Tensor], through=None) -> PendingMean:
+        """`mean_` of each piece, the SUM all-reduces launched now through the Manager and
+        divided at `wait()` (the same bits as blocking)."""
+        if not self.in_round:
+            raise RuntimeError("TorchftCommunicator.launch_mean_ outside a round")
+        start = time.perf_counter()
+        if self.local is not None:
+            counted = (self.stats.bytes, self.stats.seconds)
+            for piece in pieces:
+                self.local.mean_(piece)
+            self.stats.bytes, self.stats.seconds = counted  # counted below, once
+        wires = pieces if through is None else [
+            t.copy_(p) for t, p in zip(through, pieces, strict=True)
+        ]  # fmt: skip
+        n, works = max(self.participants, 1), []
+        for wire in wires:
+            if not self.live:
+                wire.zero_()
+            if not self.sum_first:
+                wire.div_(n)
+            if not self.lost and self.manager.errored() is None:
+                works.append(self.manager.allreduce(wire, reduce_op=dist.ReduceOp.SUM))
+        nbytes = sum(_nbytes(w) for w in wires)
+        self.stats.bytes += nbytes
+        self.stats.seconds += time.perf_counter() - start
+
+        def finish() -> None:
+            if self.manager.errored() is not None:
+                return
+            for piece, wire in zip(pieces, wires, strict=True):
+                if self.sum_first:
+                    wire.div_(n)
+                if wire is not piece:
+                    piece.copy_(wire)
+
+        return PendingMean(self, works, nbytes, start, finish)
 
     def broadcast_(self, flat: torch.Tensor, src: int = 0) -> None:
         """Inside the replica group only: across groups replicas start identical (seeded), or

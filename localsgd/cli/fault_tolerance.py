@@ -31,8 +31,6 @@ from localsgd.loop.worker import WorkerInfo
 # the averagers' features that need collectives other than one all-reduce per round, or state
 # that a failed round would not roll back).
 FT_REFUSED = (
-    ("sync.overlap", False, "false (a delayed average cannot span a torchft round)"),
-    ("sync.delay_steps", 0, "0 (a torchft round begins and commits within one step)"),
     ("sync.eager", False, "false (an eager round carries each worker's pseudo-gradient over)"),
     ("sync.schedule", "constant", "constant (every replica must agree on when to sync)"),
     ("sync.optimizer_state", "local", "local (averaged optimizer state is not rolled back)"),
@@ -139,13 +137,25 @@ def validate_ft(cfg: Any, get: Callable[[Any, str], Any], world_size: int | None
             "sync.levels: the last level's group_size must be world with ft=torchft (it spans "
             f"every replica group, through torchft), got {levels[-1]!r}"
         )
+    delay = 1 if get(cfg, "sync.overlap") else get(cfg, "sync.delay_steps")
+    spacing = get(cfg, "sync.period") // max(get(cfg, "sync.fragments"), 1)
+    if delay and not delay < spacing:
+        raise ConfigError(
+            f"sync.delay_steps must be < sync.period/sync.fragments ({spacing}) with ft=torchft "
+            f"(a round must close before the next fragment's opens), got {delay!r}"
+        )
+    if delay and get(cfg, "sync.check_replicas"):
+        raise ConfigError(
+            "sync.check_replicas must be false with ft=torchft and sync.delay_steps > 0 (the "
+            "merge that it would check follows the round's commit), got True"
+        )
     every = get(cfg, "trainer.checkpoint_every")
-    never_in_sync = get(cfg, "sync.fragments") > 1 or get(cfg, "sync.merge_alpha") > 0
+    never_in_sync = get(cfg, "sync.fragments") > 1 or get(cfg, "sync.merge_alpha") > 0 or delay
     if every and never_in_sync:
         raise ConfigError(
-            "trainer.checkpoint_every must be 0 with ft=torchft and sync.fragments > 1 or "
-            "sync.merge_alpha > 0 (checkpoints under ft are one shared state, and Streaming "
-            f"DiLoCo's workers are never all in sync), got {every!r}"
+            "trainer.checkpoint_every must be 0 with ft=torchft and sync.fragments > 1, "
+            "sync.merge_alpha > 0 or sync.delay_steps > 0 (checkpoints under ft are one shared "
+            f"state, and Streaming DiLoCo's workers are never all in sync), got {every!r}"
         )
     lighthouse = get(cfg, "ft.lighthouse")
     if lighthouse:
