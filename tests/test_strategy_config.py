@@ -84,7 +84,8 @@ def test_experiment_files_compose_and_validate(name, expected):
             4,
             "sync.optimizer_state",
         ),
-        ([LEVELS_OK, "sync.outer=diloco", "ft=torchft"], 4, "ft.backend"),
+        # one machine: every torchft replica group is one worker, so no inner level
+        ([LEVELS_OK, "sync.outer=diloco", "ft=torchft"], 4, "sync.levels"),
         ([LEVELS_OK, "sync.schedule=adaptive"], 4, "sync.schedule"),
         (["sync.comm_dtype=float64"], 4, "sync.comm_dtype"),
         (["sync.outer=adam"], 4, "sync.outer"),

@@ -275,10 +275,6 @@ def _validate_streaming(cfg: Any, levels: list) -> None:
         value = _get(cfg, key)
         shown = str(default).lower() if isinstance(default, bool) else default
         _require(value == default, key, f"{shown} {what}", value)
-    if levels and _has(cfg, "ft.backend"):  # torchft drives one averager type per round
-        backend = _get(cfg, "ft.backend")
-        _require(backend == "none", "ft.backend", f"none {what} (not built for torchft yet)",
-                 backend)  # fmt: skip
 
 
 def validate_sync(cfg: Any, ws: int | None, local_ws: int | None) -> None:
