@@ -127,18 +127,22 @@ def test_a_killed_worker_is_restarted_and_heals_from_a_live_peer(tmp_path, strat
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_a_worker_lost_for_good_leaves_the_others_to_finish(tmp_path):
+@pytest.mark.parametrize("victim", [2, 0])
+def test_a_worker_lost_for_good_leaves_the_others_to_finish(tmp_path, victim):
+    """With no restart left, the others finish. Worker 0 is no exception: its metrics lines
+    stop with it, and the first live worker writes the final evaluation, model and summary."""
     run_dir = tmp_path / "run"
     proc, left = cli(
         FT + ["ft=torchft", "ft.max_restarts=0", "ft.min_replicas=2", f"hydra.run.dir={run_dir}"],
-        fault="kill:2:30",
+        fault=f"kill:{victim}:30",
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert not left
-    assert "ft: worker 2 died (signal 9) with no restart left; lost for good" in proc.stderr
-    assert _collapse(_participants(run_dir)) == [3, 2]
+    assert f"ft: worker {victim} died (signal 9) with no restart left; lost for good" in proc.stderr
+    assert _collapse(_participants(run_dir)) == ([3, 2] if victim else [3])
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["participants"] == 2 and summary["heals"] == 0
+    assert summary["steps"] == 60 and (run_dir / "model.pt").exists()
 
 
 @pytest.mark.slow

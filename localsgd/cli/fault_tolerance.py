@@ -229,9 +229,9 @@ def _replica_main(
 def run_replicas(fn: Callable, cfg: Any, args: tuple, poll_s: float = 0.05) -> dict[str, Any]:
     """Run `fn(info, None, *args)` as `dist.world_size` replica groups of one process each,
     restarting a dead one up to `ft.max_restarts` times. Returns what happened: `restarts`
-    (per worker) and `lost` (workers out of restarts). Raises ReplicasFailed when worker 0
-    (which writes the results) did not finish, or when the survivors, fewer than
-    `ft.min_replicas`, found no quorum and stopped with a checkpoint."""
+    (per worker) and `lost` (workers out of restarts; the first live worker writes the
+    results). Raises ReplicasFailed when every worker failed, or when the survivors, fewer
+    than `ft.min_replicas`, found no quorum and stopped with a checkpoint."""
     from localsgd.averaging.fault_tolerant import start_lighthouse
     from localsgd.cli.forkserver import fork_from_here, start_method
 
@@ -300,7 +300,7 @@ def run_replicas(fn: Callable, cfg: Any, args: tuple, poll_s: float = 0.05) -> d
                     continue
                 if code == EXIT_NO_PEER:  # another restart would find no peer either
                     lost[rank] = "restarted with no live peer"
-                    if rank == 0 or not finished:
+                    if not finished:
                         raise ReplicasFailed(
                             f"ft: worker {rank} restarted but found no live peer to heal from "
                             "(every worker had failed: see the lines above); stopped"
@@ -323,11 +323,6 @@ def run_replicas(fn: Callable, cfg: Any, args: tuple, poll_s: float = 0.05) -> d
                         file=sys.stderr,
                         flush=True,
                     )
-                    if rank == 0:
-                        raise ReplicasFailed(
-                            f"ft: worker 0 (which writes the results) was lost ({how}); "
-                            "stopped; the same command resumes from the newest checkpoint"
-                        )
                     if world_size - len(lost) < ft.min_replicas:
                         print(
                             f"ft: {world_size - len(lost)} of {world_size} workers left, fewer "

@@ -382,7 +382,8 @@ class Trainer:
         return stopping
 
     def finish(self) -> dict[str, Any] | None:
-        """The final average, then on rank 0 the evaluation, `model.pt` and the summary."""
+        """The final average, then on rank 0 (under ft: the first live worker) the evaluation,
+        `model.pt` and the summary."""
         self.sync.finish()  # the final model is the average of the replicas
         if self.sync.ft is not None:
             from localsgd.loop.fault_tolerance import after_round
@@ -390,7 +391,10 @@ class Trainer:
             after_round(self, final=True)
         wall = self.elapsed()
         self.loop_seconds = wall  # this rank's training loop (benchmarks take the slowest)
-        if not self.is_main:
+        writes = self.is_main
+        if self.sync.ft is not None:  # the first live group's rank 0: rank 0 unless it was lost
+            writes = self.sync.ft.leads and dist.get_rank() == 0
+        if not writes:
             return None
         result = self.evaluate(full=True)
         self.logger.log({"step": self.step, **result})
