@@ -72,6 +72,7 @@ def _collapse(seq: list[int]) -> list[int]:
         [],
         ["sync.outer=diloco", "optim=adamw", "optim.lr=0.003"],
         [*STREAMING, "sync.delay_steps=1"],
+        [*STREAMING, "sync.eager=true"],
     ],
 )
 def test_no_fault_is_bit_identical_to_the_plain_path(tmp_path, strategy):
@@ -79,7 +80,8 @@ def test_no_fault_is_bit_identical_to_the_plain_path(tmp_path, strategy):
     sync, the same sums in the same order, the same model to the last bit (post-local SGD,
     DiLoCo with its anchor and outer momentum, and Streaming DiLoCo whose 4-bit messages are
     all-gathered through the Manager's process group, launched at a fragment's sync and merged
-    a step later: a round from the launch to the merge)."""
+    a step later: a round from the launch to the merge; and eager, whose exchange completes
+    inside its round and is used at the next)."""
     plain, ft = tmp_path / "plain", tmp_path / "ft"
     check = [] if "sync.delay_steps=1" in strategy else ["sync.check_replicas=true"]
     for run_dir, extra in ((plain, []), (ft, ["ft=torchft", *check])):
@@ -192,7 +194,10 @@ def test_below_min_replicas_the_job_stops_with_a_checkpoint_and_resumes_at_anoth
         ("ft.timeout_s=0", "ft.timeout_s"),
         ("ft.replica_id=a", "ft.replica_id"),
         ("sync.levels=[{group_size:1,period:2},{group_size:world,period:4}]", "sync.levels"),
-        ("sync.eager=true", "sync.eager"),
+        (
+            "sync.outer=diloco sync.eager=true trainer.checkpoint_every=8",
+            "trainer.checkpoint_every",
+        ),
         ("sync.delay_steps=1 sync.fragments=4", "sync.delay_steps"),  # 4/4 = 1 step apart
         ("sync.delay_steps=1 sync.check_replicas=true", "sync.check_replicas"),
         ("sync.fragments=2 trainer.checkpoint_every=8", "trainer.checkpoint_every"),

@@ -81,6 +81,9 @@ def attach(averager, comm: TorchftCommunicator) -> None:
     comm.stats = averager.stats
     averager.levels = [*averager.levels[:-1], comm]
     averager.comm = comm
+    fragments = getattr(averager, "reducer", None)
+    if fragments is not None and hasattr(fragments, "eager"):
+        fragments.size = comm.size  # the eager step's M: every worker, not this group's
 
 
 class FaultTolerantAverager:
@@ -236,6 +239,7 @@ class FaultTolerantAverager:
         except QuorumLost as e:
             self.quorum_lost = str(e)
         body()  # with no quorum: the counters advance, nothing is sent, the round rolls back
+        self._settle()
         if phase != "grad":
             self._verify()
         ok = self.comm.commit()
@@ -283,6 +287,7 @@ class FaultTolerantAverager:
                 self.averager.average()
             elif phase == "grad" and self.gradients is not None:
                 self.gradients.all_reduce()
+            self._settle()
             if phase in ("sync", "average"):
                 self._verify()
             ok = self.comm.commit()
@@ -359,6 +364,16 @@ class FaultTolerantAverager:
             self.quorum_lost = str(e)
         self._open = self._snapshot()
         return av.maybe_average()  # launches the fragment's exchange
+
+    def _settle(self) -> None:
+        """Finish, inside the round, what the round launched: torchft reconfigures its process
+        group at every quorum, so no collective may outlive its round (the eager outer step's
+        exchange, which would otherwise be received a round later, is received now and used
+        then: the same values). A delayed merge's round closes at the merge instead."""
+        av = self.averager
+        if self.undo and not av.delay:
+            for p in range(av.fragments):
+                av.frags.wait(p)
 
     def _crosses_groups(self, step: int) -> bool:
         """Whether the averager's update after `step` averages across replica groups (its

@@ -181,7 +181,7 @@ class StreamingAverager(Averager):
                 [i < n_params for i in self._order],
                 sgd if outer else None,
                 eager,
-                comm.size,
+                self.comm.size,  # M, the workers of the widest level (bound after comm is set)
                 dtype,
                 error_feedback,
                 progress,

@@ -31,7 +31,6 @@ from localsgd.loop.worker import WorkerInfo
 # the averagers' features that need collectives other than one all-reduce per round, or state
 # that a failed round would not roll back).
 FT_REFUSED = (
-    ("sync.eager", False, "false (an eager round carries each worker's pseudo-gradient over)"),
     ("sync.schedule", "constant", "constant (every replica must agree on when to sync)"),
     ("sync.optimizer_state", "local", "local (averaged optimizer state is not rolled back)"),
     ("comm.disabled", False, "false (nothing to make fault tolerant)"),
@@ -150,12 +149,18 @@ def validate_ft(cfg: Any, get: Callable[[Any, str], Any], world_size: int | None
             "merge that it would check follows the round's commit), got True"
         )
     every = get(cfg, "trainer.checkpoint_every")
-    never_in_sync = get(cfg, "sync.fragments") > 1 or get(cfg, "sync.merge_alpha") > 0 or delay
+    never_in_sync = (
+        get(cfg, "sync.fragments") > 1
+        or get(cfg, "sync.merge_alpha") > 0
+        or get(cfg, "sync.eager")
+        or delay
+    )
     if every and never_in_sync:
         raise ConfigError(
             "trainer.checkpoint_every must be 0 with ft=torchft and sync.fragments > 1, "
-            "sync.merge_alpha > 0 or sync.delay_steps > 0 (checkpoints under ft are one shared "
-            f"state, and Streaming DiLoCo's workers are never all in sync), got {every!r}"
+            "sync.merge_alpha > 0, sync.delay_steps > 0 or sync.eager (checkpoints under ft "
+            "are one shared state, and Streaming DiLoCo's workers are never all in sync), got "
+            f"{every!r}"
         )
     lighthouse = get(cfg, "ft.lighthouse")
     if lighthouse:
