@@ -218,44 +218,9 @@ def test_killed_between_syncs_then_heals(tmp_path, lighthouse):
         assert torch.equal(a, b)
 
 
-def test_killed_inside_all_reduce_rolls_back(tmp_path, lighthouse):
-    """Replica 2 dies inside the sync after step 8: the survivors' round fails to commit and
-    they hold exactly the global weights of the sync after step 4 (no half-average); the sync
-    after step 12 commits with 2, and the survivors end identical."""
-    job = Job(
-        tmp_path,
-        kind="periodic",
-        steps=13,
-        lighthouse=lighthouse,
-        victim=2,
-        fail_at=8,
-        timeout_s=5.0,
-    )
-    try:
-        for i in range(W):
-            job.start(i)
-        assert job.wait(2) == -signal.SIGKILL
-        for i in range(2):
-            assert job.wait(i) == 0
-    finally:
-        job.kill_all()
-    got = _results(tmp_path, range(2))
-    _identical(got)
-    for r in got.values():
-        assert r["failed_syncs"] == 1
-        for a, b in zip(r["after"][4], r["after"][8], strict=True):
-            assert torch.equal(a, b)  # rolled back to the last global weights
-        assert r["participants"][12] == 2
-
-
-@pytest.mark.parametrize("kind", ["streaming", "streaming_delayed"])
-def test_a_streaming_round_killed_inside_its_all_reduce_is_undone(tmp_path, lighthouse, kind):
-    """Streaming DiLoCo (2 fragments, alpha 0.5) through torchft: replica 2 dies inside
-    fragment 0's sync after step 8. The survivors' round fails and is undone: they hold exactly
-    their state before it (the other fragment keeps its local progress, fragment 0 its anchor
-    and outer state); the next syncs commit with 2, and the anchors end identical. With
-    tau = 1 the round opens at the launch and fails at the merge a step later, which then
-    merges nothing."""
+def _killed_inside_the_sync_after_step_8(tmp_path, lighthouse, kind: str) -> dict:
+    """3 replicas, 13 steps; replica 2 SIGKILLed inside the sync after step 8. Returns what the
+    two survivors saw."""
     job = Job(
         tmp_path,
         kind=kind,
@@ -273,7 +238,31 @@ def test_a_streaming_round_killed_inside_its_all_reduce_is_undone(tmp_path, ligh
             assert job.wait(i) == 0
     finally:
         job.kill_all()
-    got = _results(tmp_path, range(2))
+    return _results(tmp_path, range(2))
+
+
+def test_killed_inside_all_reduce_rolls_back(tmp_path, lighthouse):
+    """Replica 2 dies inside the sync after step 8: the survivors' round fails to commit and
+    they hold exactly the global weights of the sync after step 4 (no half-average); the sync
+    after step 12 commits with 2, and the survivors end identical."""
+    got = _killed_inside_the_sync_after_step_8(tmp_path, lighthouse, "periodic")
+    _identical(got)
+    for r in got.values():
+        assert r["failed_syncs"] == 1
+        for a, b in zip(r["after"][4], r["after"][8], strict=True):
+            assert torch.equal(a, b)  # rolled back to the last global weights
+        assert r["participants"][12] == 2
+
+
+@pytest.mark.parametrize("kind", ["streaming", "streaming_delayed"])
+def test_a_streaming_round_killed_inside_its_all_reduce_is_undone(tmp_path, lighthouse, kind):
+    """Streaming DiLoCo (2 fragments, alpha 0.5) through torchft: replica 2 dies inside
+    fragment 0's sync after step 8. The survivors' round fails and is undone: they hold exactly
+    their state before it (the other fragment keeps its local progress, fragment 0 its anchor
+    and outer state); the next syncs commit with 2, and the anchors end identical. With
+    tau = 1 the round opens at the launch and fails at the merge a step later, which then
+    merges nothing."""
+    got = _killed_inside_the_sync_after_step_8(tmp_path, lighthouse, kind)
     for r in got.values():
         assert r["failed_syncs"] == 1
         if kind == "streaming":
