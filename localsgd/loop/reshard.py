@@ -23,7 +23,7 @@ from collections.abc import Mapping
 
 import torch
 
-from localsgd.loop.checkpoint import Stateful, _marker, rank_file, restore
+from localsgd.loop.checkpoint import Stateful, _marker, load, rank_file, restore
 
 
 def written_by(folder: str) -> int:
@@ -117,3 +117,18 @@ def load_resharded(
         merged.pop("rng", None)  # the per-rank seed the trainer set
     restore(merged, components, (*optional, "rng"), folder)
     return int(states[0]["step"])
+
+
+def resume(
+    folder: str,
+    info,
+    device: torch.device,
+    components: Mapping[str, Stateful],
+    optional: tuple[str, ...] = (),
+) -> int:
+    """Restore worker `info.rank` of `info.world_size` from a verified checkpoint: its own
+    state when this world size wrote one per worker, else through `load_resharded` (another
+    world size's, or a shared one, taken at a sync). Returns the step."""
+    if needs_reshard(folder, info.world_size):
+        return load_resharded(folder, info.rank, device, components, optional)
+    return load(folder, info.rank, device, components, optional)

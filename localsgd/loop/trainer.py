@@ -29,7 +29,7 @@ from localsgd.loop.loggers import build_loggers
 from localsgd.loop.metrics import progress_bar, trim_metrics, write_json
 from localsgd.loop.optim import build_optimizer, build_schedule, set_lr
 from localsgd.loop.recipe import Recipe
-from localsgd.loop.reshard import load_resharded, needs_reshard
+from localsgd.loop.reshard import resume
 from localsgd.loop.stop import StopAgreement
 from localsgd.loop.strategies import build_synchroniser
 from localsgd.loop.worker import WorkerInfo
@@ -115,12 +115,8 @@ class Trainer:
             self.sync.ft = build_fault_tolerance(self)
             self.stateful["ft"] = self.sync.ft  # its counters
         self.resumed_from = resume_from
-        optional = ("drift", "ft")
-        if resume_from is not None and needs_reshard(resume_from, info.world_size):
-            # another world size's, or a shared one, taken at a sync (localsgd/loop/reshard.py)
-            self.step = load_resharded(resume_from, info.rank, device, self.stateful, optional)
-        elif resume_from is not None:
-            self.step = checkpoint.load(resume_from, info.rank, device, self.stateful, optional)
+        if resume_from is not None:  # this world size's own, or reshared (loop/reshard.py)
+            self.step = resume(resume_from, info, device, self.stateful, ("drift", "ft"))
         if self.sync.ft is not None and c.trainer.checkpoint_every > 0:
             self.sync.ft.checkpoint_mark = self.step // c.trainer.checkpoint_every
         # objects with optional on_step_start(trainer, step) / on_step_end(trainer, step)
