@@ -1,29 +1,35 @@
 """Local SGD, post-local SGD and DiLoCo on character-level Shakespeare, side by side.
 
     make data                                           # the corpus, once
-    python experiments/lm_shakespeare/study.py run      # 16 runs into /tmp/lm_shakespeare
-    python experiments/lm_shakespeare/study.py export   # -> experiments/lm_shakespeare/runs.jsonl
+    python experiments/lm_shakespeare/study.py run      # the runs not yet in runs.jsonl
+    python experiments/lm_shakespeare/study.py run --fresh   # all 45 runs into /tmp/lm_shakespeare
+    python experiments/lm_shakespeare/study.py export   # appends new runs to runs.jsonl
     python experiments/lm_shakespeare/study.py report   # -> report.md and three plots
 
-`run` skips runs that finished and resumes ones that were cut short, so it can be restarted.
-`report` reads only the committed table.
+`run` skips runs that are already in `runs.jsonl` (unless `--fresh`) or finished in the run
+directory, and resumes ones that were cut short, so it can be restarted. `export` appends the
+finished runs of the run directory that the table lacks; it never drops a kept run. `report`
+reads only the committed table.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import statistics
 import subprocess
 import sys
+import tempfile
 from collections import defaultdict
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 TABLE = HERE / "runs.jsonl"
 RUNS = Path(os.environ.get("LM_STUDY_DIR", "/tmp/lm_shakespeare"))
-SEEDS = (0, 1)
+SEEDS = (0, 1)  # the first study's rows (2026-12-03)
+SEEDS3 = (0, 1, 2)  # the headline and communication-frontier rows (2026-12-04)
 STEPS = 2000
 TARGET_LOSS = 2.0  # nats per character: the validation loss the time-to-target columns ask for
 
@@ -62,31 +68,96 @@ ROWS = {
     "diloco_h64": ["sync=diloco", "sync.period=64"],
     "diloco_h256": ["sync=diloco", "sync.period=256"],
     "post_local_k64": ["sync.warmup_steps=500", "sync.period=64"],
-}
+    # the communication frontier (issue 20) on the LM: 4-bit pseudo-gradients with error feedback
+    # (payload + per-block scales), Streaming DiLoCo with the paper's tau = 1 and alpha = 0.5 (H =
+    # 16 with P = 4: one fragment every 4 steps), both together, and the eager outer step
+    "diloco_h16_int4ef": ["sync=diloco", "sync.period=16", "sync.comm_dtype=int4",
+                          "sync.error_feedback=true"],
+    "stream_h16_p4": ["sync=diloco", "sync.period=16", "sync.fragments=4", "sync.delay_steps=1",
+                      "sync.merge_alpha=0.5"],
+    "stream_h16_p4_int4ef": ["sync=diloco", "sync.period=16", "sync.fragments=4",
+                             "sync.delay_steps=1", "sync.merge_alpha=0.5", "sync.comm_dtype=int4",
+                             "sync.error_feedback=true"],
+    "eager_h16": ["sync=diloco", "sync.period=16", "sync.eager=true"],
+    # eager's outer step without momentum: is the delayed half of its step what destabilises it?
+    "eager_h16_m0": ["sync=diloco", "sync.period=16", "sync.eager=true",
+                     "sync.outer_momentum=0", "sync.outer_nesterov=false"],
+    # which of streaming's knobs costs the loss: fragments alone (tau = 0, alpha = 0), then
+    # fragments with the half-half merge but no overlap (tau = 0, alpha = 0.5)
+    "stream_h16_p4_t0a0": ["sync=diloco", "sync.period=16", "sync.fragments=4"],
+    "stream_h16_p4_t0a05": ["sync=diloco", "sync.period=16", "sync.fragments=4",
+                            "sync.merge_alpha=0.5"],
+    # the headline checked on a setting it was not chosen on: 2 workers
+    "sync_w2": [f"sync.warmup_steps={STEPS}", "sync.period=1", "dist.world_size=2"],
+    "diloco_h16_int4ef_w2": ["sync=diloco", "sync.period=16", "sync.comm_dtype=int4",
+                             "sync.error_feedback=true", "dist.world_size=2"],
+    "diloco_h16_w2": ["sync=diloco", "sync.period=16", "dist.world_size=2"],
+}  # fmt: skip
+
+ROW_SEEDS = {
+    **{row: SEEDS for row in ROWS},
+    **{row: SEEDS3 for row in ("sync", "diloco_h16", "diloco_h16_int4ef", "stream_h16_p4",
+                               "stream_h16_p4_int4ef", "eager_h16")},
+    "eager_h16_m0": (0,),
+    "stream_h16_p4_t0a0": SEEDS3,
+    "stream_h16_p4_t0a05": SEEDS3,
+    "sync_w2": SEEDS3,
+    "diloco_h16_int4ef_w2": SEEDS3,
+    "diloco_h16_w2": SEEDS,
+}  # fmt: skip
+
+# the synchronous row each row's bytes and loss are compared with (same world size)
+SYNC_OF = {row: "sync_w2" if row.endswith("_w2") else "sync" for row in ROWS}
+
+
+def overrides(row: str) -> list[str]:
+    """COMMON with the row's overrides, a row's `key=value` replacing COMMON's for that key."""
+    keys = {o.split("=", 1)[0] for o in ROWS[row]}
+    return [o for o in COMMON if o.split("=", 1)[0] not in keys] + ROWS[row]
+
+
+def kept_runs() -> set[str]:
+    """The names (`row_sSEED`) of the runs already in the table."""
+    if not TABLE.exists():
+        return set()
+    with TABLE.open(encoding="utf-8") as f:
+        return {Path(json.loads(line)["run"]).name for line in f if line.strip()}
 
 
 def run_dir(row: str, seed: int) -> Path:
     return RUNS / f"{row}_s{seed}"
 
 
-def run_all(rows: list[str]) -> None:
+def run_all(rows: list[str], seeds: list[int] | None, fresh: bool) -> None:
+    kept = set() if fresh else kept_runs()
     for row in rows:
-        for seed in SEEDS:
+        for seed in seeds if seeds is not None else ROW_SEEDS[row]:
             out = run_dir(row, seed)
-            if (out / "summary.json").is_file():
+            if (out / "summary.json").is_file() or out.name in kept:
                 continue
-            cmd = [sys.executable, "-m", "localsgd.train", *COMMON, *ROWS[row], f"seed={seed}",
+            cmd = [sys.executable, "-m", "localsgd.train", *overrides(row), f"seed={seed}",
                    f"hydra.run.dir={out}"]  # fmt: skip
             print(" ".join(cmd[1:]), flush=True)
             subprocess.run(cmd, check=True)
 
 
 def export() -> None:
-    if TABLE.exists():
-        TABLE.unlink()  # the table is regenerated whole from the run directories
+    """Append the finished runs of the run directory that the table does not hold yet."""
     from localsgd.analysis.report import main as report_main
 
-    sys.exit(report_main([str(RUNS), "--export", str(TABLE)]))
+    with tempfile.TemporaryDirectory() as tmp:
+        fresh = Path(tmp) / "runs.jsonl"
+        if report_main([str(RUNS), "--export", str(fresh)]) != 0:
+            sys.exit(2)
+        kept = kept_runs()
+        added = []
+        with fresh.open(encoding="utf-8") as f:
+            for line in f:
+                if line.strip() and Path(json.loads(line)["run"]).name not in kept:
+                    added.append(line if line.endswith("\n") else line + "\n")
+        with TABLE.open("a", encoding="utf-8") as f:
+            f.writelines(added)
+    print(f"appended {len(added)} runs to {TABLE} (kept {len(kept)})")
 
 
 def row_of(run) -> str:
@@ -102,9 +173,10 @@ def first_at_target(run) -> dict | None:
 
 
 def compute_per_step(runs) -> float:
-    """Seconds of local computation per step, the median over all runs: the wall time less the
-    communication time (which holds the simulated link's waits). Every row computes the same
-    per step, so one figure serves all, and the machine's noise stays out of the modelled column."""
+    """Seconds of local computation per step, the median over the runs given: the wall time less
+    the communication time (which holds the simulated link's waits). Every row at one world size
+    computes the same per step, so one figure serves them all, and the machine's noise stays out
+    of the modelled column."""
     return statistics.median(
         (r.summary["wall_time_s"] - r.summary["comm_seconds"]) / r.summary["steps"] for r in runs
     )
@@ -118,6 +190,10 @@ def fmt(values: list[float], digits: int) -> str:
     return f"{mean:.{digits}f} ± {std:.{digits}f}"
 
 
+def world_size(run) -> int:
+    return int(run.summary.get("world_size") or run.config.get("dist.world_size", 4))
+
+
 def report() -> None:
     from localsgd.analysis.runs import read_table
 
@@ -126,40 +202,63 @@ def report() -> None:
     for run in runs:
         by_row[row_of(run)].append(run)
     order = [r for r in ROWS if r in by_row]
-    step_s = compute_per_step(runs)
+    step_s = {
+        w: compute_per_step([r for r in runs if world_size(r) == w])
+        for w in sorted({world_size(r) for r in runs})
+    }
+
+    def mean(row: str, key: str) -> float:
+        return statistics.fmean(r.summary[key] for r in by_row[row])
+
+    step_text = ", ".join(f"{v * 1e3:.1f} ms at {w} workers" for w, v in step_s.items())
     lines = [
-        f"{len(runs)} runs from `runs.jsonl` (mean ± std over seeds {list(SEEDS)}). Validation "
-        f"loss in nats per character. Communication per worker. Wall time: the training loop "
-        f"on the simulated 1 Gbit/s, 100 ms link. Target: the first evaluation (every 200 steps, "
-        f"at the next sync) with validation loss <= {TARGET_LOSS}; *measured* is its wall time, "
-        f"*modelled* is steps x {step_s * 1e3:.1f} ms (the median computation per step over all "
-        f"runs) + the run's own communication seconds up to then, which keeps the shared "
-        f"machine's noise out.\n",
-        "| row | seeds | val loss | perplexity | comm rounds | comm MB | wall s | "
-        "steps to target | to target s, measured | to target s, modelled |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        f"{len(runs)} runs from `runs.jsonl` (mean ± std over the seeds, their number in "
+        f"*seeds*, each row's `ROW_SEEDS` in `study.py`). Validation loss "
+        f"in nats per character; *vs sync* is the mean's "
+        f"difference from the mean of `sync` at the same world size. Communication per worker, "
+        f"counted as sent (payload plus scales for the quantised rows); *x fewer* is sync's mean "
+        f"bytes over the row's; *MB per round* is bytes / rounds, the most a worker sends at one "
+        f"step when rounds are of one size (a fragment is 1/4 of the model give or take the "
+        f"embeddings). Wall time: the training loop on the simulated 1 Gbit/s, 100 ms link. "
+        f"Target: the first evaluation (every 200 steps, at the next sync) with validation loss "
+        f"<= {TARGET_LOSS}; *measured* is its wall time, *modelled* is steps x the median "
+        f"computation per step over the runs of that world size ({step_text}) + the run's own "
+        f"communication seconds up to then, which keeps the shared machine's noise out.\n",
+        "| row | workers | seeds | val loss | vs sync | perplexity | comm rounds | comm MB | "
+        "x fewer bytes than sync | MB per round | wall s | steps to target | "
+        "to target s, measured | to target s, modelled |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in order:
         rs = by_row[row]
+        ref = SYNC_OF[row]
+        w = world_size(rs[0])
         hits = [h for h in (first_at_target(r) for r in rs) if h is not None]
         missing = "" if len(hits) == len(rs) else f" ({len(rs) - len(hits)} never)"
+        per_round = statistics.fmean(r.summary["comm_bytes"] / r.summary["comm_rounds"] for r in rs)
+        if ref in by_row:
+            gap = f"{100 * (mean(row, 'test_loss') / mean(ref, 'test_loss') - 1):+.2f}%"
+            fewer = f"{mean(ref, 'comm_bytes') / mean(row, 'comm_bytes'):.1f}x"
+        else:
+            gap = fewer = "-"
         lines.append(
-            f"| {row} | {len(rs)} | {fmt([r.summary['test_loss'] for r in rs], 4)} "
-            f"| {fmt([r.summary['test_perplexity'] for r in rs], 3)} "
+            f"| {row} | {w} | {len(rs)} | {fmt([r.summary['test_loss'] for r in rs], 4)} "
+            f"| {gap} | {fmt([r.summary['test_perplexity'] for r in rs], 3)} "
             f"| {fmt([r.summary['comm_rounds'] for r in rs], 0)} "
-            f"| {fmt([r.summary['comm_bytes'] / 1e6 for r in rs], 1)} "
+            f"| {fmt([r.summary['comm_bytes'] / 1e6 for r in rs], 1)} | {fewer} "
+            f"| {per_round / 1e6:.3f} "
             f"| {fmt([r.summary['wall_time_s'] for r in rs], 0)} "
             f"| {fmt([h['step'] for h in hits], 0)}{missing} "
             f"| {fmt([h['wall_time_s'] for h in hits], 0)} "
-            f"| {fmt([h['step'] * step_s + h['comm_seconds'] for h in hits], 0)} |"
-        )
+            f"| {fmt([h['step'] * step_s[w] + h['comm_seconds'] for h in hits], 0)} |"
+        )  # fmt: skip
     lines.append("\n## Samples (seed 0, the averaged model, temperature 0.8, 200 characters)\n")
     for row in order:
         first = min(by_row[row], key=lambda r: r.config.get("seed", 0))
         lines.append(f"**{row}**\n\n```\n{first.summary.get('sample', '').rstrip()}\n```\n")
     (HERE / "report.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     print("\n".join(lines[: 3 + len(order)]))
-    plot(by_row, order)
+    plot(by_row, [r for r in order if world_size(by_row[r][0]) == 4])
 
 
 def plot(by_row, order) -> None:
@@ -174,6 +273,7 @@ def plot(by_row, order) -> None:
         ("wall_time_s", "wall time on the simulated 1 Gbit/s 100 ms link (s)",
          "loss_vs_sim_wall.png", 1.0),
     ]  # fmt: skip
+    COLOURS = plt.get_cmap("tab20" if len(order) > 10 else "tab10")  # noqa: N806
     for x_key, xlabel, name, scale in axes_spec:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for row in order:
@@ -185,15 +285,16 @@ def plot(by_row, order) -> None:
             steps = sorted(s for s in points if len(points[s]) == len(by_row[row]))
             xs = [statistics.fmean(p[0] for p in points[s]) for s in steps]
             ys = [statistics.fmean(p[1] for p in points[s]) for s in steps]
-            style = "--" if row.startswith("diloco") else ":" if row == "sync" else "-"
-            ax.plot(xs, ys, style, marker=".", label=row)
+            style = (":" if row == "sync" else "--" if row.startswith("diloco")
+                     else "-." if row.startswith(("stream", "eager")) else "-")  # fmt: skip
+            ax.plot(xs, ys, style, marker=".", label=row, color=COLOURS(order.index(row)))
         if x_key == "comm_bytes":
             ax.set_xscale("log")
         ax.axhline(TARGET_LOSS, color="grey", lw=0.5)
         ax.set_xlabel(xlabel)
         ax.set_ylabel("validation loss (nats/char)")
         ax.set_ylim(top=2.6)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7, ncol=2)
         ax.grid(alpha=0.3)
         fig.tight_layout()
         fig.savefig(HERE / name, dpi=110)
@@ -206,9 +307,11 @@ def main() -> None:
     )
     parser.add_argument("action", choices=("run", "export", "report"))
     parser.add_argument("--rows", nargs="*", default=list(ROWS), choices=list(ROWS))
+    parser.add_argument("--seeds", nargs="*", type=int, help="default: each row's own seeds")
+    parser.add_argument("--fresh", action="store_true", help="also rerun runs kept in the table")
     args = parser.parse_args()
     if args.action == "run":
-        run_all(args.rows)
+        run_all(args.rows, args.seeds, args.fresh)
     elif args.action == "export":
         export()
     else:
