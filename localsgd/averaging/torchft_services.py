@@ -127,7 +127,7 @@ def make_manager(
     The Manager needs the replica group's TCPStore (`store_addr:store_port`); with none given
     a store is hosted here (enough for a single-process replica group) and kept on the manager
     as `manager._localsgd_store`. Rank 0 of the group runs the ManagerServer (torchft binds it
-    to `[::]`; here to `host`), and every rank an HTTP checkpoint server (bound to `host`).
+    to every interface; here to `host`), and every rank an HTTP checkpoint server (bound to `host`).
 
     `replica_id` should end in digits that order the replicas as the plain path orders ranks
     (`"replica_03"`): torchft sorts quorum members by id string and derives ranks from the
