@@ -89,6 +89,9 @@ class SyncConfig:
     outer_lr: float | None = None  # null = the method's default (diloco 0.7, slowmo 1.0)
     outer_momentum: float | None = None  # null = diloco 0.9, slowmo 0.5
     outer_nesterov: bool | None = None  # null = diloco true, slowmo false
+    # the first R outer steps move linearly from a plain average (lr 1, momentum 0) to the
+    # outer_lr/outer_momentum above (0 = off): for runs with few outer steps
+    outer_warmup_rounds: int = 0
     optimizer_state: str = "local"  # local | average | reset, at each sync
     # what an average sends (localsgd.averaging.COMM_DTYPES): float32 | bfloat16 | float16, or
     # block-quantised int8 | float8_e4m3fn | int4 | float4_e2m1 (per-block fp32 scales)

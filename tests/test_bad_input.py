@@ -65,6 +65,8 @@ CASES = [
     ("trainer.checkpoint_every=-1", "trainer.checkpoint_every"),
     ("trainer.keep_checkpoints=0", "trainer.keep_checkpoints"),
     ("trainer.nan_policy=ignore", "trainer.nan_policy"),
+    ("sync.outer_warmup_rounds=4", "sync.outer_warmup_rounds"),  # with no outer step
+    ("sync=diloco sync.outer_warmup_rounds=-1", "sync.outer_warmup_rounds"),
 ]
 
 

@@ -46,22 +46,40 @@ def _steps() -> int:
     return 1 + H * (ROUNDS - 1)  # averages after steps 0, H, 2H, ...
 
 
-def _ours(rank: int, world_size: int) -> list[torch.Tensor]:
-    from localsgd.averaging import OuterAverager
+def _ours(rank: int, world_size: int, warmup: int = 0, streaming: bool = False) -> list:
+    from localsgd.averaging import OuterAverager, StreamingAverager
 
     torch.set_num_threads(1)
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), **INNER)
-    averager = OuterAverager(
-        H, module=model, outer_lr=OUTER["lr"], outer_momentum=OUTER["momentum"]
+    kind = StreamingAverager if streaming else OuterAverager
+    averager = kind(
+        H,
+        module=model,
+        outer_lr=OUTER["lr"],
+        outer_momentum=OUTER["momentum"],
+        outer_warmup_rounds=warmup,
     )
     for step in range(_steps()):
         _inner_step(model, opt, rank, step)
         averager.maybe_average()
+        if warmup and step == H + 1:  # mid-warmup: a resumed averager counts on from its state
+            state = averager.state_dict()
+            averager = kind(  # not init_sync: the ranks' local models differ mid-round
+                H,
+                module=model,
+                outer_lr=OUTER["lr"],
+                outer_momentum=OUTER["momentum"],
+                outer_warmup_rounds=warmup,
+                init_sync=False,
+            )
+            averager.load_state_dict(state)
     return [p.detach().clone() for p in model.parameters()]
 
 
-def _algorithm_1(outer: dict = OUTER) -> list[torch.Tensor]:
+def _algorithm_1(outer: dict = OUTER, warmup: int = 0) -> list[torch.Tensor]:
+    """`warmup` = R: outer step t < R takes lr 1 + (t/R)(lr - 1) and momentum (t/R) momentum,
+    interpolating from plain averaging (lr 1, no momentum) to OuterOpt."""
     torch.set_num_threads(1)
     theta = _model()  # theta(0), the outer parameters
     outer_opt = torch.optim.SGD(theta.parameters(), **outer)
@@ -89,6 +107,10 @@ def _algorithm_1(outer: dict = OUTER) -> list[torch.Tensor]:
             for d in deltas[1:]:
                 total.add_(d[k])
             q.grad = total.div_(WORKERS)  # Delta(t) = mean_i delta_i(t)
+        if warmup:
+            f = min(1.0, t / warmup)
+            outer_opt.param_groups[0]["lr"] = 1.0 + f * (outer["lr"] - 1.0)
+            outer_opt.param_groups[0]["momentum"] = f * outer["momentum"]
         outer_opt.step()  # theta(t) <- OuterOpt(theta(t-1), Delta(t))
     return [p.detach().clone() for p in theta.parameters()]
 
@@ -104,3 +126,18 @@ def test_outer_averager_is_algorithm_1_to_the_last_bit():
     # the outer step is doing something: plain averaging (outer lr 1, no momentum) differs
     plain = _algorithm_1({"lr": 1.0, "momentum": 0.0, "nesterov": False})
     assert any((a - b).abs().max() > 1e-4 for a, b in zip(ranks[0], plain, strict=True))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("streaming", [False, True], ids=["outer", "streaming_p1"])
+def test_the_outer_warmup_is_its_formula_to_the_last_bit_through_a_resume(streaming):
+    """`outer_warmup_rounds=3`: outer steps 0, 1, 2 interpolate from a plain average to DiLoCo's
+    step, from step 3 on it is DiLoCo's; the count survives a state_dict round trip."""
+    ranks = run_on_workers(_ours, WORKERS, 3, streaming)
+    reference = _algorithm_1(warmup=3)
+    for got in ranks:
+        for a, b in zip(got, reference, strict=True):
+            assert torch.equal(a, b)
+    for other in (_algorithm_1(), _algorithm_1(warmup=2)):  # the warmup and its length matter
+        assert any((a - b).abs().max() > 1e-6 for a, b in zip(ranks[0], other, strict=True))

@@ -22,6 +22,7 @@ from localsgd.averaging.compress import (
     wire_buffers,
 )
 from localsgd.averaging.flat import FlatBuffers, Relayout, averaged_tensors
+from localsgd.averaging.outer import outer_step
 from localsgd.averaging.overlap import buckets, keep_progress_
 from localsgd.averaging.quantize import BlockCodec
 from localsgd.averaging.reduce import Reducer
@@ -131,10 +132,14 @@ class Fragments(Reducer):
             for own in self.own:
                 for t in own:
                     t.zero_()
+        # the outer warmup (`outer.outer_step`), counted per fragment
+        sgd = dict(outer or {})
+        self.outer_warmup = sgd.pop("warmup_rounds", 0)
+        self.outer_lr, self.outer_momentum = sgd.get("lr", 1.0), sgd.get("momentum", 0.0)
         self.optimizers: list[torch.optim.SGD | None] = []
         for rs in self.regions:
             params = [self.anchors[g][s:n] for g, s, n, _ in rs if n > s] if outer else []
-            self.optimizers.append(torch.optim.SGD(params, **outer) if params else None)
+            self.optimizers.append(torch.optim.SGD(params, **sgd) if params else None)
 
     # --- the wire ------------------------------------------------------------------------------
 
@@ -194,7 +199,7 @@ class Fragments(Reducer):
                 opt.param_groups[0]["params"], [v for v in views if v.numel()], strict=True
             ):
                 param.grad = d
-            opt.step()
+            outer_step(opt, self.outer_warmup, self.outer_lr, self.outer_momentum)
 
     def _merge(self, p: int, buffers: Tensors, alpha: float, delayed: bool = False) -> None:
         """local <- α·local + (1-α)·global (α=0: a copy), or, for a delayed merge under

@@ -41,6 +41,23 @@ OUTER_DEFAULTS = {  # the papers' settings
 }
 
 
+def outer_step(optimizer: torch.optim.Optimizer, warmup_rounds: int, lr: float, momentum: float):
+    """`optimizer.step()` with the outer warmup: outer step r (counted from 0, per optimizer) of
+    the first `warmup_rounds` uses lr `1 + (r / R)(lr - 1)` and momentum `(r / R) momentum`, so
+    the first outer step is a plain average (lr 1, no momentum) and the method's own step is
+    reached at step R. With few outer steps, momentum 0.9 started at once extrapolates the
+    earliest pseudo-gradients, taken far from any minimum, for the rest of the run. The count
+    lives in the param group (`outer_rounds`), so the optimizer's state_dict checkpoints it."""
+    for group in optimizer.param_groups:
+        done = group.get("outer_rounds", 0)
+        if warmup_rounds > 0:
+            f = min(1.0, done / warmup_rounds)
+            group["lr"] = 1.0 + f * (lr - 1.0)
+            group["momentum"] = f * momentum
+        group["outer_rounds"] = done + 1
+    optimizer.step()
+
+
 class OuterStep(Reducer):
     """The reducer of `OuterAverager`: the mean pseudo-gradient fed to an outer `torch.optim.SGD`
     over the anchor (communicated in `comm_dtype`, a dtype or a block-quantised format; anchor
@@ -58,8 +75,10 @@ class OuterStep(Reducer):
         nesterov: bool,
         comm_dtype: CommFormat,
         error_feedback: bool = False,
+        warmup_rounds: int = 0,
     ):
         self.warmup_steps = warmup_steps
+        self.warmup_rounds, self.lr, self.momentum = warmup_rounds, lr, momentum
         self.error_feedback = error_feedback
         self.anchors: list[torch.Tensor] = []
         self.param_numels: list[int] = []
@@ -89,7 +108,7 @@ class OuterStep(Reducer):
             start = 0 if plain else n  # buffers (or everything) are averaged plainly
             anchor[start:].sub_(flat[start:])
         if not plain:
-            self.optimizer.step()
+            outer_step(self.optimizer, self.warmup_rounds, self.lr, self.momentum)
         for flat, anchor in zip(buffers, self.anchors, strict=True):
             flat.copy_(anchor)
 
@@ -133,6 +152,8 @@ class OuterAverager(PeriodicAverager):
     with int8/float8_e4m3fn/int4/float4_e2m1 it is block-quantised with one fp32 scale per
     `quant_block_size` values (`localsgd.averaging.quantize`). `error_feedback` adds each
     worker's rounding residual to its next pseudo-gradient (checkpointed; see `compress`).
+    `outer_warmup_rounds` = R moves the first R outer steps linearly from a plain average to the
+    configured step (`outer_step`).
     The anchor must exist from the start, so `module` is required. The outer step moves the
     anchor by the mean pseudo-gradient, so anchors that differed when built would never meet:
     with `init_sync` (the default) every rank starts from rank 0's parameters and buffers.
@@ -155,10 +176,13 @@ class OuterAverager(PeriodicAverager):
         init_sync: bool = True,
         error_feedback: bool = False,
         quant_block_size: int = DEFAULT_BLOCK_SIZE,
+        outer_warmup_rounds: int = 0,
     ):
         dtype = comm_dtype_of(comm_dtype, quant_block_size)
+        if outer_warmup_rounds < 0:
+            raise ValueError(f"outer_warmup_rounds must be >= 0, got {outer_warmup_rounds}")
 
-        def outer_step(flat: FlatBuffers) -> Reducer:
+        def make_reducer(flat: FlatBuffers) -> Reducer:
             return OuterStep(
                 flat,
                 warmup_steps,
@@ -167,6 +191,7 @@ class OuterAverager(PeriodicAverager):
                 outer_nesterov,
                 dtype,
                 error_feedback=error_feedback,
+                warmup_rounds=outer_warmup_rounds,
             )
 
         super().__init__(
@@ -177,7 +202,7 @@ class OuterAverager(PeriodicAverager):
             stats=stats,
             schedule=schedule,
             link=link,
-            reducer=outer_step,
+            reducer=make_reducer,
             init_sync=init_sync,
         )
         self.comm_dtype = dtype  # what goes on the wire (PeriodicAverager set float32)

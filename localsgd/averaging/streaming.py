@@ -123,6 +123,7 @@ class StreamingAverager(Averager):
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
         outer_nesterov: bool = True,
+        outer_warmup_rounds: int = 0,
         blocks: Sequence[nn.Module] | None = None,
         stats: CommStats | None = None,
         link: SimulatedLink | None = None,
@@ -172,7 +173,10 @@ class StreamingAverager(Averager):
         self._param_ids: set[int] = set()
         self.last_fragment: int | None = None  # merged (or eagerly stepped) by the last step
         self.received: Tensors | None = None  # the mean merged, if relaunched (τ = period)
-        sgd = {"lr": outer_lr, "momentum": outer_momentum, "nesterov": outer_nesterov}
+        if outer_warmup_rounds < 0:
+            raise ValueError(f"outer_warmup_rounds must be >= 0, got {outer_warmup_rounds}")
+        sgd = {"lr": outer_lr, "momentum": outer_momentum, "nesterov": outer_nesterov,
+               "warmup_rounds": outer_warmup_rounds}  # fmt: skip
 
         def make(flat: FlatBuffers) -> Fragments:
             return Fragments(

@@ -318,6 +318,10 @@ def validate_sync(cfg: Any, ws: int | None, local_ws: int | None) -> None:
     )
     if _get(cfg, "sync.outer_nesterov") and outer_momentum == 0:
         _require(False, "sync.outer_nesterov", "false when sync.outer_momentum is 0", True)
+    warm = _get(cfg, "sync.outer_warmup_rounds")
+    _require(warm >= 0, "sync.outer_warmup_rounds", "an integer >= 0", warm)
+    if warm and _get(cfg, "sync.outer") == "none":
+        _require(False, "sync.outer_warmup_rounds", "0 when sync.outer=none (no outer step)", warm)
 
     block = _get(cfg, "sync.quant_block_size")
     _require(block >= 1, "sync.quant_block_size", "an integer >= 1", block)
