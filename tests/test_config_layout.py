@@ -76,6 +76,7 @@ OLD_EXPERIMENTS = {
     "sweep_warmup": {"sync.period": 16},
     "sweep_lr": {},
     "optuna_lr": {},
+    "optuna_outer": {"sync.outer": "diloco", "optimized_metric": "test_loss"},
 }
 JOB_TYPES = {
     "sync_sgd": "sync_sgd",

@@ -28,8 +28,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 TABLE = HERE / "runs.jsonl"
 RUNS = Path(os.environ.get("LM_STUDY_DIR", "/tmp/lm_shakespeare"))
-SEEDS = (0, 1)  # the first study's rows (2026-12-03)
-SEEDS3 = (0, 1, 2)  # the headline and communication-frontier rows (2026-12-04)
+SEEDS3 = (0, 1, 2)  # every row (the first study's 2026-12-03 rows had seeds 0 and 1 first)
 STEPS = 2000
 TARGET_LOSS = 2.0  # nats per character: the validation loss the time-to-target columns ask for
 
@@ -92,22 +91,51 @@ ROWS = {
     "diloco_h16_int4ef_w2": ["sync=diloco", "sync.period=16", "sync.comm_dtype=int4",
                              "sync.error_feedback=true", "dist.world_size=2"],
     "diloco_h16_w2": ["sync=diloco", "sync.period=16", "dist.world_size=2"],
+    # issue 21 item 1, the map at 2 workers: plain averaging against DiLoCo at H = 16, 64, 256
+    # (125, 31, 8 outer steps), beside the 4-worker rows above
+    "local_k16_w2": ["sync.period=16", "dist.world_size=2"],
+    "local_k64_w2": ["sync.period=64", "dist.world_size=2"],
+    "diloco_h64_w2": ["sync=diloco", "sync.period=64", "dist.world_size=2"],
+    "local_k256_w2": ["sync.period=256", "dist.world_size=2"],
+    "diloco_h256_w2": ["sync=diloco", "sync.period=256", "dist.world_size=2"],
+    # ... and what could make DiLoCo work with 8 outer steps: the outer step warmed up from a
+    # plain average over the first 4 outer steps; plain outer SGD (no momentum); heavy-ball
+    # momentum instead of Nesterov; a synchronous start (the paper's pretrained setting: 512
+    # synchronous steps, then H = 256), with plain averaging after the same start beside it
+    "diloco_h256_w2_ow4": ["sync=diloco", "sync.period=256", "sync.outer_warmup_rounds=4",
+                           "dist.world_size=2"],
+    "diloco_h256_w2_m0": ["sync=diloco", "sync.period=256", "sync.outer_momentum=0",
+                          "sync.outer_nesterov=false", "dist.world_size=2"],
+    "diloco_h256_w2_hb": ["sync=diloco", "sync.period=256", "sync.outer_nesterov=false",
+                          "dist.world_size=2"],
+    "diloco_h256_w2_sync512": ["sync=diloco", "sync.period=256", "sync.warmup_steps=512",
+                               "dist.world_size=2"],
+    "local_k256_w2_sync512": ["sync.period=256", "sync.warmup_steps=512", "dist.world_size=2"],
+    # ... and the map's other axes at H = 64 (31 outer steps), 2 workers: the inner lr doubled,
+    # a constant inner lr (no cosine decay, the same 100 warmup steps), a model of half the width
+    # (d_model 32: 57k parameters)
+    "local_k64_w2_lr4": ["sync.period=64", "optim.lr=0.004", "dist.world_size=2"],
+    "diloco_h64_w2_lr4": ["sync=diloco", "sync.period=64", "optim.lr=0.004", "dist.world_size=2"],
+    "local_k64_w2_const": ["sync.period=64", "lr_schedule=constant", "dist.world_size=2"],
+    "diloco_h64_w2_const": ["sync=diloco", "sync.period=64", "lr_schedule=constant",
+                            "dist.world_size=2"],
+    "local_k64_w2_d32": ["sync.period=64", "model.d_model=32", "dist.world_size=2"],
+    "diloco_h64_w2_d32": ["sync=diloco", "sync.period=64", "model.d_model=32",
+                          "dist.world_size=2"],
+    # issue 21 item 3: non-iid shards, each worker a quarter of the corpus in file order (about
+    # ten plays each, `data.partition=contiguous`), beside the iid rows of the same name
+    "sync_noniid": [f"sync.warmup_steps={STEPS}", "sync.period=1", "data.partition=contiguous"],
+    "local_k16_noniid": ["sync.period=16", "data.partition=contiguous"],
+    "diloco_h16_noniid": ["sync=diloco", "sync.period=16", "data.partition=contiguous"],
 }  # fmt: skip
 
-ROW_SEEDS = {
-    **{row: SEEDS for row in ROWS},
-    **{row: SEEDS3 for row in ("sync", "diloco_h16", "diloco_h16_int4ef", "stream_h16_p4",
-                               "stream_h16_p4_int4ef", "eager_h16")},
-    "eager_h16_m0": (0,),
-    "stream_h16_p4_t0a0": SEEDS3,
-    "stream_h16_p4_t0a05": SEEDS3,
-    "sync_w2": SEEDS3,
-    "diloco_h16_int4ef_w2": SEEDS3,
-    "diloco_h16_w2": SEEDS,
-}  # fmt: skip
+ROW_SEEDS = {row: SEEDS3 for row in ROWS}  # 3 seeds a row (issue 21 item 5)
 
 # the synchronous row each row's bytes and loss are compared with (same world size)
-SYNC_OF = {row: "sync_w2" if row.endswith("_w2") else "sync" for row in ROWS}
+SYNC_OF = {
+    row: "sync_w2" if "_w2" in row else "sync_noniid" if row.endswith("_noniid") else "sync"
+    for row in ROWS
+}
 
 
 def overrides(row: str) -> list[str]:
@@ -139,6 +167,39 @@ def run_all(rows: list[str], seeds: list[int] | None, fresh: bool) -> None:
                    f"hydra.run.dir={out}"]  # fmt: skip
             print(" ".join(cmd[1:]), flush=True)
             subprocess.run(cmd, check=True)
+
+
+TUNE_SEED = 100  # the seed the outer step is tuned on; the table's rows use 0, 1, 2
+
+
+def tune(row: str, trials: int) -> None:
+    """Optuna (TPE, `+experiment=optuna_outer`) over the outer lr and momentum of a DiLoCo row,
+    minimising the final validation loss on seed TUNE_SEED; keeps the sweep's
+    `optimization_results.yaml` and every trial's loss in `tune_<row>.yaml` here."""
+    import yaml
+
+    if "sync=diloco" not in ROWS[row]:
+        sys.exit(f"error: --rows must name a DiLoCo row (sync=diloco), got {row}")
+    sweep = RUNS / f"tune_{row}"
+    args = [o for o in overrides(row) if o != "sync=diloco"]
+    cmd = [sys.executable, "-m", "localsgd.train", "-m", *args, "+experiment=optuna_outer",
+           f"seed={TUNE_SEED}", f"hydra.sweeper.n_trials={trials}", f"hydra.sweep.dir={sweep}",
+           "hydra.sweep.subdir=${hydra.job.num}"]  # fmt: skip
+    print(" ".join(cmd[1:]), flush=True)
+    subprocess.run(cmd, check=True)
+    best = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
+    best["trials"] = []
+    for job in sorted((d for d in sweep.iterdir() if d.name.isdigit()), key=lambda d: int(d.name)):
+        summary = job / "summary.json"
+        cfg = yaml.safe_load((job / ".hydra" / "overrides.yaml").read_text())
+        keys = ("sync.outer_lr=", "sync.outer_momentum=")
+        picked = {o.split("=")[0]: float(o.split("=")[1]) for o in cfg if o.startswith(keys)}
+        loss = json.loads(summary.read_text())["test_loss"] if summary.is_file() else None
+        best["trials"].append({**picked, "test_loss": loss})
+    best["command"] = " ".join(["python", *cmd[1:]])
+    out = HERE / f"tune_{row}.yaml"
+    out.write_text(yaml.safe_dump(best, sort_keys=False), encoding="utf-8")
+    print(f"best {best['best_params']} -> {best['best_value']:.4f}; kept in {out}")
 
 
 def export() -> None:
@@ -305,13 +366,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
-    parser.add_argument("action", choices=("run", "export", "report"))
+    parser.add_argument("action", choices=("run", "export", "report", "tune"))
     parser.add_argument("--rows", nargs="*", default=list(ROWS), choices=list(ROWS))
     parser.add_argument("--seeds", nargs="*", type=int, help="default: each row's own seeds")
     parser.add_argument("--fresh", action="store_true", help="also rerun runs kept in the table")
+    parser.add_argument("--trials", type=int, default=10, help="tune: Optuna trials")
     args = parser.parse_args()
     if args.action == "run":
         run_all(args.rows, args.seeds, args.fresh)
+    elif args.action == "tune":
+        for row in args.rows:
+            tune(row, args.trials)
     elif args.action == "export":
         export()
     else:
