@@ -81,6 +81,11 @@ ROWS = {
     # eager's outer step without momentum: is the delayed half of its step what destabilises it?
     "eager_h16_m0": ["sync=diloco", "sync.period=16", "sync.eager=true",
                      "sync.outer_momentum=0", "sync.outer_nesterov=false"],
+    # eager_stability.py's linearised outer step predicts eager's divergence at 4 workers with
+    # lr 0.7 and momentum 0.9 (spectral radius 1.14), and stability at 2 workers (0.98) or at
+    # outer lr 0.35 (0.98): both predictions, run after the prediction was made
+    "eager_h16_w2": ["sync=diloco", "sync.period=16", "sync.eager=true", "dist.world_size=2"],
+    "eager_h16_lr035": ["sync=diloco", "sync.period=16", "sync.eager=true", "sync.outer_lr=0.35"],
     # which of streaming's knobs costs the loss: fragments alone (tau = 0, alpha = 0), then
     # fragments with the half-half merge but no overlap (tau = 0, alpha = 0.5)
     "stream_h16_p4_t0a0": ["sync=diloco", "sync.period=16", "sync.fragments=4"],
