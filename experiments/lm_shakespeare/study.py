@@ -324,7 +324,52 @@ def report() -> None:
         lines.append(f"**{row}**\n\n```\n{first.summary.get('sample', '').rstrip()}\n```\n")
     (HERE / "report.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     print("\n".join(lines[: 3 + len(order)]))
-    plot(by_row, [r for r in order if world_size(by_row[r][0]) == 4])
+    curves = [r for r in order if world_size(by_row[r][0]) == 4 and r not in NOT_PLOTTED]
+    plot(by_row, curves)
+    plot_map(by_row)
+
+
+# the diagnostics and the non-iid rows stay in the table, out of the curves (20 lines are too many)
+NOT_PLOTTED = {"eager_h16_m0", "stream_h16_p4_t0a0", "stream_h16_p4_t0a05", "sync_noniid",
+               "local_k16_noniid", "diloco_h16_noniid", "eager_h16_lr035"}  # fmt: skip
+
+
+def plot_map(by_row) -> None:
+    """Final validation loss against the number of outer steps (H = 16, 64, 256 in 2000 steps),
+    plain averaging and DiLoCo at each world size, mean ± std over the seeds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for suffix, workers, colour in (("", 4, "C0"), ("_w2", 2, "C1")):
+        methods = (("local_k", "plain averaging", "--"), ("diloco_h", "DiLoCo", "-"))
+        for prefix, label, style in methods:
+            xs, ys, es = [], [], []
+            for h in (16, 64, 256):
+                runs = by_row.get(f"{prefix}{h}{suffix}", [])
+                if runs:
+                    losses = [r.summary["test_loss"] for r in runs]
+                    xs.append(STEPS / h)
+                    ys.append(statistics.fmean(losses))
+                    es.append(statistics.stdev(losses) if len(losses) > 1 else 0.0)
+            if xs:
+                ax.errorbar(xs, ys, yerr=es, fmt=style, marker="o", color=colour, capsize=3,
+                            label=f"{label}, {workers} workers")  # fmt: skip
+        sync = by_row.get("sync" + suffix, [])
+        if sync:
+            mean = statistics.fmean(r.summary["test_loss"] for r in sync)
+            ax.axhline(mean, color=colour, lw=0.8, ls=":", label=f"sync, {workers} workers")
+    ax.set_xscale("log")
+    ax.set_xticks([STEPS / h for h in (256, 64, 16)], ["8\n(H=256)", "31\n(H=64)", "125\n(H=16)"])
+    ax.set_xlabel("outer steps in 2000 inner steps")
+    ax.set_ylabel("final validation loss (nats/char)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(HERE / "map_outer_steps.png", dpi=110)
+    plt.close(fig)
 
 
 def plot(by_row, order) -> None:
