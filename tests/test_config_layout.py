@@ -49,6 +49,7 @@ OLD_EXPERIMENTS = {
         "sync.period": 50,
         "sync.warmup_steps": 0,
         "sync.outer": "diloco",
+        "sync.outer_warmup_rounds": 4,  # the Shakespeare study's map
         "optim._target_": "torch.optim.AdamW",
         "optim.lr": 0.003,
         "optim.weight_decay": 0.1,

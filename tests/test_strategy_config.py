@@ -143,3 +143,39 @@ def test_cli_refuses_an_outer_step_over_levels_with_averaged_optimizer_state(tmp
         "error: sync.optimizer_state must be local with sync.fragments, delay_steps, merge_alpha, "
         "eager, overlap or an outer step over sync.levels, got 'average'"
     )
+
+
+def _outer_warmups(rank, world_size, overrides_list):
+    """What the trainer's averager holds of `sync.outer_warmup_rounds`, per config."""
+    import torch
+
+    from localsgd.averaging.comm import CommStats
+    from localsgd.loop.strategies import build_averager
+
+    out = []
+    for overrides in overrides_list:
+        cfg = compose_config(overrides)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        averager = build_averager(cfg.sync, model, opt, world_size, world_size, CommStats())
+        reducer = averager.reducer
+        out.append(getattr(reducer, "warmup_rounds", getattr(reducer, "outer_warmup", None)))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_the_outer_warmup_reaches_the_averager_and_the_diloco_preset_has_it():
+    from localsgd.cli.launch import run_on_workers
+
+    (got,) = run_on_workers(
+        _outer_warmups,
+        1,
+        [
+            ["sync=diloco"],  # the preset: 4 rounds (the Shakespeare study's map)
+            ["sync=diloco", "sync.outer_warmup_rounds=0"],  # the paper's step
+            ["sync.outer=diloco", "sync.fragments=2", "sync.period=8",
+             "sync.outer_warmup_rounds=3"],  # per fragment under streaming
+        ],  # fmt: skip
+    )
+    assert got == [4, 0, 3]

@@ -77,7 +77,7 @@ def rows(p: dict) -> dict[str, tuple[list[str], int]]:
     streaming = ["sync=streaming_diloco", f"sync.period={h}", f"sync.fragments={frags}"]
     out = {
         "DDP": ([f"sync.warmup_steps={p['steps']}", "sync.period=1"], 0),
-        f"DiLoCo H={h}": (["sync=diloco", f"sync.period={h}"], 0),
+        f"DiLoCo H={h}": (["sync=diloco", f"sync.period={h}", "sync.outer_warmup_rounds=0"], 0),
     }
     # tau = 4: a fragment's sync on the slow link (latency + bytes) outlasts 2 steps of this small
     # model; the paper's robust range is tau < 5, and tau must stay below H / P

@@ -55,6 +55,9 @@ COMMON = [
     "comm.simulate.bandwidth_gbps=1",
     "comm.simulate.latency_ms=100",
     "logger=jsonl",
+    # the diloco preset warms its outer step up since this study's map (2026-12-04); the rows keep
+    # the paper's step unless they say otherwise (the runs before it had 0, the default then)
+    "sync.outer_warmup_rounds=0",
 ]
 
 ROWS = {
@@ -109,6 +112,14 @@ ROWS = {
     # synchronous steps, then H = 256), with plain averaging after the same start beside it
     "diloco_h256_w2_ow4": ["sync=diloco", "sync.period=256", "sync.outer_warmup_rounds=4",
                            "dist.world_size=2"],
+    # the outer warmup across the map (does it cost where DiLoCo already works?) and at 4 workers
+    "diloco_h64_w2_ow4": ["sync=diloco", "sync.period=64", "sync.outer_warmup_rounds=4",
+                          "dist.world_size=2"],
+    "diloco_h16_w2_ow4": ["sync=diloco", "sync.period=16", "sync.outer_warmup_rounds=4",
+                          "dist.world_size=2"],
+    "diloco_h256_ow4": ["sync=diloco", "sync.period=256", "sync.outer_warmup_rounds=4"],
+    "diloco_h256_sync512": ["sync=diloco", "sync.period=256", "sync.warmup_steps=512"],
+    "local_k256_sync512": ["sync.period=256", "sync.warmup_steps=512"],
     "diloco_h256_w2_m0": ["sync=diloco", "sync.period=256", "sync.outer_momentum=0",
                           "sync.outer_nesterov=false", "dist.world_size=2"],
     "diloco_h256_w2_hb": ["sync=diloco", "sync.period=256", "sync.outer_nesterov=false",
@@ -318,6 +329,7 @@ def report() -> None:
             f"| {fmt([h['wall_time_s'] for h in hits], 0)} "
             f"| {fmt([h['step'] * step_s[w] + h['comm_seconds'] for h in hits], 0)} |"
         )  # fmt: skip
+    lines += paired_table(by_row)
     lines.append("\n## Samples (seed 0, the averaged model, temperature 0.8, 200 characters)\n")
     for row in order:
         first = min(by_row[row], key=lambda r: r.config.get("seed", 0))
@@ -327,6 +339,71 @@ def report() -> None:
     curves = [r for r in order if world_size(by_row[r][0]) == 4 and r not in NOT_PLOTTED]
     plot(by_row, curves)
     plot_map(by_row)
+
+
+# the comparisons the README reads: (what is compared, row a, row b), a - b paired by seed
+PAIRS = [
+    ("DiLoCo - plain, H=16 (125 outer steps), 4 workers", "diloco_h16", "local_k16"),
+    ("DiLoCo - plain, H=64 (31), 4 workers", "diloco_h64", "local_k64"),
+    ("DiLoCo - plain, H=256 (8), 4 workers", "diloco_h256", "local_k256"),
+    ("DiLoCo - plain, H=16 (125), 2 workers", "diloco_h16_w2", "local_k16_w2"),
+    ("DiLoCo - plain, H=64 (31), 2 workers", "diloco_h64_w2", "local_k64_w2"),
+    ("DiLoCo - plain, H=256 (8), 2 workers", "diloco_h256_w2", "local_k256_w2"),
+    ("inner lr 4e-3: DiLoCo - plain, H=64, 2 workers", "diloco_h64_w2_lr4", "local_k64_w2_lr4"),
+    ("width 32: DiLoCo - plain, H=64, 2 workers", "diloco_h64_w2_d32", "local_k64_w2_d32"),
+    ("outer warmup 4 - DiLoCo, H=256, 2 workers", "diloco_h256_w2_ow4", "diloco_h256_w2"),
+    ("outer warmup 4 - plain, H=256, 2 workers", "diloco_h256_w2_ow4", "local_k256_w2"),
+    ("outer warmup 4 - DiLoCo, H=256, 4 workers", "diloco_h256_ow4", "diloco_h256"),
+    ("outer warmup 4 - plain, H=256, 4 workers", "diloco_h256_ow4", "local_k256"),
+    ("outer warmup 4 - DiLoCo, H=64, 2 workers", "diloco_h64_w2_ow4", "diloco_h64_w2"),
+    ("outer warmup 4 - DiLoCo, H=16, 2 workers", "diloco_h16_w2_ow4", "diloco_h16_w2"),
+    ("no outer momentum - Nesterov, H=256, 2 workers", "diloco_h256_w2_m0", "diloco_h256_w2"),
+    ("no outer momentum - plain, H=256, 2 workers", "diloco_h256_w2_m0", "local_k256_w2"),
+    ("512 sync steps first: DiLoCo - plain, H=256, 2 workers", "diloco_h256_w2_sync512",
+     "local_k256_w2_sync512"),
+    ("512 sync steps first: DiLoCo - plain, H=256, 4 workers", "diloco_h256_sync512",
+     "local_k256_sync512"),
+    ("512 sync steps first - from scratch, DiLoCo H=256, 2 workers", "diloco_h256_w2_sync512",
+     "diloco_h256_w2"),
+    ("non-iid - iid, sync", "sync_noniid", "sync"),
+    ("non-iid - iid, plain H=16", "local_k16_noniid", "local_k16"),
+    ("non-iid - iid, DiLoCo H=16", "diloco_h16_noniid", "diloco_h16"),
+    ("non-iid: DiLoCo - plain, H=16", "diloco_h16_noniid", "local_k16_noniid"),
+    ("non-iid: DiLoCo - sync, H=16", "diloco_h16_noniid", "sync_noniid"),
+    ("eager - DiLoCo, H=16, 2 workers", "eager_h16_w2", "diloco_h16_w2"),
+    ("eager (outer lr 0.35) - DiLoCo, H=16, 4 workers", "eager_h16_lr035", "diloco_h16"),
+]  # fmt: skip
+
+
+def paired_table(by_row) -> list[str]:
+    """PAIRS as a table. A difference counts when it has one sign on every seed and its mean is
+    larger than the spread: the larger std of the two rows and the std of the paired differences."""
+    lines = [
+        "\n## Paired differences (final validation loss, a - b, by seed)\n",
+        "| comparison | a | b | seeds | a - b per seed | mean ± std | counts |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for label, a, b in PAIRS:
+        if a not in by_row or b not in by_row:
+            continue
+        la = {r.config.get("seed"): r.summary["test_loss"] for r in by_row[a]}
+        lb = {r.config.get("seed"): r.summary["test_loss"] for r in by_row[b]}
+        seeds = sorted(set(la) & set(lb))
+        d = [la[s] - lb[s] for s in seeds]
+        if not d:
+            continue
+        spread = max(
+            statistics.stdev(v.values()) if len(v) > 1 else 0.0 for v in (la, lb)
+        )
+        spread = max(spread, statistics.stdev(d) if len(d) > 1 else 0.0)
+        mean = statistics.fmean(d)
+        counts = (all(x > 0 for x in d) or all(x < 0 for x in d)) and abs(mean) > spread
+        lines.append(
+            f"| {label} | {a} | {b} | {len(d)} | {', '.join(f'{x:+.4f}' for x in d)} "
+            f"| {mean:+.4f} ± {statistics.stdev(d) if len(d) > 1 else 0.0:.4f} "
+            f"| {'yes' if counts else 'no'} |"
+        )
+    return lines
 
 
 # the diagnostics and the non-iid rows stay in the table, out of the curves (20 lines are too many)
