@@ -21,7 +21,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STRATEGIES = {
     "local SGD, k=16": ["+experiment=local_sgd"],
     "local SGD, k=4": ["+experiment=local_sgd", "sync.period=4"],
-    "DiLoCo, H=50": ["+experiment=diloco"],
+    # the paper's outer step, as the committed results ran (the preset now warms it up)
+    "DiLoCo, H=50": ["+experiment=diloco", "sync.outer_warmup_rounds=0"],
 }
 DTYPES = ("float32", "bfloat16", "float16")
 

@@ -135,7 +135,6 @@ class Fragments(Reducer):
         # the outer warmup (`outer.outer_step`), counted per fragment
         sgd = dict(outer or {})
         self.outer_warmup = sgd.pop("warmup_rounds", 0)
-        self.outer_lr, self.outer_momentum = sgd.get("lr", 1.0), sgd.get("momentum", 0.0)
         self.optimizers: list[torch.optim.SGD | None] = []
         for rs in self.regions:
             params = [self.anchors[g][s:n] for g, s, n, _ in rs if n > s] if outer else []
@@ -199,7 +198,7 @@ class Fragments(Reducer):
                 opt.param_groups[0]["params"], [v for v in views if v.numel()], strict=True
             ):
                 param.grad = d
-            outer_step(opt, self.outer_warmup, self.outer_lr, self.outer_momentum)
+            outer_step(opt, self.outer_warmup)
 
     def _merge(self, p: int, buffers: Tensors, alpha: float, delayed: bool = False) -> None:
         """local <- α·local + (1-α)·global (α=0: a copy), or, for a delayed merge under

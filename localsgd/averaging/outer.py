@@ -41,13 +41,15 @@ OUTER_DEFAULTS = {  # the papers' settings
 }
 
 
-def outer_step(optimizer: torch.optim.Optimizer, warmup_rounds: int, lr: float, momentum: float):
+def outer_step(optimizer: torch.optim.Optimizer, warmup_rounds: int):
     """`optimizer.step()` with the outer warmup: outer step r (counted from 0, per optimizer) of
-    the first `warmup_rounds` uses lr `1 + (r / R)(lr - 1)` and momentum `(r / R) momentum`, so
+    the first `warmup_rounds` uses lr `1 + (r / R)(lr - 1)` and momentum `(r / R) momentum` (lr and
+    momentum as the optimizer was built, `optimizer.defaults`), so
     the first outer step is a plain average (lr 1, no momentum) and the method's own step is
     reached at step R. With few outer steps, momentum 0.9 started at once extrapolates the
     earliest pseudo-gradients, taken far from any minimum, for the rest of the run. The count
     lives in the param group (`outer_rounds`), so the optimizer's state_dict checkpoints it."""
+    lr, momentum = optimizer.defaults["lr"], optimizer.defaults["momentum"]
     for group in optimizer.param_groups:
         done = group.get("outer_rounds", 0)
         if warmup_rounds > 0:
@@ -78,7 +80,7 @@ class OuterStep(Reducer):
         warmup_rounds: int = 0,
     ):
         self.warmup_steps = warmup_steps
-        self.warmup_rounds, self.lr, self.momentum = warmup_rounds, lr, momentum
+        self.warmup_rounds = warmup_rounds
         self.error_feedback = error_feedback
         self.anchors: list[torch.Tensor] = []
         self.param_numels: list[int] = []
@@ -108,7 +110,7 @@ class OuterStep(Reducer):
             start = 0 if plain else n  # buffers (or everything) are averaged plainly
             anchor[start:].sub_(flat[start:])
         if not plain:
-            outer_step(self.optimizer, self.warmup_rounds, self.lr, self.momentum)
+            outer_step(self.optimizer, self.warmup_rounds)
         for flat, anchor in zip(buffers, self.anchors, strict=True):
             flat.copy_(anchor)
 
