@@ -142,6 +142,14 @@ ROWS = {
     "local_k64_w2_d32": ["sync.period=64", "model.d_model=32", "dist.world_size=2"],
     "diloco_h64_w2_d32": ["sync=diloco", "sync.period=64", "model.d_model=32",
                           "dist.world_size=2"],
+    # issue 21 item 2, a large H with 30 outer steps: H = 128 over 3840 steps (twice the budget),
+    # 2 workers, with sync on the same budget (H = 256 would need 7680 steps a run: four times
+    # the budget, more than the machine had left)
+    "sync_w2_3840": ["sync.warmup_steps=3840", "sync.period=1", "dist.world_size=2",
+                     "trainer.max_steps=3840"],
+    "local_k128_w2_3840": ["sync.period=128", "dist.world_size=2", "trainer.max_steps=3840"],
+    "diloco_h128_w2_3840": ["sync=diloco", "sync.period=128", "dist.world_size=2",
+                            "trainer.max_steps=3840"],
     # issue 21 item 3: non-iid shards, each worker a quarter of the corpus in file order (about
     # ten plays each, `data.partition=contiguous`), beside the iid rows of the same name
     "sync_noniid": [f"sync.warmup_steps={STEPS}", "sync.period=1", "data.partition=contiguous"],
@@ -153,9 +161,12 @@ ROW_SEEDS = {row: SEEDS3 for row in ROWS}  # 3 seeds a row (issue 21 item 5)
 
 # the synchronous row each row's bytes and loss are compared with (same world size)
 SYNC_OF = {
-    row: "sync_w2" if "_w2" in row else "sync_noniid" if row.endswith("_noniid") else "sync"
+    row: "sync_w2_3840" if row.endswith("_w2_3840")
+    else f"sync_w2_{row.rsplit('_', 1)[1]}" if row.endswith(("_d32", "_d128"))  # none: "-"
+    else "sync_w2" if "_w2" in row
+    else "sync_noniid" if row.endswith("_noniid") else "sync"
     for row in ROWS
-}
+}  # fmt: skip
 
 
 def overrides(row: str) -> list[str]:
@@ -255,9 +266,9 @@ def first_at_target(run) -> dict | None:
 
 def compute_per_step(runs) -> float:
     """Seconds of local computation per step, the median over the runs given: the wall time less
-    the communication time (which holds the simulated link's waits). Every row at one world size
-    computes the same per step, so one figure serves them all, and the machine's noise stays out
-    of the modelled column."""
+    the communication time (which holds the simulated link's waits). Every row of one world size
+    and width computes the same per step, so one figure serves them all, and the machine's noise
+    stays out of the modelled column."""
     return statistics.median(
         (r.summary["wall_time_s"] - r.summary["comm_seconds"]) / r.summary["steps"] for r in runs
     )
@@ -275,6 +286,11 @@ def world_size(run) -> int:
     return int(run.summary.get("world_size") or run.config.get("dist.world_size", 4))
 
 
+def shape(run) -> tuple[int, int]:
+    """(workers, width): what the computation per step depends on."""
+    return world_size(run), int(run.config.get("model.d_model", 64))
+
+
 def report() -> None:
     from localsgd.analysis.runs import read_table
 
@@ -284,14 +300,15 @@ def report() -> None:
         by_row[row_of(run)].append(run)
     order = [r for r in ROWS if r in by_row]
     step_s = {
-        w: compute_per_step([r for r in runs if world_size(r) == w])
-        for w in sorted({world_size(r) for r in runs})
+        k: compute_per_step([r for r in runs if shape(r) == k]) for k in sorted(map(shape, runs))
     }
 
     def mean(row: str, key: str) -> float:
         return statistics.fmean(r.summary[key] for r in by_row[row])
 
-    step_text = ", ".join(f"{v * 1e3:.1f} ms at {w} workers" for w, v in step_s.items())
+    step_text = ", ".join(
+        f"{v * 1e3:.1f} ms at {w} workers, width {d}" for (w, d), v in step_s.items()
+    )
     lines = [
         f"{len(runs)} runs from `runs.jsonl` (mean ± std over the seeds, their number in "
         f"*seeds*, each row's `ROW_SEEDS` in `study.py`). Validation loss "
@@ -331,7 +348,7 @@ def report() -> None:
             f"| {fmt([r.summary['wall_time_s'] for r in rs], 0)} "
             f"| {fmt([h['step'] for h in hits], 0)}{missing} "
             f"| {fmt([h['wall_time_s'] for h in hits], 0)} "
-            f"| {fmt([h['step'] * step_s[w] + h['comm_seconds'] for h in hits], 0)} |"
+            f"| {fmt([h['step'] * step_s[shape(rs[0])] + h['comm_seconds'] for h in hits], 0)} |"
         )  # fmt: skip
     lines += paired_table(by_row)
     lines.append("\n## Samples (seed 0, the averaged model, temperature 0.8, 200 characters)\n")
