@@ -242,7 +242,7 @@ def tune(row: str, trials: int) -> None:
 
 
 def export() -> None:
-    """Append the finished runs of the run directory that the table does not hold yet."""
+    """Append the finished runs of the study's rows that the table does not hold yet."""
     from localsgd.analysis.report import main as report_main
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -253,7 +253,9 @@ def export() -> None:
         added = []
         with fresh.open(encoding="utf-8") as f:
             for line in f:
-                if line.strip() and Path(json.loads(line)["run"]).name not in kept:
+                name = Path(json.loads(line)["run"]).name if line.strip() else ""
+                # a row's runs only: `tune`'s trials (tune_<row>/N) are kept in tune_<row>.yaml
+                if name and name not in kept and name.rsplit("_s", 1)[0] in ROWS:
                     added.append(line if line.endswith("\n") else line + "\n")
         with TABLE.open("a", encoding="utf-8") as f:
             f.writelines(added)
