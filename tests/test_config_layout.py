@@ -312,3 +312,16 @@ def test_the_language_model_presets_optimise_the_test_loss():
         optuna = yaml.safe_load(f)
     assert optuna["optimized_metric"] == "test_accuracy"
     assert optuna["hydra"]["sweeper"]["direction"] == "maximize"
+
+
+@pytest.mark.parametrize("preset", ["optuna_lr", "optuna_outer"])
+def test_the_optuna_presets_start_tpe_after_4_random_trials(preset):
+    """TPE's default of 10 random trials first would make these 12-trial sweeps a random search."""
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        cfg = compose("config", overrides=[f"+experiment={preset}"], return_hydra_config=True)
+    sampler = instantiate(cfg.hydra.sweeper.sampler)
+    assert type(sampler).__name__ == "TPESampler"
+    assert sampler._n_startup_trials == 4 < cfg.hydra.sweeper.n_trials
