@@ -107,9 +107,9 @@ ROWS = {
     "local_k256_w2": ["sync.period=256", "dist.world_size=2"],
     "diloco_h256_w2": ["sync=diloco", "sync.period=256", "dist.world_size=2"],
     # ... and what could make DiLoCo work with 8 outer steps: the outer step warmed up from a
-    # plain average over the first 4 outer steps; plain outer SGD (no momentum); heavy-ball
-    # momentum instead of Nesterov; a synchronous start (the paper's pretrained setting: 512
-    # synchronous steps, then H = 256), with plain averaging after the same start beside it
+    # plain average over the first 4 outer steps; plain outer SGD (no momentum); a synchronous
+    # start (the paper's pretrained setting: 512 synchronous steps, then H = 256), with plain
+    # averaging after the same start beside it
     "diloco_h256_w2_ow4": ["sync=diloco", "sync.period=256", "sync.outer_warmup_rounds=4",
                            "dist.world_size=2"],
     # the outer warmup across the map (does it cost where DiLoCo already works?) and at 4 workers
@@ -122,8 +122,6 @@ ROWS = {
     "local_k256_sync512": ["sync.period=256", "sync.warmup_steps=512"],
     "diloco_h256_w2_m0": ["sync=diloco", "sync.period=256", "sync.outer_momentum=0",
                           "sync.outer_nesterov=false", "dist.world_size=2"],
-    "diloco_h256_w2_hb": ["sync=diloco", "sync.period=256", "sync.outer_nesterov=false",
-                          "dist.world_size=2"],
     # the outer lr and momentum tuned by `study.py tune --rows diloco_h256_w2 --trials 10` (TPE
     # on seed 100: tune_diloco_h256_w2.yaml; its best, rounded to 3 digits), then run on 0, 1, 2
     "diloco_h256_w2_tuned": ["sync=diloco", "sync.period=256", "sync.outer_lr=1.018",
@@ -133,6 +131,10 @@ ROWS = {
                                "sync.outer_momentum=0.517", "dist.world_size=2"],
     "diloco_h64_w2_tuned256": ["sync=diloco", "sync.period=64", "sync.outer_lr=1.018",
                                "sync.outer_momentum=0.517", "dist.world_size=2"],
+    # the headline with that step: H = 64 in 4 bits with error feedback (as diloco_h16_int4ef)
+    "diloco_h64_w2_tuned256_int4ef": ["sync=diloco", "sync.period=64", "sync.outer_lr=1.018",
+                                      "sync.outer_momentum=0.517", "sync.comm_dtype=int4",
+                                      "sync.error_feedback=true", "dist.world_size=2"],
     "diloco_h256_w2_sync512": ["sync=diloco", "sync.period=256", "sync.warmup_steps=512",
                                "dist.world_size=2"],
     "local_k256_w2_sync512": ["sync.period=256", "sync.warmup_steps=512", "dist.world_size=2"],
@@ -159,8 +161,9 @@ ROWS = {
     "local_k256_w2_7680": ["sync.period=256", "dist.world_size=2", "trainer.max_steps=7680"],
     "diloco_h256_w2_7680": ["sync=diloco", "sync.period=256", "dist.world_size=2",
                             "trainer.max_steps=7680"],
-    "diloco_h256_w2_7680_ow4": ["sync=diloco", "sync.period=256", "dist.world_size=2",
-                                "trainer.max_steps=7680", "sync.outer_warmup_rounds=4"],
+    "diloco_h256_w2_7680_tuned": ["sync=diloco", "sync.period=256", "dist.world_size=2",
+                                  "trainer.max_steps=7680", "sync.outer_lr=1.018",
+                                  "sync.outer_momentum=0.517"],
     "sync_w2_3840": ["sync.warmup_steps=3840", "sync.period=1", "dist.world_size=2",
                      "trainer.max_steps=3840"],
     "local_k128_w2_3840": ["sync.period=128", "dist.world_size=2", "trainer.max_steps=3840"],
@@ -416,8 +419,6 @@ PAIRS = [
      "diloco_h64_w2"),
     ("H=256's tuned step - paper's step, H=16, 2 workers", "diloco_h16_w2_tuned256",
      "diloco_h16_w2"),
-    ("heavy-ball - Nesterov outer momentum, H=256, 2 workers", "diloco_h256_w2_hb",
-     "diloco_h256_w2"),
     ("512 sync steps first: DiLoCo - plain, H=256, 2 workers", "diloco_h256_w2_sync512",
      "local_k256_w2_sync512"),
     ("512 sync steps first: DiLoCo - plain, H=256, 4 workers", "diloco_h256_sync512",
@@ -427,11 +428,17 @@ PAIRS = [
     ("width 128: DiLoCo - plain, H=64, 2 workers", "diloco_h64_w2_d128", "local_k64_w2_d128"),
     ("30 outer steps (H=256, 7680 steps): DiLoCo - plain, 2 workers", "diloco_h256_w2_7680",
      "local_k256_w2_7680"),
-    ("30 outer steps: outer warmup 4 - DiLoCo, H=256, 2 workers", "diloco_h256_w2_7680_ow4",
+    ("30 outer steps: tuned step - paper's, H=256, 2 workers", "diloco_h256_w2_7680_tuned",
      "diloco_h256_w2_7680"),
+    ("30 outer steps: tuned step - plain, H=256, 2 workers", "diloco_h256_w2_7680_tuned",
+     "local_k256_w2_7680"),
     ("30 outer steps: DiLoCo - sync, H=256, 2 workers", "diloco_h256_w2_7680", "sync_w2_7680"),
-    ("30 outer steps: outer warmup 4 - sync, H=256, 2 workers", "diloco_h256_w2_7680_ow4",
+    ("30 outer steps: tuned step - sync, H=256, 2 workers", "diloco_h256_w2_7680_tuned",
      "sync_w2_7680"),
+    ("H=64 tuned step, 4 bits + EF - fp32, 2 workers", "diloco_h64_w2_tuned256_int4ef",
+     "diloco_h64_w2_tuned256"),
+    ("H=64 tuned step, 4 bits + EF - sync, 2 workers", "diloco_h64_w2_tuned256_int4ef",
+     "sync_w2"),
     ("non-iid - iid, sync", "sync_noniid", "sync"),
     ("non-iid - iid, plain H=16", "local_k16_noniid", "local_k16"),
     ("non-iid - iid, DiLoCo H=16", "diloco_h16_noniid", "diloco_h16"),
