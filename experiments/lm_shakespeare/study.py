@@ -159,7 +159,7 @@ ROWS = {
                           "dist.world_size=2"],
     # issue 21 item 2, the large H with 30 outer steps: H = 256 over 7680 steps (3.84 times the
     # budget), 2 workers (a 4-worker run of that length takes ~15 min here), with sync on the same
-    # budget; and H = 128 over 3840 steps, the same 30 outer steps at half the cost
+    # budget
     "sync_w2_7680": ["sync.warmup_steps=7680", "sync.period=1", "dist.world_size=2",
                      "trainer.max_steps=7680"],
     "local_k256_w2_7680": ["sync.period=256", "dist.world_size=2", "trainer.max_steps=7680"],
@@ -168,11 +168,6 @@ ROWS = {
     "diloco_h256_w2_7680_tuned": ["sync=diloco", "sync.period=256", "dist.world_size=2",
                                   "trainer.max_steps=7680", "sync.outer_lr=1.018",
                                   "sync.outer_momentum=0.517"],
-    "sync_w2_3840": ["sync.warmup_steps=3840", "sync.period=1", "dist.world_size=2",
-                     "trainer.max_steps=3840"],
-    "local_k128_w2_3840": ["sync.period=128", "dist.world_size=2", "trainer.max_steps=3840"],
-    "diloco_h128_w2_3840": ["sync=diloco", "sync.period=128", "dist.world_size=2",
-                            "trainer.max_steps=3840"],
     # issue 21 item 3: non-iid shards, each worker a quarter of the corpus in file order (about
     # ten plays each, `data.partition=contiguous`), beside the iid rows of the same name
     "sync_noniid": [f"sync.warmup_steps={STEPS}", "sync.period=1", "data.partition=contiguous"],
@@ -184,8 +179,7 @@ ROW_SEEDS = {row: SEEDS3 for row in ROWS}  # 3 seeds a row (issue 21 item 5)
 
 # the synchronous row each row's bytes and loss are compared with (same world size)
 SYNC_OF = {
-    row: "sync_w2_3840" if row.endswith("_w2_3840")
-    else "sync_w2_7680" if "_w2_7680" in row
+    row: "sync_w2_7680" if "_w2_7680" in row
     else f"sync_w2_{row.rsplit('_', 1)[1]}" if row.endswith(("_d32", "_d128"))  # none: "-"
     else "sync_w2" if "_w2" in row
     else "sync_noniid" if row.endswith("_noniid") else "sync"
