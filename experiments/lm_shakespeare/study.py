@@ -186,7 +186,7 @@ ROW_SEEDS = {row: SEEDS3 for row in ROWS}  # 3 seeds a row (issue 21 item 5)
 # the synchronous row each row's bytes and loss are compared with (same world size)
 SYNC_OF = {
     row: "sync_w2_7680" if "_w2_7680" in row
-    else f"sync_w2_{row.rsplit('_', 1)[1]}" if row.endswith(("_d32", "_d128"))  # none: "-"
+    else None if row.endswith(("_d32", "_d128"))  # no sync at that width: "-"
     else "sync_w2" if "_w2" in row
     else "sync_noniid" if row.endswith("_noniid") else "sync"
     for row in ROWS
@@ -326,7 +326,8 @@ def report() -> None:
         by_row[row_of(run)].append(run)
     order = [r for r in ROWS if r in by_row]
     step_s = {
-        k: compute_per_step([r for r in runs if shape(r) == k]) for k in sorted(map(shape, runs))
+        k: compute_per_step([r for r in runs if shape(r) == k])
+        for k in sorted(set(map(shape, runs)))
     }
 
     def mean(row: str, key: str) -> float:
