@@ -81,9 +81,6 @@ def attach(averager, comm: TorchftCommunicator) -> None:
     comm.stats = averager.stats
     averager.levels = [*averager.levels[:-1], comm]
     averager.comm = comm
-    fragments = getattr(averager, "reducer", None)
-    if fragments is not None and hasattr(fragments, "eager"):
-        fragments.size = comm.size  # the eager step's M: every worker, not this group's
 
 
 class FaultTolerantAverager:

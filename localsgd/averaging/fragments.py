@@ -97,7 +97,7 @@ class Fragments(Reducer):
         # a delayed merge keeps this rank's progress since the launch (`merge_rule="progress"`)
         self.progress, self.bucket_bytes = progress, bucket_bytes
         fragments = max(ids, default=0) + 1
-        self.eager, self.size, self.fragments = eager, size, fragments
+        self.eager, self.fragments = eager, fragments
         spans: dict[tuple[int, int], list[int]] = {}  # (fragment, buffer) -> [start, n, end]
         for i, (g, off, numel) in enumerate(flat.slots):
             span = spans.setdefault((ids[i], g), [off, off, off])
@@ -132,6 +132,9 @@ class Fragments(Reducer):
             for own in self.own:
                 for t in own:
                     t.zero_()
+            # the M each own d was launched to (the live workers of that round, under torchft):
+            # it is what removes this worker's share from the mean received for it
+            self.own_size = [size] * fragments
         # the outer warmup (`outer.outer_step`), counted per fragment
         sgd = dict(outer or {})
         self.outer_warmup = sgd.pop("warmup_rounds", 0)
@@ -254,10 +257,13 @@ class Fragments(Reducer):
         self._load(p, buffers, fresh)
         for wire, f in zip(self.sent[p], fresh, strict=True):
             wire.copy_(f)
+        # M now, read from the communicator: under torchft the live workers of this round
+        size, prev_size = comm.size, self.own_size[p]
         self.flight[p] = self.exchange(p, self.sent[p], comm, blocking=False)
         self.holding[p], self.pending_step[p] = True, step
         for o, r, f in zip(own, self.received[p], fresh, strict=True):
-            o.div_(-self.size).add_(r).add_(f, alpha=1 / self.size)  # D - d_prev/M + d/M
+            o.div_(-prev_size).add_(r).add_(f, alpha=1 / size)  # D - d_prev/M' + d/M
+        self.own_size[p] = size
         self._outer(p, own, plain=False)
         self.own[p], self.scratch[p] = fresh, own  # the fresh d is the next round's d_prev
         self._merge(p, buffers, alpha)
@@ -299,6 +305,7 @@ class Fragments(Reducer):
         }
         if self.eager:
             state["own"] = [[t.clone() for t in ts] for ts in self.own]
+            state["own_size"] = list(self.own_size)
         if self.progress:
             state["origins"] = [
                 [t.clone() if h else None for t in ts]
@@ -328,6 +335,8 @@ class Fragments(Reducer):
                 for mine, value in zip(ts, saved, strict=True):
                     if value is not None:
                         mine.copy_(value)
+        if self.eager:
+            self.own_size = [int(m) for m in state.get("own_size", self.own_size)]
         for ts, saved in zip(getattr(self, "own", []), state.get("own", []), strict=True):
             for mine, value in zip(ts, saved, strict=True):
                 mine.copy_(value)

@@ -259,9 +259,11 @@ class TorchftCommunicator(Communicator):
             raise RuntimeError("TorchftCommunicator.launch_mean_ outside a round")
         start = time.perf_counter()
         if self.local is not None:
+            # inside the group in the wire's precision, as `mean_` does: launched and blocking
+            # averages give the same bits
             counted = (self.stats.bytes, self.stats.seconds)
-            for piece in pieces:
-                self.local.mean_(piece)
+            for piece, wire in zip(pieces, through or pieces, strict=True):
+                self.local.mean_(piece, None if wire is piece else wire)
             self.stats.bytes, self.stats.seconds = counted  # counted below, once
         wires = pieces if through is None else [
             t.copy_(p) for t, p in zip(through, pieces, strict=True)

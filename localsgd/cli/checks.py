@@ -16,6 +16,7 @@ from localsgd.data.loader import LOADERS
 from localsgd.data.partition import PARTITIONS
 from localsgd.loop.guards import NAN_POLICIES
 from localsgd.loop.loggers import WANDB_MODES
+from localsgd.loop.plan import SyncPlan
 from localsgd.loop.recipe import PRECISIONS
 from localsgd.loop.strategies import GROUP_SIZE_WORDS, OUTERS, SCHEDULES, resolve_group_size
 
@@ -224,12 +225,10 @@ def validate_optim(cfg: Any) -> None:
             _require(ok(value), key, allowed, value)
 
 
-def _validate_streaming(cfg: Any, levels: list) -> None:
+def _validate_streaming(cfg: Any, plan: SyncPlan) -> None:
     """Fragments, a delayed or mixed merge, the eager outer step, an outer optimizer over
     levels (`StreamingAverager`; with levels, the widest level is the streaming one)."""
-    fragments = _get(cfg, "sync.fragments")
-    period_key = f"sync.levels[{len(levels) - 1}].period" if levels else "sync.period"
-    period = _get(levels[-1], "period") if levels else _get(cfg, "sync.period")
+    fragments, period, period_key = plan.fragments, plan.period, plan.period_key
     _require(fragments >= 1, "sync.fragments", "an integer >= 1", fragments)
     _require(
         period % fragments == 0,
@@ -238,13 +237,13 @@ def _validate_streaming(cfg: Any, levels: list) -> None:
         "period/fragments",
         fragments,
     )
-    delay, spacing = _get(cfg, "sync.delay_steps"), period // fragments
-    alpha, rule = _get(cfg, "sync.merge_alpha"), _get(cfg, "sync.merge_rule")
-    if _get(cfg, "sync.overlap"):  # shorthand for delay_steps=1 merge_rule=progress
+    delay, spacing = _get(cfg, "sync.delay_steps"), plan.spacing
+    alpha = plan.merge_alpha
+    if plan.overlap:  # shorthand for delay_steps=1 merge_rule=progress
         alias = "with sync.overlap=true (its shorthand for delay_steps=1, merge_rule=progress)"
         _require(delay in (0, 1), "sync.delay_steps", f"0 or 1 {alias}", delay)
         _require(alpha == 0, "sync.merge_alpha", f"0 {alias}", alpha)
-        delay, rule = 1, "progress"
+    delay, rule = plan.delay, plan.merge_rule
     _require(
         0 <= delay <= spacing,
         "sync.delay_steps",
@@ -334,18 +333,10 @@ def validate_sync(cfg: Any, ws: int | None, local_ws: int | None) -> None:
             True,
         )
     levels = list(_get(cfg, "sync.levels") or [])
-    outer = _get(cfg, "sync.outer")
-    streaming = (
-        _get(cfg, "sync.fragments") != 1
-        or _get(cfg, "sync.delay_steps") != 0
-        or _get(cfg, "sync.merge_alpha") != 0
-        or _get(cfg, "sync.eager")
-        or _get(cfg, "sync.overlap")
-        or _get(cfg, "sync.merge_rule") != "mix"
-        or (levels and outer != "none")
-    )
-    if streaming:  # what localsgd.loop.strategies.streams() builds a StreamingAverager for
-        _validate_streaming(cfg, levels)
+    plan = SyncPlan.of(_get(cfg, "sync"))
+    streaming = plan.streaming
+    if streaming:  # what the plan builds a StreamingAverager for
+        _validate_streaming(cfg, plan)
     if not levels:
         return
     _require(schedule == "constant", "sync.schedule", "constant when sync.levels is set", schedule)

@@ -25,6 +25,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from localsgd.config import FT_BACKENDS, ConfigError
+from localsgd.loop.plan import SyncPlan
 from localsgd.loop.worker import WorkerInfo
 
 # What cannot run through torchft's Manager yet, each with the value it must keep (the keys are
@@ -136,12 +137,12 @@ def validate_ft(cfg: Any, get: Callable[[Any, str], Any], world_size: int | None
             "sync.levels: the last level's group_size must be world with ft=torchft (it spans "
             f"every replica group, through torchft), got {levels[-1]!r}"
         )
-    delay = 1 if get(cfg, "sync.overlap") else get(cfg, "sync.delay_steps")
-    spacing = get(cfg, "sync.period") // max(get(cfg, "sync.fragments"), 1)
+    plan = SyncPlan.of(get(cfg, "sync"))
+    delay, spacing = plan.delay, plan.spacing
     if delay and not delay < spacing:
         raise ConfigError(
-            f"sync.delay_steps must be < sync.period/sync.fragments ({spacing}) with ft=torchft "
-            f"(a round must close before the next fragment's opens), got {delay!r}"
+            f"sync.delay_steps must be < {plan.period_key}/sync.fragments ({spacing}) with "
+            f"ft=torchft (a round must close before the next fragment's opens), got {delay!r}"
         )
     if delay and get(cfg, "sync.check_replicas"):
         raise ConfigError(
@@ -149,18 +150,12 @@ def validate_ft(cfg: Any, get: Callable[[Any, str], Any], world_size: int | None
             "merge that it would check follows the round's commit), got True"
         )
     every = get(cfg, "trainer.checkpoint_every")
-    never_in_sync = (
-        get(cfg, "sync.fragments") > 1
-        or get(cfg, "sync.merge_alpha") > 0
-        or get(cfg, "sync.eager")
-        or delay
-    )
-    if every and never_in_sync:
+    if every and not plan.in_sync_after_sync:
         raise ConfigError(
             "trainer.checkpoint_every must be 0 with ft=torchft and sync.fragments > 1, "
-            "sync.merge_alpha > 0, sync.delay_steps > 0 or sync.eager (checkpoints under ft "
-            "are one shared state, and Streaming DiLoCo's workers are never all in sync), got "
-            f"{every!r}"
+            "sync.merge_alpha > 0, sync.merge_rule=progress (sync.overlap) or sync.eager "
+            "(checkpoints under ft are one shared state, and these workers are never all in "
+            f"sync), got {every!r}"
         )
     lighthouse = get(cfg, "ft.lighthouse")
     if lighthouse:

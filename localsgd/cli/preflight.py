@@ -14,7 +14,7 @@ from typing import Any
 from localsgd.cli.checks import _get
 from localsgd.config import ConfigError, plain
 from localsgd.loop import checkpoint
-from localsgd.loop.reshard import reshard_refusal
+from localsgd.loop.plan import SyncPlan
 
 _probed: dict[str, int | None] = {}  # the launcher checks twice (before and inside Hydra)
 
@@ -110,7 +110,7 @@ def resolve_resume(
     if found is not None:
         marker = checkpoint.verify(found, world_size)
         if marker["world_size"] != world_size:
-            refusal = reshard_refusal(lambda key: _get(cfg, key))
+            refusal = SyncPlan.of(_get(cfg, "sync")).reshard_refusal()
             if refusal is not None:
                 raise ConfigError(
                     f"dist.world_size must stay {marker['world_size']} to resume {found} with "

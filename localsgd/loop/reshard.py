@@ -13,8 +13,9 @@ momentum) and the loop's bookkeeping are rank 0's. What differs per worker is ca
 - the random generators: a worker whose rank existed before keeps that rank's; a new rank starts
   from its per-rank seed.
 
-What cannot be carried over is refused before any worker starts (`reshard_refusal`): per-worker
-error-feedback residuals, and averages in flight (overlap, delayed or eager merges, fragments).
+What cannot be carried over is refused before any worker starts
+(`localsgd.loop.plan.SyncPlan.reshard_refusal`): per-worker error-feedback residuals, and
+averages in flight (overlap, delayed or eager merges, fragments).
 """
 
 from __future__ import annotations
@@ -41,25 +42,6 @@ def needs_reshard(folder: str, world_size: int) -> bool:
     """Whether `world_size` workers continue `folder` through `load_resharded`: written by
     another world size, or shared (one state for every worker)."""
     return rank_states(folder) != world_size or written_by(folder) != world_size
-
-
-RESHARD_REFUSED = {  # sync key: why its per-worker state cannot move to another world size
-    "sync.error_feedback": "each worker's rounding residual is its own",
-    "sync.overlap": "an average is in flight at every sync",
-    "sync.delay_steps": "a fragment's average is in flight",
-    "sync.eager": "each worker's pseudo-gradient is carried to the next round",
-    "sync.fragments": "fragments sync at different steps",
-}
-
-
-def reshard_refusal(get) -> str | None:
-    """Why a run cannot continue at another world size (`get(key)` reads its config), or
-    None."""
-    for key, why in RESHARD_REFUSED.items():
-        value = get(key)
-        if value and not (key == "sync.fragments" and value == 1):
-            return f"{key}={value!r} ({why})"
-    return None
 
 
 def _average_optimizer(states: list[dict]) -> dict:

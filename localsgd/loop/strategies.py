@@ -43,12 +43,7 @@ from localsgd.averaging import (
 from localsgd.config import CommConfig, SyncConfig
 from localsgd.loop.drift import DriftMeter
 from localsgd.loop.guards import check_replicas
-
-
-def _or(value: Any, default: Any) -> Any:
-    """A nullable setting: null means the method's default."""
-    return default if value is None else value
-
+from localsgd.loop.plan import SyncPlan, strategy_name  # noqa: F401  (strategy_name re-exported)
 
 # A level's `group_size` may name one of these instead of an integer.
 GROUP_SIZE_WORDS = ("node", "world")
@@ -84,46 +79,6 @@ def build_schedule(sync: SyncConfig) -> ConstantPeriod:
     return SCHEDULES[sync.schedule](sync)
 
 
-def strategy_name(sync: SyncConfig) -> str:
-    """The averaging strategy the `sync` config runs, named as its conf/sync/ preset (read from
-    what the config does, so `sync.outer=diloco` on the command line is labelled diloco too;
-    wandb's `job_type`). The most specific feature wins: levels, an outer optimizer, an adaptive
-    period, a synchronous warmup, then k=1 or plain local SGD."""
-    if sync.levels:
-        return "hierarchical"
-    if streams(sync) and sync.outer != "none":
-        return f"streaming_{sync.outer}"
-    if sync.outer != "none":
-        return sync.outer
-    if sync.schedule == "adaptive":
-        return "adaptive"
-    if sync.warmup_steps > 0:
-        return "post_local_sgd"
-    return "sync_sgd" if sync.period == 1 else "local_sgd"
-
-
-def streams(sync: SyncConfig) -> bool:
-    """Whether the config asks for Streaming DiLoCo's mechanisms: fragments, a delayed merge, a
-    mixed merge (or `sync.overlap`, its one-step progress-keeping case) or the eager outer step,
-    or an outer optimizer over hierarchical levels (the widest level's outer step:
-    `StreamingAverager` with inner levels)."""
-    return (
-        sync.fragments > 1
-        or sync.delay_steps > 0
-        or sync.merge_alpha > 0
-        or sync.eager
-        or sync.overlap
-        or bool(sync.levels and sync.outer != "none")
-    )
-
-
-def delay_and_rule(sync: SyncConfig) -> tuple[int, str]:
-    """τ and the merge rule: `sync.overlap=true` is shorthand for `sync.delay_steps=1
-    sync.merge_rule=progress` (the average of the states at the launch plus this rank's step
-    since)."""
-    return (1, "progress") if sync.overlap else (sync.delay_steps, sync.merge_rule)
-
-
 def build_averager(
     sync: SyncConfig,
     model: torch.nn.Module,
@@ -137,9 +92,16 @@ def build_averager(
     """The averager the `sync` config asks for, its optimizer-state hook attached; a simulated
     slow `link` applies to every collective it makes. Every rank starts from rank 0's model.
     `communicate=False`: one that never averages (the no-communication baseline)."""
+    plan = SyncPlan.of(sync)
     comm_dtype = sync.comm_dtype
     levels = list(sync.levels)
     outer = sync.outer
+    outer_step = {
+        "outer_lr": plan.outer_lr,
+        "outer_momentum": plan.outer_momentum,
+        "outer_nesterov": plan.outer_nesterov,
+        "outer_warmup_rounds": sync.outer_warmup_rounds,
+    }
     if not communicate:
         return PeriodicAverager(
             1, module=model, stats=stats, schedule=NeverAverage(), link=link, init_sync=True
@@ -148,27 +110,23 @@ def build_averager(
         int(lv.period): resolve_group_size(lv.group_size, world_size, local_world_size)
         for lv in levels
     }
-    if streams(sync):
-        defaults = OUTER_DEFAULTS.get(outer, {})
-        delay, rule = delay_and_rule(sync)
+    if plan.streaming:
         # with levels, the widest is the streaming one; the others average the whole model
+        outer_step = outer_step if outer != "none" else {}  # plain streaming has no outer step
         averager = StreamingAverager(
-            int(levels[-1].period) if levels else sync.period,
+            plan.period,
             sync.warmup_steps,
             module=model,
             stats=stats,
             link=link,
             fragments=sync.fragments,
-            delay_steps=delay,
-            merge_alpha=sync.merge_alpha,
-            merge_rule=rule,
+            delay_steps=plan.delay,
+            merge_alpha=plan.merge_alpha,
+            merge_rule=plan.merge_rule,
             bucket_mb=sync.bucket_mb,
-            eager=sync.eager,
+            eager=plan.eager,
             outer=outer != "none",
-            outer_lr=_or(sync.outer_lr, defaults.get("lr", 0.7)),
-            outer_momentum=_or(sync.outer_momentum, defaults.get("momentum", 0.9)),
-            outer_nesterov=_or(sync.outer_nesterov, defaults.get("nesterov", True)),
-            outer_warmup_rounds=sync.outer_warmup_rounds,
+            **outer_step,
             init_sync=True,
             comm_dtype=comm_dtype,
             quant_block_size=sync.quant_block_size,
@@ -188,16 +146,12 @@ def build_averager(
             quant_block_size=sync.quant_block_size,
         )
     elif outer != "none":
-        defaults = OUTER_DEFAULTS[outer]
         averager = OuterAverager(
             sync.period,
             sync.warmup_steps,
             module=model,
             stats=stats,
-            outer_lr=_or(sync.outer_lr, defaults["lr"]),
-            outer_momentum=_or(sync.outer_momentum, defaults["momentum"]),
-            outer_nesterov=_or(sync.outer_nesterov, defaults["nesterov"]),
-            outer_warmup_rounds=sync.outer_warmup_rounds,
+            **outer_step,
             schedule=build_schedule(sync),
             comm_dtype=comm_dtype,
             link=link,

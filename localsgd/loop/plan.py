@@ -1,0 +1,156 @@
+"""One reading of the `sync` config: what the strategy does, derived once.
+
+Every part that needs to know what a sync config means asks a `SyncPlan`, never the raw keys:
+the averager factory (`localsgd.loop.strategies`), the config checks (`localsgd.cli.checks`),
+the fault-tolerance checks (`localsgd.cli.fault_tolerance`), the resume path and the reshard
+refusal (`localsgd.cli.preflight`, `localsgd.loop.reshard`). A question answered twice from the
+raw keys is how a config that passed every check crashed at run time (the streaming period was
+read as `sync.period` in one place and as the widest level's in another).
+
+The plan reads a node that answers `sync.KEY` either way: a dataclass (`SyncConfig`), a Hydra
+DictConfig or a plain dict.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from localsgd.averaging.outer import OUTER_DEFAULTS
+
+# sync key: why its per-worker state cannot move to another world size (`SyncPlan.reshard_refusal`)
+RESHARD_REFUSED = {
+    "sync.error_feedback": "each worker's rounding residual is its own",
+    "sync.overlap": "an average is in flight at every sync",
+    "sync.delay_steps": "a fragment's average is in flight",
+    "sync.eager": "each worker's pseudo-gradient is carried to the next round",
+    "sync.fragments": "fragments sync at different steps",
+}
+
+
+def _read(node: Any, key: str) -> Any:
+    return node[key] if isinstance(node, dict) else getattr(node, key)
+
+
+@dataclass(frozen=True)
+class SyncPlan:
+    """What a `sync` config runs. Build it with `SyncPlan.of(cfg.sync)`."""
+
+    outer: str  # none | diloco | slowmo
+    levels: tuple[tuple[Any, int], ...]  # (group_size as written, period), narrowest first
+    period: int  # the widest level's period: the (streamed) outer step's H
+    fragments: int  # P
+    delay: int  # τ (sync.overlap: 1)
+    merge_rule: str  # mix | progress (sync.overlap: progress)
+    merge_alpha: float
+    eager: bool
+    overlap: bool
+    error_feedback: bool
+    outer_lr: float | None  # resolved to the method's default where the config says null
+    outer_momentum: float | None
+    outer_nesterov: bool | None
+
+    @classmethod
+    def of(cls, sync: Any) -> SyncPlan:
+        levels = tuple(
+            (_read(lv, "group_size"), _read(lv, "period")) for lv in (_read(sync, "levels") or ())
+        )
+        overlap = bool(_read(sync, "overlap"))
+        outer = _read(sync, "outer")
+        defaults = OUTER_DEFAULTS.get(outer, {})
+
+        def resolved(key: str, name: str) -> Any:
+            value = _read(sync, key)
+            return defaults.get(name) if value is None else value
+
+        return cls(
+            outer=outer,
+            levels=levels,
+            period=levels[-1][1] if levels else _read(sync, "period"),
+            fragments=_read(sync, "fragments"),
+            # sync.overlap is shorthand for delay_steps=1, merge_rule=progress
+            delay=1 if overlap else _read(sync, "delay_steps"),
+            merge_rule="progress" if overlap else _read(sync, "merge_rule"),
+            merge_alpha=float(_read(sync, "merge_alpha")),
+            eager=bool(_read(sync, "eager")),
+            overlap=overlap,
+            error_feedback=bool(_read(sync, "error_feedback")),
+            outer_lr=resolved("outer_lr", "lr"),
+            outer_momentum=resolved("outer_momentum", "momentum"),
+            outer_nesterov=resolved("outer_nesterov", "nesterov"),
+        )
+
+    @property
+    def period_key(self) -> str:
+        """The key the streaming period is read from, for error lines."""
+        return f"sync.levels[{len(self.levels) - 1}].period" if self.levels else "sync.period"
+
+    @property
+    def streaming(self) -> bool:
+        """Streaming DiLoCo's mechanisms (`StreamingAverager`): fragments, a delayed or mixed
+        merge (`sync.overlap` is its one-step progress-keeping case), the eager outer step, or an
+        outer step over hierarchical levels (the widest level's, streamed)."""
+        return (
+            self.fragments != 1
+            or self.delay != 0
+            or self.merge_alpha != 0
+            or self.eager
+            or self.merge_rule != "mix"
+            or bool(self.levels and self.outer != "none")
+        )
+
+    @property
+    def spacing(self) -> int:
+        """H/P: the steps between two fragments' syncs (the whole period when P = 1)."""
+        return self.period // max(self.fragments, 1)
+
+    @property
+    def in_sync_after_sync(self) -> bool:
+        """Whether every worker holds the same model right after a sync over every worker (a
+        delayed one included: its merge replaces the model): not with fragments (the others
+        keep local progress), a mixed or progress-keeping merge, or eager steps (per-worker
+        anchors)."""
+        return (
+            self.fragments == 1
+            and self.merge_alpha == 0
+            and not self.eager
+            and self.merge_rule == "mix"
+        )
+
+    def reshard_refusal(self) -> str | None:
+        """Why a checkpoint of this run cannot continue at another world size, or None."""
+        values = {
+            "sync.error_feedback": self.error_feedback,
+            "sync.overlap": self.overlap,
+            "sync.delay_steps": 0 if self.overlap else self.delay,
+            "sync.eager": self.eager,
+            "sync.fragments": self.fragments if self.fragments != 1 else 0,
+        }
+        for key, why in RESHARD_REFUSED.items():
+            if values[key]:
+                return f"{key}={values[key]!r} ({why})"
+        return None
+
+
+def strategy_name(sync: Any) -> str:
+    """The averaging strategy the `sync` config runs, named as its conf/sync/ preset (read from
+    what the config does, so `sync.outer=diloco` on the command line is labelled diloco too;
+    wandb's `job_type`). The most specific feature wins: an outer step over levels, levels,
+    streaming, an outer optimizer, overlap, an adaptive period, a synchronous warmup, then k=1
+    or plain local SGD."""
+    plan = SyncPlan.of(sync)
+    if plan.levels:
+        return "hierarchical" if plan.outer == "none" else f"hierarchical_{plan.outer}"
+    if plan.streaming and plan.outer != "none":
+        return f"streaming_{plan.outer}"
+    if plan.outer != "none":
+        return plan.outer
+    if plan.overlap:
+        return "overlap"
+    if plan.streaming:
+        return "streaming_average"
+    if _read(sync, "schedule") == "adaptive":
+        return "adaptive"
+    if _read(sync, "warmup_steps") > 0:
+        return "post_local_sgd"
+    return "sync_sgd" if _read(sync, "period") == 1 else "local_sgd"
