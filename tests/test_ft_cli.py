@@ -84,12 +84,15 @@ def test_no_fault_is_bit_identical_to_the_plain_path(tmp_path, strategy):
     inside its round and is used at the next)."""
     plain, ft = tmp_path / "plain", tmp_path / "ft"
     check = [] if "sync.delay_steps=1" in strategy else ["sync.check_replicas=true"]
-    for run_dir, extra in ((plain, []), (ft, ["ft=torchft", *check])):
+    for run_dir, extra in ((plain, check), (ft, ["ft=torchft", *check])):
         proc, left = cli(FT + strategy + extra + [f"hydra.run.dir={run_dir}"])
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert not left
     assert same_model(plain / "model.pt", ft / "model.pt")
     summary = json.loads((ft / "summary.json").read_text())
+    if check:  # every sync checked, through torchft as on the plain path (eager: each merge)
+        plain_summary = json.loads((plain / "summary.json").read_text())
+        assert summary["replica_checks"] == plain_summary["replica_checks"] > 0
     assert summary["participants"] == summary["participants_min"] == 3
     assert summary["heals"] == summary["failed_syncs"] == 0
     assert set(_participants(ft)) == {3}

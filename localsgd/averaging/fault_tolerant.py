@@ -119,6 +119,7 @@ class FaultTolerantAverager:
         self.heals = 0  # times this replica loaded a live peer's state
         self.heals_seen = 0  # heals of any replica, counted alike by every replica
         self.check_replicas = check_replicas
+        self.replica_checks = 0  # rounds checked bit-identical across replica groups
         # Streaming DiLoCo: a round is one fragment's sync, and a failed one is undone (the
         # state before the round restored, on every replica) rather than rolled back to the
         # last commit, which would drop the other fragments' local progress
@@ -217,12 +218,25 @@ class FaultTolerantAverager:
         self.participants_min = int(state["participants_min"])
 
     def _verify(self) -> None:
-        if not self.check_replicas or not self.averager.all_in_sync:
+        """Inside a round that brought the replica groups together (every replica in sync, or
+        a merge: Streaming DiLoCo's fragments, a mixed merge, eager steps), check what every
+        group must hold identically now: `averager.common_tensors()`."""
+        av = self.averager
+        if not self.check_replicas or not (av.all_in_sync or av.merged):
             return
-        if not self.comm.identical(self.averager.common_tensors()):
-            raise ReplicaGroupsDiverged(
-                f"replica groups differ after the average at step {self.averager.step - 1}"
-            )
+        self._check(av.common_tensors(), f"after the average at step {av.step - 1}")
+
+    def _verify_gradients(self) -> None:
+        """A warmup round: the parameters and the averaged gradients, so that the step the
+        round is for leaves every group with the same parameters."""
+        if self.check_replicas:
+            grads = self.gradients
+            self._check([*grads.params, *grads.buffers], f"in the warmup step {self.averager.step}")
+
+    def _check(self, tensors: list[torch.Tensor], when: str) -> None:
+        self.replica_checks += 1
+        if not self.comm.identical(tensors):
+            raise ReplicaGroupsDiverged(f"replica groups differ {when}")
 
     # --- rounds --------------------------------------------------------------------------------
 
@@ -237,8 +251,7 @@ class FaultTolerantAverager:
             self.quorum_lost = str(e)
         body()  # with no quorum: the counters advance, nothing is sent, the round rolls back
         self._settle()
-        if phase != "grad":
-            self._verify()
+        self._verify_gradients() if phase == "grad" else self._verify()
         ok = self.comm.commit()
         self.just_committed = ok
         if ok:

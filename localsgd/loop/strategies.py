@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from localsgd.averaging import (
     OUTER_DEFAULTS,
@@ -197,6 +198,7 @@ class Synchroniser:
     ):
         self.averager = averager
         self.verify = verify  # check after each sync that the replicas are bit-identical
+        self.replica_checks = 0
         self.model = model
         self.max_steps = max_steps
         self.grad_averager = grad_averager
@@ -275,13 +277,22 @@ class Synchroniser:
         after step `step`, a sync (one gather; off by default)."""
         if self.verify and self.ft is None:  # under torchft: checked inside each round
             check_replicas(self.common_tensors(step), step, rank)
+            self.replica_checks += 1
+
+    @property
+    def checks_done(self) -> int:
+        """Syncs checked bit-identical so far (`sync.check_replicas`): the summary reports it,
+        so that a mode the check would skip cannot pass for a checked one."""
+        return self.ft.replica_checks if self.ft is not None else self.replica_checks
 
     def finish(self) -> None:
         """The final model is the average of the replicas: average once more if the last step
-        was a local one (never in the no-communication baseline)."""
+        was a local one (never in the no-communication baseline); with `sync.check_replicas`
+        the final model is checked too (under torchft: inside the final round)."""
         if not self.in_sync and self.averager.ever_averages:
             self.rounds.average()
             self.in_sync = True
+            self.check_replicas(self.averager.step - 1, dist.get_rank())
 
     def summary(self) -> dict[str, Any]:
         """The strategy as run: the period of the average over every rank at the end (None if
@@ -293,6 +304,8 @@ class Synchroniser:
             "warmup_steps": self.warmup_steps,
             "comm_levels": averager.comm_levels(),
         }
+        if self.verify:
+            summary["replica_checks"] = self.checks_done
         if self.ft is not None:
             summary.update(self.fault_record(), **self.ft_counters())
         return summary
