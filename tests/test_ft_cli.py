@@ -243,7 +243,7 @@ def test_two_machines_each_a_replica_group_of_two_one_killed_and_restarted(tmp_p
     machine's two ranks average among themselves every 2 steps (torch.distributed), and every 4
     steps with the other machine too (torchft). Rank 2 (group 1's first) is
     SIGKILLed at step 10; torchrun restarts group 1, whose ranks heal from group 0 and train on."""
-    from localsgd.averaging.fault_tolerant import start_lighthouse
+    from localsgd.averaging.torchft import start_lighthouse
 
     server, address = start_lighthouse(1, heartbeat_timeout_ms=1000, quorum_tick_ms=20)
     once = tmp_path / "killed-once"

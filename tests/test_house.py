@@ -82,7 +82,7 @@ def test_launched_and_blocking_16_bit_averages_agree_across_replica_groups(dtype
     """Under torchrun a replica group has several processes: the group's own mean runs first.
     The blocking path ran it in 16 bits and the launched path in fp32, so the two differed in
     bits. Both now average inside the group in the wire's precision."""
-    from localsgd.averaging.torchft_comm import TorchftCommunicator
+    from localsgd.averaging.torchft.comm import TorchftCommunicator
 
     comm = TorchftCommunicator(_OneReplicaManager(), local=_GroupOfTwo())
     values = torch.linspace(-1, 1, 101) / 3

@@ -323,7 +323,7 @@ def _trainer_worker(rank, world_size, configs):
                     "in_sync": in_sync,
                     "same_all": same_all,
                     "levels": trainer.sync.averager.comm_levels(),
-                    "rounds": trainer.comm.rounds,
+                    "rounds": trainer.comm_stats.rounds,
                 }
             )
     return out

@@ -39,8 +39,8 @@ def _schedule_worker(rank, world_size, cfg):
         return {
             "per_step": per_step,
             "identical": identical,
-            "rounds": trainer.comm.rounds,
-            "bytes": trainer.comm.bytes,
+            "rounds": trainer.comm_stats.rounds,
+            "bytes": trainer.comm_stats.bytes,
             "numel": trainer.sync.averager.flat.numel,
         }
 

@@ -2,7 +2,7 @@
 
 In the same 3 worker processes, alternating rep by rep: an average of a flat model through
 `PeriodicAverager.average()` on the 3-rank gloo group, and the same average as a torchft round
-(`FaultTolerantAverager.average()` over 3 single-process replica groups on 127.0.0.1: quorum, a
+(`FaultTolerantRounds.average()` over 3 single-process replica groups on 127.0.0.1: quorum, a
 one-value count, the average, should_commit, the snapshot a rollback would restore). Reports the
 median time of each and their ratio per model size; the ratio is what the quorum adds.
 
@@ -32,8 +32,8 @@ def _measure(rank: int, world_size: int, sizes: list[int], reps: int) -> dict:
     import torch.distributed as dist
 
     from localsgd.averaging import PeriodicAverager
-    from localsgd.averaging.fault_tolerant import (
-        FaultTolerantAverager,
+    from localsgd.averaging.torchft import (
+        FaultTolerantRounds,
         TorchftCommunicator,
         make_manager,
         start_lighthouse,
@@ -52,7 +52,7 @@ def _measure(rank: int, world_size: int, sizes: list[int], reps: int) -> dict:
         ft_model = torch.nn.Linear(n // 1000, 1000, bias=False)
         plain = PeriodicAverager(1, module=plain_model)
         manager = make_manager(replica_id=f"replica_{rank:03d}", lighthouse=box[0])
-        ft = FaultTolerantAverager(
+        ft = FaultTolerantRounds(
             PeriodicAverager(1, module=ft_model, process_group=solo),
             TorchftCommunicator(manager, replicas=world_size),
         )

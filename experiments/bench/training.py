@@ -157,7 +157,7 @@ def _memory_worker(rank: int, world_size: int, cfg: dict) -> dict:
             "peak_kib": status_kib("VmHWM"),
             "rss_first_kib": after_first,
             "rss_last_kib": status_kib("VmRSS"),
-            "rounds": trainer.comm.rounds,
+            "rounds": trainer.comm_stats.rounds,
         }
 
 

@@ -87,7 +87,7 @@ class Averager(ModelAverager):
         self.hooks: list[AverageHook] = []
         self.global_hooks: list[GlobalSyncHook] = []
         self.all_in_sync = True  # every rank holds the same tensors (right after a full average)
-        self.merged = False  # this step applied a delayed average (overlap only)
+        self.merged = False  # this step applied a delayed average (overlap, streaming merges)
         if module is not None:
             self._bind(parameters_of(module.parameters()), averaged_tensors(module))
 
@@ -238,12 +238,25 @@ class Averager(ModelAverager):
             hook(comm)
 
     def averages_all(self, step: int) -> bool:
-        """Whether every rank ends step `step` holding the common average (with a delayed
-        reducer: whether that step merges one, launched a step before by every rank)."""
-        if self.reducer.delays:
-            return self.reducer.pending
+        """Whether the update after step `step` averages over every rank (the widest level)."""
         level = self.level_at(step)
         return level is not None and self.levels[level] is self.comm
+
+    # What a failed round across replica groups (torchft) restores: "commit", the state of the
+    # last committed round (every replica holds it: the averages replace the whole model), or
+    # "round", the state from before the failed round (Streaming DiLoCo: a fragment's sync
+    # touches that fragment only, and the others keep their local progress).
+    failed_round_restores = "commit"
+    rounds_overlap = False  # one step closes a round and opens the next (see StreamingAverager)
+
+    def sync_at(self, step: int) -> str | None:
+        """What the update after step `step` does across every rank: None (nothing, or an
+        inner level's average), "sync" (a blocking average over every rank), "launch" (a
+        delayed one opens) or "merge" (one launched earlier closes). A round driver (torchft's)
+        runs a round around each."""
+        if self.averages_all(step):
+            return "launch" if self.reducer.delays else "sync"
+        return "merge" if self.reducer.delays and self.reducer.pending else None
 
     @property
     def ever_averages(self) -> bool:

@@ -279,9 +279,22 @@ class StreamingAverager(Averager):
             s += 1
         return s
 
-    def averages_all(self, step: int) -> bool:
-        one = self.fragments == 1 and not self.alpha and not self.progress
-        return one and self.merging(step) is not None
+    failed_round_restores = "round"
+
+    @property
+    def rounds_overlap(self) -> bool:
+        """Whether one step both merges a fragment and launches the next (τ = H/P): two rounds
+        in one step, which a round driver (torchft's) cannot run."""
+        return 0 < self.delay == self.offset
+
+    def sync_at(self, step: int) -> str | None:
+        """A fragment's sync: "sync" (τ = 0, blocking), or "launch" and, τ steps later,
+        "merge" (one step never does both below τ = H/P, which a round driver requires)."""
+        if not self.delay:
+            return "sync" if self.launching(step) is not None else None
+        if self.merging(step) is not None:
+            return "merge"
+        return "launch" if self.launching(step) is not None else None
 
     # --- the rounds ----------------------------------------------------------------------------
 

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlparse
 
+from localsgd.averaging.torchft.services import lighthouse_url
 from localsgd.config import FT_BACKENDS, ConfigError
 from localsgd.loop.plan import SyncPlan
 from localsgd.loop.worker import WorkerInfo
@@ -36,11 +37,6 @@ FT_REFUSED = (
     ("sync.optimizer_state", "local", "local (averaged optimizer state is not rolled back)"),
     ("comm.disabled", False, "false (nothing to make fault tolerant)"),
 )
-
-
-def lighthouse_url(address: str) -> str:
-    """`host:port` or `http://host:port` as torchft's Manager wants it."""
-    return address if "://" in address else f"http://{address}"
 
 
 def check_reachable(address: str, timeout_s: float) -> None:
@@ -205,7 +201,7 @@ def _replica_main(
     import torch
 
     torch.set_num_threads(1)
-    from localsgd.averaging.fault_tolerant import QuorumLost
+    from localsgd.averaging.torchft import QuorumLost
     from localsgd.loop.fault_tolerance import NoLivePeer
 
     try:
@@ -232,7 +228,7 @@ def run_replicas(fn: Callable, cfg: Any, args: tuple, poll_s: float = 0.05) -> d
     (per worker) and `lost` (workers out of restarts; the first live worker writes the
     results). Raises ReplicasFailed when every worker failed, or when the survivors, fewer
     than `ft.min_replicas`, found no quorum and stopped with a checkpoint."""
-    from localsgd.averaging.fault_tolerant import start_lighthouse
+    from localsgd.averaging.torchft import start_lighthouse
     from localsgd.cli.forkserver import fork_from_here, start_method
 
     fork_from_here()  # before the lighthouse's threads start
@@ -242,7 +238,7 @@ def run_replicas(fn: Callable, cfg: Any, args: tuple, poll_s: float = 0.05) -> d
     server = None
     if not ft.lighthouse:
         # the lighthouse's minimum is the steady-state one; the first quorum waits for all W
-        # (`FaultTolerantAverager.start(wait_for=W)`), so nobody trains alone at the start
+        # (`FaultTolerantRounds.start(wait_for=W)`), so nobody trains alone at the start
         server, ft.lighthouse = start_lighthouse(
             ft.min_replicas, host=ft.host, heartbeat_timeout_ms=2_000, quorum_tick_ms=20
         )

@@ -31,7 +31,7 @@ from localsgd.loop.optim import build_optimizer, build_schedule, set_lr
 from localsgd.loop.recipe import Recipe
 from localsgd.loop.reshard import resume
 from localsgd.loop.stop import StopAgreement
-from localsgd.loop.strategies import build_synchroniser
+from localsgd.loop.synchroniser import build_synchroniser
 from localsgd.loop.worker import WorkerInfo
 from localsgd.models import build_model
 from localsgd.models.generate import generate_text
@@ -74,20 +74,9 @@ class Trainer:
         ).to(device)
         self.optimizer = build_optimizer(self.model.parameters(), c.optim)
         self.lr_schedule = build_schedule(c.lr_schedule, c.trainer.max_steps)
-        # the strategy: warmup, averaging, drift; every rank starts from rank 0's model
-        # under ft=torchft the process group is one replica group: levels are sized within it
-        group = dist.get_world_size() if c.ft.backend != "none" else info.world_size
-        self.sync = build_synchroniser(
-            c.sync,
-            c.comm,
-            self.model,
-            self.optimizer,
-            group,
-            min(info.local_world_size, group),
-            c.trainer.max_steps,
-            track_drift=c.trainer.track_drift,
-            fault_tolerant=c.ft.backend != "none",
-        )
+        # the strategy: warmup, averaging, drift, fault tolerance; every rank starts from rank
+        # 0's model
+        self.sync = build_synchroniser(c, info, self.model, self.optimizer)
         # after the averager: its flat-buffer views are what gets compiled
         self.recipe = Recipe.from_config(self.model, device, c.trainer)
         torch.manual_seed(c.seed + 1000 * info.rank + 1)  # dropout etc. differ per rank
@@ -103,22 +92,15 @@ class Trainer:
         self.stateful: dict[str, checkpoint.Stateful] = {
             "model": checkpoint.ModuleState(self.model),
             "optimizer": self.optimizer,
-            **self.sync.checkpoint_state(),  # averager, comm, drift
+            **self.sync.checkpoint_state(),  # averager, comm, drift, ft
             "sampler": self.batches,
             "rng": checkpoint.RNGState(),
             "scaler": self.recipe,
             "loop": self,
         }
-        if c.ft.backend == "torchft":  # imported only here: a run without ft never imports it
-            from localsgd.loop.fault_tolerance import build_fault_tolerance
-
-            self.sync.ft = build_fault_tolerance(self)
-            self.stateful["ft"] = self.sync.ft  # its counters
         self.resumed_from = resume_from
         if resume_from is not None:  # this world size's own, or reshared (loop/reshard.py)
             self.step = resume(resume_from, info, device, self.stateful, ("drift", "ft"))
-        if self.sync.ft is not None and c.trainer.checkpoint_every > 0:
-            self.sync.ft.checkpoint_mark = self.step // c.trainer.checkpoint_every
         # objects with optional on_step_start(trainer, step) / on_step_end(trainer, step)
         self.callbacks = [
             build(cb, f"trainer.callbacks[{i}]") for i, cb in enumerate(c.trainer.callbacks)
@@ -129,11 +111,13 @@ class Trainer:
     LOOP_STATE = ("in_sync", "next_eval", "loss_sum", "loss_count", "skipped_steps", "elapsed_s")
 
     def state_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in self.LOOP_STATE}
+        # the step too: a healing worker takes the whole loop state from its peer
+        return {"step": self.step, **{k: getattr(self, k) for k in self.LOOP_STATE}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for k in self.LOOP_STATE:
             setattr(self, k, state[k])
+        self.step = int(state.get("step", self.step))
 
     @property
     def in_sync(self) -> bool:
@@ -145,7 +129,7 @@ class Trainer:
         self.sync.in_sync = value
 
     @property
-    def comm(self):
+    def comm_stats(self):
         """Every collective's counters (`rounds`, `bytes`, `seconds`)."""
         return self.sync.stats
 
@@ -240,9 +224,9 @@ class Trainer:
 
     def comm_record(self) -> dict[str, Any]:
         return {
-            "comm_rounds": self.comm.rounds,
-            "comm_bytes": self.comm.bytes,
-            "comm_seconds": round(self.comm.seconds, 6),
+            "comm_rounds": self.comm_stats.rounds,
+            "comm_bytes": self.comm_stats.bytes,
+            "comm_seconds": round(self.comm_stats.seconds, 6),
             **self.sync.fault_record(),  # ft=torchft: participants
         }
 
@@ -252,7 +236,7 @@ class Trainer:
         samples = steps * self.samples_per_step
         record = {
             "samples_per_s": round(samples / max(interval_s, 1e-9), 1),
-            "comm_share": round(self.comm.seconds / max(total_s, 1e-9), 4),
+            "comm_share": round(self.comm_stats.seconds / max(total_s, 1e-9), 4),
         }
         drift = self.sync.drift.take() if self.sync.drift is not None else None
         if drift is not None:
@@ -265,10 +249,15 @@ class Trainer:
         logging, evaluation of the averaged model and a checkpoint, each when due. Returns the
         summary on rank 0; None on other ranks and after an agreed stop (SIGTERM, Ctrl-C)."""
         max_steps = self.cfg.trainer.max_steps
-        if self.sync.ft is not None:  # the first quorum; a restarted worker heals here
-            from localsgd.loop.fault_tolerance import join
-
-            join(self)  # NoLivePeer: restarted, and nobody is left to heal from
+        # under torchft the first round; a restarted worker heals here (NoLivePeer: nobody is
+        # left to heal from)
+        done = self.sync.start(
+            self.stateful,
+            lambda: self.recipe.step(self.optimizer),
+            lambda: self.step,  # a healed worker's step is its peer's
+            self.cfg.trainer.checkpoint_every,
+        )
+        self.step += done
         self.open_run()
         failed = True
         try:
@@ -307,8 +296,7 @@ class Trainer:
         self.bar.close()
         self.batches.close()  # stops DataLoader worker processes
         self.logger.close(failed)  # wandb.finish() even on error: the next job starts clean
-        if self.sync.ft is not None:
-            self.sync.ft.manager.shutdown(wait=False)
+        self.sync.close()
 
     def elapsed(self) -> float:
         """Training seconds so far, including those before a resume."""
@@ -339,7 +327,10 @@ class Trainer:
             }
         )
         self.bar.set_postfix(
-            loss=f"{loss:.4f}", syncs=self.comm.rounds, **self.sync.fault_record(), refresh=False
+            loss=f"{loss:.4f}",
+            syncs=self.comm_stats.rounds,
+            **self.sync.fault_record(),
+            refresh=False,
         )
 
     def maybe_evaluate(self) -> None:
@@ -354,21 +345,16 @@ class Trainer:
             self.logger.log({**record, **self.comm_record(), **self.evaluate()})
         self.next_eval = (self.step // c.eval_every + 1) * c.eval_every
 
-    def maybe_checkpoint(self) -> bool:
+    def maybe_checkpoint(self, final: bool = False) -> bool:
         """Save when due or when a stop was agreed for this step; True to stop the run."""
-        if self.sync.ft is not None:  # one shared checkpoint, after a committed round
-            from localsgd.loop.fault_tolerance import after_round
-
-            after_round(self)
-            return False
-        c = self.cfg.trainer
-        # (a stop agreed for the very last step just lets the run finish)
-        stopping = self.stop.should_stop(self.step) and self.step < c.max_steps
-        every = c.checkpoint_every
-        due = every > 0 and (self.step % every == 0 or self.step == c.max_steps)
-        if due or stopping:
-            self.save_checkpoint()
-        if stopping and self.is_main:
+        stopping = self.sync.checkpoint(
+            self.step,
+            self.cfg.trainer.checkpoint_every,
+            self.stop,
+            lambda shared: self.save_checkpoint(shared=shared),
+            final=final,
+        )
+        if stopping and self.sync.writes_results(self.info.rank):
             print(
                 f"SIGTERM: stopped after step {self.step} with a checkpoint; run the same "
                 f"command again to resume",
@@ -381,16 +367,10 @@ class Trainer:
         """The final average, then on rank 0 (under ft: the first live worker) the evaluation,
         `model.pt` and the summary."""
         self.sync.finish()  # the final model is the average of the replicas
-        if self.sync.ft is not None:
-            from localsgd.loop.fault_tolerance import after_round
-
-            after_round(self, final=True)
+        self.maybe_checkpoint(final=True)  # under torchft: the final average's, shared
         wall = self.elapsed()
         self.loop_seconds = wall  # this rank's training loop (benchmarks take the slowest)
-        writes = self.is_main
-        if self.sync.ft is not None:  # the first live group's rank 0: rank 0 unless it was lost
-            writes = self.sync.ft.leads and dist.get_rank() == 0
-        if not writes:
+        if not self.sync.writes_results(self.info.rank):
             return None
         result = self.evaluate(full=True)
         self.logger.log({"step": self.step, **result})

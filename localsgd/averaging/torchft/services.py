@@ -16,6 +16,12 @@ from typing import Any
 import torch.distributed as dist
 
 
+def lighthouse_url(address: str) -> str:
+    """`host:port` (as `torchft_lighthouse --bind` takes it) or `http://host:port`, as
+    torchft's Manager wants it."""
+    return address if "://" in address else f"http://{address}"
+
+
 def start_lighthouse(
     min_replicas: int,
     *,
@@ -120,6 +126,7 @@ def make_manager(
     connect_timeout_s: float = 10.0,
     heartbeat_ms: int = 100,
     init_sync: bool = False,
+    device_type: str = "cpu",
     **kwargs,
 ):
     """A torchft `Manager` for one rank of a replica group, every server bound to `host`.
@@ -132,14 +139,15 @@ def make_manager(
     `replica_id` should end in digits that order the replicas as the plain path orders ranks
     (`"replica_03"`): torchft sorts quorum members by id string and derives ranks from the
     trailing digits. `init_sync=False`: replicas start identical (seeded) and nobody heals at
-    step 0. Extra `kwargs` go to `Manager`. The Manager is built with `use_async_quorum=False`.
+    step 0. `device_type` "cuda": the replicas' tensors live on GPUs and average through
+    torchft's NCCL process group (gloo otherwise). Extra `kwargs` go to `Manager`. The Manager
+    is built with `use_async_quorum=False`.
     """
     import torchft.manager as ft_manager
-    from torchft.process_group import ProcessGroupGloo
+    from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
     _quiet_flight_recorder()
-    if "://" not in lighthouse:  # HOST:PORT, as torchft_lighthouse --bind takes it
-        lighthouse = f"http://{lighthouse}"
+    lighthouse = lighthouse_url(lighthouse)
 
     store = None
     if store_addr is None:
@@ -157,7 +165,9 @@ def make_manager(
     transport = _loopback_transport(host, timeout)
     with _patched(ft_manager, "ManagerServer", bound_server):
         manager = ft_manager.Manager(
-            pg=ProcessGroupGloo(timeout=timeout),
+            # NCCL for tensors on a GPU (torchft's own group, reconfigured at every quorum)
+            pg=ProcessGroupNCCL(timeout=timeout) if device_type == "cuda" else ProcessGroupGloo(
+                timeout=timeout),  # fmt: skip
             load_state_dict=None,
             state_dict=None,
             min_replica_size=min_replicas,

@@ -1,7 +1,7 @@
 """The widest level of an averager, across replica groups, through a torchft Manager.
 
 `TorchftCommunicator` is a `Communicator` whose collectives are torchft's, inside a round that
-`localsgd.averaging.fault_tolerant.FaultTolerantAverager` drives (`begin()`: the quorum and the
+`localsgd.averaging.torchft.FaultTolerantRounds` drives (`begin()`: the quorum and the
 count of live replica groups; `commit()`: `should_commit()`). An average is one SUM all-reduce of
 the flat buffer through `manager.allreduce`, divided as the plain `Communicator` divides; a
 block-quantised average all-gathers the messages through the Manager's process group and
@@ -60,8 +60,10 @@ class TorchftCommunicator(Communicator):
     `local`, the communicator of this replica group (torch.distributed, size > 1 when the
     group has several processes), is averaged first; then the groups average through
     `manager.allreduce`. Collectives happen only inside a round (`begin()` ... `commit()`),
-    which `FaultTolerantAverager` drives. `participants` is the number of replica groups the
-    last average included; `size` the number of workers.
+    which `FaultTolerantRounds` drives. `participants` is the number of replica groups the
+    last average included; `size` the number of workers. `device`: where the averaged tensors
+    live (the Manager's process group is NCCL's on CUDA, `make_manager(device=...)`), so the
+    round's own small all-reduce goes there too.
     """
 
     def __init__(
@@ -72,6 +74,7 @@ class TorchftCommunicator(Communicator):
         stats: CommStats | None = None,
         link: SimulatedLink | None = None,
         replicas: int = 1,
+        device: torch.device | str = "cpu",
     ):
         self.manager = manager
         self.local = local if local is not None and local.size > 1 else None
@@ -86,7 +89,9 @@ class TorchftCommunicator(Communicator):
         self.healers = 0  # replica groups of this round's quorum that loaded a peer's state
         self.in_round = False
         self.lost = False  # no quorum formed this round: nothing goes on the wire
-        self._count = torch.zeros(1)
+        self.stop_requested = False  # a replica of the last round asked to stop
+        # live (1 or 0) and stop (1 or 0): one all-reduce per round, on the wire's device
+        self._count = torch.zeros(2, device=device)
 
     @property
     def size(self) -> int:
@@ -98,9 +103,11 @@ class TorchftCommunicator(Communicator):
             "replica group's own torch.distributed communicator"
         )
 
-    def begin(self) -> bool:
+    def begin(self, stop: bool = False) -> bool:
         """Start a round: the quorum (and a heal, if this replica is behind), then the count of
-        live participants. Returns whether this replica healed."""
+        live participants, which also carries `stop` (this replica was asked to stop:
+        `stop_requested` then says, on every replica of the round, that one was). Returns
+        whether this replica healed."""
         self.healed = False
         self.in_round = True
         self.lost = False
@@ -110,11 +117,13 @@ class TorchftCommunicator(Communicator):
             self.lost = True
             raise QuorumLost(f"no quorum: {type(e).__name__}") from e
         self.live = not self.healed and self.manager.errored() is None
-        self._count.fill_(1.0 if self.live else 0.0)
+        self._count[0] = 1.0 if self.live else 0.0
+        self._count[1] = 1.0 if stop else 0.0
         self.manager.allreduce(self._count, reduce_op=dist.ReduceOp.SUM).wait()
         if self.manager.errored() is None:
-            self.participants = int(round(self._count.item()))
+            self.participants = int(round(self._count[0].item()))
             self.healers = max(0, self.manager.num_participants() - self.participants)
+            self.stop_requested = self._count[1].item() > 0
         return self.healed
 
     def commit(self) -> bool:
@@ -224,7 +233,8 @@ class TorchftCommunicator(Communicator):
         if self.lost or self.manager.errored() is not None:
             return 0, None, mine
         members = self.manager.num_participants() * per_group  # healers' messages too
-        return members, torch.empty(members * wire.nbytes, dtype=torch.uint8), mine
+        gathered = torch.empty(members * wire.nbytes, dtype=torch.uint8, device=flat.device)
+        return members, gathered, mine
 
     def _decode_mean(self, flat: torch.Tensor, wire, gathered: torch.Tensor, members: int):
         if self.manager.errored() is not None:

@@ -1,0 +1,113 @@
+"""The house's structure, held by tests: no import cycle in the package (imports inside
+functions and under TYPE_CHECKING count), the trainer holds no fault-tolerance branch, nothing in
+`localsgd/loop/` below the Synchroniser reads `cfg.ft`, and the averaging core imports neither
+Hydra nor wandb."""
+
+from __future__ import annotations
+
+import ast
+import os
+
+import pytest
+
+ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "localsgd")
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _modules() -> dict[str, str]:
+    out = {}
+    for folder, _, files in os.walk(ROOT):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                rel = os.path.relpath(path, os.path.dirname(ROOT))[:-3].replace(os.sep, ".")
+                out[rel.removesuffix(".__init__")] = path
+    return out
+
+
+def _imports(path: str, modules: dict[str, str]) -> set[str]:
+    deps = set()
+    for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("localsgd"):
+            for alias in node.names:
+                name = f"{node.module}.{alias.name}"
+                deps.add(name if name in modules else node.module)
+        elif isinstance(node, ast.Import):
+            deps.update(a.name for a in node.names if a.name.startswith("localsgd"))
+    return {d for d in deps if d in modules}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's strongly connected components of more than one module."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_package_has_no_import_cycle():
+    modules = _modules()
+    graph = {m: _imports(p, modules) - {m} for m, p in modules.items()}
+    assert _cycles(graph) == []
+    assert _cycles({"a": {"b"}, "b": {"a"}}) == [["a", "b"]]  # the finder finds one
+
+
+def _source(*parts: str) -> str:
+    with open(os.path.join(ROOT, *parts), encoding="utf-8") as f:
+        return f.read()
+
+
+def test_the_trainer_holds_no_fault_tolerance_branch():
+    tree = ast.parse(_source("loop", "trainer.py"))
+    names = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    names |= {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    assert not names & {"ft", "fault_tolerance", "torchft"}
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert not any("fault_tolerance" in m or "torchft" in m for m in imported if m)
+
+
+def test_only_the_synchroniser_and_its_fault_tolerance_read_cfg_ft_in_the_loop():
+    readers = set()
+    for name in os.listdir(os.path.join(ROOT, "loop")):
+        if name.endswith(".py"):
+            tree = ast.parse(_source("loop", name))
+            if any(isinstance(n, ast.Attribute) and n.attr == "ft" for n in ast.walk(tree)):
+                readers.add(name)
+    assert readers <= {"synchroniser.py", "fault_tolerance.py"}, readers
+
+
+def test_the_averaging_core_imports_neither_hydra_nor_wandb():
+    modules = _modules()
+    for name, path in modules.items():
+        if name.startswith("localsgd.averaging"):
+            for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+                if isinstance(node, (ast.Import, ast.ImportFrom)):
+                    names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [
+                        a.name for a in node.names]  # fmt: skip
+                    for imported in names:
+                        assert imported.split(".")[0] not in ("hydra", "omegaconf", "wandb"), name
