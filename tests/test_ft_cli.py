@@ -9,6 +9,7 @@ worker with no restart left is lost for good and the others finish; bad setups g
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -306,3 +307,28 @@ def test_two_machines_each_a_replica_group_of_two_one_killed_and_restarted(tmp_p
     assert inner["group_size"] == 2 and inner["rounds"] > 0  # inside the machine
     assert widest["group_size"] == 4 and widest["rounds"] > 0  # both machines, through torchft
     assert not survivors(tag)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("strategy", [[], STREAMING], ids=["post_local_sgd", "streaming"])
+def test_sigterm_under_ft_stops_every_worker_at_an_agreed_round_with_a_checkpoint(
+    tmp_path, strategy
+):
+    """SIGTERM reaches the supervisor (as from SLURM; here sent by worker 1 at step 20): every
+    worker stops after the same round, which carried the request to every replica group, and
+    the job exits 143 with a shared checkpoint (Streaming DiLoCo's workers, never all in sync,
+    first take one blocking average). The same command resumes from it and finishes."""
+    run_dir = tmp_path / "run"
+    args = FT + strategy + ["ft=torchft", f"hydra.run.dir={run_dir}"]
+    proc, left = cli(args, fault=f"sigterm:1:20:{tmp_path / 'once'}")
+    assert proc.returncode == 143, proc.stderr[-2000:]
+    assert not left
+    stopped = int(re.search(r"stopped after step (\d+) with a checkpoint", proc.stderr).group(1))
+    assert 20 < stopped < 60
+    assert checkpoint.verify(str(run_dir / "checkpoints" / f"step-{stopped}"))["shared"]
+    assert not (run_dir / "summary.json").exists()
+    resumed, left = cli(args)
+    assert resumed.returncode == 0 and not left, resumed.stderr[-2000:]
+    assert re.search(rf"resuming from \S*step-{stopped}\b", resumed.stderr), resumed.stderr[-2000:]
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 60

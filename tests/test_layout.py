@@ -26,9 +26,14 @@ def _modules() -> dict[str, str]:
     return out
 
 
+def _read(path: str) -> str:
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
 def _imports(path: str, modules: dict[str, str]) -> set[str]:
     deps = set()
-    for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+    for node in ast.walk(ast.parse(_read(path))):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("localsgd"):
             for alias in node.names:
                 name = f"{node.module}.{alias.name}"
@@ -78,8 +83,7 @@ def test_the_package_has_no_import_cycle():
 
 
 def _source(*parts: str) -> str:
-    with open(os.path.join(ROOT, *parts), encoding="utf-8") as f:
-        return f.read()
+    return _read(os.path.join(ROOT, *parts))
 
 
 def test_the_trainer_holds_no_fault_tolerance_branch():
@@ -105,7 +109,7 @@ def test_the_averaging_core_imports_neither_hydra_nor_wandb():
     modules = _modules()
     for name, path in modules.items():
         if name.startswith("localsgd.averaging"):
-            for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+            for node in ast.walk(ast.parse(_read(path))):
                 if isinstance(node, (ast.Import, ast.ImportFrom)):
                     names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [
                         a.name for a in node.names]  # fmt: skip

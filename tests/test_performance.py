@@ -171,7 +171,8 @@ def _disabled_worker(rank, world_size, cfg):
         trainer = Trainer(cfg, info, torch.device("cpu"), run_dir)
         with CollectiveCounter() as counter:
             summary = trainer.train()
-        return {"collectives": counter.count, "rounds": trainer.comm_stats.rounds, "summary": summary}
+        rounds = trainer.comm_stats.rounds
+        return {"collectives": counter.count, "rounds": rounds, "summary": summary}
 
 
 @pytest.mark.slow

@@ -185,6 +185,14 @@ class ReplicasFailed(RuntimeError):
     """Too few replica groups finished; the message says which were lost and why."""
 
 
+class ReplicasStopped(RuntimeError):
+    """A SIGTERM or Ctrl-C stopped every worker at an agreed round, with a checkpoint."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.exit_code = 128 + signum  # 130 for Ctrl-C, 143 for SIGTERM, as a shell reports
+
+
 EXIT_STOPPED = 3  # a worker that found no quorum and wrote the stop checkpoint
 EXIT_NO_PEER = 4  # a restarted worker that found no live peer to heal from
 
@@ -275,9 +283,27 @@ def run_replicas(fn: Callable, cfg: Any, args: tuple, poll_s: float = 0.05) -> d
             )
             os._exit(130 if signum == signal.SIGINT else 143)
 
+    stopping: list[int] = []  # the signal that asked for a stop
+
+    def stop(signum, frame) -> None:
+        """The first SIGTERM or Ctrl-C: every worker stops after the next round, which carries
+        the request to all replica groups, with a shared checkpoint; the second aborts."""
+        if stopping:
+            stop_all(signum)
+        stopping.append(signum)
+        print(
+            "stopping after the next sync with a checkpoint (run the same command again to "
+            "resume; Ctrl-C again to abort without one)",
+            file=sys.stderr,
+            flush=True,
+        )
+        for proc in procs.values():
+            if proc.is_alive():
+                os.kill(proc.pid, signal.SIGTERM)
+
     previous = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
-    signal.signal(signal.SIGTERM, stop_all)
-    signal.signal(signal.SIGINT, stop_all)
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
     try:
         for rank in range(world_size):
             start(rank)
@@ -303,7 +329,7 @@ def run_replicas(fn: Callable, cfg: Any, args: tuple, poll_s: float = 0.05) -> d
                         )
                     continue
                 how = f"signal {-code}" if code < 0 else f"exit code {code}"
-                if restarts[rank] < ft.max_restarts:
+                if restarts[rank] < ft.max_restarts and not stopping:
                     restarts[rank] += 1
                     print(
                         f"ft: worker {rank} died ({how}); restart {restarts[rank]} of "
@@ -329,6 +355,8 @@ def run_replicas(fn: Callable, cfg: Any, args: tuple, poll_s: float = 0.05) -> d
                         )
         if stopped:
             raise ReplicasFailed(f"ft: {stops.get()}")
+        if stopping:  # every worker stopped at the agreed round, with its checkpoint
+            raise ReplicasStopped(stopping[0])
         return {"restarts": restarts, "lost": sorted(lost)}
     finally:
         stop_all()

@@ -22,7 +22,12 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from localsgd.cli.checks import validate
-from localsgd.cli.fault_tolerance import ReplicasFailed, replica_group_info, run_replicas
+from localsgd.cli.fault_tolerance import (
+    ReplicasFailed,
+    ReplicasStopped,
+    replica_group_info,
+    run_replicas,
+)
 from localsgd.cli.launch import (
     WorkerFailed,
     WorkerInfo,
@@ -213,6 +218,9 @@ def main(cfg: DictConfig) -> float | None:
                     print(f"ft: finished without worker(s) {lost} (lost for good)", file=sys.stderr)
         except (WorkerFailed, ReplicasFailed) as e:
             fail(str(e), code=1)
+        except ReplicasStopped as e:  # resumable: not a finished run, for scripts and schedulers
+            print(f"run dir: {run_dir} (interrupted; resumable)")
+            sys.exit(e.exit_code)
     if not os.path.exists(summary_path):  # stopped by SIGTERM after a checkpoint
         print(f"run dir: {run_dir} (interrupted; resumable)")
         return None

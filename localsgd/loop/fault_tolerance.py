@@ -170,12 +170,7 @@ class FaultTolerance:
                 f"{below}; stopped with the last global state in {folder}: run the same command "
                 "to resume, at any dist.world_size"
             )
-        stop = committed and rounds.stop_agreed and not final
-        if stop:
-            if not in_sync:
-                rounds.average()  # one blocking average: a stop leaves a state to resume from
-                in_sync = rounds.just_committed
-                rounds.just_committed = False
+        if committed and rounds.stop_agreed and not final:
             if in_sync:
                 save(rounds.leads and writes)
             return True

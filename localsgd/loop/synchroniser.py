@@ -196,8 +196,13 @@ class Synchroniser:
         state every replica holds, by the worker that leads."""
         ft = self.fault_tolerance
         if ft is not None:
-            if ft.rounds.quorum_lost is not None and not ft.rounds.undo:
+            rounds = ft.rounds
+            if rounds.quorum_lost is not None and not rounds.undo:
                 self.in_sync = True  # rolled back: every worker holds the last global state
+            if rounds.stop_agreed and rounds.just_committed and not self.in_sync and not final:
+                # Streaming DiLoCo's workers are never all in sync: one blocking average (a
+                # round: it commits, or the stop waits for the next) leaves a state to resume
+                self.in_sync = self._driver.average()
             return ft.checkpoint(
                 step,
                 final or step >= self.max_steps,
