@@ -332,3 +332,29 @@ def test_sigterm_under_ft_stops_every_worker_at_an_agreed_round_with_a_checkpoin
     assert resumed.returncode == 0 and not left, resumed.stderr[-2000:]
     assert re.search(rf"resuming from \S*step-{stopped}\b", resumed.stderr), resumed.stderr[-2000:]
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 60
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_streaming_diloco_under_ft_checkpoints_its_global_state(tmp_path):
+    """Streaming DiLoCo's workers are never all in sync, but every one holds the same anchors
+    (the global model as of each fragment's last sync): a shared checkpoint of those, taken
+    after a committed round, is what a run resumes from, losing only local progress."""
+    import torch
+
+    run_dir = tmp_path / "run"
+    args = FT + STREAMING + ["ft=torchft", "trainer.checkpoint_every=20"]
+    proc, left = cli(args + [f"hydra.run.dir={run_dir}"])
+    assert proc.returncode == 0 and not left, proc.stderr[-2000:]
+    folders = sorted((run_dir / "checkpoints").glob("step-*"))
+    mid = [f for f in folders if int(f.name.split("-")[1]) < 60]
+    assert mid, folders
+    assert checkpoint.verify(str(mid[0]))["shared"]
+    state = torch.load(mid[0] / "rank-0.pt", weights_only=False)
+    model = torch.cat([t.flatten() for t in state["model"].values()])
+    anchors = torch.cat([a.flatten() for a in state["averager"]["reducer"]["anchors"]])
+    assert torch.equal(model.sort().values, anchors.sort().values)  # the model is the anchors
+    assert state["loop"]["in_sync"]
+    resumed, left = cli(args + [f"hydra.run.dir={tmp_path / 'again'}", f"trainer.resume={mid[0]}"])
+    assert resumed.returncode == 0 and not left, resumed.stderr[-2000:]
+    assert json.loads((tmp_path / "again" / "summary.json").read_text())["steps"] == 60

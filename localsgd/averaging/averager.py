@@ -275,6 +275,13 @@ class Averager(ModelAverager):
             return self.reducer.averages
         return self._bound().buffers
 
+    def global_state(self) -> list[torch.Tensor] | None:
+        """Between syncs, flat tensors (laid out as the flat buffers) that every rank holds
+        identically and that training can continue from, losing only the local progress since
+        (a checkpoint of it: `Synchroniser.checkpoint`); None where there are none (the replicas
+        are together only right after a sync)."""
+        return None
+
     def observe_loss(self, loss: torch.Tensor) -> None:
         """Feed this step's training loss to a schedule that adapts to it (no-op otherwise)."""
 

@@ -387,6 +387,11 @@ class StreamingAverager(Averager):
         self._count(self.widest, before)
         self.all_in_sync = True
 
+    def global_state(self) -> Tensors | None:
+        """The anchors, with an outer step (eager ones are per worker): the global model as of
+        each fragment's last sync, identical on every rank."""
+        return list(self.frags.anchors) if self.outer and not self.eager else None
+
     def common_tensors(self) -> Tensors:
         """What every rank holds identically now (see the module docstring)."""
         if self.all_in_sync or not self.merged:

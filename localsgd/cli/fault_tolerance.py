@@ -146,12 +146,11 @@ def validate_ft(cfg: Any, get: Callable[[Any, str], Any], world_size: int | None
             "merge that it would check follows the round's commit), got True"
         )
     every = get(cfg, "trainer.checkpoint_every")
-    if every and not plan.in_sync_after_sync:
+    if every and not (plan.in_sync_after_sync or plan.global_state_between_syncs):
         raise ConfigError(
-            "trainer.checkpoint_every must be 0 with ft=torchft and sync.fragments > 1, "
-            "sync.merge_alpha > 0, sync.merge_rule=progress (sync.overlap) or sync.eager "
-            "(checkpoints under ft are one shared state, and these workers are never all in "
-            f"sync), got {every!r}"
+            "trainer.checkpoint_every must be 0 with ft=torchft and sync.eager, or Streaming "
+            "DiLoCo without sync.outer (checkpoints under ft are one shared state, and these "
+            f"workers hold no common one between syncs), got {every!r}"
         )
     lighthouse = get(cfg, "ft.lighthouse")
     if lighthouse:

@@ -144,12 +144,13 @@ class FaultTolerance:
     # --- after each step -----------------------------------------------------------------------
 
     def checkpoint(
-        self, step: int, final: bool, every: int, in_sync: bool, save: Callable[[bool], str]
+        self, step: int, final: bool, every: int, shared: bool, save: Callable[[bool], str]
     ) -> bool:
         """After a step (or the final average): a shared checkpoint when one is due and a round
         just committed, or when a stop was agreed in it (then True: stop); after a round that
-        found no quorum, the stop checkpoint, then `QuorumLost`. `save(writes)` is called on
-        every worker for a checkpoint; `writes`: this process writes the shared state."""
+        found no quorum, the stop checkpoint, then `QuorumLost`. `shared`: every worker holds a
+        common state to write now (in sync, or the global state between syncs). `save(writes)`
+        is called on every worker for a checkpoint; `writes`: this process writes it."""
         rounds = self.rounds
         committed, rounds.just_committed = rounds.just_committed, False
         writes = dist.get_rank() == 0  # one process per replica group
@@ -160,10 +161,10 @@ class FaultTolerance:
                 f"fewer than ft.min_replicas={ft.min_replicas} replica groups for "
                 f"ft.quorum_timeout_s={ft.quorum_timeout_s:g} at step {step} ({why})"
             )
-            if rounds.undo:  # a fragment's sync undone: the workers hold their own values
+            if not shared:  # a fragment's sync undone: the workers hold their own values
                 raise QuorumLost(
-                    f"{below}; stopped without a checkpoint of this state (Streaming DiLoCo's "
-                    "workers are not in sync between rounds)"
+                    f"{below}; stopped without a checkpoint of this state (these workers hold no "
+                    "common state between syncs)"
                 )
             folder = save(writes) if writes else "its newest checkpoint"
             raise QuorumLost(
@@ -171,10 +172,10 @@ class FaultTolerance:
                 "to resume, at any dist.world_size"
             )
         if committed and rounds.stop_agreed and not final:
-            if in_sync:
+            if shared:
                 save(rounds.leads and writes)
             return True
-        if every <= 0 or not committed or not in_sync:
+        if every <= 0 or not committed or not shared:
             return False
         mark = step // every
         if mark <= rounds.checkpoint_mark and not final:

@@ -117,6 +117,13 @@ class SyncPlan:
             and self.merge_rule == "mix"
         )
 
+    @property
+    def global_state_between_syncs(self) -> bool:
+        """Whether every worker holds the same global model between syncs when they are never
+        all in sync (Streaming DiLoCo's anchors, with an outer step that is not eager): a
+        shared checkpoint to resume from (`Averager.global_state`)."""
+        return self.streaming and self.outer != "none" and not self.eager
+
     def reshard_refusal(self) -> str | None:
         """Why a checkpoint of this run cannot continue at another world size, or None."""
         values = {

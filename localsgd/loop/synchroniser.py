@@ -207,8 +207,8 @@ class Synchroniser:
                 step,
                 final or step >= self.max_steps,
                 every,
-                self.in_sync,
-                lambda writes: save(True) if writes else "",
+                self.in_sync or self.averager.global_state() is not None,
+                lambda writes: self._save_shared(save) if writes else "",
             )
         if final:  # the loop's last step took the final checkpoint
             return False
@@ -218,6 +218,24 @@ class Synchroniser:
         if due or stopping:
             save(False)
         return stopping
+
+    def _save_shared(self, save: Callable[[bool], str]) -> str:
+        """The one state every worker holds: the model itself when in sync, else the global
+        state (Streaming DiLoCo's anchors) in the model's place for the save, so that a resume
+        continues from it, losing only the local progress since each fragment's last sync."""
+        if self.in_sync:
+            return save(True)
+        buffers = self.averager.flat.buffers
+        local = [b.clone() for b in buffers]
+        for mine, common in zip(buffers, self.averager.global_state(), strict=True):
+            mine.copy_(common)
+        self.in_sync = True  # what the checkpoint's loop state says: resumed, all start alike
+        try:
+            return save(True)
+        finally:
+            self.in_sync = False
+            for mine, kept in zip(buffers, local, strict=True):
+                mine.copy_(kept)
 
     def finish(self) -> None:
         """The final model is the average of the replicas: average once more if the last step
