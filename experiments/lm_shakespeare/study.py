@@ -2,7 +2,7 @@
 
     make data                                           # the corpus, once
     python experiments/lm_shakespeare/study.py run      # the runs not yet in runs.jsonl
-    python experiments/lm_shakespeare/study.py run --fresh   # all 45 runs into /tmp/lm_shakespeare
+    python experiments/lm_shakespeare/study.py run --fresh   # every row x seed, 168 runs, afresh
     python experiments/lm_shakespeare/study.py export   # appends new runs to runs.jsonl
     python experiments/lm_shakespeare/study.py report   # -> report.md and three plots
 

@@ -12,7 +12,8 @@ from localsgd.averaging.flat import FlatBuffers, averaged_tensors
 from localsgd.averaging.gradients import GradientAverager
 from localsgd.averaging.hierarchical import HierarchicalAverager
 from localsgd.averaging.optimizer_state import OPTIMIZER_STATE_MODES, OptimizerStateSync
-from localsgd.averaging.outer import OUTER_DEFAULTS, OuterAverager, OuterStep
+from localsgd.averaging.outer import OuterAverager
+from localsgd.averaging.outer_step import OUTER_DEFAULTS, OuterStep
 from localsgd.averaging.overlap import DelayedMean
 from localsgd.averaging.periodic import PeriodicAverager
 from localsgd.averaging.quantize import QUANTIZED_FORMATS, BlockCodec, QuantizedWire

@@ -265,19 +265,24 @@ class Communicator:
         self._account(start, wire.nbytes)
 
     def _average_gathered(self, flat: torch.Tensor, wire: QuantizedWire) -> None:
-        """`flat` <- the fp32 mean of the messages gathered in `wire`, decoded and summed in
-        rank order (the same bits on every rank)."""
-        gathered = wire.gathered(self.size)
-        acc = wire.accumulator(flat)
-        for rank in range(self.size):
-            value = wire.decode(gathered[rank * wire.nbytes : (rank + 1) * wire.nbytes])
-            if rank == 0:
-                acc.copy_(value)
-            else:
-                acc.add_(value)
-        acc.div_(self.size)
-        if acc is not flat:
-            flat.copy_(acc)
+        decode_mean_(flat, wire, wire.gathered(self.size), self.size, self.size)
+
+
+def decode_mean_(
+    flat: torch.Tensor, wire: QuantizedWire, gathered: torch.Tensor, members: int, divisor: int
+) -> None:
+    """`flat` <- the fp32 sum of the first `members` messages in `gathered`, decoded and summed
+    in rank order (the same bits on every rank), divided by `divisor`."""
+    acc = wire.accumulator(flat)
+    for rank in range(members):
+        value = wire.decode(gathered[rank * wire.nbytes : (rank + 1) * wire.nbytes])
+        if rank == 0:
+            acc.copy_(value)
+        else:
+            acc.add_(value)
+    acc.div_(max(divisor, 1))
+    if acc is not flat:
+        flat.copy_(acc)
 
 
 def _gather_into(

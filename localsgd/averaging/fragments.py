@@ -22,7 +22,7 @@ from localsgd.averaging.compress import (
     wire_buffers,
 )
 from localsgd.averaging.flat import FlatBuffers, Relayout, averaged_tensors
-from localsgd.averaging.outer import outer_step
+from localsgd.averaging.outer_step import outer_step
 from localsgd.averaging.overlap import buckets, keep_progress_
 from localsgd.averaging.quantize import BlockCodec
 from localsgd.averaging.reduce import Reducer

@@ -34,6 +34,17 @@ def check_levels(period_group_size_dict: dict[int, int], overall: int) -> None:
         )
 
 
+def level_by_period(step: int, warmup_steps: int, periods: list[int]) -> int | None:
+    """torch's hierarchical rule: after step `step` (from `warmup_steps` on), the last listed
+    level whose period divides `step` averages (note: `step`, not `step - warmup_steps`)."""
+    if step < warmup_steps:
+        return None
+    for i in reversed(range(len(periods))):
+        if step % periods[i] == 0:
+            return i
+    return None
+
+
 class HierarchicalAverager(Averager):
     """Averages within groups of contiguous ranks, each level with its own period: a drop-in for
     torch's `HierarchicalModelAverager(period_group_size_dict, warmup_steps, process_group)`.
@@ -103,12 +114,7 @@ class HierarchicalAverager(Averager):
         return self.periods[level]
 
     def level_at(self, step: int) -> int | None:
-        if step < self.warmup_steps:
-            return None
-        for i in reversed(range(len(self.periods))):
-            if step % self.periods[i] == 0:
-                return i
-        return None
+        return level_by_period(step, self.warmup_steps, self.periods)
 
     def next_sync(self, step: int) -> int:
         s = max(step, self.warmup_steps)

@@ -15,135 +15,19 @@ extrapolated by momentum (a running variance could go negative).
 
 from __future__ import annotations
 
-import copy
-
 import torch
 import torch.distributed as dist
 
-from localsgd.averaging.comm import CommStats, Communicator, SimulatedLink
-from localsgd.averaging.compress import (
-    CommFormat,
-    comm_dtype_of,
-    load_residuals,
-    lossy_mean_,
-    residual_buffers,
-    wire_buffers,
-)
-from localsgd.averaging.flat import FlatBuffers, Relayout
+from localsgd.averaging.comm import CommStats, SimulatedLink
+from localsgd.averaging.compress import comm_dtype_of
+from localsgd.averaging.flat import FlatBuffers
+from localsgd.averaging.outer_step import DILOCO, OUTER_DEFAULTS, OuterStep, outer_step
 from localsgd.averaging.periodic import PeriodicAverager
 from localsgd.averaging.quantize import DEFAULT_BLOCK_SIZE, BlockCodec
 from localsgd.averaging.reduce import Reducer
 from localsgd.averaging.schedule import ConstantPeriod
 
-OUTER_DEFAULTS = {  # the papers' settings
-    "diloco": {"lr": 0.7, "momentum": 0.9, "nesterov": True},
-    "slowmo": {"lr": 1.0, "momentum": 0.5, "nesterov": False},
-}
-
-
-def outer_step(optimizer: torch.optim.Optimizer, warmup_rounds: int):
-    """`optimizer.step()` with the outer warmup: outer step r (counted from 0, per optimizer) of
-    the first `warmup_rounds` uses lr `1 + (r / R)(lr - 1)` and momentum `(r / R) momentum` (lr and
-    momentum as the optimizer was built, `optimizer.defaults`), so
-    the first outer step is a plain average (lr 1, no momentum) and the method's own step is
-    reached at step R. With few outer steps, momentum 0.9 started at once extrapolates the
-    earliest pseudo-gradients, taken far from any minimum, for the rest of the run. The count
-    lives in the param group (`outer_rounds`), so the optimizer's state_dict checkpoints it."""
-    lr, momentum = optimizer.defaults["lr"], optimizer.defaults["momentum"]
-    for group in optimizer.param_groups:
-        done = group.get("outer_rounds", 0)
-        if warmup_rounds > 0:
-            f = min(1.0, done / warmup_rounds)
-            group["lr"] = 1.0 + f * (lr - 1.0)
-            group["momentum"] = f * momentum
-        group["outer_rounds"] = done + 1
-    optimizer.step()
-
-
-class OuterStep(Reducer):
-    """The reducer of `OuterAverager`: the mean pseudo-gradient fed to an outer `torch.optim.SGD`
-    over the anchor (communicated in `comm_dtype`, a dtype or a block-quantised format; anchor
-    and outer state stay fp32). `error_feedback` keeps this worker's residual, what it wanted to
-    send minus what it sent, and adds it to its next pseudo-gradient (see `compress`)."""
-
-    anchored = True
-
-    def __init__(
-        self,
-        flat: FlatBuffers,
-        warmup_steps: int,
-        lr: float,
-        momentum: float,
-        nesterov: bool,
-        comm_dtype: CommFormat,
-        error_feedback: bool = False,
-        warmup_rounds: int = 0,
-    ):
-        self.warmup_steps = warmup_steps
-        self.warmup_rounds = warmup_rounds
-        self.error_feedback = error_feedback
-        self.anchors: list[torch.Tensor] = []
-        self.param_numels: list[int] = []
-        outer_params = []
-        for buffer, members in zip(flat.buffers, flat.groups, strict=True):
-            anchor = buffer.detach().clone()
-            # averaged_tensors lists parameters first, so they lead every buffer
-            n = sum(t.numel() for t in members if isinstance(t, torch.nn.Parameter))
-            if n > 0:
-                view = anchor[:n]
-                view.grad = buffer[:n]  # the pseudo-gradient is computed in place in the buffer
-                outer_params.append(view)
-            self.anchors.append(anchor)
-            self.param_numels.append(n)
-        self.low = wire_buffers(flat.buffers, comm_dtype_of(comm_dtype))
-        self.residuals = residual_buffers(flat.buffers, self.low, error_feedback)
-        self.optimizer = torch.optim.SGD(outer_params, lr=lr, momentum=momentum, nesterov=nesterov)
-
-    def reduce_(self, buffers: list[torch.Tensor], comm: Communicator, level: int, step: int):
-        # the first sync after a warmup (the rule fires at step `warmup_steps`), see the module doc
-        plain = self.warmup_steps > 0 and step == self.warmup_steps
-        for flat, anchor, low, residual, n in zip(
-            buffers, self.anchors, self.low, self.residuals, self.param_numels, strict=True
-        ):
-            torch.sub(anchor, flat, out=flat)  # pseudo-gradient
-            lossy_mean_(flat, comm, low, residual)
-            start = 0 if plain else n  # buffers (or everything) are averaged plainly
-            anchor[start:].sub_(flat[start:])
-        if not plain:
-            outer_step(self.optimizer, self.warmup_rounds)
-        for flat, anchor in zip(buffers, self.anchors, strict=True):
-            flat.copy_(anchor)
-
-    def reset(self, buffers: list[torch.Tensor]) -> None:
-        for flat, anchor in zip(buffers, self.anchors, strict=True):
-            anchor.copy_(flat)
-        for residual in self.residuals:
-            if residual is not None:
-                residual.zero_()
-
-    def relayout(self, convert: Relayout) -> None:
-        raise ValueError(
-            "a parameter changed dtype or device under an outer optimizer (DiLoCo/SlowMo): "
-            "move the model (model.to(...)) before building the averager"
-        )
-
-    def state_dict(self) -> dict:
-        state = {
-            "anchors": [a.clone() for a in self.anchors],
-            "outer_optimizer": self.optimizer.state_dict(),
-        }
-        if self.error_feedback:
-            state["residuals"] = [r.clone() if r is not None else None for r in self.residuals]
-        return state
-
-    def load_state_dict(self, state: dict) -> None:
-        for anchor, saved in zip(self.anchors, state["anchors"], strict=True):
-            anchor.copy_(saved)
-        # deep-copied: torch's load_state_dict would otherwise share the momentum tensors with
-        # `state`, e.g. with the live averager it was taken from
-        self.optimizer.load_state_dict(copy.deepcopy(state["outer_optimizer"]))
-        load_residuals(self.residuals, state.get("residuals"))
-
+__all__ = ["DILOCO", "OUTER_DEFAULTS", "OuterAverager", "OuterStep", "outer_step"]
 
 class OuterAverager(PeriodicAverager):
     """`PeriodicAverager` whose average feeds the pseudo-gradient to an outer SGD.
@@ -169,9 +53,9 @@ class OuterAverager(PeriodicAverager):
         *,
         module: torch.nn.Module,
         stats: CommStats | None = None,
-        outer_lr: float = 0.7,
-        outer_momentum: float = 0.9,
-        outer_nesterov: bool = True,
+        outer_lr: float = DILOCO["lr"],
+        outer_momentum: float = DILOCO["momentum"],
+        outer_nesterov: bool = DILOCO["nesterov"],
         schedule: ConstantPeriod | None = None,
         comm_dtype: str | torch.dtype | BlockCodec = torch.float32,
         link: SimulatedLink | None = None,

@@ -13,9 +13,11 @@ value, `value / scale` rounded to the format:
 plus `4 * ceil(n / block_size)` bytes of fp32 scales. The 4-bit codes are packed two per byte,
 value `2i` in the low nibble of byte `i`, value `2i + 1` in the high one. `int4` stores
 `q + 8` (offset binary, 1..15); `float4_e2m1` stores the E2M1 bit pattern (bit 3 the sign, bits
-0-2 the index into 0, .5, 1, 1.5, 2, 3, 4, 6), the format Streaming DiLoCo sends (Douillard et
-al. 2025). With the default block of 128 values a 4-bit message is 0.53125 bytes per value,
-0.133x fp32; int8 and float8 are 1.03125 bytes per value, 0.258x.
+0-2 the index into 0, .5, 1, 1.5, 2, 3, 4, 6): FP4 as the OCP microscaling formats define it.
+Streaming DiLoCo (Douillard et al. 2025) sends 4-bit floats too; its exact layout is not claimed
+here (E2M1 is the standard FP4, not a reproduction of the paper's). With the default block of
+128 values a 4-bit message is 0.53125 bytes per value, 0.133x fp32; int8 and float8 are 1.03125
+bytes per value, 0.258x.
 
 Error bounds per block (scale = absmax / qmax): int8 and int4 round to the nearest multiple of
 the scale, `|error| <= scale / 2`; float8_e4m3fn keeps 3 mantissa bits, `|error| <=

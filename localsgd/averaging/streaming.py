@@ -93,6 +93,8 @@ from localsgd.averaging.compress import (
 )
 from localsgd.averaging.flat import FlatBuffers, averaged_tensors
 from localsgd.averaging.fragments import Fragments, Tensors, fragment_ids
+from localsgd.averaging.hierarchical import level_by_period
+from localsgd.averaging.outer_step import DILOCO
 from localsgd.averaging.quantize import DEFAULT_BLOCK_SIZE, BlockCodec
 
 # how a delayed merge combines the global value with the local one (see the module docstring)
@@ -120,9 +122,9 @@ class StreamingAverager(Averager):
         merge_alpha: float = 0.0,
         eager: bool = False,
         outer: bool = True,
-        outer_lr: float = 0.7,
-        outer_momentum: float = 0.9,
-        outer_nesterov: bool = True,
+        outer_lr: float = DILOCO["lr"],
+        outer_momentum: float = DILOCO["momentum"],
+        outer_nesterov: bool = DILOCO["nesterov"],
         outer_warmup_rounds: int = 0,
         blocks: Sequence[nn.Module] | None = None,
         stats: CommStats | None = None,
@@ -254,12 +256,7 @@ class StreamingAverager(Averager):
 
     def inner_level_at(self, step: int) -> int | None:
         """The inner level that averages the whole model after step `step`, or None."""
-        if step < self.warmup_steps:
-            return None
-        for i in reversed(range(len(self.inner_periods))):
-            if step % self.inner_periods[i] == 0:
-                return i
-        return None
+        return level_by_period(step, self.warmup_steps, self.inner_periods)
 
     def level_at(self, step: int) -> int | None:
         if self.launching(step) is not None:

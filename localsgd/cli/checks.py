@@ -1,7 +1,9 @@
-"""Every check of a config's values, in one place: ranges, choices and combinations, each a
-one-line ConfigError naming the key and what is allowed. `validate` runs in the launching process
-before any worker starts (`localsgd.cli.train`); the override and data/model checks that need more
-than the values are `localsgd.cli.overrides` and `localsgd.cli.preflight`."""
+"""The checks of a config's values: ranges, choices and combinations, each a one-line
+ConfigError naming the key and what is allowed. `validate` runs in the launching process before
+any worker starts (`localsgd.cli.train`) and calls the others: the `ft` keys' checks live with
+the supervisor (`localsgd.cli.fault_tolerance.validate_ft`); the override and data/model checks
+that need more than the values are `localsgd.cli.overrides` and `localsgd.cli.preflight`. What
+the sync keys mean together is read once, by `localsgd.loop.plan.SyncPlan`."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from localsgd.averaging.outer import OUTER_DEFAULTS
+from localsgd.averaging.outer_step import OUTER_DEFAULTS
 
 # sync key: why its per-worker state cannot move to another world size (`SyncPlan.reshard_refusal`)
 RESHARD_REFUSED = {

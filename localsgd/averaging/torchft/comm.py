@@ -17,7 +17,14 @@ import torch
 import torch.distributed as dist
 from torch.torch_version import TorchVersion
 
-from localsgd.averaging.comm import CommStats, Communicator, PendingMean, SimulatedLink, _nbytes
+from localsgd.averaging.comm import (
+    CommStats,
+    Communicator,
+    PendingMean,
+    SimulatedLink,
+    _nbytes,
+    decode_mean_,
+)
 
 __all__ = ["QuorumLost", "TorchftCommunicator"]
 
@@ -239,16 +246,8 @@ class TorchftCommunicator(Communicator):
     def _decode_mean(self, flat: torch.Tensor, wire, gathered: torch.Tensor, members: int):
         if self.manager.errored() is not None:
             return  # the round will not commit
-        acc = wire.accumulator(flat)
-        for r in range(members):
-            value = wire.decode(gathered[r * wire.nbytes : (r + 1) * wire.nbytes])
-            if r == 0:
-                acc.copy_(value)
-            else:
-                acc.add_(value)
-        acc.div_(max(self.size, 1))
-        if acc is not flat:
-            flat.copy_(acc)
+        # healers' messages decode to zeros: summed, but the live workers divide
+        decode_mean_(flat, wire, gathered, members, self.size)
 
     def _all_gather(self, out: torch.Tensor, inp: torch.Tensor):
         # the Manager has no all-gather: its process group's, with errors reported to it so
