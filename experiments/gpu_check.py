@@ -8,7 +8,9 @@ works where no GPU is lent.
 Checks: device pick (cuda, nccl, one worker per GPU); NCCL's ReduceOp.AVG in an all-reduce and
 in the averager; bf16-mixed and 16-mixed training (fp32 parameters, a finite falling loss, the
 GradScaler on the GPU); pinned-memory loading; the CUDA RNG state through a checkpoint; a run
-killed mid-way resuming bit-identical; and a short `make train` on dist.device=cuda.
+killed mid-way resuming bit-identical; `ft=torchft` (torchft's NCCL process group, 4-bit
+messages gathered on the device) giving the same model as without it; and a short `make train`
+on dist.device=cuda.
 """
 
 from __future__ import annotations
@@ -267,6 +269,31 @@ def exact_resume(device: str, tmp: str) -> str:
     return f"{world} worker(s), killed at step 13, resumed from step 10: bit-identical model"
 
 
+def fault_tolerant(device: str, tmp: str) -> str:
+    """`ft=torchft` on the device (torchft's NCCL process group on CUDA): Streaming DiLoCo in 4
+    bits with error feedback, its messages all-gathered through the Manager into a buffer on the
+    device, gives the same model as without `ft=`."""
+    world = max(1, torch.cuda.device_count()) if device == "cuda" else 2
+    args = [
+        "data=synthetic", "data.num_samples=600", "model=mlp", "model.hidden=[32,32]",
+        "trainer.batch_size=16", "trainer.max_steps=24", "trainer.checkpoint_every=0",
+        "trainer.progress=false", "trainer.eval_every=1000", "sync.period=4",
+        "sync.outer=diloco", "optim=adamw", "sync.fragments=2", "sync.comm_dtype=int4",
+        "sync.error_feedback=true", "sync.check_replicas=true", "dist.timeout_s=60",
+        "logger.wandb.mode=disabled", f"dist.device={device}", f"dist.world_size={world}",
+    ]  # fmt: skip
+    plain, ft = os.path.join(tmp, "ft-plain"), os.path.join(tmp, "ft-torchft")
+    proc = _cli(args + [f"hydra.run.dir={plain}"], 120)
+    check(proc.returncode == 0, f"run without ft failed: {proc.stderr.strip()[-300:]}")
+    proc = _cli(args + ["ft=torchft", f"hydra.run.dir={ft}"], 180)
+    check(proc.returncode == 0, f"ft=torchft failed: {proc.stderr.strip()[-300:]}")
+    check(
+        _same_model(os.path.join(plain, "model.pt"), os.path.join(ft, "model.pt")),
+        "the model through torchft differs from the one without ft=",
+    )
+    return f"{world} replica group(s), 4-bit Streaming DiLoCo: the same model with and without ft="
+
+
 def make_train(device: str, tmp: str) -> str:
     run_dir = os.path.join(tmp, "make-train")
     # make train's job, shortened: 300 synchronous steps then k=16, to step 600
@@ -348,6 +375,7 @@ def main(argv: list[str] | None = None) -> int:
         checks.run("pinned-memory loading", lambda: pinned_loading(device))
         checks.run("CUDA RNG in checkpoints", lambda: cuda_rng(device))
         checks.run("exact resume", lambda: exact_resume(device, tmp))
+        checks.run("ft=torchft", lambda: fault_tolerant(device, tmp))
         checks.run(f"make train on dist.device={device}", lambda: make_train(device, tmp))
     print(f"gpu-check: {'all passed' if not checks.failed else f'{checks.failed} failed'}")
     return 1 if checks.failed else 0
