@@ -42,10 +42,12 @@ from localsgd.cli.overrides import (
     split_config_dirs,
 )
 from localsgd.cli.preflight import check_data, resolve_resume
+from localsgd.cli.proctitle import launcher_title, set_title
 from localsgd.config import Config, ConfigError, register_schemas, typed
 from localsgd.loop.fault_tolerance import NoLivePeer
 from localsgd.loop.loggers import offline_runs, resolve_wandb_settings
 from localsgd.loop.reshard import rank_states, written_by
+from localsgd.loop.stop import first_signal, stopped_exit_code
 
 register_schemas()
 
@@ -182,10 +184,12 @@ def main(cfg: DictConfig) -> float | None:
                 file=sys.stderr,
                 flush=True,
             )
+    stopped_by = None
     if torchrun:
         info = torchrun_info()
         if run_cfg.ft.backend != "none":
             info = replica_group_info(run_cfg.ft, info)
+        set_title(f"localsgd worker {info.rank}/{info.world_size} (torchrun)")
         try:
             run_worker(info, None, run_cfg, run_dir, resume)
         except NoLivePeer as e:  # a group restarted after the others finished
@@ -194,7 +198,10 @@ def main(cfg: DictConfig) -> float | None:
         except Exception as e:  # one line naming the rank; torchrun then stops the others
             last = (str(e).strip().splitlines() or [""])[-1]
             fail(f"worker rank {info.rank} failed: {type(e).__name__}: {last}", code=1)
+        stopped_by = first_signal()
         if info.rank != 0:
+            if not os.path.exists(summary_path):  # torchrun's own exit code follows its ranks'
+                sys.exit(stopped_exit_code(stopped_by))
             return None
     else:
         world_size = resolve_world_size(run_cfg.dist.world_size, run_cfg.dist.device)
@@ -205,7 +212,9 @@ def main(cfg: DictConfig) -> float | None:
             from localsgd.cli.train import run_worker as worker
 
             if run_cfg.ft.backend == "none":
-                spawn(worker, world_size, run_cfg.dist.timeout_s, args=(run_cfg, run_dir, resume))
+                stopped_by = spawn(
+                    worker, world_size, run_cfg.dist.timeout_s, args=(run_cfg, run_dir, resume)
+                )
             else:
                 outcome = run_replicas(worker, run_cfg, args=(run_cfg, run_dir, resume))
                 if outcome["lost"]:
@@ -213,9 +222,16 @@ def main(cfg: DictConfig) -> float | None:
                     print(f"ft: finished without worker(s) {lost} (lost for good)", file=sys.stderr)
         except (WorkerFailed, ReplicasFailed) as e:
             fail(str(e), code=1)
-    if not os.path.exists(summary_path):  # stopped by SIGTERM after a checkpoint
-        print(f"run dir: {run_dir} (interrupted; resumable)")
-        return None
+    if not os.path.exists(summary_path):  # stopped by SIGTERM or Ctrl-C after a checkpoint
+        code = stopped_exit_code(stopped_by)
+        print(f"run dir: {run_dir} (interrupted; resumable: run the same command again)")
+        print(
+            f"stopped with a checkpoint, not finished: exit code {code}",
+            file=sys.stderr,
+            flush=True,
+        )
+        sys.stdout.flush()
+        sys.exit(code)
     with open(summary_path, encoding="utf-8") as f:
         summary = json.load(f)
     print(f"run dir: {run_dir}")
@@ -287,6 +303,7 @@ def precheck(args: list[str]) -> None:
 
 
 def cli() -> None:
+    set_title(launcher_title(sys.argv[1:]))
     try:
         check_overrides(sys.argv[1:])
         precheck(sys.argv[1:])
