@@ -205,3 +205,36 @@ def test_resume_refuses_every_setting_outside_the_allowed_list(override, refused
     else:
         assert diff is not None and diff.startswith(f"{refused}: ")
 
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_finished_run_is_refused_with_how_to_extend_it_and_extends_so(tmp_path):
+    run_dir = tmp_path / "run"
+    args = [a for a in BASE if not a.startswith("trainer.max_steps=")] + [
+        f"hydra.run.dir={run_dir}"
+    ]
+    proc, _ = cli([*args, "trainer.max_steps=10"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc, _ = cli([*args, "trainer.max_steps=10"])  # the same command again
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines() == [
+        f"error: hydra.run.dir: {run_dir} already holds a run finished after 10 steps; to train "
+        f"it further, run the same command with trainer.max_steps above 10 (it continues from "
+        f"its final checkpoint), or choose another directory"
+    ]
+    proc, left = cli([*args, "trainer.max_steps=14"])  # as the line says
+    assert proc.returncode == 0 and not left, proc.stderr[-3000:]
+    assert re.search(r"resuming from \S*step-10\b", proc.stderr), proc.stderr[-3000:]
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 14
+
+
+@pytest.mark.timeout(60)
+def test_a_finished_run_without_its_final_checkpoint_cannot_be_extended(tmp_path, capsys):
+    from tests.helpers import FAST, refusal
+
+    (tmp_path / "summary.json").write_text('{"steps": 10}')
+    line = refusal(FAST + ["trainer.max_steps=20", f"hydra.run.dir={tmp_path}"], capsys)
+    assert line == (
+        f"error: hydra.run.dir: {tmp_path} already holds a run finished after 10 steps, with no "
+        f"checkpoint of its last step to continue from; choose another directory"
+    )

@@ -21,7 +21,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from localsgd.cli.checks import validate
+from localsgd.cli.checks import _get, validate
 from localsgd.cli.fault_tolerance import ReplicasFailed, replica_group_info, run_replicas
 from localsgd.cli.launch import (
     WorkerFailed,
@@ -46,7 +46,7 @@ from localsgd.cli.proctitle import launcher_title, set_title
 from localsgd.config import Config, ConfigError, register_schemas, typed
 from localsgd.loop.fault_tolerance import NoLivePeer
 from localsgd.loop.loggers import offline_runs, resolve_wandb_settings
-from localsgd.loop.reshard import rank_states, written_by
+from localsgd.loop.reshard import rank_states, written_at, written_by
 from localsgd.loop.stop import first_signal, stopped_exit_code
 
 register_schemas()
@@ -144,10 +144,36 @@ def preflight(cfg, run_dir: str | None, quiet: bool = False) -> tuple[str | None
     steps = check_data(cfg, world_size)
     resume = resolve_resume(cfg, world_size, run_dir, quiet)
     if run_dir is not None and os.path.exists(os.path.join(run_dir, "summary.json")):
+        check_extension(cfg, run_dir, resume, steps)
+    return resume, steps
+
+
+def check_extension(cfg, run_dir: str, resume: str | None, steps: int | None) -> None:
+    """A finished run is never overwritten; it continues only when the command asks for more
+    steps than it trained and its final checkpoint is there to continue from."""
+    try:
+        with open(os.path.join(run_dir, "summary.json"), encoding="utf-8") as f:
+            finished = int(json.load(f)["steps"])
+    except (OSError, ValueError, KeyError, TypeError):
+        finished = None
+    if finished is None:
         raise ConfigError(
             f"hydra.run.dir: {run_dir} already holds a finished run; choose another directory"
         )
-    return resume, steps
+    wanted = steps if steps is not None else _get(cfg, "trainer.max_steps")
+    final = resume is not None and written_at(resume) == finished
+    if wanted > finished and final:
+        return
+    if not final:
+        raise ConfigError(
+            f"hydra.run.dir: {run_dir} already holds a run finished after {finished} steps, "
+            f"with no checkpoint of its last step to continue from; choose another directory"
+        )
+    raise ConfigError(
+        f"hydra.run.dir: {run_dir} already holds a run finished after {finished} steps; to "
+        f"train it further, run the same command with trainer.max_steps above {finished} (it "
+        f"continues from its final checkpoint), or choose another directory"
+    )
 
 
 # pkg://: the configs are the package localsgd.conf, in a checkout and in an installed wheel alike

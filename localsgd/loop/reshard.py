@@ -31,6 +31,11 @@ def written_by(folder: str) -> int:
     return int(_marker(folder)["world_size"])
 
 
+def written_at(folder: str) -> int:
+    """The step a (verified) checkpoint folder was written after."""
+    return int(_marker(folder)["step"])
+
+
 def rank_states(folder: str) -> int:
     """How many rank states a (verified) checkpoint folder holds: one per worker, or one for
     all (a shared checkpoint, `checkpoint.save_shared`)."""
