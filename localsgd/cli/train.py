@@ -47,7 +47,7 @@ from localsgd.config import Config, ConfigError, register_schemas, typed
 from localsgd.loop.fault_tolerance import NoLivePeer
 from localsgd.loop.loggers import offline_runs, resolve_wandb_settings
 from localsgd.loop.reshard import rank_states, written_at, written_by
-from localsgd.loop.stop import first_signal, stopped_exit_code
+from localsgd.loop.stop import agreed_stop, first_signal, stopped_exit_code
 
 register_schemas()
 
@@ -225,9 +225,10 @@ def main(cfg: DictConfig) -> float | None:
             last = (str(e).strip().splitlines() or [""])[-1]
             fail(f"worker rank {info.rank} failed: {type(e).__name__}: {last}", code=1)
         stopped_by = first_signal()
-        if info.rank != 0:
-            if not os.path.exists(summary_path):  # torchrun's own exit code follows its ranks'
-                sys.exit(stopped_exit_code(stopped_by))
+        if info.rank != 0:  # rank 0 may not have written summary.json yet: the agreed step tells
+            agreed = agreed_stop()
+            if agreed is not None and agreed < run_cfg.trainer.max_steps:
+                sys.exit(stopped_exit_code(stopped_by))  # torchrun's exit follows its ranks'
             return None
     else:
         world_size = resolve_world_size(run_cfg.dist.world_size, run_cfg.dist.device)

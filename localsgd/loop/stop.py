@@ -95,4 +95,15 @@ class StopAgreement:
             self.stop_at = int(self.store.get(self.key))
 
     def should_stop(self, steps_done: int) -> bool:
+        global _agreed
+        _agreed = self.stop_at
         return self.stop_at is not None and steps_done >= self.stop_at
+
+
+_agreed: int | None = None
+
+
+def agreed_stop() -> int | None:
+    """The step count this process's run agreed to stop after (it stopped there if that is
+    below trainer.max_steps, else it finished), or None."""
+    return _agreed
