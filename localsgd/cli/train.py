@@ -46,7 +46,7 @@ from localsgd.cli.proctitle import launcher_title, set_title
 from localsgd.config import Config, ConfigError, register_schemas, typed
 from localsgd.loop.fault_tolerance import NoLivePeer
 from localsgd.loop.loggers import offline_runs, resolve_wandb_settings
-from localsgd.loop.reshard import rank_states, written_at, written_by
+from localsgd.loop.reshard import resume_line, written_at
 from localsgd.loop.stop import agreed_stop, first_signal, stopped_exit_code
 
 register_schemas()
@@ -195,21 +195,9 @@ def main(cfg: DictConfig) -> float | None:
         run_cfg.trainer.max_steps = epoch_steps
     if resume is not None:
         print(f"resuming from {resume}", file=sys.stderr, flush=True)
-        before, now = written_by(resume), world_size_of(run_cfg)
-        shared = rank_states(resume) == 1 and before > 1
-        if before != now or shared:
-            optimizer = (
-                "the optimizer state of the worker that wrote it"
-                if shared
-                else "the old workers' average optimizer state"
-            )
-            print(
-                f"resuming {'at another world size' if before != now else 'every worker'}: "
-                f"{before} workers' averaged model, step, outer state and schedule continue "
-                f"with {now}, each with {optimizer}; the data is re-partitioned",
-                file=sys.stderr,
-                flush=True,
-            )
+        line = resume_line(resume, world_size_of(run_cfg))
+        if line is not None:
+            print(line, file=sys.stderr, flush=True)
     stopped_by = None
     if torchrun:
         info = torchrun_info()
