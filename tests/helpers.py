@@ -8,6 +8,7 @@ import ctypes
 import json
 import multiprocessing
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -168,6 +169,7 @@ def _lingering(tag: str) -> list[int]:
 def _train_command(args, env, cwd, out, err, comm) -> None:
     """What `python -m localsgd.train ARGS` does, in a child of the session's forkserver."""
     _set_comm(comm)  # its descendants inherit the name: the tag they cannot have in /proc/environ
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # as a fresh interpreter: the server ignores it
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)

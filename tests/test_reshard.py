@@ -83,8 +83,8 @@ def test_resume_at_another_world_size(tmp_path, before, after, extra):
         assert len(_tensors(old[0]["averager"]["reducer"])) >= 2  # flat: anchor, momentum
 
 
-def test_a_checkpoint_between_syncs_or_per_worker_state_is_refused(tmp_path, capsys):
-    """Refusals need no process: a fake rank state written by 2 workers between syncs."""
+def test_a_checkpoint_between_syncs_resumes_and_per_worker_state_is_refused(tmp_path, capsys):
+    """No process needed: a fake rank state written by 2 workers between syncs."""
     folder = checkpoint.step_dir(str(tmp_path), 7)
     import os
 
@@ -97,8 +97,7 @@ def test_a_checkpoint_between_syncs_or_per_worker_state_is_refused(tmp_path, cap
     marker = {"step": 7, "world_size": 2, "files": sizes, "config": None}
     with open(os.path.join(folder, checkpoint.MARKER), "w") as f:
         json.dump(marker, f)
-    with pytest.raises(checkpoint.CheckpointError, match="between syncs"):
-        checkpoint.verify(folder, world_size=4)
+    assert checkpoint.verify(folder, world_size=4)["world_size"] == 2  # any complete one
     for r in range(2):  # now taken at a sync
         torch.save({"step": 7, "loop": {"in_sync": True}}, checkpoint.rank_file(folder, r))
         sizes[f"rank-{r}.pt"] = os.path.getsize(checkpoint.rank_file(folder, r))
@@ -109,3 +108,57 @@ def test_a_checkpoint_between_syncs_or_per_worker_state_is_refused(tmp_path, cap
         BASE + ["dist.world_size=4", f"trainer.resume={folder}", "sync.overlap=true"], capsys
     )
     assert line.startswith("error: dist.world_size must stay 2") and "sync.overlap" in line
+
+
+# Checkpoints every 7 steps: averages after step indices 4, 9, 14, ... (steps 5, 10, 15 done), so
+# the one at step 7 is taken 2 local steps after a sync, where the replicas differ; the kill at
+# step 9 leaves it the newest.
+BETWEEN = BASE + ["sync.warmup_steps=4", "sync.period=5", "trainer.checkpoint_every=7"]
+
+
+def _between_syncs(tmp_path, extra, before, after):
+    """Killed after the step-7 checkpoint at `before` workers, resumed at `after`: (the old rank
+    states, what each new worker held before its first step, the resumed run's stderr)."""
+    run_dir, probe = tmp_path / "run", tmp_path / "probe"
+    proc, left = _run(BETWEEN + extra, run_dir, before, fault="kill:0:9")
+    assert proc.returncode == 1 and not left, proc.stderr[-2000:]
+    saved = checkpoint.step_dir(str(run_dir), 7)
+    old = [torch.load(checkpoint.rank_file(saved, r), weights_only=True) for r in range(before)]
+    assert not old[0]["loop"]["in_sync"]
+    first = next(iter(old[0]["model"]))
+    assert not torch.equal(old[0]["model"][first], old[1]["model"][first])  # replicas differ
+    snap = f"trainer.callbacks=[{{_target_:tests.faults.Snapshot,dir:'{probe}'}}]"
+    proc, left = _run(BETWEEN + extra + [snap], run_dir, after)
+    assert proc.returncode == 0 and not left, proc.stderr[-3000:]
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 24
+    new = [torch.load(probe / f"rank-{r}.pt", weights_only=False) for r in range(after)]
+    assert all(n["step"] == 7 for n in new)
+    return old, new, proc.stderr
+
+
+@pytest.mark.timeout(180)
+def test_a_checkpoint_between_syncs_resumes_at_another_world_size_from_the_mean_model(tmp_path):
+    old, new, err = _between_syncs(tmp_path, [], before=2, after=1)
+    assert (
+        "resuming at another world size: the checkpoint was taken 2 local steps after the last "
+        "sync, so 1 worker start from the mean of the 2 workers' models;" in err
+    ), err[-2000:]
+    for name in old[0]["model"]:  # the old workers' mean, bit for bit, before the first step
+        assert torch.equal(new[0]["model"][name], _mean([o["model"][name] for o in old])), name
+
+
+@pytest.mark.timeout(180)
+def test_diloco_between_syncs_resumes_at_another_world_size_from_the_anchor(tmp_path):
+    extra = ["sync.outer=diloco", "optim=adamw", "optim.lr=0.01"]
+    old, new, err = _between_syncs(tmp_path, extra, before=2, after=1)
+    assert (
+        "so 1 worker start from the model of the last outer step (the anchor, the same on every "
+        "worker), dropping the 2 local steps since; the step (7), the LR schedule, the outer "
+        "state and the data go on from the checkpoint," in err
+    ), err[-2000:]
+    anchor = torch.cat([a.flatten() for a in old[0]["averager"]["reducer"]["anchors"]])
+    model = torch.cat([v.flatten() for v in new[0]["model"].values()])
+    assert torch.equal(model, anchor)  # the last global model, not either worker's nor the mean
+    assert not torch.equal(model, torch.cat([v.flatten() for v in old[0]["model"].values()]))
+    ref, mine = old[0]["averager"]["reducer"], new[0]["averager"]["reducer"]
+    assert all(torch.equal(a, b) for a, b in zip(_tensors(mine), _tensors(ref), strict=True))

@@ -189,7 +189,7 @@ class ReplicasStopped(RuntimeError):
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
-        self.exit_code = 128 + signum  # 130 for Ctrl-C, 143 for SIGTERM, as a shell reports
+        self.signum = signum
 
 
 EXIT_STOPPED = 3  # a worker that found no quorum and wrote the stop checkpoint

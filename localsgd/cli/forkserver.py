@@ -37,12 +37,14 @@ TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT
 # Every optimizer's constructor imports torch._dynamo (add_param_group is wrapped by
 # torch._disable_dynamo): ~2 s of CPU per worker if it were not here. localsgd.cli.launch holds
 # the function each worker starts in.
+# localsgd.cli.forkserver_init, imported by the server alone, makes it one (`become_server`).
 PRELOAD = [
     "torch",
     "torch._dynamo",
     "torch.distributed",
     "localsgd.loop.trainer",
     "localsgd.cli.launch",
+    "localsgd.cli.forkserver_init",
 ]
 
 # The (major, minor) CPython versions whose multiprocessing.forkserver the forked server was
@@ -128,6 +130,7 @@ def fork_from_here() -> None:
             code = 1
             try:
                 _die_with_parent()
+                become_server("forked")
                 server._lock = threading.Lock()  # the copy is held (by the parent's `with`)
                 os.close(alive_w)
                 multiprocessing.forkserver.main(listener.fileno(), alive_r, PRELOAD)
@@ -140,6 +143,51 @@ def fork_from_here() -> None:
         server._forkserver_address = address
         server._forkserver_alive_fd = alive_w
         server._forkserver_pid = pid
+
+
+_became: str | None = None  # how this process became the server, once it has
+
+
+def become_server(how: str = "fresh interpreter") -> None:
+    """What makes this process the workers' server, beyond multiprocessing's own setup.
+
+    SLURM and Kubernetes send SIGTERM to every process of a job at pre-emption. The workers
+    answer it with a checkpoint at an agreed step, which they can only finish while the server
+    lives: the launcher learns each worker's exit through it, and reads a dead server as every
+    worker dead (exit code 255). So the server ignores SIGTERM; it still ends with the launcher
+    (the kernel's parent-death signal, or its `alive` pipe closing) and with SIGKILL. Workers
+    inherit the ignored SIGTERM until `launch._spawned` restores it. `how` goes into the title:
+    `forked` from the launcher, or a `fresh interpreter` multiprocessing started.
+    """
+    global _became
+    from localsgd.cli.proctitle import set_title
+
+    if _became is not None:  # the forked server imports PRELOAD too
+        return
+    _became = how
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    set_title(f"localsgd forkserver (launcher {os.getppid()}, {how})")
+
+
+def server_status(pid: int | None = None) -> str | None:
+    """How the workers' server ended (`exit code N` or `killed by SIGNAME`), or None while it
+    runs or if there is none. It is this process's child; it is not reaped here, so that
+    multiprocessing's own `_stop` can still wait for it."""
+    if pid is None:
+        pid = getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
+    if pid is None:
+        return None
+    try:
+        ended = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return None  # not our child (nothing to tell), or already reaped
+    if ended is None:
+        return None
+    if ended.si_code == os.CLD_EXITED:
+        return f"exit code {ended.si_status}"
+    with contextlib.suppress(ValueError):
+        return f"killed by {signal.Signals(ended.si_status).name}"
+    return f"killed by signal {ended.si_status}"
 
 
 def _die_with_parent() -> None:

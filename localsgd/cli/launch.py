@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import signal
 import sys
 import tempfile
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -19,9 +22,11 @@ import torch.multiprocessing as mp
 
 from localsgd.cli.forkserver import (  # noqa: F401  (under_torchrun re-exported)
     fork_from_here,
+    server_status,
     start_method,
     under_torchrun,
 )
+from localsgd.cli.proctitle import set_title
 from localsgd.loop.worker import WorkerInfo  # noqa: F401  (re-exported for the CLI)
 
 
@@ -81,7 +86,15 @@ def _spawned(
     # Ctrl-C reaches the whole process group; the launcher alone decides what it means (a stop
     # at the next sync, then an abort), so a worker never dies of KeyboardInterrupt mid-step.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # The server ignores SIGTERM (`forkserver.become_server`); `fn` decides what it means here
+    # (the trainer: a stop at an agreed step), anything else ends as a process normally does.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _die_with_launcher()
+    launcher = multiprocessing.parent_process()
+    set_title(
+        f"localsgd worker {local_rank}/{world_size}"
+        + (f" (launcher {launcher.pid})" if launcher is not None else "")
+    )
     # A forkserver child inherits the environment the server started with, not the launcher's
     # of now (a test, or a second job in one process, may have changed it since).
     os.environ.clear()
@@ -132,12 +145,41 @@ class WorkerFailed(RuntimeError):
     """A spawned worker raised or died; the message names the rank and the error's last line."""
 
 
-def spawn(fn: Callable, world_size: int, timeout_s: float, args: tuple = ()) -> None:
+# How long a worker read as dead with exit code 255 waits for its server's exit to be seen.
+_SERVER_EXIT_WAIT_S = 1.0
+
+
+def _server_died(context) -> str | None:
+    """The line for a dead workers' server, after SIGKILLing the workers; None while it runs.
+
+    Every worker's exit code comes through the server, so once it is gone each one reads as
+    dead with code 255 although it still runs, and nothing would end it but the launcher's exit
+    (its peers then hang in collectives until `dist.timeout_s`)."""
+    # The server's sockets close before the kernel makes it a zombie: give its exit a moment.
+    deadline = time.monotonic() + _SERVER_EXIT_WAIT_S
+    while (status := server_status()) is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if status is None:
+        return None
+    for p in context.processes:
+        if p.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGKILL)
+    return (
+        f"the workers' forkserver (pid {multiprocessing.forkserver._forkserver._forkserver_pid}) "
+        f"died ({status}); the workers were stopped, the last complete checkpoint is kept"
+    )
+
+
+def spawn(
+    fn: Callable, world_size: int, timeout_s: float, args: tuple = ()
+) -> signal.Signals | None:
     """Run `fn(info, store, *args)` in `world_size` processes on this machine, forked from a
     server that holds the imports (`localsgd.cli.forkserver`).
 
     The parent holds a TCPStore on a port the OS picks, so concurrent jobs never collide; if one
-    worker fails, torch terminates the others and we raise WorkerFailed.
+    worker fails, torch terminates the others and we raise WorkerFailed. Returns the first stop
+    signal this process got (SIGTERM, SIGINT), which it forwarded to the workers, or None.
     """
     fork_from_here()  # before the store's threads start (`python -m localsgd.train` did already)
     store = dist.TCPStore(
@@ -152,6 +194,7 @@ def spawn(fn: Callable, world_size: int, timeout_s: float, args: tuple = ()) -> 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     previous = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     interrupts = 0
+    stopped_by: signal.Signals | None = None
     try:
         context = mp.start_processes(
             _spawned,
@@ -162,6 +205,9 @@ def spawn(fn: Callable, world_size: int, timeout_s: float, args: tuple = ()) -> 
         )
 
         def forward(signum, frame):  # SLURM / the user stops the launcher: workers checkpoint
+            nonlocal stopped_by
+            if stopped_by is None:
+                stopped_by = signal.Signals(signum)
             for p in context.processes:
                 if p.is_alive():
                     os.kill(p.pid, signal.SIGTERM)
@@ -189,13 +235,17 @@ def spawn(fn: Callable, world_size: int, timeout_s: float, args: tuple = ()) -> 
         signal.signal(signal.SIGINT, interrupt)
         while not context.join(grace_period=_FAILURE_GRACE_S):
             pass
-    except mp.ProcessRaisedException as e:
-        last = [line for line in str(e).strip().splitlines() if line.strip()][-1]
-        raise WorkerFailed(f"worker rank {e.error_index} failed: {last}") from None
+        return stopped_by
     except mp.ProcessExitedException as e:
+        died = _server_died(context) if e.exit_code == 255 else None
+        if died is not None:
+            raise WorkerFailed(died) from None
         raise WorkerFailed(
             f"worker rank {e.error_index} died with exit code {e.exit_code}"
         ) from None
+    except mp.ProcessRaisedException as e:
+        last = [line for line in str(e).strip().splitlines() if line.strip()][-1]
+        raise WorkerFailed(f"worker rank {e.error_index} failed: {last}") from None
     finally:
         signal.signal(signal.SIGTERM, previous[0])
         signal.signal(signal.SIGINT, previous[1])

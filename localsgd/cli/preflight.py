@@ -161,9 +161,14 @@ def _find_resume(cfg: Any, world_size: int, run_dir: str | None, quiet: bool = F
     found = checkpoint.newest_complete(run_dir, world_size, warn)
     if found is None and checkpoint.has_marked(run_dir):
         # Starting afresh would overwrite the earlier run's metrics and checkpoints.
+        reasons: list[str] = []
+        checkpoint.newest_complete(
+            run_dir, world_size, lambda m: reasons.append(m.removeprefix("skipping checkpoint: "))
+        )
         raise ConfigError(
-            f"trainer.resume=auto found no usable checkpoint in {run_dir} (all are broken or "
-            f"from another world size); use another hydra.run.dir"
+            f"trainer.resume=auto found no usable checkpoint in {run_dir}: each of the "
+            f"{len(reasons)} is partial or corrupt (the newest: {reasons[0]}); use another "
+            f"hydra.run.dir"
         )
     return found
 

@@ -21,7 +21,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from localsgd.cli.checks import validate
+from localsgd.cli.checks import _get, validate
 from localsgd.cli.fault_tolerance import (
     ReplicasFailed,
     ReplicasStopped,
@@ -47,10 +47,12 @@ from localsgd.cli.overrides import (
     split_config_dirs,
 )
 from localsgd.cli.preflight import check_data, resolve_resume
+from localsgd.cli.proctitle import launcher_title, set_title
 from localsgd.config import Config, ConfigError, register_schemas, typed
 from localsgd.loop.fault_tolerance import NoLivePeer
 from localsgd.loop.loggers import offline_runs, resolve_wandb_settings
-from localsgd.loop.reshard import rank_states, written_by
+from localsgd.loop.reshard import resume_line, written_at
+from localsgd.loop.stop import agreed_stop, first_signal, stopped_exit_code
 
 register_schemas()
 
@@ -147,10 +149,36 @@ def preflight(cfg, run_dir: str | None, quiet: bool = False) -> tuple[str | None
     steps = check_data(cfg, world_size)
     resume = resolve_resume(cfg, world_size, run_dir, quiet)
     if run_dir is not None and os.path.exists(os.path.join(run_dir, "summary.json")):
+        check_extension(cfg, run_dir, resume, steps)
+    return resume, steps
+
+
+def check_extension(cfg, run_dir: str, resume: str | None, steps: int | None) -> None:
+    """A finished run is never overwritten; it continues only when the command asks for more
+    steps than it trained and its final checkpoint is there to continue from."""
+    try:
+        with open(os.path.join(run_dir, "summary.json"), encoding="utf-8") as f:
+            finished = int(json.load(f)["steps"])
+    except (OSError, ValueError, KeyError, TypeError):
+        finished = None
+    if finished is None:
         raise ConfigError(
             f"hydra.run.dir: {run_dir} already holds a finished run; choose another directory"
         )
-    return resume, steps
+    wanted = steps if steps is not None else _get(cfg, "trainer.max_steps")
+    final = resume is not None and written_at(resume) == finished
+    if wanted > finished and final:
+        return
+    if not final:
+        raise ConfigError(
+            f"hydra.run.dir: {run_dir} already holds a run finished after {finished} steps, "
+            f"with no checkpoint of its last step to continue from; choose another directory"
+        )
+    raise ConfigError(
+        f"hydra.run.dir: {run_dir} already holds a run finished after {finished} steps; to "
+        f"train it further, run the same command with trainer.max_steps above {finished} (it "
+        f"continues from its final checkpoint), or choose another directory"
+    )
 
 
 # pkg://: the configs are the package localsgd.conf, in a checkout and in an installed wheel alike
@@ -172,25 +200,15 @@ def main(cfg: DictConfig) -> float | None:
         run_cfg.trainer.max_steps = epoch_steps
     if resume is not None:
         print(f"resuming from {resume}", file=sys.stderr, flush=True)
-        before, now = written_by(resume), world_size_of(run_cfg)
-        shared = rank_states(resume) == 1 and before > 1
-        if before != now or shared:
-            optimizer = (
-                "the optimizer state of the worker that wrote it"
-                if shared
-                else "the old workers' average optimizer state"
-            )
-            print(
-                f"resuming {'at another world size' if before != now else 'every worker'}: "
-                f"{before} workers' averaged model, step, outer state and schedule continue "
-                f"with {now}, each with {optimizer}; the data is re-partitioned",
-                file=sys.stderr,
-                flush=True,
-            )
+        line = resume_line(resume, world_size_of(run_cfg))
+        if line is not None:
+            print(line, file=sys.stderr, flush=True)
+    stopped_by = None
     if torchrun:
         info = torchrun_info()
         if run_cfg.ft.backend != "none":
             info = replica_group_info(run_cfg.ft, info)
+        set_title(f"localsgd worker {info.rank}/{info.world_size} (torchrun)")
         try:
             run_worker(info, None, run_cfg, run_dir, resume)
         except NoLivePeer as e:  # a group restarted after the others finished
@@ -199,7 +217,11 @@ def main(cfg: DictConfig) -> float | None:
         except Exception as e:  # one line naming the rank; torchrun then stops the others
             last = (str(e).strip().splitlines() or [""])[-1]
             fail(f"worker rank {info.rank} failed: {type(e).__name__}: {last}", code=1)
-        if info.rank != 0:
+        stopped_by = first_signal()
+        if info.rank != 0:  # rank 0 may not have written summary.json yet: the agreed step tells
+            agreed = agreed_stop()
+            if agreed is not None and agreed < run_cfg.trainer.max_steps:
+                sys.exit(stopped_exit_code(stopped_by))  # torchrun's exit follows its ranks'
             return None
     else:
         world_size = resolve_world_size(run_cfg.dist.world_size, run_cfg.dist.device)
@@ -210,7 +232,9 @@ def main(cfg: DictConfig) -> float | None:
             from localsgd.cli.train import run_worker as worker
 
             if run_cfg.ft.backend == "none":
-                spawn(worker, world_size, run_cfg.dist.timeout_s, args=(run_cfg, run_dir, resume))
+                stopped_by = spawn(
+                    worker, world_size, run_cfg.dist.timeout_s, args=(run_cfg, run_dir, resume)
+                )
             else:
                 outcome = run_replicas(worker, run_cfg, args=(run_cfg, run_dir, resume))
                 if outcome["lost"]:
@@ -218,12 +242,18 @@ def main(cfg: DictConfig) -> float | None:
                     print(f"ft: finished without worker(s) {lost} (lost for good)", file=sys.stderr)
         except (WorkerFailed, ReplicasFailed) as e:
             fail(str(e), code=1)
-        except ReplicasStopped as e:  # resumable: not a finished run, for scripts and schedulers
-            print(f"run dir: {run_dir} (interrupted; resumable)")
-            sys.exit(e.exit_code)
-    if not os.path.exists(summary_path):  # stopped by SIGTERM after a checkpoint
-        print(f"run dir: {run_dir} (interrupted; resumable)")
-        return None
+        except ReplicasStopped as e:  # every worker stopped at an agreed round, checkpointed
+            stopped_by = e.signum
+    if not os.path.exists(summary_path):  # stopped by SIGTERM or Ctrl-C after a checkpoint
+        code = stopped_exit_code(stopped_by)
+        print(f"run dir: {run_dir} (interrupted; resumable: run the same command again)")
+        print(
+            f"stopped with a checkpoint, not finished: exit code {code}",
+            file=sys.stderr,
+            flush=True,
+        )
+        sys.stdout.flush()
+        sys.exit(code)
     with open(summary_path, encoding="utf-8") as f:
         summary = json.load(f)
     print(f"run dir: {run_dir}")
@@ -295,6 +325,7 @@ def precheck(args: list[str]) -> None:
 
 
 def cli() -> None:
+    set_title(launcher_title(sys.argv[1:]))
     try:
         check_overrides(sys.argv[1:])
         precheck(sys.argv[1:])

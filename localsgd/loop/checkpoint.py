@@ -193,7 +193,8 @@ def _marker(folder: str) -> dict | None:
 
 def verify(folder: str, world_size: int | None = None) -> dict:
     """Check a checkpoint folder is complete and loadable; return its marker or raise
-    CheckpointError with one line saying what is wrong."""
+    CheckpointError with one line saying what is wrong. Any world size continues a complete
+    checkpoint (`localsgd.loop.reshard`); `world_size` is kept for the callers that pass it."""
     if not os.path.isdir(folder):
         raise CheckpointError(f"{folder} does not exist")
     marker = _marker(folder)
@@ -215,13 +216,6 @@ def verify(folder: str, world_size: int | None = None) -> dict:
             at_sync = isinstance(loop, dict) and loop.get("in_sync") is True
     if marker.get("shared") and not at_sync:
         raise CheckpointError(f"{folder} is corrupt (a shared state taken between syncs)")
-    if world_size is not None and marker["world_size"] != world_size and not at_sync:
-        # another world size continues only from the averaged model (localsgd.loop.reshard)
-        raise CheckpointError(
-            f"{folder} was written by {marker['world_size']} workers between syncs, and this "
-            f"run has {world_size}: resume with dist.world_size={marker['world_size']}, or from "
-            f"a checkpoint taken at a sync"
-        )
     return marker
 
 

@@ -1,9 +1,23 @@
-"""Resuming at another world size: a checkpoint written by W workers at a global sync, continued
-by W' workers.
+"""Resuming at another world size: any complete checkpoint written by W workers, continued by
+W' workers.
 
-At a global sync every worker holds the same averaged model, so that model, the step, the
-strategy's shared state (the averager's counters and schedule, DiLoCo's/SlowMo's anchor and outer
-momentum) and the loop's bookkeeping are rank 0's. What differs per worker is carried over so:
+The step, the strategy's shared state (the averager's counters and schedule, DiLoCo's/SlowMo's
+anchor and outer momentum) and the loop's bookkeeping are rank 0's: the same on every worker.
+The model every new worker starts from:
+
+- taken at a global sync, where every worker holds the same averaged model: that model;
+- taken between syncs, plain averaging (and anything without an outer step): the mean of the old
+  workers' models, parameters and floating-point buffers (summed in rank order, divided once;
+  integer buffers are rank 0's), i.e. the average the next sync would have started from;
+- taken between syncs with an outer step (`sync.outer`, DiLoCo/SlowMo): the anchor, the model of
+  the last outer step, the same on every worker. The local steps since that sync are dropped (the
+  resume line counts them), while the step, the LR schedule and the data go on from the
+  checkpoint. Not one extra outer step at resume: it would be taken on a pseudo-gradient of a
+  part of a round, at a step where the schedule has none, advancing the outer warmup and
+  momentum by a round the run never had; and the anchor is what the outer step defines as the
+  global model, what a torchft rollback also returns to. At most `sync.period` - 1 steps are lost.
+
+What differs per worker is carried over so:
 
 - the inner optimizer state (momentum, Adam's moments): each new worker starts from the average
   of the old workers' states (element-wise; step counts are rank 0's, the same on every worker);
@@ -30,6 +44,11 @@ from localsgd.loop.checkpoint import Stateful, _marker, load, rank_file, restore
 def written_by(folder: str) -> int:
     """The world size that wrote a (verified) checkpoint folder."""
     return int(_marker(folder)["world_size"])
+
+
+def written_at(folder: str) -> int:
+    """The step a (verified) checkpoint folder was written after."""
+    return int(_marker(folder)["step"])
 
 
 def rank_states(folder: str) -> int:
@@ -62,6 +81,80 @@ def _average_optimizer(states: list[dict]) -> dict:
     return merged
 
 
+def _average_model(states: list[dict]) -> dict:
+    """Rank 0's model state with every floating-point tensor replaced by the mean over the old
+    workers (summed in rank order, divided once)."""
+    merged = {}
+    for name, first in states[0].items():
+        if isinstance(first, torch.Tensor) and first.is_floating_point():
+            total = first.clone()
+            for other in states[1:]:
+                total.add_(other[name])
+            merged[name] = total.div_(len(states))
+        else:
+            merged[name] = first
+    return merged
+
+
+def _outer(state: dict) -> bool:
+    """Whether a rank state's averager takes an outer step over an anchor (`sync.outer`)."""
+    reducer = state.get("averager", {}).get("reducer", {})
+    return isinstance(reducer, dict) and "anchors" in reducer and "outer_optimizer" in reducer
+
+
+def _steps_since_sync(state: dict) -> int:
+    """Local steps a rank state took after the last average (0 at a sync)."""
+    step = int(state["step"])
+    last = state.get("averager", {}).get("last_average")  # the averager's index of that step
+    if last is None:
+        return 0
+    return min(step, max(0, step - (int(last) + 1)))
+
+
+def _at_sync(state: dict) -> bool:
+    return bool(state.get("loop", {}).get("in_sync", False))
+
+
+def resume_line(folder: str, world_size: int) -> str | None:
+    """The line the launcher prints when `world_size` workers continue `folder` through
+    `load_resharded`: what they start from and what is carried over; None when they load their
+    own states."""
+    if not needs_reshard(folder, world_size):
+        return None
+    before, shared = written_by(folder), rank_states(folder) == 1 and written_by(folder) > 1
+    optimizer = (
+        "the optimizer state of the worker that wrote it"
+        if shared
+        else "the old workers' average optimizer state"
+    )
+    where = "at another world size" if before != world_size else "every worker"
+    state = torch.load(rank_file(folder, 0), map_location="cpu", weights_only=True, mmap=True)
+    if shared or _at_sync(state):
+        return (
+            f"resuming {where}: {before} workers' averaged model, step, outer state and "
+            f"schedule continue with {world_size}, each with {optimizer}; the data is "
+            f"re-partitioned"
+        )
+    since, step = _steps_since_sync(state), int(state["step"])
+    workers = f"{world_size} worker{'s' if world_size != 1 else ''}"
+    if _outer(state):
+        start = (
+            f"the model of the last outer step (the anchor, the same on every worker), dropping "
+            f"the {since} local steps since; the step ({step}), the LR schedule, the outer state "
+            f"and the data go on from the checkpoint"
+        )
+    else:
+        start = (
+            f"the mean of the {before} workers' models; the step, the averager's state and the "
+            f"schedule continue"
+        )
+    return (
+        f"resuming {where}: the checkpoint was taken {since} local steps after the last sync, "
+        f"so {workers} start from {start}, each worker with {optimizer}; the data is "
+        f"re-partitioned"
+    )
+
+
 def _rescaled_position(sampler: dict, own: dict) -> dict:
     """The old workers' epoch, at the same fraction of this worker's new shard."""
     old_n, new_n = int(sampler["num_indices"]), int(own["num_indices"])
@@ -76,18 +169,17 @@ def load_resharded(
     components: Mapping[str, Stateful],
     optional: tuple[str, ...] = (),
 ) -> int:
-    """Restore `components` for rank `rank` of a new world size from a checkpoint taken at a
-    global sync by another world size, or from a shared checkpoint; returns the step."""
+    """Restore `components` for rank `rank` of a new world size from a checkpoint of another
+    world size, or from a shared checkpoint; returns the step. Between syncs the model is the
+    old workers' mean, or with an outer step the anchor (see the module's docstring)."""
     old = rank_states(folder)
     states = [
         torch.load(rank_file(folder, r), map_location=device, weights_only=True) for r in range(old)
     ]
-    if not states[0].get("loop", {}).get("in_sync", False):
-        raise ValueError(
-            f"{folder} was taken between syncs: resuming at another world size needs a "
-            f"checkpoint taken at a sync"
-        )
+    between = not _at_sync(states[0])
     merged = dict(states[0])
+    if between and not _outer(states[0]):
+        merged["model"] = _average_model([s["model"] for s in states])
     merged["optimizer"] = _average_optimizer([s["optimizer"] for s in states])
     if "sampler" in components:
         merged["sampler"] = _rescaled_position(
@@ -98,6 +190,11 @@ def load_resharded(
     else:
         merged.pop("rng", None)  # the per-rank seed the trainer set
     restore(merged, components, (*optional, "rng"), folder)
+    if between and _outer(states[0]):
+        averager = components["averager"]
+        # parameters and float buffers are views of the flat buffers the anchors mirror
+        for flat, anchor in zip(averager.flat.buffers, averager.reducer.anchors, strict=True):
+            flat.copy_(anchor)
     return int(states[0]["step"])
 
 

@@ -22,16 +22,35 @@ import torch.distributed as dist
 # ----------------------------------------------------------------------------------------------
 
 _signalled = False
+_first_signal: int | None = None
+
+# A run stopped with a checkpoint, to be resumed, exits as a process killed by the signal would
+# exit in a shell (128 + its number), so that a scheduler or script tells it from a finished run
+# (0) and from a failed one (1, 2).
+STOPPED_EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
+
+
+def stopped_exit_code(signum: int | None) -> int:
+    """The exit code of a run stopped by `signum` (SIGTERM's when not known: a worker was
+    signalled, not the launcher)."""
+    return STOPPED_EXIT_CODES.get(signum, STOPPED_EXIT_CODES[signal.SIGTERM])
 
 
 def _on_sigterm(signum, frame) -> None:
-    global _signalled
+    global _signalled, _first_signal
     _signalled = True
+    if _first_signal is None:
+        _first_signal = signum
 
 
 def signalled() -> bool:
     """Whether SIGTERM (or a first Ctrl-C) has reached this process."""
     return _signalled
+
+
+def first_signal() -> int | None:
+    """The signal that asked this process to stop (SIGTERM or SIGINT), or None."""
+    return _first_signal
 
 
 def _on_sigint(signum, frame) -> None:
@@ -76,4 +95,15 @@ class StopAgreement:
             self.stop_at = int(self.store.get(self.key))
 
     def should_stop(self, steps_done: int) -> bool:
+        global _agreed
+        _agreed = self.stop_at
         return self.stop_at is not None and steps_done >= self.stop_at
+
+
+_agreed: int | None = None
+
+
+def agreed_stop() -> int | None:
+    """The step count this process's run agreed to stop after (it stopped there if that is
+    below trainer.max_steps, else it finished), or None."""
+    return _agreed
