@@ -171,6 +171,38 @@ def save_shared(
     return folder
 
 
+# A shared checkpoint is one worker's state; what is each worker's own in it (error-feedback
+# residuals: what that worker failed to send) goes beside it, one file per worker, so that a
+# resume gives each its own (`localsgd.loop.reshard`), never the writer's to all.
+OWN = "own"
+
+
+def own_dir(run_dir: str, step: int) -> str:
+    return os.path.join(checkpoint_root(run_dir), OWN, f"{_PREFIX}{step}")
+
+
+def save_own(run_dir: str, step: int, rank: int, state: dict) -> None:
+    """This worker's own part of the shared checkpoint at `step` (no collective; atomic)."""
+    folder = own_dir(run_dir, step)
+    os.makedirs(folder, exist_ok=True)
+    _write_atomic(rank_file(folder, rank), lambda f: torch.save(state, f))
+
+
+def load_own(folder: str, device: torch.device | str = "cpu") -> dict[int, dict]:
+    """The workers' own parts saved beside the shared checkpoint `folder`, by rank ({} when
+    none: a checkpoint without them, or one whose workers had nothing of their own)."""
+    marker = _marker(folder) or {}
+    own = own_dir(os.path.dirname(os.path.dirname(folder)), int(marker.get("step", -1)))
+    if not os.path.isdir(own):
+        return {}
+    out = {}
+    for name in os.listdir(own):
+        if name.startswith("rank-") and name.endswith(".pt") and name[5:-3].isdigit():
+            path = os.path.join(own, name)
+            out[int(name[5:-3])] = torch.load(path, map_location=device, weights_only=True)
+    return out
+
+
 def prune(run_dir: str, keep: int) -> None:
     """Keep the newest `keep` complete checkpoints; drop older ones and older partial ones."""
     complete = [s for s in listed_steps(run_dir) if _marker(step_dir(run_dir, s)) is not None]
@@ -181,6 +213,11 @@ def prune(run_dir: str, keep: int) -> None:
     for s in listed_steps(run_dir):
         if s not in kept and s < oldest_kept:
             shutil.rmtree(step_dir(run_dir, s), ignore_errors=True)
+    own = os.path.join(checkpoint_root(run_dir), OWN)
+    for name in os.listdir(own) if os.path.isdir(own) else ():
+        step = name[len(_PREFIX) :]
+        if step.isdigit() and int(step) < oldest_kept:
+            shutil.rmtree(os.path.join(own, name), ignore_errors=True)
 
 
 def _marker(folder: str) -> dict | None:

@@ -166,7 +166,7 @@ class FaultTolerance:
                     f"{below}; stopped without a checkpoint of this state (these workers hold no "
                     "common state between syncs)"
                 )
-            folder = save(writes) if writes else "its newest checkpoint"
+            folder = save(writes) or "its newest checkpoint"
             raise QuorumLost(
                 f"{below}; stopped with the last global state in {folder}: run the same command "
                 "to resume, at any dist.world_size"

@@ -38,7 +38,7 @@ from collections.abc import Mapping
 
 import torch
 
-from localsgd.loop.checkpoint import Stateful, _marker, load, rank_file, restore
+from localsgd.loop.checkpoint import Stateful, _marker, load, load_own, rank_file, restore
 
 
 def written_by(folder: str) -> int:
@@ -162,12 +162,60 @@ def _rescaled_position(sampler: dict, own: dict) -> dict:
     return {**sampler, "position": min(position, new_n), "num_indices": new_n}
 
 
+def _tree_sum(trees: list):
+    """The element-wise sum of nested lists of tensors (None where a tree has none), in order."""
+    first = trees[0]
+    if isinstance(first, torch.Tensor):
+        total = first.clone()
+        for other in trees[1:]:
+            total.add_(other)
+        return total
+    if isinstance(first, (list, tuple)):
+        return [_tree_sum([t[i] for t in trees]) for i in range(len(first))]
+    return first
+
+
+def _tree_scale(tree, factor: float):
+    if isinstance(tree, torch.Tensor):
+        return tree.mul_(factor)
+    if isinstance(tree, list):
+        return [_tree_scale(t, factor) for t in tree]
+    return tree
+
+
+def residuals_for(
+    rank: int, world_size: int, written_by: int, own: dict[int, object]
+) -> tuple[object, str]:
+    """The error-feedback residuals rank `rank` of `world_size` workers resumes with, from the
+    old workers' own residuals `own` (by rank, of `written_by` workers), and what was done.
+
+    At the same world size each worker takes its own. Otherwise every new worker takes the sum
+    of the old residuals divided by the old world size: the next average adds sum/W' of the new
+    residuals, i.e. sum/W of the old ones, exactly what the old workers' next average would have
+    added. So the errors stay delayed, never lost and never counted twice. A worker whose own
+    file is missing (it died before writing it) loses its residual, and the line says so."""
+    if world_size == written_by and rank in own:
+        return own[rank], "each worker its own residual"
+    present = sorted(own)
+    total = _tree_scale(_tree_sum([own[r] for r in present]), 1.0 / written_by)
+    lost = written_by - len(present)
+    what = f"the {written_by} workers' residuals summed over {written_by}, on every worker"
+    return total, what + (f" ({lost} worker(s)' residuals missing, lost)" if lost else "")
+
+
+def _with_residuals(state: dict, residuals) -> dict:
+    reducer = state["averager"]["reducer"]
+    return {**state, "averager": {**state["averager"], "reducer": {**reducer,
+            "residuals": residuals}}}  # fmt: skip
+
+
 def load_resharded(
     folder: str,
     rank: int,
     device: torch.device,
     components: Mapping[str, Stateful],
     optional: tuple[str, ...] = (),
+    world_size: int | None = None,
 ) -> int:
     """Restore `components` for rank `rank` of a new world size from a checkpoint of another
     world size, or from a shared checkpoint; returns the step. Between syncs the model is the
@@ -181,6 +229,18 @@ def load_resharded(
     if between and not _outer(states[0]):
         merged["model"] = _average_model([s["model"] for s in states])
     merged["optimizer"] = _average_optimizer([s["optimizer"] for s in states])
+    reducer = merged.get("averager", {}).get("reducer", {})
+    if isinstance(reducer, dict) and reducer.get("residuals") is not None:
+        # a shared checkpoint holds the writer's residual only: each worker's is beside it
+        own = (
+            {r: o["residuals"] for r, o in load_own(folder, device).items()}
+            if old == 1
+            else {r: s["averager"]["reducer"]["residuals"] for r, s in enumerate(states)}
+        )
+        residuals = None  # none saved of their own (an older checkpoint): start without
+        if own:
+            residuals, _ = residuals_for(rank, world_size or old, written_by(folder), own)
+        merged = _with_residuals(merged, residuals)
     if "sampler" in components:
         merged["sampler"] = _rescaled_position(
             states[0]["sampler"], components["sampler"].state_dict()
@@ -209,5 +269,5 @@ def resume(
     state when this world size wrote one per worker, else through `load_resharded` (another
     world size's, or a shared one, taken at a sync). Returns the step."""
     if needs_reshard(folder, info.world_size):
-        return load_resharded(folder, info.rank, device, components, optional)
+        return load_resharded(folder, info.rank, device, components, optional, info.world_size)
     return load(folder, info.rank, device, components, optional)

@@ -192,8 +192,8 @@ class Synchroniser:
     ) -> bool:
         """After step `step` (`final`: after the final average): checkpoint when due (every
         `every` steps and at the end) or at an agreed stop; True to stop the run there.
-        `save(shared)` writes: every rank its own state, or (`shared`, under torchft) the one
-        state every replica holds, by the worker that leads."""
+        `save(shared, writes=True)` writes: every rank its own state, or (`shared`, under
+        torchft) the one state every replica holds, by the worker that leads (`writes`)."""
         ft = self.fault_tolerance
         if ft is not None:
             rounds = ft.rounds
@@ -208,7 +208,7 @@ class Synchroniser:
                 final or step >= self.max_steps,
                 every,
                 self.in_sync or self.averager.global_state() is not None,
-                lambda writes: self._save_shared(save) if writes else "",
+                lambda writes: self._save_shared(save, writes),
             )
         if final:  # the loop's last step took the final checkpoint
             return False
@@ -219,19 +219,27 @@ class Synchroniser:
             save(False)
         return stopping
 
-    def _save_shared(self, save: Callable[[bool], str]) -> str:
-        """The one state every worker holds: the model itself when in sync, else the global
-        state (Streaming DiLoCo's anchors) in the model's place for the save, so that a resume
-        continues from it, losing only the local progress since each fragment's last sync."""
-        if self.in_sync:
-            return save(True)
+    def own_state(self) -> dict | None:
+        """What is this worker's own in a shared checkpoint: its error-feedback residuals (what
+        it failed to send; the writer's would be every worker's otherwise), or None."""
+        if not _holds_tensor(getattr(self.averager.reducer, "residuals", None)):
+            return None  # no error feedback: nothing of its own (and no state_dict's copies)
+        return {"residuals": self.averager.reducer.state_dict()["residuals"]}
+
+    def _save_shared(self, save: Callable[..., str], writes: bool) -> str:
+        """The one state every worker holds (written by the worker that `writes`): the model
+        itself when in sync, else the global state (Streaming DiLoCo's anchors) in the model's
+        place for the save, so that a resume continues from it, losing only the local progress
+        since each fragment's last sync."""
+        if self.in_sync or not writes:
+            return save(True, writes)
         buffers = self.averager.flat.buffers
         local = [b.clone() for b in buffers]
         for mine, common in zip(buffers, self.averager.global_state(), strict=True):
             mine.copy_(common)
         self.in_sync = True  # what the checkpoint's loop state says: resumed, all start alike
         try:
-            return save(True)
+            return save(True, writes)
         finally:
             self.in_sync = False
             for mine, kept in zip(buffers, local, strict=True):
@@ -291,6 +299,12 @@ class Synchroniser:
         if self.fault_tolerance is not None:
             state["ft"] = self.fault_tolerance.rounds  # its counters
         return state
+
+
+def _holds_tensor(tree) -> bool:
+    if isinstance(tree, torch.Tensor):
+        return True
+    return isinstance(tree, (list, tuple)) and any(_holds_tensor(t) for t in tree)
 
 
 def build_synchroniser(

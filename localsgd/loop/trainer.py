@@ -351,7 +351,7 @@ class Trainer:
             self.step,
             self.cfg.trainer.checkpoint_every,
             self.stop,
-            lambda shared: self.save_checkpoint(shared=shared),
+            self.save_checkpoint,
             final=final,
         )
         if stopping and self.sync.writes_results(self.info.rank):
@@ -392,12 +392,18 @@ class Trainer:
         self.logger.summary(summary)
         return summary
 
-    def save_checkpoint(self, shared: bool = False) -> str:
-        """Every rank's own state (a collective); `shared`: this rank's state alone, for every
-        worker (all hold the same model), with no collective."""
+    def save_checkpoint(self, shared: bool = False, writes: bool = True) -> str:
+        """Every rank's own state (a collective); `shared`: one state for every worker (all
+        hold the same model), with no collective, written if `writes`; every worker saves
+        beside it what is its own (`Synchroniser.own_state`)."""
         self.nonfinite.check(self.info.rank)  # a checkpoint never holds a diverged state
         self.elapsed_s = self.elapsed()
         if shared:
+            own = self.sync.own_state()
+            if own is not None:
+                checkpoint.save_own(self.run_dir, self.step, self.info.rank, own)
+            if not writes:
+                return ""
             return checkpoint.save_shared(
                 self.run_dir,
                 self.step,
