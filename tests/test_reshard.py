@@ -162,3 +162,40 @@ def test_diloco_between_syncs_resumes_at_another_world_size_from_the_anchor(tmp_
     assert not torch.equal(model, torch.cat([v.flatten() for v in old[0]["model"].values()]))
     ref, mine = old[0]["averager"]["reducer"], new[0]["averager"]["reducer"]
     assert all(torch.equal(a, b) for a, b in zip(_tensors(mine), _tensors(ref), strict=True))
+
+
+def _fake(folder, world: int, state: dict) -> str:
+    import os
+
+    os.makedirs(folder)
+    sizes = {}
+    for r in range(world):
+        path = checkpoint.rank_file(folder, r)
+        torch.save({"step": 7, **state}, path)
+        sizes[os.path.basename(path)] = os.path.getsize(path)
+    with open(os.path.join(folder, checkpoint.MARKER), "w") as f:
+        json.dump({"step": 7, "world_size": world, "files": sizes}, f)
+    return folder
+
+
+@pytest.mark.timeout(30)
+def test_the_resume_line_says_where_the_new_workers_start(tmp_path):
+    from localsgd.loop.reshard import resume_line
+
+    loop = {"loop": {"in_sync": False}}
+    plain = _fake(tmp_path / "plain", 4, {**loop, "averager": {"last_average": 4}})
+    assert resume_line(plain, 4) is None  # its own states
+    assert resume_line(plain, 2).startswith(
+        "resuming at another world size: the checkpoint was taken 2 local steps after the last "
+        "sync, so 2 workers start from the mean of the 4 workers' models;"
+    )
+    outer = {"last_average": 4, "reducer": {"anchors": [], "outer_optimizer": {}}}
+    diloco = _fake(tmp_path / "diloco", 2, {**loop, "averager": outer})
+    assert "dropping the 2 local steps since; the step (7)," in resume_line(diloco, 1)
+    levels = _fake(tmp_path / "levels", 4, {**loop, "averager": {"levels": []}})
+    assert "the checkpoint was taken between syncs, so 2 workers" in resume_line(levels, 2)
+    at_sync = _fake(tmp_path / "sync", 4, {"loop": {"in_sync": True}})
+    assert resume_line(at_sync, 2).startswith(
+        "resuming at another world size: 4 workers' averaged model, step, outer state and "
+        "schedule continue with 2,"
+    )

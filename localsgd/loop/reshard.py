@@ -102,12 +102,13 @@ def _outer(state: dict) -> bool:
     return isinstance(reducer, dict) and "anchors" in reducer and "outer_optimizer" in reducer
 
 
-def _steps_since_sync(state: dict) -> int:
-    """Local steps a rank state took after the last average (0 at a sync)."""
+def _steps_since_sync(state: dict) -> int | None:
+    """Local steps a rank state took after the last average (0 at a sync); None where the
+    averager does not record it (hierarchical levels)."""
     step = int(state["step"])
     last = state.get("averager", {}).get("last_average")  # the averager's index of that step
     if last is None:
-        return 0
+        return None
     return min(step, max(0, step - (int(last) + 1)))
 
 
@@ -140,8 +141,8 @@ def resume_line(folder: str, world_size: int) -> str | None:
     if _outer(state):
         start = (
             f"the model of the last outer step (the anchor, the same on every worker), dropping "
-            f"the {since} local steps since; the step ({step}), the LR schedule, the outer state "
-            f"and the data go on from the checkpoint"
+            f"the {'' if since is None else f'{since} '}local steps since; the step ({step}), "
+            f"the LR schedule, the outer state and the data go on from the checkpoint"
         )
     else:
         start = (
@@ -149,7 +150,8 @@ def resume_line(folder: str, world_size: int) -> str | None:
             f"schedule continue"
         )
     return (
-        f"resuming {where}: the checkpoint was taken {since} local steps after the last sync, "
+        f"resuming {where}: the checkpoint was taken "
+        f"{'between syncs' if since is None else f'{since} local steps after the last sync'}, "
         f"so {workers} start from {start}, each worker with {optimizer}; the data is "
         f"re-partitioned"
     )
