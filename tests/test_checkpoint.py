@@ -12,7 +12,6 @@ import torch
 
 from localsgd.config import plain
 from localsgd.loop import checkpoint
-from localsgd.loop.reshard import RESHARD_REFUSED
 from tests.helpers import BASE, cli, compose_config, same_model, train_records
 
 
@@ -196,7 +195,7 @@ def test_any_complete_checkpoint_resumes_at_another_world_size(tmp_path):
     from localsgd.cli.preflight import resolve_resume
 
     good = _fake_checkpoint(tmp_path, 10)  # written by 2 workers
-    cfg = {"trainer": {"resume": "auto"}, "sync": {k.split(".")[1]: None for k in RESHARD_REFUSED}}
+    cfg = plain(compose_config([]))  # trainer.resume=auto, plain local SGD
     warnings = []
     assert checkpoint.newest_complete(str(tmp_path), 4, warnings.append) == good
     assert warnings == []

@@ -355,6 +355,18 @@ def test_streaming_diloco_under_ft_checkpoints_its_global_state(tmp_path):
     anchors = torch.cat([a.flatten() for a in state["averager"]["reducer"]["anchors"]])
     assert torch.equal(model.sort().values, anchors.sort().values)  # the model is the anchors
     assert state["loop"]["in_sync"]
+    # every worker's own error-feedback residual beside it, each its own
+    step = mid[0].name.split("-")[1]
+    own = [torch.load(run_dir / "checkpoints" / "own" / f"step-{step}" / f"rank-{r}.pt")
+           for r in range(3)]  # fmt: skip
+
+    def flat(tree):
+        if isinstance(tree, torch.Tensor):
+            return [tree.flatten()]
+        return [t for item in tree or [] for t in flat(item)]
+
+    first = [torch.cat(flat(o["residuals"])) for o in own]
+    assert not torch.equal(first[0], first[1]) and not torch.equal(first[1], first[2])
     resumed, left = cli(args + [f"hydra.run.dir={tmp_path / 'again'}", f"trainer.resume={mid[0]}"])
     assert resumed.returncode == 0 and not left, resumed.stderr[-2000:]
     assert json.loads((tmp_path / "again" / "summary.json").read_text())["steps"] == 60

@@ -93,3 +93,88 @@ def test_launched_and_blocking_16_bit_averages_agree_across_replica_groups(dtype
     comm.commit()
     assert torch.equal(blocking, launched)
     assert not torch.equal(blocking, (values + 0.1) / 2)  # the 16-bit rounding did happen
+
+
+class _Held:
+    """A checkpoint component that keeps what it is given."""
+
+    def __init__(self, state):
+        self.state = state
+
+    def state_dict(self):
+        return self.state
+
+    def load_state_dict(self, state):
+        self.state = state
+
+
+def _shared_checkpoint_with_own_residuals(run_dir, residuals: list[float]) -> str:
+    """A shared checkpoint written by worker 0 of len(residuals) workers, each worker's own
+    residual saved beside it, as `ft=torchft` writes them."""
+    from localsgd.loop import checkpoint
+
+    writer = torch.tensor([residuals[0]])
+    components = {
+        "averager": _Held({"step": 8, "reducer": {"residuals": [writer]}}),
+        "optimizer": _Held({"param_groups": [], "state": {}}),
+        "loop": _Held({"in_sync": True}),
+        "rng": _Held({}),
+    }
+    folder = checkpoint.save_shared(str(run_dir), 8, len(residuals), components, keep=2)
+    for rank, value in enumerate(residuals):
+        checkpoint.save_own(str(run_dir), 8, rank, {"residuals": [torch.tensor([value])]})
+    return folder
+
+
+@pytest.mark.parametrize(
+    "world_size, rank, want",
+    [(3, 1, 2.0), (3, 2, 4.0), (2, 0, 7.0 / 3), (4, 3, 7.0 / 3)],
+)
+def test_a_shared_checkpoint_gives_each_worker_its_own_residual(tmp_path, world_size, rank, want):
+    """Error feedback's residual is what a worker failed to send. A shared checkpoint (ft)
+    held only the writer's, which every worker then took: counted W times. Now each worker
+    takes its own at the same world size, and at another every worker takes the old residuals'
+    sum over the old world size, so the next average adds what the old one would have."""
+    from localsgd.loop.reshard import load_resharded
+
+    folder = _shared_checkpoint_with_own_residuals(tmp_path, [1.0, 2.0, 4.0])
+    averager = _Held(None)
+    components = {"averager": averager, "optimizer": _Held(None), "loop": _Held(None)}
+    load_resharded(folder, rank, torch.device("cpu"), components, world_size=world_size)
+    got = averager.state["reducer"]["residuals"][0]
+    assert torch.allclose(got, torch.tensor([want])), got
+
+
+def test_a_healer_takes_no_residual_of_its_peers(lone_group):
+    """A healing worker loads its peer's averager state, but not the peer's residual: that is
+    the peer's own unsent error (it would be counted twice); the healer's own died with it."""
+    from localsgd.averaging import OuterAverager
+    from localsgd.averaging.torchft import FaultTolerantRounds, TorchftCommunicator
+
+    class Manager(_OneReplicaManager):
+        def register_state_dict_fn(self, key, load, save):
+            self.fns = (load, save)
+
+        def participating_rank(self):
+            return 0
+
+    model = torch.nn.Linear(64, 4)
+    peer = OuterAverager(4, module=model, comm_dtype="int4", error_feedback=True)
+    for r in peer.reducer.residuals:
+        r.fill_(0.25)  # the peer's unsent error
+    state = {
+        "phase": "sync",
+        "averager": peer.state_dict(),
+        "buffers": [b.clone() for b in peer.flat.buffers],
+        "committed": {"buffers": [], "reducer": peer.reducer.state_dict()},
+        "failed_syncs": 0,
+        "participants_min": 2,
+        "heals_seen": 0,
+        "checkpoint_mark": 0,
+    }
+    healer = OuterAverager(4, module=torch.nn.Linear(64, 4), comm_dtype="int4", error_feedback=True)
+    rounds = FaultTolerantRounds(healer, TorchftCommunicator(Manager()))
+    rounds._load_ft_state(state)
+    assert all(torch.count_nonzero(r) == 0 for r in healer.reducer.residuals)
+    assert torch.equal(healer.reducer.anchors[0], peer.reducer.anchors[0])  # the rest is taken
+    assert all(r is None for r in rounds.committed["reducer"]["residuals"] or [None])

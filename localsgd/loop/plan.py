@@ -20,7 +20,6 @@ from localsgd.averaging.outer_step import OUTER_DEFAULTS
 
 # sync key: why its per-worker state cannot move to another world size (`SyncPlan.reshard_refusal`)
 RESHARD_REFUSED = {
-    "sync.error_feedback": "each worker's rounding residual is its own",
     "sync.overlap": "an average is in flight at every sync",
     "sync.delay_steps": "a fragment's average is in flight",
     "sync.eager": "each worker's pseudo-gradient is carried to the next round",
@@ -127,7 +126,6 @@ class SyncPlan:
     def reshard_refusal(self) -> str | None:
         """Why a checkpoint of this run cannot continue at another world size, or None."""
         values = {
-            "sync.error_feedback": self.error_feedback,
             "sync.overlap": self.overlap,
             "sync.delay_steps": 0 if self.overlap else self.delay,
             "sync.eager": self.eager,

@@ -236,7 +236,7 @@ def load_resharded(
         # a shared checkpoint holds the writer's residual only: each worker's is beside it
         own = (
             {r: o["residuals"] for r, o in load_own(folder, device).items()}
-            if old == 1
+            if _marker(folder).get("shared")
             else {r: s["averager"]["reducer"]["residuals"] for r, s in enumerate(states)}
         )
         residuals = None  # none saved of their own (an older checkpoint): start without
