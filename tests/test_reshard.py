@@ -199,3 +199,29 @@ def test_the_resume_line_says_where_the_new_workers_start(tmp_path):
         "resuming at another world size: 4 workers' averaged model, step, outer state and "
         "schedule continue with 2,"
     )
+
+
+@pytest.mark.timeout(180)
+def test_error_feedback_residuals_move_to_another_world_size_as_their_mean(tmp_path):
+    """4-bit DiLoCo with error feedback, 2 -> 3 from a checkpoint at a sync: every new worker
+    starts with the old residuals' sum over the old world size (what the next average would
+    have added), not rank 0's (counted 3 times) and not none (lost)."""
+    run_dir, probe = tmp_path / "run", tmp_path / "probe"
+    args = RESHARD + [
+        "sync.outer=diloco", "optim=adamw", "optim.lr=0.01", "sync.comm_dtype=int4",
+        "sync.error_feedback=true",
+    ]  # fmt: skip
+    proc, left = _run(args, run_dir, 2, fault="kill:0:13")
+    assert proc.returncode == 1 and not left, proc.stderr[-2000:]
+    saved = checkpoint.step_dir(str(run_dir), 10)
+    old = [torch.load(checkpoint.rank_file(saved, r), weights_only=True) for r in range(2)]
+    residuals = [_tensors(o["averager"]["reducer"]["residuals"]) for o in old]
+    assert residuals[0] and not torch.equal(residuals[0][0], residuals[1][0])
+    snap = f"trainer.callbacks=[{{_target_:tests.faults.Snapshot,dir:'{probe}'}}]"
+    proc, left = _run(args + [snap], run_dir, 3)
+    assert proc.returncode == 0 and not left, proc.stderr[-3000:]
+    for rank in range(3):
+        got = torch.load(probe / f"rank-{rank}.pt", weights_only=False)
+        mine = _tensors(got["averager"]["reducer"]["residuals"])
+        for a, b, m in zip(*residuals, mine, strict=True):
+            assert torch.equal(m, (a + b) * 0.5)
