@@ -249,6 +249,12 @@ class Averager(ModelAverager):
     failed_round_restores = "commit"
     rounds_overlap = False  # one step closes a round and opens the next (see StreamingAverager)
 
+    @property
+    def delayed_syncs(self) -> bool:
+        """Whether a sync over every rank is launched after one step and merged after a later
+        one (`sync_at` says "launch", then "merge"), rather than done within one step."""
+        return self.reducer.delays
+
     def sync_at(self, step: int) -> str | None:
         """What the update after step `step` does across every rank: None (nothing, or an
         inner level's average), "sync" (a blocking average over every rank), "launch" (a
@@ -274,6 +280,10 @@ class Averager(ModelAverager):
         if self.merged and not self.all_in_sync:
             return self.reducer.averages
         return self._bound().buffers
+
+    def complete_launched(self) -> None:
+        """Wait for the collectives this averager launched and left in flight (none here; a
+        round driver calls it before closing a round, whose process group may not outlive it)."""
 
     def global_state(self) -> list[torch.Tensor] | None:
         """Between syncs, flat tensors (laid out as the flat buffers) that every rank holds

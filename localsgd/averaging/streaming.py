@@ -279,6 +279,10 @@ class StreamingAverager(Averager):
     failed_round_restores = "round"
 
     @property
+    def delayed_syncs(self) -> bool:
+        return self.delay > 0
+
+    @property
     def rounds_overlap(self) -> bool:
         """Whether one step both merges a fragment and launches the next (τ = H/P): two rounds
         in one step, which a round driver (torchft's) cannot run."""
@@ -383,6 +387,12 @@ class StreamingAverager(Averager):
         self._run_hooks(self.comm)
         self._count(self.widest, before)
         self.all_in_sync = True
+
+    def complete_launched(self) -> None:
+        """Wait for every fragment's exchange in flight: a delayed one (launched a step or more
+        ago, τ > 0) or an eager round's (its mean is used at the fragment's next round)."""
+        for p in range(self.fragments):
+            self.frags.wait(p)
 
     def global_state(self) -> Tensors | None:
         """The anchors, with an outer step (eager ones are per worker): the global model as of

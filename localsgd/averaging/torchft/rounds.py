@@ -367,7 +367,7 @@ class FaultTolerantRounds:
             self._open_reducer = _clone_tree(av.reducer.state_dict())
             return av.maybe_average()
         if kind == "merge" and self._open_reducer is not None:
-            av.frags.wait(av.merging(av.step))
+            av.complete_launched()  # the fragment launched a round ago
             if not self._commit():
                 av.reducer.load_state_dict(self._open_reducer)
             self._open_reducer = None
@@ -382,11 +382,10 @@ class FaultTolerantRounds:
         """Finish, inside the round, what the round launched: torchft reconfigures its process
         group at every quorum, so no collective may outlive its round (the eager outer step's
         exchange, which would otherwise be received a round later, is received now and used
-        then: the same values). A delayed merge's round closes at the merge instead."""
-        av = self.averager
-        if self.undo and not av.delay:
-            for p in range(av.fragments):
-                av.frags.wait(p)
+        then: the same values). A delayed merge's round closes at the merge instead, where
+        `maybe_average` completes it."""
+        if not self.averager.delayed_syncs:
+            self.averager.complete_launched()
 
     def average(self) -> bool:
         """An average outside the schedule (e.g. before the final evaluation), as a round."""
