@@ -111,8 +111,11 @@ class Trainer:
     LOOP_STATE = ("in_sync", "next_eval", "loss_sum", "loss_count", "skipped_steps", "elapsed_s")
 
     def state_dict(self) -> dict[str, Any]:
-        # the step too: a healing worker takes the whole loop state from its peer
-        return {"step": self.step, **{k: getattr(self, k) for k in self.LOOP_STATE}}
+        # the step too: a healing worker takes the whole loop state from its peer, and the
+        # training seconds so far (not those before the peer's last resume: a healed worker 0
+        # would time the run from its heal)
+        state = {k: getattr(self, k) for k in self.LOOP_STATE}
+        return {"step": self.step, **state, "elapsed_s": self.elapsed()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for k in self.LOOP_STATE:
