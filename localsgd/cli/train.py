@@ -231,6 +231,7 @@ def main(cfg: DictConfig) -> float | None:
                 "comm_rounds",
                 "comm_bytes",
                 "wall_time_s",
+                "eval_seconds",
             )
             if k in summary
         )

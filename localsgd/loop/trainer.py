@@ -98,6 +98,7 @@ class Trainer:
         self.loss_count = 0
         self.skipped_steps = 0
         self.elapsed_s = 0.0  # training seconds before the last resume
+        self.eval_s = 0.0  # of those and the seconds since, spent in periodic evaluation
         self.start: float | None = None  # perf_counter at the loop's start, less elapsed_s
         # Everything a checkpoint holds, registered once: saving and resuming walk this mapping.
         self.stateful: dict[str, checkpoint.Stateful] = {
@@ -126,14 +127,22 @@ class Trainer:
         self.nonfinite = NonFiniteTracker(device)
         self.stop = StopAgreement(store, str(info.attempt))
 
-    LOOP_STATE = ("in_sync", "next_eval", "loss_sum", "loss_count", "skipped_steps", "elapsed_s")
+    LOOP_STATE = (
+        "in_sync",
+        "next_eval",
+        "loss_sum",
+        "loss_count",
+        "skipped_steps",
+        "elapsed_s",
+        "eval_s",
+    )
 
     def state_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.LOOP_STATE}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for k in self.LOOP_STATE:
-            setattr(self, k, state[k])
+        for k in self.LOOP_STATE:  # a checkpoint written before eval_s existed keeps going
+            setattr(self, k, state.get(k, getattr(self, k)))
 
     @property
     def in_sync(self) -> bool:
@@ -350,8 +359,10 @@ class Trainer:
         if self.step < self.next_eval or not ready or self.step >= c.max_steps:
             return
         if self.is_main:  # wall time taken before the evaluation, for time-to-accuracy
+            began = time.perf_counter()
             record = {"step": self.step, "wall_time_s": round(self.elapsed(), 3)}
             self.logger.log({**record, **self.comm_record(), **self.evaluate()})
+            self.eval_s += time.perf_counter() - began
         self.next_eval = (self.step // c.eval_every + 1) * c.eval_every
 
     def maybe_checkpoint(self) -> bool:
@@ -401,6 +412,7 @@ class Trainer:
             "steps": self.step,
             **self.comm_record(),
             "wall_time_s": round(wall, 3),
+            "eval_seconds": round(self.eval_s, 3),  # included in wall_time_s
             "world_size": self.info.world_size,
             **self.sync.summary(),  # period, warmup_steps, comm_levels
             "params": self.param_count,
