@@ -42,9 +42,8 @@ def schema_keys(node=None, prefix: str = "") -> list[str]:
         return [k for name in TYPED_NODES for k in schema_keys(node[name], name + ".")]
     out = []
     for name in node:
-        child = node._get_node(name)
-        if OmegaConf.is_dict(child):
-            out.extend(schema_keys(child, f"{prefix}{name}."))
+        if OmegaConf.is_dict(node[name]):
+            out.extend(schema_keys(node[name], f"{prefix}{name}."))
         else:
             out.append(prefix + name)
     return out
