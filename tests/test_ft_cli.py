@@ -149,6 +149,30 @@ def test_a_worker_lost_for_good_leaves_the_others_to_finish(tmp_path, victim):
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
+def test_a_killed_peer_is_one_line_of_its_own_without_torchft_tracebacks(tmp_path):
+    """Worker 1 SIGKILLed at step 33 with a delayed round (sync.delay_steps=1): the survivors'
+    next collective still has it as a peer, and gloo's read fails (checked here: every time).
+    torchft logged that as a traceback ending in gloo's `GLHF! 🏖️` per survivor, which looked
+    like a crash; the launcher's line says what happened, on a line of its own under the
+    progress bar (not glued to its end), and also in the run's train.log."""
+    run_dir = tmp_path / "run"
+    once = tmp_path / "killed-once"
+    proc, left = cli(
+        FT
+        + ["ft=torchft", "sync.delay_steps=1", "trainer.progress=true"]
+        + [f"hydra.run.dir={run_dir}"],
+        fault=f"kill:1:33:{once}",
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert not left
+    assert "GLHF" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    died = "ft: worker 1 died (signal 9); restart 1 of 3"
+    assert any(line.startswith(died) for line in proc.stderr.splitlines()), proc.stderr[-2000:]
+    assert f"[NOTICE] - {died}" in (run_dir / "train.log").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
 def test_below_min_replicas_the_job_stops_with_a_checkpoint_and_resumes_at_another_size(tmp_path):
     """3 workers, ft.min_replicas=3, checkpoints every 8 steps. Worker 2 is lost for good at
     step 30: the next sync finds no quorum for ft.quorum_timeout_s, is rolled back, and the

@@ -105,6 +105,28 @@ def _quiet_flight_recorder() -> None:
         logger.setLevel(logging.WARNING)
 
 
+# What gloo says when a peer's process is gone mid-collective (pair.cc's read/write errors).
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def _drop_peer_gone(record) -> bool:
+    """False for torchft's tracebacks of a collective that failed because a peer died: torchft
+    reports the error to its Manager, the round fails and is retried without that peer, and the
+    launcher says in one line which worker died. Anything else torchft logs still shows."""
+    if record.exc_info is None:
+        return True
+    return not any(phrase in str(record.exc_info[1]) for phrase in _PEER_GONE)
+
+
+def _quiet_peer_loss() -> None:
+    import logging
+
+    for name in ("torchft.manager", "torchft.process_group"):
+        logger = logging.getLogger(name)
+        if _drop_peer_gone not in logger.filters:
+            logger.addFilter(_drop_peer_gone)
+
+
 def make_manager(
     *,
     replica_id: str,
@@ -138,6 +160,7 @@ def make_manager(
     from torchft.process_group import ProcessGroupGloo
 
     _quiet_flight_recorder()
+    _quiet_peer_loss()
     if "://" not in lighthouse:  # HOST:PORT, as torchft_lighthouse --bind takes it
         lighthouse = f"http://{lighthouse}"
 

@@ -25,6 +25,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from localsgd.config import FT_BACKENDS, ConfigError
+from localsgd.loop.metrics import notice
 from localsgd.loop.worker import WorkerInfo
 
 # What cannot run through torchft's Manager yet, each with the value it must keep (the keys are
@@ -219,12 +220,11 @@ def _replica_main(
         stops.put(str(e))
         os._exit(EXIT_STOPPED)
     except NoLivePeer as e:
-        print(f"ft: {e}", file=sys.stderr, flush=True)
+        notice(f"ft: {e}")
         os._exit(EXIT_NO_PEER)
     except BaseException as e:  # one line; the supervisor restarts the worker or gives up
         last = (str(e).strip().splitlines() or [""])[-1]
-        print(f"ft: worker {info.rank} failed: {type(e).__name__}: {last}", file=sys.stderr)
-        sys.stderr.flush()
+        notice(f"ft: worker {info.rank} failed: {type(e).__name__}: {last}")
         os._exit(1)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -276,11 +276,9 @@ def run_replicas(fn: Callable, cfg: Any, args: tuple, poll_s: float = 0.05) -> d
             if proc.is_alive():
                 os.kill(proc.pid, signal.SIGKILL)
         if signum is not None:
-            print(
+            notice(
                 "stopped: every worker killed; the same command resumes from the newest "
-                "checkpoint (trainer.checkpoint_every), if one was written",
-                file=sys.stderr,
-                flush=True,
+                "checkpoint (trainer.checkpoint_every), if one was written"
             )
             os._exit(130 if signum == signal.SIGINT else 143)
 
@@ -314,27 +312,19 @@ def run_replicas(fn: Callable, cfg: Any, args: tuple, poll_s: float = 0.05) -> d
                 how = f"signal {-code}" if code < 0 else f"exit code {code}"
                 if restarts[rank] < ft.max_restarts:
                     restarts[rank] += 1
-                    print(
+                    notice(
                         f"ft: worker {rank} died ({how}); restart {restarts[rank]} of "
-                        f"{ft.max_restarts}, it heals from a live peer at the next sync",
-                        file=sys.stderr,
-                        flush=True,
+                        f"{ft.max_restarts}, it heals from a live peer at the next sync"
                     )
                     start(rank)
                 else:
                     lost[rank] = how
-                    print(
-                        f"ft: worker {rank} died ({how}) with no restart left; lost for good",
-                        file=sys.stderr,
-                        flush=True,
-                    )
+                    notice(f"ft: worker {rank} died ({how}) with no restart left; lost for good")
                     if world_size - len(lost) < ft.min_replicas:
-                        print(
+                        notice(
                             f"ft: {world_size - len(lost)} of {world_size} workers left, fewer "
                             f"than ft.min_replicas={ft.min_replicas}: they stop with a "
-                            f"checkpoint within ft.quorum_timeout_s={ft.quorum_timeout_s:g}",
-                            file=sys.stderr,
-                            flush=True,
+                            f"checkpoint within ft.quorum_timeout_s={ft.quorum_timeout_s:g}"
                         )
         if stopped:
             raise ReplicasFailed(f"ft: {stops.get()}")

@@ -45,6 +45,7 @@ from localsgd.cli.preflight import check_data, resolve_resume
 from localsgd.config import Config, ConfigError, register_schemas, typed
 from localsgd.loop.fault_tolerance import NoLivePeer
 from localsgd.loop.loggers import offline_runs, resolve_wandb_settings
+from localsgd.loop.metrics import notice, set_notice_log
 from localsgd.loop.reshard import rank_states, written_by
 
 register_schemas()
@@ -80,6 +81,7 @@ def run_worker(
         )
     try:
         run_dir = agree_on_run_dir(run_dir, info.rank)
+        set_notice_log(run_log(run_dir), bar_elsewhere=cfg.trainer.progress)
         resume = agree_on(resume)
         Trainer(cfg, info, device, run_dir, resume_from=resume, store=store).train()
     finally:
@@ -122,8 +124,14 @@ def name_wandb_run(wandb_cfg) -> None:
         wandb_cfg.group = hydra_cfg.sweep.dir
 
 
+def run_log(run_dir: str) -> str:
+    """Hydra's job log (`${hydra.job.name}.log`), where every process of the run appends its
+    notices: Hydra's logging writes nothing of ours there."""
+    return os.path.join(run_dir, "train.log")
+
+
 def fail(message: str, code: int = 2) -> None:
-    print(f"error: {message}", file=sys.stderr)
+    notice(f"error: {message}")
     sys.exit(code)
 
 
@@ -157,6 +165,8 @@ def main(cfg: DictConfig) -> float | None:
         resume, epoch_steps = preflight(cfg, run_dir)
     except ConfigError as e:
         fail(str(e))
+    # Only now: a refused command must not write into an earlier run's log
+    set_notice_log(run_log(run_dir), bar_elsewhere=cfg.trainer.progress)
     summary_path = os.path.join(run_dir, "summary.json")
     run_cfg = typed(cfg)  # resolved here: workers cannot resolve ${hydra:...} or ${now:...}
     try:
@@ -166,7 +176,7 @@ def main(cfg: DictConfig) -> float | None:
     if epoch_steps is not None:  # workers, the LR schedule and the summary count steps
         run_cfg.trainer.max_steps = epoch_steps
     if resume is not None:
-        print(f"resuming from {resume}", file=sys.stderr, flush=True)
+        notice(f"resuming from {resume}")
         before, now = written_by(resume), world_size_of(run_cfg)
         shared = rank_states(resume) == 1 and before > 1
         if before != now or shared:
@@ -175,12 +185,10 @@ def main(cfg: DictConfig) -> float | None:
                 if shared
                 else "the old workers' average optimizer state"
             )
-            print(
+            notice(
                 f"resuming {'at another world size' if before != now else 'every worker'}: "
                 f"{before} workers' averaged model, step, outer state and schedule continue "
-                f"with {now}, each with {optimizer}; the data is re-partitioned",
-                file=sys.stderr,
-                flush=True,
+                f"with {now}, each with {optimizer}; the data is re-partitioned"
             )
     if torchrun:
         info = torchrun_info()
@@ -189,7 +197,7 @@ def main(cfg: DictConfig) -> float | None:
         try:
             run_worker(info, None, run_cfg, run_dir, resume)
         except NoLivePeer as e:  # a group restarted after the others finished
-            print(f"ft: {e}", file=sys.stderr, flush=True)
+            notice(f"ft: {e}")
             return None
         except Exception as e:  # one line naming the rank; torchrun then stops the others
             last = (str(e).strip().splitlines() or [""])[-1]
@@ -210,7 +218,7 @@ def main(cfg: DictConfig) -> float | None:
                 outcome = run_replicas(worker, run_cfg, args=(run_cfg, run_dir, resume))
                 if outcome["lost"]:
                     lost = ", ".join(map(str, outcome["lost"]))
-                    print(f"ft: finished without worker(s) {lost} (lost for good)", file=sys.stderr)
+                    notice(f"ft: finished without worker(s) {lost} (lost for good)")
         except (WorkerFailed, ReplicasFailed) as e:
             fail(str(e), code=1)
     if not os.path.exists(summary_path):  # stopped by SIGTERM after a checkpoint
