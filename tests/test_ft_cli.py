@@ -234,6 +234,59 @@ def test_bad_ft_settings_are_refused_in_one_line(override, key, capsys):
     assert line.startswith(f"error: {key}"), line
 
 
+@pytest.mark.timeout(20)
+def test_a_lighthouse_address_where_something_else_listens_is_refused_in_one_line(capsys):
+    """It used to pass the check (a TCP connection was enough), then every worker waited
+    ft.quorum_timeout_s and said only `no quorum: TimeoutError`. A plain HTTP server and a
+    listener that never answers are refused at once, naming what answered; a lighthouse passes."""
+    import http.server
+    import socket
+    import threading
+    import time
+
+    from localsgd.averaging.fault_tolerant import start_lighthouse
+    from localsgd.cli.fault_tolerance import check_reachable
+
+    class Page(http.server.BaseHTTPRequestHandler):  # e.g. TensorBoard left on that port
+        def do_GET(self):
+            body = b"<html><title>Some dashboard</title></html>"
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):  # not on the refusal's stderr
+            pass
+
+    web = http.server.HTTPServer(("127.0.0.1", 0), Page)
+    threading.Thread(target=web.serve_forever, daemon=True).start()
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts (the backlog), never answers
+    server, address = start_lighthouse(1, join_timeout_ms=1000)
+    try:
+        port = web.server_address[1]
+        line = refusal(FT + ["ft=torchft", f"ft.lighthouse=127.0.0.1:{port}"], capsys)
+        assert line.startswith(f"error: ft.lighthouse: 127.0.0.1:{port} is not a torchft "), line
+        assert "answered GET / with 200 OK, BaseHTTP/" in line, line
+        assert "titled 'Some dashboard'" in line, line
+
+        port = silent.getsockname()[1]
+        begun = time.monotonic()
+        line = refusal(
+            FT + ["ft=torchft", "ft.timeout_s=1", f"ft.lighthouse=127.0.0.1:{port}"], capsys
+        )
+        assert time.monotonic() - begun < 5
+        assert line.startswith(f"error: ft.lighthouse: 127.0.0.1:{port} is not a torchft "), line
+        assert "accepts connections but sent no answer in 1 s" in line, line
+
+        check_reachable(address, 2.0)  # no ConfigError
+        check_reachable(address.removeprefix("http://"), 2.0)
+    finally:
+        web.shutdown()
+        web.server_close()
+        silent.close()
+        server.shutdown()
+
+
 def test_a_missing_torchft_is_refused_in_one_line(capsys, monkeypatch):
     import importlib.util
 

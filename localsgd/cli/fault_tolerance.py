@@ -12,12 +12,12 @@ torchft is imported only when a run asks for it (`start_lighthouse`, inside the 
 
 from __future__ import annotations
 
+import http.client
 import importlib.util
 import multiprocessing
 import os
 import re
 import signal
-import socket
 import sys
 import time
 from collections.abc import Callable
@@ -44,7 +44,10 @@ def lighthouse_url(address: str) -> str:
 
 
 def check_reachable(address: str, timeout_s: float) -> None:
-    """One line, and exit 2 through ConfigError, when no lighthouse answers at `address`."""
+    """One line, and exit 2 through ConfigError, unless a torchft lighthouse answers at
+    `address`. A TCP connection alone is not enough: with something else listening there, every
+    worker would wait ft.quorum_timeout_s and then say only `no quorum`. The lighthouse serves
+    its dashboard over HTTP on the port of its gRPC service; `GET /` names it."""
     url = urlparse(lighthouse_url(address))
     try:
         host, port = url.hostname, url.port
@@ -54,14 +57,42 @@ def check_reachable(address: str, timeout_s: float) -> None:
         raise ConfigError(
             f"ft.lighthouse must be HOST:PORT of a torchft lighthouse, got {address!r}"
         )
+    start_one = (
+        f"start one there (torchft_lighthouse --min_replicas N --bind {host}:{port}) or leave "
+        f"ft.lighthouse empty to start one here"
+    )
+    conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
     try:
-        socket.create_connection((host, port), timeout=timeout_s).close()
-    except OSError as e:
+        try:
+            conn.connect()
+        except OSError as e:
+            raise ConfigError(
+                f"ft.lighthouse: no torchft lighthouse answers at {host}:{port} "
+                f"({e.strerror or e}); {start_one}"
+            ) from None
+        try:
+            conn.request("GET", "/")
+            response = conn.getresponse()
+            body = response.read(1 << 16).decode("utf-8", "replace")
+        except TimeoutError:
+            what = f"something accepts connections but sent no answer in {timeout_s:g} s"
+        except (OSError, http.client.HTTPException) as e:
+            what = f"something that does not speak HTTP answered ({type(e).__name__}: {e})"
+        else:
+            if response.status == 200 and all(w in body.lower() for w in ("lighthouse", "torchft")):
+                return
+            title = re.search(r"<title>\s*(.*?)\s*</title>", body, re.I | re.S)
+            server = response.getheader("Server")
+            what = (
+                f"an HTTP server answered GET / with {response.status} {response.reason}"
+                + (f", {server}" if server else "")
+                + (f", titled {title.group(1)[:60]!r}" if title else "")
+            )
         raise ConfigError(
-            f"ft.lighthouse: no torchft lighthouse answers at {host}:{port} ({e.strerror or e}); "
-            f"start one there (torchft_lighthouse --min_replicas N --bind {host}:{port}) or leave "
-            f"ft.lighthouse empty to start one here"
-        ) from None
+            f"ft.lighthouse: {host}:{port} is not a torchft lighthouse: {what}; {start_one}"
+        )
+    finally:
+        conn.close()
 
 
 def validate_ft(cfg: Any, get: Callable[[Any, str], Any], world_size: int | None) -> None:
