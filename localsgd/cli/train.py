@@ -246,6 +246,8 @@ def main(cfg: DictConfig) -> float | None:
     )
     if "sample" in summary:
         print(f"sample:\n{summary['sample']}")
+    if run_cfg.logger.plots and (plot := write_run_plot(run_dir)):
+        print(f"plot: {plot}")
     if run_cfg.logger.wandb.mode == "offline":
         for path in offline_runs(run_dir):
             print(f"wandb offline run: upload it with `wandb sync {shlex.quote(path)}`")
@@ -253,6 +255,18 @@ def main(cfg: DictConfig) -> float | None:
         return objective(summary, run_cfg.optimized_metric)
     except ConfigError as e:
         fail(str(e))
+
+
+def write_run_plot(run_dir: str) -> str | None:
+    """The run's loss against step, beside its summary.json; the run has finished either way,
+    so a plotting error is one line, never a failed run."""
+    try:
+        from localsgd.analysis.plots import plot_run  # matplotlib: only now
+
+        return plot_run(run_dir)
+    except Exception as e:
+        notice(f"warning: no plot written into {run_dir}: {type(e).__name__}: {e}")
+        return None
 
 
 def objective(summary: dict, metric: str) -> float:
