@@ -188,3 +188,12 @@ def test_a_plotting_error_is_one_warning_line_not_a_failed_run(tmp_path, capsys)
     assert write_run_plot(str(tmp_path)) is None  # no summary.json to plot from
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"warning: no plot written into {tmp_path}: ")
+
+
+@pytest.mark.timeout(30)
+def test_a_run_with_no_overrides_is_labelled_by_its_config(tmp_path, capsys):
+    make_run(tmp_path / "default", [])
+    make_run(tmp_path / "k64", ["sync.period=64"], period=64)
+    assert report_main([str(tmp_path), "--no-plots"]) == 0
+    printed = capsys.readouterr().out
+    assert "| sync.period=16 | 1 |" in printed and "| sync.period=64 (one-shot) | 1 |" in printed

@@ -23,7 +23,8 @@ class Run:
     summary: dict[str, Any]
     config: dict[str, Any]  # flattened: "sync.period" -> 16
     metrics: list[dict[str, Any]] = field(default_factory=list)
-    overrides: list[str] = field(default_factory=list)  # the command line's, as Hydra kept them
+    # the command line's, as Hydra kept them; None for a run dir without `.hydra/overrides.yaml`
+    overrides: list[str] | None = None
 
     @property
     def seed(self) -> Any:
@@ -50,7 +51,7 @@ def load_run(path: str) -> Run:
     else:  # a run without Hydra's record: what the summary says is all we know
         config = {PERIOD: summary.get("period"), "sync.warmup_steps": summary.get("warmup_steps")}
     overrides = read_overrides(path)
-    for item in overrides:  # the overrides win where config.yaml is missing a key
+    for item in overrides or []:  # the overrides win where config.yaml is missing a key
         key, _, value = item.lstrip("+").partition("=")
         config.setdefault(key, yaml.safe_load(value))
     metrics = []
@@ -61,10 +62,10 @@ def load_run(path: str) -> Run:
     return Run(path, summary, config, metrics, overrides)
 
 
-def read_overrides(path: str) -> list[str]:
+def read_overrides(path: str) -> list[str] | None:
     overrides_file = os.path.join(path, ".hydra", "overrides.yaml")
     if not os.path.isfile(overrides_file):
-        return []
+        return None
     with open(overrides_file, encoding="utf-8") as f:
         return [str(o) for o in yaml.safe_load(f) or []]
 
@@ -89,7 +90,7 @@ def table_row(run: Run, root: str) -> dict[str, Any]:
     keys = [k for k in CURVE_KEYS if any(k in m for m in run.metrics)]
     return {
         "run": os.path.relpath(run.path, os.path.dirname(os.path.abspath(root))),
-        "overrides": run.overrides,
+        "overrides": run.overrides or [],
         "config": {k: list(v) if isinstance(v, tuple) else v for k, v in run.config.items()},
         "summary": run.summary,
         "curve": {k: [m.get(k) for m in run.metrics] for k in keys},
@@ -112,7 +113,8 @@ def read_table(path: str) -> list[Run]:
                 config = {
                     k: tuple(v) if isinstance(v, list) else v for k, v in row["config"].items()
                 }
-                overrides = [str(o) for o in row.get("overrides") or []]
+                kept = row.get("overrides")
+                overrides = None if kept is None else [str(o) for o in kept]
                 runs.append(Run(row["run"], row["summary"], config, metrics, overrides))
             except (ValueError, KeyError, TypeError, IndexError) as e:
                 raise ValueError(f"{path}:{n}: not a run-table row ({e})") from None
@@ -190,13 +192,13 @@ def label(config: dict[str, Any], keys: list[str]) -> str:
 
 
 def _override_keys(runs: list[Run]) -> list[str] | None:
-    """The command-line keys whose values differ between the runs, in command-line order; None
-    when some run has no record of its command line (a run dir without `.hydra/`)."""
-    if any(not r.overrides for r in runs):
+    """The command-line keys whose values differ between the runs, in command-line order (a run
+    with no record of its command line has them in its config); None when no run has one."""
+    if all(r.overrides is None for r in runs):
         return None
     keys: dict[str, None] = {}
     for run in runs:
-        for item in run.overrides:
+        for item in run.overrides or []:
             key = item.lstrip("+~").partition("=")[0]
             if not _ignored(key):
                 keys[key] = None
