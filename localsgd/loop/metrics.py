@@ -89,7 +89,9 @@ def notice(line: str) -> None:
     prefix = ""
     if _bar_elsewhere and not own_bar:
         prefix = "\r\x1b[K" if stream.isatty() else "\n"
-    tqdm.write(prefix + line, file=stream)
+    # Without a bar here there is nothing to clear, and no lock to take: tqdm's default one is a
+    # multiprocessing semaphore that a process leaving by os._exit would leak (`progress_bar`).
+    tqdm.write(prefix + line, file=stream, nolock=not own_bar)
     stream.flush()
     if _notice_log is None:
         return
