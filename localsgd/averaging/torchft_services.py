@@ -112,10 +112,15 @@ _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken p
 def _drop_peer_gone(record) -> bool:
     """False for torchft's tracebacks of a collective that failed because a peer died: torchft
     reports the error to its Manager, the round fails and is retried without that peer, and the
-    launcher says in one line which worker died. Anything else torchft logs still shows."""
-    if record.exc_info is None:
+    launcher says in one line which worker died. Any other error torchft caught (e.g. gloo's
+    timeout waiting for a peer) still shows, as its one line: torchft handled it the same way,
+    so a traceback would only make it look like a crash."""
+    if not record.exc_info:
         return True
-    return not any(phrase in str(record.exc_info[1]) for phrase in _PEER_GONE)
+    if any(phrase in str(record.exc_info[1]) for phrase in _PEER_GONE):
+        return False
+    record.exc_info = record.exc_text = None
+    return True
 
 
 def _quiet_peer_loss() -> None:
