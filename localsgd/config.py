@@ -254,6 +254,8 @@ class WandbConfig:
 @dataclass
 class LoggerConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    # a finished run's loss_vs_step.png in its directory (localsgd.analysis.plots.plot_run)
+    plots: bool = True
 
 
 @dataclass

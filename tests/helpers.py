@@ -42,6 +42,7 @@ FAST = [
     "trainer.progress=false",
     "dist.timeout_s=60",
     "logger.wandb.mode=disabled",
+    "logger.plots=false",  # ~0.5 s of matplotlib per job (tests/test_report.py plots)
 ]
 
 # The reliability job: 24 steps, 2 workers; warmup steps 0-5 communicate, then averages after
@@ -64,6 +65,7 @@ BASE = [
     "dist.world_size=2",
     "dist.timeout_s=30",
     "logger.wandb.mode=disabled",  # wandb is not the subject here (tests/test_loggers.py)
+    "logger.plots=false",  # nor plots (tests/test_report.py)
 ]
 
 # In-process trainer tests (compose_config(SMALL + ...)).

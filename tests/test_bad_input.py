@@ -10,6 +10,7 @@ import shutil
 
 import pytest
 
+from localsgd.cli.overrides import check_overrides
 from tests.helpers import BASE, cli, refusal
 
 
@@ -96,6 +97,30 @@ def test_bad_input_is_one_line_and_touches_no_earlier_run(override, key, earlier
     if override.startswith("data="):  # another dataset: the synthetic set's keys do not apply
         args = [a for a in BASE if not a.startswith("data")]
     _refused_in_one_line_leaving_untouched(args + override.split(), earlier_run, key, capsys)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("plus", ["+", ""])
+@pytest.mark.parametrize(
+    "typo,meant", [("sync.peroid=4", "sync.period"), ("trainer.max_step=100", "trainer.max_steps")]
+)
+def test_a_mistyped_key_is_refused_naming_the_nearest_one(plus, typo, meant, capsys):
+    """With `+` too: the typed nodes hold only their schema's fields, so an added key there
+    would be dropped without a word and the run would go on with the default."""
+    key = typo.split("=")[0]
+    assert refusal(BASE + [plus + typo], capsys) == (
+        f"error: {key} is not a setting; did you mean {meant}? "
+        "(every key: docs/configuration.md#every-key)"
+    )
+
+
+@pytest.mark.timeout(10)
+def test_plus_still_adds_keys_to_the_open_nodes():
+    """A callable's own arguments are added with `+` (docs/configuration.md)."""
+    check_overrides(
+        ["+model.width=128", "+data.extra=1", "+optim.foo=0", "+lr_schedule.bar=1"]
+        + ["+experiment=diloco", "++trainer.max_steps=5"]
+    )
 
 
 @pytest.mark.slow

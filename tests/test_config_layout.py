@@ -307,6 +307,10 @@ def test_the_language_model_presets_optimise_the_test_loss():
         cfg = compose_config([f"data={data}", "model=transformer"])
         assert cfg.optimized_metric == "test_loss", data
         assert cfg.data.seq_len == 64 and cfg.data.partition == "iid"  # the node as before
+        # periodic evaluations read a subset (the final one the whole validation set)
+        assert cfg.trainer.eval_samples == 1024, data
+        every = compose_config([f"data={data}", "trainer.eval_samples=null"])
+        assert every.trainer.eval_samples is None, data  # the command line still wins
     # the Optuna preset names both halves of the objective: which key, and which way is better
     with open(os.path.join(CONF, "experiment", "optuna_lr.yaml")) as f:
         optuna = yaml.safe_load(f)

@@ -67,6 +67,15 @@ def test_readme_is_at_most_200_lines():
     assert n <= 200, f"README.md has {n} lines; move detail to docs/"
 
 
+def test_readme_activates_the_venv_before_its_first_python_command():
+    """A newcomer copies the first example as written: outside the environment `make install`
+    made, `python -m localsgd.train` stops with `No module named 'hydra'`."""
+    with open(README, encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("python -m localsgd"))
+    assert any("source .venv/bin/activate" in line for line in lines[:first])
+
+
 def test_docs_pages_exist():
     assert len(DOCS) > 1, "docs/*.md is missing"
 

@@ -157,6 +157,30 @@ def test_a_worker_lost_for_good_leaves_the_others_to_finish(tmp_path, victim):
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
+def test_a_killed_peer_is_one_line_of_its_own_without_torchft_tracebacks(tmp_path):
+    """Worker 1 SIGKILLed at step 33 with a delayed round (sync.delay_steps=1): the survivors'
+    next collective still has it as a peer, and gloo's read fails (checked here: every time).
+    torchft logged that as a traceback ending in gloo's `GLHF! 🏖️` per survivor, which looked
+    like a crash; the launcher's line says what happened, on a line of its own under the
+    progress bar (not glued to its end), and also in the run's train.log."""
+    run_dir = tmp_path / "run"
+    once = tmp_path / "killed-once"
+    proc, left = cli(
+        FT
+        + ["ft=torchft", "sync.delay_steps=1", "trainer.progress=true"]
+        + [f"hydra.run.dir={run_dir}"],
+        fault=f"kill:1:33:{once}",
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert not left
+    assert "GLHF" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    died = "ft: worker 1 died (signal 9); restart 1 of 3"
+    assert any(line.startswith(died) for line in proc.stderr.splitlines()), proc.stderr[-2000:]
+    assert f"[NOTICE] - {died}" in (run_dir / "train.log").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
 def test_below_min_replicas_the_job_stops_with_a_checkpoint_and_resumes_at_another_size(tmp_path):
     """3 workers, ft.min_replicas=3, checkpoints every 8 steps. Worker 2 is lost for good at
     step 30: the next sync finds no quorum for ft.quorum_timeout_s, is rolled back, and the
@@ -216,6 +240,59 @@ def test_below_min_replicas_the_job_stops_with_a_checkpoint_and_resumes_at_anoth
 def test_bad_ft_settings_are_refused_in_one_line(override, key, capsys):
     line = refusal(FT + ["ft=torchft", *override.split()], capsys)
     assert line.startswith(f"error: {key}"), line
+
+
+@pytest.mark.timeout(20)
+def test_a_lighthouse_address_where_something_else_listens_is_refused_in_one_line(capsys):
+    """It used to pass the check (a TCP connection was enough), then every worker waited
+    ft.quorum_timeout_s and said only `no quorum: TimeoutError`. A plain HTTP server and a
+    listener that never answers are refused at once, naming what answered; a lighthouse passes."""
+    import http.server
+    import socket
+    import threading
+    import time
+
+    from localsgd.averaging.torchft import start_lighthouse
+    from localsgd.cli.fault_tolerance import check_reachable
+
+    class Page(http.server.BaseHTTPRequestHandler):  # e.g. TensorBoard left on that port
+        def do_GET(self):
+            body = b"<html><title>Some dashboard</title></html>"
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):  # not on the refusal's stderr
+            pass
+
+    web = http.server.HTTPServer(("127.0.0.1", 0), Page)
+    threading.Thread(target=web.serve_forever, daemon=True).start()
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts (the backlog), never answers
+    server, address = start_lighthouse(1, join_timeout_ms=1000)
+    try:
+        port = web.server_address[1]
+        line = refusal(FT + ["ft=torchft", f"ft.lighthouse=127.0.0.1:{port}"], capsys)
+        assert line.startswith(f"error: ft.lighthouse: 127.0.0.1:{port} is not a torchft "), line
+        assert "answered GET / with 200 OK, BaseHTTP/" in line, line
+        assert "titled 'Some dashboard'" in line, line
+
+        port = silent.getsockname()[1]
+        begun = time.monotonic()
+        line = refusal(
+            FT + ["ft=torchft", "ft.timeout_s=1", f"ft.lighthouse=127.0.0.1:{port}"], capsys
+        )
+        assert time.monotonic() - begun < 5
+        assert line.startswith(f"error: ft.lighthouse: 127.0.0.1:{port} is not a torchft "), line
+        assert "accepts connections but sent no answer in 1 s" in line, line
+
+        check_reachable(address, 2.0)  # no ConfigError
+        check_reachable(address.removeprefix("http://"), 2.0)
+    finally:
+        web.shutdown()
+        web.server_close()
+        silent.close()
+        server.shutdown()
 
 
 def test_a_missing_torchft_is_refused_in_one_line(capsys, monkeypatch):

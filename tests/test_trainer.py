@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import tempfile
+import time
 
 import pytest
 import torch
@@ -69,3 +70,35 @@ def test_collectives_only_at_syncs_and_replicas_identical_after_each(period, war
         assert r["identical"] == [w or a for w, a in zip(warm, avg, strict=True)]
         assert r["rounds"] == warmup + math.ceil((steps - warmup) / period)
         assert r["bytes"] == 4 * r["numel"] * r["rounds"]
+
+
+_EVAL_DELAY_S = 0.3
+
+
+def _slow_evaluation_worker(rank, world_size, cfg):
+    with tempfile.TemporaryDirectory() as run_dir:
+        trainer = Trainer(
+            cfg, WorkerInfo(rank, world_size, rank, world_size), torch.device("cpu"), run_dir
+        )
+        evaluate = trainer.evaluate
+
+        def slow(full: bool = False):
+            if not full:  # only the periodic ones: the final evaluation is outside the timing
+                time.sleep(_EVAL_DELAY_S)
+            return evaluate(full)
+
+        trainer.evaluate = slow
+        return trainer.train()
+
+
+@pytest.mark.timeout(120)
+def test_eval_seconds_counts_the_periodic_evaluations_inside_wall_time():
+    cfg = compose_config(
+        SMALL
+        + ["sync.period=2", "trainer.max_steps=12", "trainer.eval_every=4"]
+        + ["logger.wandb.mode=disabled", "trainer.checkpoint_every=0"]
+    )
+    summary = run_distributed(_slow_evaluation_worker, 2, cfg)[0]
+    evaluations = 2  # after steps 4 and 8; the one at the last step is the final evaluation
+    assert evaluations * _EVAL_DELAY_S <= summary["eval_seconds"] < summary["wall_time_s"]
+    assert summary["eval_seconds"] < evaluations * _EVAL_DELAY_S + 1.0

@@ -1,13 +1,16 @@
-"""The report's PNGs (matplotlib, Agg backend: no display needed).
+"""The report's PNGs, and a finished run's own (matplotlib, Agg backend: no display needed).
 
 Runs are split into panels by every varying key except `sync.period` (e.g. the partition), and
-within a panel there is one line per period; each line is the mean over seeds.
+within a panel there is one line per period; each line is the mean over seeds. Panels fill a grid
+whose figure grows with their number (constrained layout: titles and labels never overlap).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
+import textwrap
 from collections import defaultdict
 
 import matplotlib
@@ -15,23 +18,62 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from localsgd.analysis.runs import PERIOD, Group, label  # noqa: E402
+from localsgd.analysis.runs import PERIOD, Group, Run, load_run  # noqa: E402
+
+TITLES = {
+    "test_accuracy": "test accuracy",
+    "test_loss": "test loss",
+    "test_perplexity": "test perplexity",
+    "loss": "training loss",
+}
+
+
+def _title(metric: str) -> str:
+    return TITLES.get(metric, metric)
+
+
+def _stem(metric: str) -> str:
+    """A metric's part of a file name (`accuracy_vs_step.png` as before for the default)."""
+    return "accuracy" if metric == "test_accuracy" else metric
+
+
+def _wrap(text: str, width: int = 48) -> str:
+    return textwrap.fill(text, width, break_long_words=False, break_on_hyphens=False)
 
 
 def _panels(groups: list[Group], keys: list[str]) -> dict[str, list[Group]]:
-    rest = [k for k in keys if k != PERIOD]
     panels: dict[str, list[Group]] = defaultdict(list)
     for g in groups:
-        panels[label(g.config, rest) if rest else ""].append(g)
+        panels[g.without(PERIOD) if PERIOD in keys else g.label].append(g)
     return dict(panels)
 
 
-def _line_label(g: Group, keys: list[str]) -> str:
-    if PERIOD in keys:
-        k = g.config.get(PERIOD)
-        one_shot = k is not None and k >= (g.config.get("trainer.max_steps") or float("inf"))
-        return f"k={k}" + (" (one-shot)" if one_shot else "")
-    return g.label
+def _line_label(g: Group, keys: list[str]) -> str | None:
+    """`k=...` per period; None where a panel holds one group (its title names it)."""
+    if PERIOD not in keys:
+        return None
+    k = g.config.get(PERIOD)
+    one_shot = k is not None and k >= (g.config.get("trainer.max_steps") or float("inf"))
+    return f"k={k}" + (" (one-shot)" if one_shot else "")
+
+
+def _grid(n: int, sharey: bool = True, sharex: bool = False):
+    """A figure of `n` panels, at most 4 a row, each about 4.6 x 3.4 inches."""
+    ncols = min(n, max(1, math.ceil(math.sqrt(n))), 4)
+    nrows = math.ceil(n / ncols)
+    fig, axes = plt.subplots(
+        nrows,
+        ncols,
+        figsize=(4.6 * ncols + 0.6, 3.4 * nrows + 0.5),
+        squeeze=False,
+        sharey=sharey,
+        sharex=sharex,
+        layout="constrained",
+    )
+    flat = list(axes.flat)
+    for ax in flat[n:]:
+        ax.set_visible(False)
+    return fig, flat[:n], ncols
 
 
 def mean_curve(g: Group, y_key: str, x_key: str) -> tuple[list[float], list[float]]:
@@ -47,71 +89,112 @@ def mean_curve(g: Group, y_key: str, x_key: str) -> tuple[list[float], list[floa
     return [statistics.fmean(xs[s]) for s in steps], [statistics.fmean(ys[s]) for s in steps]
 
 
+def _plot(ax, x: list[float], y: list[float], **kw) -> None:
+    # a run shorter than trainer.eval_every has one evaluation: a marker, not an empty axis
+    ax.plot(x, y, marker="." if len(x) < 30 else None, markersize=8 if len(x) == 1 else 5, **kw)
+
+
+def _nothing_logged(ax, what: str) -> None:
+    ax.text(0.5, 0.5, f"no {what} logged", ha="center", va="center", transform=ax.transAxes)
+
+
 def _curves(groups, keys, y_key, x_key, xlabel, ylabel, title, path, logx=False) -> None:
     panels = _panels(groups, keys)
-    fig, axes = plt.subplots(
-        1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False, sharey=True
-    )
-    for ax, (panel, members) in zip(axes[0], panels.items(), strict=True):
+    fig, axes, ncols = _grid(len(panels))
+    for i, (ax, (panel, members)) in enumerate(zip(axes, panels.items(), strict=True)):
+        lengths = []
         for g in members:
             x, y = mean_curve(g, y_key, x_key)
             if x:
-                ax.plot(x, y, marker="." if len(x) < 30 else None, label=_line_label(g, keys))
+                _plot(ax, x, y, label=_line_label(g, keys))
+                lengths.append(len(x))
+        drawn = bool(lengths)
+        if not drawn:
+            _nothing_logged(ax, ylabel)
+        elif max(lengths) == 1 and x_key == "step":  # runs shorter than trainer.eval_every
+            ax.set_xlim(left=0)
+            ax.text(0.03, 0.05, "one point: the final evaluation", transform=ax.transAxes)
         ax.set_xlabel(xlabel)
-        if panel:
-            ax.set_title(panel, fontsize=9)
-        if logx:
+        if len(panels) > 1 or panel != "all runs":
+            ax.set_title(_wrap(panel), fontsize=8)
+        if logx and drawn:
             ax.set_xscale("log")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    axes[0][0].set_ylabel(ylabel)
+        if any(ax.get_legend_handles_labels()[1]):
+            ax.legend(fontsize=7)
+        if i % ncols == 0:  # the rows share the y axis
+            ax.set_ylabel(ylabel)
     fig.suptitle(title + " (mean over seeds)")
-    fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def _final_vs_k(groups: list[Group], keys: list[str], path: str) -> None:
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for panel, members in _panels(groups, keys).items():
+def _final_vs_k(groups: list[Group], keys: list[str], metric: str, path: str) -> None:
+    panels = _panels(groups, keys)
+    by_k = PERIOD in keys
+    named = by_k and len(panels) > 1  # one series per panel, in a legend beside the axes
+    labels = [_wrap(panel, 50) for panel in panels] if named else []
+    legend_lines = sum(label.count("\n") + 1 for label in labels)
+    width = (6.0 if by_k else max(6.0, 1.0 * len(groups) + 1)) + (4.0 if named else 0)
+    fig, ax = plt.subplots(figsize=(width, max(4.4, 0.19 * legend_lines + 1)), layout="constrained")
+    for n, members in enumerate(panels.values()):
         xs, means, stds = [], [], []
-        for i, g in enumerate(members):
-            acc = g.values("test_accuracy")
-            if not acc:
+        for g in members:
+            values = g.values(metric)
+            if not values:
                 continue
-            xs.append(g.config.get(PERIOD) if PERIOD in keys else i)
-            means.append(statistics.fmean(acc))
-            stds.append(statistics.stdev(acc) if len(acc) > 1 else 0.0)
-        ax.errorbar(xs, means, yerr=stds, marker="o", capsize=3, label=panel or None)
-    if PERIOD in keys:
+            xs.append(g.config.get(PERIOD) if by_k else groups.index(g))
+            means.append(statistics.fmean(values))
+            stds.append(statistics.stdev(values) if len(values) > 1 else 0.0)
+        ax.errorbar(xs, means, yerr=stds, marker="o", capsize=3, label=labels[n] if named else None)
+    if by_k:
         ax.set_xscale("log", base=2)
         ks = sorted({g.config.get(PERIOD) for g in groups})
         ax.set_xticks(ks, [str(k) for k in ks])
         ax.minorticks_off()
-        ax.set_xlabel("k = sync.period (steps between averages; the largest is one-shot)")
+        ax.set_xlabel("k = sync.period (steps between averages)")
     else:
-        ax.set_xticks(range(len(groups)), [g.label for g in groups], rotation=30, fontsize=7)
-    ax.set_ylabel("final test accuracy (mean ± std over seeds)")
+        names = [_wrap(g.label, 28) for g in groups]
+        ax.set_xticks(range(len(groups)), names, rotation=30, ha="right", fontsize=7)
+    ax.set_ylabel(f"final {_title(metric)} (mean ± std over seeds)")
     ax.grid(alpha=0.3)
-    if any(ax.get_legend_handles_labels()[1]):
-        ax.legend(fontsize=7)
-    ax.set_title("final test accuracy vs k")
-    fig.tight_layout()
+    if named:
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1), borderaxespad=0)
+    ax.set_title(f"final {_title(metric)}" + (" vs k" if by_k else ""))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def plot_all(groups: list[Group], keys: list[str], out: str) -> list[str]:
-    """Write the three PNGs into `out`; returns their file names."""
+def plot_all(
+    groups: list[Group],
+    keys: list[str],
+    out: str,
+    metric: tuple[str, bool] = ("test_accuracy", False),
+) -> list[str]:
+    """Write the report's PNGs into `out`; returns their file names. `metric`: the runs' metric
+    and whether lower is better (`localsgd.analysis.runs.report_metric`)."""
+    name, _ = metric
+    stem = _stem(name)
+    written = [f"{stem}_vs_step.png", "train_loss_vs_step.png", "loss_vs_comm_bytes.png"]
     _curves(
         groups,
         keys,
-        "test_accuracy",
+        name,
         "step",
         "step",
-        "test accuracy (averaged model)",
-        "test accuracy vs step",
-        os.path.join(out, "accuracy_vs_step.png"),
+        f"{_title(name)} (averaged model)",
+        f"{_title(name)} vs step",
+        os.path.join(out, written[0]),
+    )
+    _curves(
+        groups,
+        keys,
+        "loss",
+        "step",
+        "step",
+        "training loss",
+        "training loss vs step",
+        os.path.join(out, written[1]),
     )
     _curves(
         groups,
@@ -121,8 +204,55 @@ def plot_all(groups: list[Group], keys: list[str], out: str) -> list[str]:
         "bytes sent per worker",
         "training loss",
         "training loss vs communication",
-        os.path.join(out, "loss_vs_comm_bytes.png"),
+        os.path.join(out, written[2]),
         logx=True,
     )
-    _final_vs_k(groups, keys, os.path.join(out, "accuracy_vs_k.png"))
-    return ["accuracy_vs_step.png", "loss_vs_comm_bytes.png", "accuracy_vs_k.png"]
+    if len(groups) > 1:  # one group's final value is the table's
+        written.append(f"{stem}_vs_k.png")
+        _final_vs_k(groups, keys, name, os.path.join(out, written[-1]))
+    return written
+
+
+RUN_PLOT = "loss_vs_step.png"
+
+
+def plot_run(run_dir: str) -> str:
+    """One finished run's curves, written into its directory as `loss_vs_step.png`: the
+    training loss (rank 0's, as logged) and the test loss of the averaged model against step,
+    and beside them the run's `optimized_metric` where it is not the test loss. Returns the
+    file's path."""
+    run = load_run(run_dir)
+    metric = run.config.get("optimized_metric") or "test_accuracy"
+    second = metric if metric not in ("test_loss", "loss") else None
+    if second is not None and not any(second in r for r in run.metrics):
+        second = None
+    # one x axis: a run shorter than trainer.eval_every has one evaluation, at its last step
+    fig, axes, _ = _grid(2 if second else 1, sharey=False, sharex=True)
+    _run_panel(axes[0], run, ("loss", "training loss"), ("test_loss", "test loss (averaged model)"))
+    axes[0].set_ylabel("loss")
+    if second:
+        _run_panel(axes[1], run, (second, f"{_title(second)} (averaged model)"))
+        axes[1].set_ylabel(_title(second))
+    title = " ".join(o for o in run.overrides if not o.startswith(("hydra.", "logger.")))
+    width = int(fig.get_figwidth() * 11)  # characters of 9 pt text across the figure
+    fig.suptitle(_wrap(title or os.path.basename(os.path.abspath(run_dir)), width), fontsize=9)
+    path = os.path.join(run_dir, RUN_PLOT)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _run_panel(ax, run: Run, *series: tuple[str, str]) -> None:
+    drawn = False
+    for key, name in series:
+        points = [(r["step"], float(r[key])) for r in run.metrics if key in r and "step" in r]
+        if points:
+            steps, values = zip(*points, strict=True)
+            _plot(ax, list(steps), list(values), label=name)
+            drawn = True
+    if not drawn:
+        _nothing_logged(ax, " or ".join(name for _, name in series))
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
+    if drawn:
+        ax.legend(fontsize=7)

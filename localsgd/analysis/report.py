@@ -5,8 +5,9 @@ A PATH is a directory or a run table. Every directory under a given one that hol
 A run table (`*.jsonl`, written by `--export`) holds one run per line: its name, overrides,
 config, summary and metrics curve, which is all a report needs, so a study keeps one file instead
 of a Hydra output tree. Runs that differ only in `seed` form one row: mean +- std over the seeds of
-the test accuracy, communication rounds and bytes, and wall time. Writes `report.md`, `report.csv`
-and three PNGs into `--out` (default: the first directory, or the table's folder).
+the runs' `optimized_metric` (test accuracy; test loss and perplexity for language models),
+communication rounds and bytes, and wall time. Writes `report.md`, `report.csv` and the PNGs into
+`--out` (default: the first directory, or the table's folder).
 """
 
 from __future__ import annotations
@@ -20,28 +21,40 @@ import statistics
 import sys
 from typing import Any
 
-from localsgd.analysis.runs import Group, find_runs, group_runs, table_row
+from localsgd.analysis.runs import Group, Run, find_runs, group_runs, report_metric, table_row
 
 
-def mean_std(values: list[float]) -> tuple[float, float]:
+def mean_std(values: list[float]) -> tuple[float, float | None]:
+    """The mean, and the std over seeds; None for one seed, which has no spread to show."""
     if not values:
         return math.nan, math.nan
-    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else None
 
 
-COLUMNS = (
-    ("test_accuracy", "test accuracy", "{:.4f}"),
+TITLES = {"test_accuracy": "test accuracy", "test_loss": "test loss"}
+COMM = (
     ("comm_rounds", "comm rounds", "{:.0f}"),
     ("comm_bytes", "comm MB", "{:.2f}"),
     ("wall_time_s", "wall time s", "{:.1f}"),
 )
+COLUMNS = (("test_accuracy", "test accuracy ↑", "{:.4f}"), *COMM)  # a classification report's
 
 
-def table_rows(groups: list[Group]) -> list[dict[str, Any]]:
+def columns(runs: list[Run]) -> tuple[tuple[str, str, str], ...]:
+    """The runs' `optimized_metric` first, with the way it improves (↑, ↓); a language model's
+    test loss (nats per character) with its perplexity."""
+    metric, lower = report_metric(runs)
+    lead = [(metric, f"{TITLES.get(metric, metric)} {'↓' if lower else '↑'}", "{:.4f}")]
+    if metric == "test_loss" and any("test_perplexity" in r.summary for r in runs):
+        lead.append(("test_perplexity", "test perplexity ↓", "{:.2f}"))
+    return (*lead, *COMM)
+
+
+def table_rows(groups: list[Group], cols=COLUMNS) -> list[dict[str, Any]]:
     rows = []
     for g in groups:
         row: dict[str, Any] = {"config": g.label, "seeds": len(g.runs)}
-        for key, _, _ in COLUMNS:
+        for key, _, _ in cols:
             values = g.values(key)
             if key == "comm_bytes":
                 values = [v / 1e6 for v in values]
@@ -50,19 +63,22 @@ def table_rows(groups: list[Group]) -> list[dict[str, Any]]:
     return rows
 
 
-def markdown(rows: list[dict[str, Any]]) -> str:
-    head = "| config | seeds | " + " | ".join(title for _, title, _ in COLUMNS) + " |"
-    lines = [head, "|" + "---|" * (2 + len(COLUMNS))]
+def markdown(rows: list[dict[str, Any]], cols=COLUMNS) -> str:
+    head = "| config | seeds | " + " | ".join(title for _, title, _ in cols) + " |"
+    lines = [head, "|" + "---|" * (2 + len(cols))]
     for row in rows:
         cells = [row["config"], str(row["seeds"])]
-        for key, _, fmt in COLUMNS:
-            cells.append(f"{fmt.format(row[key])} ± {fmt.format(row[key + '_std'])}")
+        for key, _, fmt in cols:
+            std = row[key + "_std"]
+            spread = "" if std is None else f" ± {fmt.format(std)}"
+            cells.append(fmt.format(row[key]) + spread)
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
-def write_csv(path: str, rows: list[dict[str, Any]]) -> None:
-    fields = ["config", "seeds"] + [k for key, _, _ in COLUMNS for k in (key, key + "_std")]
+def write_csv(path: str, rows: list[dict[str, Any]], cols=COLUMNS) -> None:
+    """`KEY_std` is empty for one seed."""
+    fields = ["config", "seeds"] + [k for key, _, _ in cols for k in (key, key + "_std")]
     with open(path, "w", newline="", encoding="utf-8") as f:
         writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
@@ -108,17 +124,23 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or (os.path.dirname(first) or "." if os.path.isfile(first) else first)
     os.makedirs(out, exist_ok=True)
     groups, keys = group_runs(runs)
-    rows = table_rows(groups)
-    text = markdown(rows)
+    cols = columns(runs)
+    rows = table_rows(groups, cols)
+    text = markdown(rows, cols)
+    if groups[0].baseline:  # what the labels leave out, said once
+        text = f"unless a row says otherwise: {groups[0].baseline}\n\n{text}"
     with open(os.path.join(out, "report.md"), "w", encoding="utf-8") as f:
-        f.write(f"{len(runs)} runs from {', '.join(args.dirs)}; mean ± std over seeds\n\n{text}")
-    write_csv(os.path.join(out, "report.csv"), rows)
+        f.write(
+            f"{len(runs)} runs from {', '.join(args.dirs)}; mean ± std over seeds (one seed: "
+            f"its value); ↑ higher is better, ↓ lower\n\n{text}"
+        )
+    write_csv(os.path.join(out, "report.csv"), rows, cols)
     print(text, end="")
     written = ["report.md", "report.csv"]
     if not args.no_plots:
         from localsgd.analysis.plots import plot_all  # matplotlib only when plotting
 
-        written += plot_all(groups, keys, out)
+        written += plot_all(groups, keys, out, report_metric(runs))
     print(f"wrote {', '.join(os.path.join(out, name) for name in written)}")
     return 0
 

@@ -12,12 +12,12 @@ torchft is imported only when a run asks for it (`start_lighthouse`, inside the 
 
 from __future__ import annotations
 
+import http.client
 import importlib.util
 import multiprocessing
 import os
 import re
 import signal
-import socket
 import sys
 import time
 from collections.abc import Callable
@@ -26,6 +26,7 @@ from urllib.parse import urlparse
 
 from localsgd.averaging.torchft.services import lighthouse_url
 from localsgd.config import FT_BACKENDS, ConfigError
+from localsgd.loop.metrics import notice
 from localsgd.loop.plan import SyncPlan
 from localsgd.loop.worker import WorkerInfo
 
@@ -40,7 +41,10 @@ FT_REFUSED = (
 
 
 def check_reachable(address: str, timeout_s: float) -> None:
-    """One line, and exit 2 through ConfigError, when no lighthouse answers at `address`."""
+    """One line, and exit 2 through ConfigError, unless a torchft lighthouse answers at
+    `address`. A TCP connection alone is not enough: with something else listening there, every
+    worker would wait ft.quorum_timeout_s and then say only `no quorum`. The lighthouse serves
+    its dashboard over HTTP on the port of its gRPC service; `GET /` names it."""
     url = urlparse(lighthouse_url(address))
     try:
         host, port = url.hostname, url.port
@@ -50,14 +54,42 @@ def check_reachable(address: str, timeout_s: float) -> None:
         raise ConfigError(
             f"ft.lighthouse must be HOST:PORT of a torchft lighthouse, got {address!r}"
         )
+    start_one = (
+        f"start one there (torchft_lighthouse --min_replicas N --bind {host}:{port}) or leave "
+        f"ft.lighthouse empty to start one here"
+    )
+    conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
     try:
-        socket.create_connection((host, port), timeout=timeout_s).close()
-    except OSError as e:
+        try:
+            conn.connect()
+        except OSError as e:
+            raise ConfigError(
+                f"ft.lighthouse: no torchft lighthouse answers at {host}:{port} "
+                f"({e.strerror or e}); {start_one}"
+            ) from None
+        try:
+            conn.request("GET", "/")
+            response = conn.getresponse()
+            body = response.read(1 << 16).decode("utf-8", "replace")
+        except TimeoutError:
+            what = f"something accepts connections but sent no answer in {timeout_s:g} s"
+        except (OSError, http.client.HTTPException) as e:
+            what = f"something that does not speak HTTP answered ({type(e).__name__}: {e})"
+        else:
+            if response.status == 200 and all(w in body.lower() for w in ("lighthouse", "torchft")):
+                return
+            title = re.search(r"<title>\s*(.*?)\s*</title>", body, re.I | re.S)
+            server = response.getheader("Server")
+            what = (
+                f"an HTTP server answered GET / with {response.status} {response.reason}"
+                + (f", {server}" if server else "")
+                + (f", titled {title.group(1)[:60]!r}" if title else "")
+            )
         raise ConfigError(
-            f"ft.lighthouse: no torchft lighthouse answers at {host}:{port} ({e.strerror or e}); "
-            f"start one there (torchft_lighthouse --min_replicas N --bind {host}:{port}) or leave "
-            f"ft.lighthouse empty to start one here"
-        ) from None
+            f"ft.lighthouse: {host}:{port} is not a torchft lighthouse: {what}; {start_one}"
+        )
+    finally:
+        conn.close()
 
 
 def validate_ft(cfg: Any, get: Callable[[Any, str], Any], world_size: int | None) -> None:
@@ -217,12 +249,11 @@ def _replica_main(
         stops.put(str(e))
         os._exit(EXIT_STOPPED)
     except NoLivePeer as e:
-        print(f"ft: {e}", file=sys.stderr, flush=True)
+        notice(f"ft: {e}")
         os._exit(EXIT_NO_PEER)
     except BaseException as e:  # one line; the supervisor restarts the worker or gives up
         last = (str(e).strip().splitlines() or [""])[-1]
-        print(f"ft: worker {info.rank} failed: {type(e).__name__}: {last}", file=sys.stderr)
-        sys.stderr.flush()
+        notice(f"ft: worker {info.rank} failed: {type(e).__name__}: {last}")
         os._exit(1)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -274,11 +305,9 @@ def run_replicas(fn: Callable, cfg: Any, args: tuple, poll_s: float = 0.05) -> d
             if proc.is_alive():
                 os.kill(proc.pid, signal.SIGKILL)
         if signum is not None:
-            print(
+            notice(
                 "stopped: every worker killed; the same command resumes from the newest "
-                "checkpoint (trainer.checkpoint_every), if one was written",
-                file=sys.stderr,
-                flush=True,
+                "checkpoint (trainer.checkpoint_every), if one was written"
             )
             os._exit(130 if signum == signal.SIGINT else 143)
 
@@ -290,11 +319,10 @@ def run_replicas(fn: Callable, cfg: Any, args: tuple, poll_s: float = 0.05) -> d
         if stopping:
             stop_all(signum)
         stopping.append(signum)
-        print(
-            "stopping after the next sync with a checkpoint (run the same command again to "
-            "resume; Ctrl-C again to abort without one)",
-            file=sys.stderr,
-            flush=True,
+        why = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
+        notice(
+            f"{why}: stopping after the next sync with a checkpoint (run the same command "
+            "again to resume; Ctrl-C again to abort without one)"
         )
         for proc in procs.values():
             if proc.is_alive():
@@ -328,29 +356,27 @@ def run_replicas(fn: Callable, cfg: Any, args: tuple, poll_s: float = 0.05) -> d
                         )
                     continue
                 how = f"signal {-code}" if code < 0 else f"exit code {code}"
-                if restarts[rank] < ft.max_restarts and not stopping:
+                others_done = len(finished) == world_size - 1  # nobody left to heal from
+                if restarts[rank] < ft.max_restarts and not stopping and not others_done:
                     restarts[rank] += 1
-                    print(
+                    notice(
                         f"ft: worker {rank} died ({how}); restart {restarts[rank]} of "
-                        f"{ft.max_restarts}, it heals from a live peer at the next sync",
-                        file=sys.stderr,
-                        flush=True,
+                        f"{ft.max_restarts}, it heals from a live peer at the next sync"
                     )
                     start(rank)
                 else:
                     lost[rank] = how
-                    print(
-                        f"ft: worker {rank} died ({how}) with no restart left; lost for good",
-                        file=sys.stderr,
-                        flush=True,
-                    )
+                    why = (
+                        "while the job stops" if stopping
+                        else "after the others finished" if others_done
+                        else "with no restart left"
+                    )  # fmt: skip
+                    notice(f"ft: worker {rank} died ({how}) {why}; lost for good")
                     if world_size - len(lost) < ft.min_replicas:
-                        print(
+                        notice(
                             f"ft: {world_size - len(lost)} of {world_size} workers left, fewer "
                             f"than ft.min_replicas={ft.min_replicas}: they stop with a "
-                            f"checkpoint within ft.quorum_timeout_s={ft.quorum_timeout_s:g}",
-                            file=sys.stderr,
-                            flush=True,
+                            f"checkpoint within ft.quorum_timeout_s={ft.quorum_timeout_s:g}"
                         )
         if stopped:
             raise ReplicasFailed(f"ft: {stops.get()}")

@@ -27,6 +27,7 @@ from localsgd.cli.forkserver import (  # noqa: F401  (under_torchrun re-exported
     under_torchrun,
 )
 from localsgd.cli.proctitle import set_title
+from localsgd.loop.metrics import notice
 from localsgd.loop.worker import WorkerInfo  # noqa: F401  (re-exported for the CLI)
 
 
@@ -216,19 +217,16 @@ def spawn(
             nonlocal interrupts
             interrupts += 1
             if interrupts == 1:
-                print(
+                notice(
                     "Ctrl-C: stopping at the next sync with a checkpoint (run the same command "
-                    "again to resume; Ctrl-C again to abort without one)",
-                    file=sys.stderr,
-                    flush=True,
+                    "again to resume; Ctrl-C again to abort without one)"
                 )
                 forward(signum, frame)
                 return
             for p in context.processes:
                 if p.is_alive():
                     os.kill(p.pid, signal.SIGKILL)
-            print("Ctrl-C: aborted; the last complete checkpoint is kept", file=sys.stderr)
-            sys.stderr.flush()
+            notice("Ctrl-C: aborted; the last complete checkpoint is kept")
             os._exit(130)  # no traceback from Hydra's frames: the workers are gone
 
         signal.signal(signal.SIGTERM, forward)

@@ -6,6 +6,7 @@ report; these checks catch the common cases first and say the key and what is al
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from importlib import resources
@@ -26,6 +27,38 @@ from localsgd.config import DATA_OPTIONS, Config, ConfigError, data_options
 # pyproject.toml, so the same name finds it in a checkout, an editable install and a wheel.
 CONF_PACKAGE = "localsgd.conf"
 CONF_DIR = str(resources.files(CONF_PACKAGE))
+
+# The schema's typed nodes: every key they can hold is a field of theirs, so a key `+` adds
+# there is a typo that the dataclasses would drop without a word (`+sync.peroid=4`). The open
+# nodes (data, model, optim, lr_schedule) take a callable's own arguments and stay addable.
+TYPED_NODES = ("sync", "trainer", "dist", "comm", "ft", "logger")
+KEYS_DOC = "docs/configuration.md#every-key"
+
+
+def schema_keys(node=None, prefix: str = "") -> list[str]:
+    """Every dotted key of the schema's typed nodes (`sync.period`, `comm.simulate.latency_ms`)."""
+    if node is None:
+        node = OmegaConf.structured(Config)
+        return [k for name in TYPED_NODES for k in schema_keys(node[name], name + ".")]
+    out = []
+    for name in node:
+        if OmegaConf.is_dict(node[name]):
+            out.extend(schema_keys(node[name], f"{prefix}{name}."))
+        else:
+            out.append(prefix + name)
+    return out
+
+
+def unknown_key(key: str) -> ConfigError:
+    """`key` is no setting: one line, with the nearest real key when one is close."""
+    keys = schema_keys()
+    parent, _, leaf = key.rpartition(".")
+    # the leaf among its siblings first: on whole keys the shared `trainer.` alone looks close
+    siblings = {k.rpartition(".")[2]: k for k in keys if k.rpartition(".")[0] == parent}
+    near = [siblings[m] for m in difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.6)]
+    near = near or difflib.get_close_matches(key, keys, n=1, cutoff=0.8)  # `sycn.period`
+    hint = f"; did you mean {near[0]}?" if near else ""
+    return ConfigError(f"{key} is not a setting{hint} (every key: {KEYS_DOC})")
 
 
 def split_config_dirs(args: list[str]) -> tuple[list[str], list[str]]:
@@ -81,7 +114,9 @@ def check_overrides(args: list[str]) -> None:
                     raise ConfigError(f"{key} must be one of {', '.join(allowed)}, got {value!r}")
             continue
         if OmegaConf.select(schema, key, default="<missing>") == "<missing>" and o.is_add():
-            continue  # `+key=value` adds a new key; Hydra handles it
+            if key.split(".")[0] in TYPED_NODES:
+                raise unknown_key(key)
+            continue  # `+key=value` adds a key to an open node; Hydra handles it
         if key.startswith("data.") and key[len("data.") :] in DATA_OPTIONS:
             for value in _values(o):  # an open node: its schema types localsgd's own keys only
                 data_options({key[len("data.") :]: value})
@@ -91,7 +126,7 @@ def check_overrides(args: list[str]) -> None:
                 OmegaConf.update(schema, key, value, merge=True)
             except (OmegaConfBaseException, ValueError) as e:
                 if OmegaConf.select(schema, key, default="<missing>") == "<missing>":
-                    raise ConfigError(f"{key} is not a setting (see localsgd/config.py)") from None
+                    raise unknown_key(key) from None
                 node = OmegaConf.select(schema, key)
                 kind = type(node).__name__ if node is not None else "a valid value"
                 raise ConfigError(f"{key} must be of type {kind}, got {value!r}") from e

@@ -51,6 +51,7 @@ from localsgd.cli.proctitle import launcher_title, set_title
 from localsgd.config import Config, ConfigError, register_schemas, typed
 from localsgd.loop.fault_tolerance import NoLivePeer
 from localsgd.loop.loggers import offline_runs, resolve_wandb_settings
+from localsgd.loop.metrics import notice, set_notice_log
 from localsgd.loop.reshard import resume_line, written_at
 from localsgd.loop.stop import agreed_stop, first_signal, stopped_exit_code
 
@@ -87,6 +88,7 @@ def run_worker(
         )
     try:
         run_dir = agree_on_run_dir(run_dir, info.rank)
+        set_notice_log(run_log(run_dir), bar_elsewhere=cfg.trainer.progress)
         resume = agree_on(resume)
         Trainer(cfg, info, device, run_dir, resume_from=resume, store=store).train()
     finally:
@@ -129,8 +131,14 @@ def name_wandb_run(wandb_cfg) -> None:
         wandb_cfg.group = hydra_cfg.sweep.dir
 
 
+def run_log(run_dir: str) -> str:
+    """Hydra's job log (`${hydra.job.name}.log`), where every process of the run appends its
+    notices: Hydra's logging writes nothing of ours there."""
+    return os.path.join(run_dir, "train.log")
+
+
 def fail(message: str, code: int = 2) -> None:
-    print(f"error: {message}", file=sys.stderr)
+    notice(f"error: {message}")
     sys.exit(code)
 
 
@@ -190,6 +198,8 @@ def main(cfg: DictConfig) -> float | None:
         resume, epoch_steps = preflight(cfg, run_dir)
     except ConfigError as e:
         fail(str(e))
+    # Only now: a refused command must not write into an earlier run's log
+    set_notice_log(run_log(run_dir), bar_elsewhere=cfg.trainer.progress)
     summary_path = os.path.join(run_dir, "summary.json")
     run_cfg = typed(cfg)  # resolved here: workers cannot resolve ${hydra:...} or ${now:...}
     try:
@@ -199,10 +209,10 @@ def main(cfg: DictConfig) -> float | None:
     if epoch_steps is not None:  # workers, the LR schedule and the summary count steps
         run_cfg.trainer.max_steps = epoch_steps
     if resume is not None:
-        print(f"resuming from {resume}", file=sys.stderr, flush=True)
+        notice(f"resuming from {resume}")
         line = resume_line(resume, world_size_of(run_cfg))
         if line is not None:
-            print(line, file=sys.stderr, flush=True)
+            notice(line)
     stopped_by = None
     if torchrun:
         info = torchrun_info()
@@ -212,7 +222,7 @@ def main(cfg: DictConfig) -> float | None:
         try:
             run_worker(info, None, run_cfg, run_dir, resume)
         except NoLivePeer as e:  # a group restarted after the others finished
-            print(f"ft: {e}", file=sys.stderr, flush=True)
+            notice(f"ft: {e}")
             return None
         except Exception as e:  # one line naming the rank; torchrun then stops the others
             last = (str(e).strip().splitlines() or [""])[-1]
@@ -239,7 +249,7 @@ def main(cfg: DictConfig) -> float | None:
                 outcome = run_replicas(worker, run_cfg, args=(run_cfg, run_dir, resume))
                 if outcome["lost"]:
                     lost = ", ".join(map(str, outcome["lost"]))
-                    print(f"ft: finished without worker(s) {lost} (lost for good)", file=sys.stderr)
+                    notice(f"ft: finished without worker(s) {lost} (lost for good)")
         except (WorkerFailed, ReplicasFailed) as e:
             fail(str(e), code=1)
         except ReplicasStopped as e:  # every worker stopped at an agreed round, checkpointed
@@ -269,12 +279,15 @@ def main(cfg: DictConfig) -> float | None:
                 "comm_rounds",
                 "comm_bytes",
                 "wall_time_s",
+                "eval_seconds",
             )
             if k in summary
         )
     )
     if "sample" in summary:
         print(f"sample:\n{summary['sample']}")
+    if run_cfg.logger.plots and (plot := write_run_plot(run_dir)):
+        print(f"plot: {plot}")
     if run_cfg.logger.wandb.mode == "offline":
         for path in offline_runs(run_dir):
             print(f"wandb offline run: upload it with `wandb sync {shlex.quote(path)}`")
@@ -282,6 +295,18 @@ def main(cfg: DictConfig) -> float | None:
         return objective(summary, run_cfg.optimized_metric)
     except ConfigError as e:
         fail(str(e))
+
+
+def write_run_plot(run_dir: str) -> str | None:
+    """The run's loss against step, beside its summary.json; the run has finished either way,
+    so a plotting error is one line, never a failed run."""
+    try:
+        from localsgd.analysis.plots import plot_run  # matplotlib: only now
+
+        return plot_run(run_dir)
+    except Exception as e:
+        notice(f"warning: no plot written into {run_dir}: {type(e).__name__}: {e}")
+        return None
 
 
 def objective(summary: dict, metric: str) -> float:

@@ -120,14 +120,20 @@ class FaultTolerance:
                 rounds.register_state(key, component.state_dict, _heal_loader(key, component))
         if every > 0:
             rounds.checkpoint_mark = step // every
+        groups = replica_groups(self.ft, info)
+        # A restarted worker waits for a quorum with a peer in it: alone in a quorum (its peers
+        # still inside a round that timed out on its death) it would find nobody to heal from.
+        wait_for = groups if info.attempt == 0 else min(groups, 2)
         with warnings.catch_warnings():
             # torch's checkpoint reader warns that the received bytes are read-only; they are
             # copied into this worker's own tensors at once
             warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
-            phase = rounds.start(
-                wait_for=replica_groups(self.ft, info) if info.attempt == 0 else 1,
-                timeout_s=self.ft.quorum_timeout_s,
-            )
+            try:
+                phase = rounds.start(wait_for=wait_for, timeout_s=self.ft.quorum_timeout_s)
+            except TimeoutError:
+                if info.attempt == 0:
+                    raise
+                phase = "fresh"  # no peer came within ft.quorum_timeout_s
         if phase == "fresh" and info.attempt > 0:
             # restarted, and no peer was ahead of it: the others finished (or all died); training
             # alone from step 0 would add nothing to the job

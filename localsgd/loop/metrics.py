@@ -1,9 +1,12 @@
-"""Rank-0 outputs: per-step metrics as JSON lines and the progress bar."""
+"""Rank-0 outputs: per-step metrics as JSON lines and the progress bar; every process's
+one-line notices."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
+import sys
 import threading
 from typing import Any
 
@@ -60,3 +63,41 @@ def progress_bar(total: int, initial: int, enabled: bool) -> tqdm:
         desc="train",
         mininterval=0.5,
     )
+
+
+_notice_log: str | None = None  # this process's run log (`RUN_DIR/train.log`), once known
+_bar_elsewhere = False  # whether another process of the run may be drawing a progress bar
+
+
+def set_notice_log(path: str | None, bar_elsewhere: bool = False) -> None:
+    """Where this process's notices are appended besides stderr (Hydra's job log,
+    `RUN_DIR/train.log`, which nothing else of ours writes), and whether a progress bar drawn
+    by another process (rank 0's, under the launcher) can be on the terminal's last line."""
+    global _notice_log, _bar_elsewhere
+    _notice_log, _bar_elsewhere = path, bar_elsewhere
+
+
+def notice(line: str) -> None:
+    """One line to stderr that starts a line of its own even while a progress bar is drawn, and
+    to the run's `train.log` (with a time, as Hydra's own lines), where it outlives the terminal.
+
+    tqdm.write clears and redraws this process's bars. A bar another process draws ends in no
+    newline, so the line would be glued to it: on a terminal the bar's line is erased first
+    (the bar redraws itself at its next update), elsewhere (a file, a pipe) a newline ends it."""
+    stream = sys.stderr
+    own_bar = any(not getattr(bar, "disable", True) for bar in list(tqdm._instances))
+    prefix = ""
+    if _bar_elsewhere and not own_bar:
+        prefix = "\r\x1b[K" if stream.isatty() else "\n"
+    # Without a bar here there is nothing to clear, and no lock to take: tqdm's default one is a
+    # multiprocessing semaphore that a process leaving by os._exit would leak (`progress_bar`).
+    tqdm.write(prefix + line, file=stream, nolock=not own_bar)
+    stream.flush()
+    if _notice_log is None:
+        return
+    now = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S,%f")[:-3]
+    try:  # one write per line, appended: processes of a run share the file without a lock
+        with open(_notice_log, "a", encoding="utf-8") as f:
+            f.write(f"[{now}][localsgd][NOTICE] - {line}\n")
+    except OSError:  # the log is a copy; stderr has the line
+        pass

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 from collections.abc import Callable
 
 import torch.distributed as dist
+
+from localsgd.loop.metrics import notice
 
 # ----------------------------------------------------------------------------------------------
 # SIGTERM: stop at a step every rank agrees on, without a collective between syncs.
@@ -55,7 +56,7 @@ def first_signal() -> int | None:
 
 def _on_sigint(signum, frame) -> None:
     if _signalled:  # a second Ctrl-C: abort now, without a checkpoint or a traceback
-        print("Ctrl-C: aborted; the last complete checkpoint is kept", file=sys.stderr, flush=True)
+        notice("Ctrl-C: aborted; the last complete checkpoint is kept")
         os._exit(130)
     _on_sigterm(signum, frame)
 

@@ -9,7 +9,6 @@ trainer calls the same methods with or without it, and holds no branch of its ow
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +19,7 @@ from localsgd.averaging import Averager, CommStats, GradientAverager, SimulatedL
 from localsgd.config import Config
 from localsgd.loop.drift import DriftMeter
 from localsgd.loop.guards import check_replicas
+from localsgd.loop.metrics import notice
 from localsgd.loop.stop import StopAgreement
 from localsgd.loop.strategies import build_averager
 from localsgd.loop.worker import WorkerInfo
@@ -115,11 +115,9 @@ class Synchroniser:
             done = 1
         else:  # "average": the final average, after the last step
             self.in_sync = True
-        print(
+        notice(
             f"ft: worker {ft.info.rank} healed from a live peer; it trains on from step "
-            f"{current_step() + done}",
-            file=sys.stderr,
-            flush=True,
+            f"{current_step() + done}"
         )
         return done
 

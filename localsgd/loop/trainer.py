@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-import sys
+import signal
 import time
 from typing import Any
 
@@ -26,11 +26,11 @@ from localsgd.loop import checkpoint
 from localsgd.loop.evaluation import evaluate, loss_and_correct
 from localsgd.loop.guards import NonFiniteTracker
 from localsgd.loop.loggers import build_loggers
-from localsgd.loop.metrics import progress_bar, trim_metrics, write_json
+from localsgd.loop.metrics import notice, progress_bar, trim_metrics, write_json
 from localsgd.loop.optim import build_optimizer, build_schedule, set_lr
 from localsgd.loop.recipe import Recipe
 from localsgd.loop.reshard import resume
-from localsgd.loop.stop import StopAgreement
+from localsgd.loop.stop import StopAgreement, first_signal
 from localsgd.loop.synchroniser import build_synchroniser
 from localsgd.loop.worker import WorkerInfo
 from localsgd.models import build_model
@@ -87,6 +87,7 @@ class Trainer:
         self.loss_count = 0
         self.skipped_steps = 0
         self.elapsed_s = 0.0  # training seconds before the last resume
+        self.eval_s = 0.0  # of those and the seconds since, spent in periodic evaluation
         self.start: float | None = None  # perf_counter at the loop's start, less elapsed_s
         # Everything a checkpoint holds, registered once: saving and resuming walk this mapping.
         self.stateful: dict[str, checkpoint.Stateful] = {
@@ -108,7 +109,15 @@ class Trainer:
         self.nonfinite = NonFiniteTracker(device)
         self.stop = StopAgreement(store, str(info.attempt))
 
-    LOOP_STATE = ("in_sync", "next_eval", "loss_sum", "loss_count", "skipped_steps", "elapsed_s")
+    LOOP_STATE = (
+        "in_sync",
+        "next_eval",
+        "loss_sum",
+        "loss_count",
+        "skipped_steps",
+        "elapsed_s",
+        "eval_s",
+    )
 
     def state_dict(self) -> dict[str, Any]:
         # the step too: a healing worker takes the whole loop state from its peer, and the
@@ -118,8 +127,8 @@ class Trainer:
         return {"step": self.step, **state, "elapsed_s": self.elapsed()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for k in self.LOOP_STATE:
-            setattr(self, k, state[k])
+        for k in self.LOOP_STATE:  # a checkpoint written before eval_s existed keeps going
+            setattr(self, k, state.get(k, getattr(self, k)))
         self.step = int(state.get("step", self.step))
 
     @property
@@ -344,8 +353,10 @@ class Trainer:
         if self.step < self.next_eval or not ready or self.step >= c.max_steps:
             return
         if self.is_main:  # wall time taken before the evaluation, for time-to-accuracy
+            began = time.perf_counter()
             record = {"step": self.step, "wall_time_s": round(self.elapsed(), 3)}
             self.logger.log({**record, **self.comm_record(), **self.evaluate()})
+            self.eval_s += time.perf_counter() - began
         self.next_eval = (self.step // c.eval_every + 1) * c.eval_every
 
     def maybe_checkpoint(self, final: bool = False) -> bool:
@@ -358,11 +369,10 @@ class Trainer:
             final=final,
         )
         if stopping and self.sync.writes_results(self.info.rank):
-            print(
-                f"SIGTERM: stopped after step {self.step} with a checkpoint; run the same "
-                f"command again to resume",
-                file=sys.stderr,
-                flush=True,
+            why = "Ctrl-C" if first_signal() == signal.SIGINT else "SIGTERM"
+            notice(
+                f"{why}: stopped after step {self.step} with a checkpoint; run the same "
+                f"command again to resume"
             )
         return stopping
 
@@ -384,6 +394,7 @@ class Trainer:
             "steps": self.step,
             **self.comm_record(),
             "wall_time_s": round(wall, 3),
+            "eval_seconds": round(self.eval_s, 3),  # included in wall_time_s
             "world_size": self.info.world_size,
             **self.sync.summary(),  # period, warmup_steps, comm_levels
             "params": self.param_count,

@@ -111,6 +111,33 @@ def _quiet_flight_recorder() -> None:
         logger.setLevel(logging.WARNING)
 
 
+# What gloo says when a peer's process is gone mid-collective (pair.cc's read/write errors).
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def _drop_peer_gone(record) -> bool:
+    """False for torchft's tracebacks of a collective that failed because a peer died: torchft
+    reports the error to its Manager, the round fails and is retried without that peer, and the
+    launcher says in one line which worker died. Any other error torchft caught (e.g. gloo's
+    timeout waiting for a peer) still shows, as its one line: torchft handled it the same way,
+    so a traceback would only make it look like a crash."""
+    if not record.exc_info:
+        return True
+    if any(phrase in str(record.exc_info[1]) for phrase in _PEER_GONE):
+        return False
+    record.exc_info = record.exc_text = None
+    return True
+
+
+def _quiet_peer_loss() -> None:
+    import logging
+
+    for name in ("torchft.manager", "torchft.process_group"):
+        logger = logging.getLogger(name)
+        if _drop_peer_gone not in logger.filters:
+            logger.addFilter(_drop_peer_gone)
+
+
 def make_manager(
     *,
     replica_id: str,
@@ -147,6 +174,7 @@ def make_manager(
     from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
     _quiet_flight_recorder()
+    _quiet_peer_loss()
     lighthouse = lighthouse_url(lighthouse)
 
     store = None
