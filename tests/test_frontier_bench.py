@@ -15,6 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.slow
+@pytest.mark.long  # ~40 s on 2 cores: `make test-long`
 @pytest.mark.timeout(120)
 def test_frontier_benchmark_runs_at_tiny_size(tmp_path):
     proc = subprocess.run(
