@@ -330,10 +330,14 @@ def newest_complete(run_dir: str, world_size: int | None, warn=None) -> str | No
     return None
 
 
-def save_model(model: torch.nn.Module, run_dir: str) -> None:
-    """The final model as `model.pt`, written atomically."""
+def save_model(
+    model: torch.nn.Module, run_dir: str, state: dict[str, torch.Tensor] | None = None
+) -> None:
+    """The final model as `model.pt`, written atomically: `model`'s state_dict, or `state`
+    (a sharded model's, gathered whole: `Sharding.full_state`)."""
+    state = model.state_dict() if state is None else state
     # Cloned, so the file holds each tensor alone rather than views of the shared flat buffer.
-    state = {k: v.detach().clone().cpu() for k, v in model.state_dict().items()}
+    state = {k: v.detach().clone().cpu() for k, v in state.items()}
     path = os.path.join(run_dir, "model.pt")
     torch.save(state, path + ".tmp")
     os.replace(path + ".tmp", path)

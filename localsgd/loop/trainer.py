@@ -30,6 +30,7 @@ from localsgd.loop.metrics import progress_bar, trim_metrics, write_json
 from localsgd.loop.optim import build_optimizer, build_schedule, set_lr
 from localsgd.loop.recipe import Recipe
 from localsgd.loop.reshard import resume
+from localsgd.loop.sharding import Sharding, state_bytes
 from localsgd.loop.stop import StopAgreement
 from localsgd.loop.synchroniser import build_synchroniser
 from localsgd.loop.worker import WorkerInfo
@@ -69,14 +70,17 @@ class Trainer:
         self.batches = make_batches(self.data, c.data, self.sampler, device)
 
         torch.manual_seed(c.seed)  # the same initial model on every rank
-        self.model = build_model(
+        model = build_model(
             c.model, input_shape_of(self.data), self.data.num_classes, task_of(self.data)
         ).to(device)
+        # dist.shard_size > 1: sharded inside each replica group (FSDP2), before the optimizer
+        self.sharding = Sharding(c.dist.shard_size, info.world_size, device)
+        self.model = self.sharding.shard(model)
         self.optimizer = build_optimizer(self.model.parameters(), c.optim)
         self.lr_schedule = build_schedule(c.lr_schedule, c.trainer.max_steps)
         # the strategy: warmup, averaging, drift, fault tolerance; every rank starts from rank
         # 0's model
-        self.sync = build_synchroniser(c, info, self.model, self.optimizer)
+        self.sync = build_synchroniser(c, info, self.model, self.optimizer, self.sharding)
         # after the averager: its flat-buffer views are what gets compiled
         self.recipe = Recipe.from_config(self.model, device, c.trainer)
         torch.manual_seed(c.seed + 1000 * info.rank + 1)  # dropout etc. differ per rank
@@ -340,9 +344,12 @@ class Trainer:
         ready = self.in_sync or self.merged
         if self.step < self.next_eval or not ready or self.step >= c.max_steps:
             return
-        if self.is_main:  # wall time taken before the evaluation, for time-to-accuracy
+        if self.sharding.evaluates(self.info.rank):  # rank 0 (sharded: its whole group)
+            # wall time taken before the evaluation, for time-to-accuracy
             record = {"step": self.step, "wall_time_s": round(self.elapsed(), 3)}
-            self.logger.log({**record, **self.comm_record(), **self.evaluate()})
+            record.update(self.comm_record(), **self.evaluate())
+            if self.is_main:
+                self.logger.log(record)
         self.next_eval = (self.step // c.eval_every + 1) * c.eval_every
 
     def maybe_checkpoint(self, final: bool = False) -> bool:
@@ -370,12 +377,18 @@ class Trainer:
         self.maybe_checkpoint(final=True)  # under torchft: the final average's, shared
         wall = self.elapsed()
         self.loop_seconds = wall  # this rank's training loop (benchmarks take the slowest)
-        if not self.sync.writes_results(self.info.rank):
+        writes = self.sync.writes_results(self.info.rank)
+        if not writes and not (self.sharding.sharded and self.sharding.evaluates(self.info.rank)):
             return None
+        # sharded: every rank of the first replica group evaluates and gathers the model
         result = self.evaluate(full=True)
+        sample = self.text_sample()
+        state = self.sharding.full_state(self.model)
+        if not writes:
+            return None
         self.logger.log({"step": self.step, **result})
-        result.update(self.text_sample())
-        checkpoint.save_model(self.model, self.run_dir)
+        result.update(sample)
+        checkpoint.save_model(self.model, self.run_dir, state)
         summary = {
             **result,
             "steps": self.step,
@@ -384,6 +397,8 @@ class Trainer:
             "world_size": self.info.world_size,
             **self.sync.summary(),  # period, warmup_steps, comm_levels
             "params": self.param_count,
+            "shard_size": self.sharding.size,
+            "state_bytes": state_bytes(self.model, self.optimizer, self.sync.averager),
             "skipped_steps": self.skipped_steps,
             "dataset": target_name(self.config["data"]),
             "model": target_name(self.config["model"]),
