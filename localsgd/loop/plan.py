@@ -153,7 +153,6 @@ class SyncPlan:
                 return f"{key}={values[key]!r} ({why})"
         return None
 
-
     def shard_refusal(self) -> str | None:
         """The first sync setting not built with dist.shard_size > 1 yet, as `key=value (what
         it is)`, or None (see SHARD_REFUSED)."""

@@ -23,10 +23,10 @@ from localsgd.data import (
 )
 from localsgd.instantiate import build, target_name
 from localsgd.loop import checkpoint
-from localsgd.loop.evaluation import evaluate, loss_and_correct
+from localsgd.loop.evaluation import evaluate, loss_and_correct, text_sample
 from localsgd.loop.guards import NonFiniteTracker
 from localsgd.loop.loggers import build_loggers
-from localsgd.loop.metrics import progress_bar, trim_metrics, write_json
+from localsgd.loop.metrics import progress_bar, rate_record, trim_metrics, write_json
 from localsgd.loop.optim import build_optimizer, build_schedule, set_lr
 from localsgd.loop.recipe import Recipe
 from localsgd.loop.reshard import resume
@@ -35,7 +35,6 @@ from localsgd.loop.stop import StopAgreement
 from localsgd.loop.synchroniser import build_synchroniser
 from localsgd.loop.worker import WorkerInfo
 from localsgd.models import build_model
-from localsgd.models.generate import generate_text
 
 
 class Trainer:
@@ -217,15 +216,6 @@ class Trainer:
         )
         return evaluate(self.model, batches, self.recipe.autocast, task_of(self.data))
 
-    def text_sample(self) -> dict[str, str]:
-        """A generated sample for character-level language models (those with a vocabulary)."""
-        vocab = getattr(self.data, "vocab", "")
-        chars = self.cfg.trainer.sample_chars
-        if task_of(self.data) != "lm" or not vocab or chars == 0:
-            return {}
-        context = getattr(self.model, "max_len", None) or self.data.test[0][0].shape[-1]
-        return {"sample": generate_text(self.model, vocab, chars, context, seed=self.cfg.seed)}
-
     def comm_record(self) -> dict[str, Any]:
         return {
             "comm_rounds": self.comm_stats.rounds,
@@ -233,19 +223,6 @@ class Trainer:
             "comm_seconds": round(self.comm_stats.seconds, 6),
             **self.sync.fault_record(),  # ft=torchft: participants
         }
-
-    def rate_record(self, interval_s: float, steps: int, total_s: float) -> dict[str, Any]:
-        """Throughput since the last log line, the share of time spent communicating so far, and
-        the mean replica drift over the averages since the last log line (when there were any)."""
-        samples = steps * self.samples_per_step
-        record = {
-            "samples_per_s": round(samples / max(interval_s, 1e-9), 1),
-            "comm_share": round(self.comm_stats.seconds / max(total_s, 1e-9), 4),
-        }
-        drift = self.sync.drift.take() if self.sync.drift is not None else None
-        if drift is not None:
-            record["drift"] = drift
-        return record
 
     def train(self) -> dict[str, Any] | None:
         """Local SGD, step by step: a local step on every worker (all-reducing gradients in the
@@ -327,7 +304,13 @@ class Trainer:
                 "samples": self.step * self.samples_per_step,
                 "wall_time_s": round(now - self.start, 3),
                 **self.comm_record(),
-                **self.rate_record(now - last_time, self.step - last_step, now - self.start),
+                **rate_record(
+                    (self.step - last_step) * self.samples_per_step,
+                    now - last_time,
+                    self.comm_stats.seconds,
+                    now - self.start,
+                    self.sync.drift,
+                ),
             }
         )
         self.bar.set_postfix(
@@ -382,7 +365,7 @@ class Trainer:
             return None
         # sharded: every rank of the first replica group evaluates and gathers the model
         result = self.evaluate(full=True)
-        sample = self.text_sample()
+        sample = text_sample(self.model, self.data, self.cfg.trainer.sample_chars, self.cfg.seed)
         state = self.sharding.full_state(self.model)
         if not writes:
             return None
