@@ -18,6 +18,7 @@ S = 1 is the unsharded run: no mesh, no FSDP, every method a no-op, the default 
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -82,6 +83,9 @@ class Sharding:
                 f"a model with floating-point buffers ({floats[0]}: BatchNorm statistics) is "
                 "not built with dist.shard_size > 1 yet"
             )
+        # FSDP2 warns when the root returns a view (the transformer's head does), since an
+        # in-place op on it would skip a hook; the loop only reads the logits
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view")
         shard_mesh = self.mesh["shard"]
         for block in model_blocks(model):
             fully_shard(block, mesh=shard_mesh)
