@@ -14,10 +14,10 @@ DTensor is mirrored through its local shard, so every buffer holds this rank's s
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterable
 
 import torch
-from torch.distributed.tensor import DTensor
 
 
 def _unique(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
@@ -149,13 +149,21 @@ class FlatBuffers:
         return convert
 
 
+def is_dtensor(t: torch.Tensor) -> bool:
+    """Whether `t` is a DTensor (e.g. an FSDP2 shard). Read from `sys.modules`: no DTensor
+    exists before its module is imported, and importing it costs ~0.6 s a process here, which
+    unsharded runs need not pay."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """What this rank holds of `t`: a DTensor's local shard (a view of its storage), else `t`."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t.to_local() if is_dtensor(t) else t
 
 
 def holds_dtensor(tensors: Iterable[torch.Tensor]) -> bool:
-    return any(isinstance(t, DTensor) for t in tensors)
+    return any(is_dtensor(t) for t in tensors)
 
 
 def averaged_tensors(module: torch.nn.Module) -> list[torch.Tensor]:

@@ -24,10 +24,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from localsgd.averaging import Averager
-from localsgd.averaging.flat import local_tensor
+from localsgd.averaging.flat import is_dtensor, local_tensor
 from localsgd.averaging.fragments import model_blocks
 
 
@@ -104,7 +103,7 @@ class Sharding:
         if self.mesh is None:
             return None
         return {
-            k: v.full_tensor() if isinstance(v, DTensor) else v
+            k: v.full_tensor() if is_dtensor(v) else v
             for k, v in model.state_dict().items()
         }
 
