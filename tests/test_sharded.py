@@ -208,6 +208,8 @@ def test_the_cli_trains_sharded_diloco_and_reports_state_bytes(tmp_path):
         (["trainer.precision=bf16-mixed"], "trainer.precision=bf16-mixed"),
         (["trainer.compile=true"], "trainer.compile=true"),
         (["trainer.checkpoint_every=500"], "trainer.checkpoint_every=500"),
+        (["trainer.nan_policy=skip"], "trainer.nan_policy=skip"),
+        (["dist.shard_size=0"], "dist.shard_size must be an integer >= 1, got 0"),
     ],
 )
 @pytest.mark.timeout(30)
@@ -215,7 +217,7 @@ def test_what_phase_1_does_not_build_is_refused_in_one_line(extra, named, tmp_pa
     args = FAST + ["dist.world_size=4", "dist.shard_size=2", "trainer.checkpoint_every=0"]
     line = refusal(args + extra + [f"hydra.run.dir={tmp_path / 'run'}"], capsys)
     assert named in line, line
-    if "divisor" not in named:
+    if not named.startswith("dist.shard_size"):
         assert "is not built with dist.shard_size > 1 yet" in line, line
 
 
@@ -237,3 +239,16 @@ def test_mirrored_buffers_hold_copies_rebind_nothing_and_copy_only_when_asked():
     # the default (rebinding) mode makes the parameters views of the buffer
     plain = FlatBuffers([a, b])
     assert a.data_ptr() == plain.buffers[0].data_ptr()
+
+
+@pytest.mark.timeout(30)
+def test_a_checkpoint_from_before_the_key_resumes_unsharded_and_never_into_a_sharded_run():
+    from localsgd.config import plain
+    from localsgd.loop.checkpoint import config_mismatch
+    from tests.helpers import compose_config
+
+    old = plain(compose_config([]))
+    del old["dist"]["shard_size"]  # written before dist.shard_size existed
+    assert config_mismatch({"config": old}, plain(compose_config([]))) is None
+    diff = config_mismatch({"config": old}, plain(compose_config(["dist.shard_size=2"])))
+    assert diff == "dist.shard_size: 1 in the checkpoint, 2 now"

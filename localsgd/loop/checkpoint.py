@@ -298,6 +298,11 @@ def _may_change(key: str) -> bool:
     return any(key == k or key.startswith(k + ".") for k in RESUME_MAY_CHANGE)
 
 
+# keys added after checkpoints were first written: the value a checkpoint without the key ran
+# with, so that a run interrupted before the key existed still resumes
+ADDED_KEYS = {"dist.shard_size": 1}
+
+
 def config_mismatch(marker: dict, config: dict) -> str | None:
     """The first setting outside `RESUME_MAY_CHANGE` that differs between a checkpoint and
     `config` (plain dicts), as "key: checkpoint value, this run's value", or None."""
@@ -306,8 +311,9 @@ def config_mismatch(marker: dict, config: dict) -> str | None:
         return None
     old_flat, new_flat = _flatten(saved), _flatten(config)
     for k in sorted(set(old_flat) | set(new_flat)):
-        if not _may_change(k) and old_flat.get(k) != new_flat.get(k):
-            return f"{k}: {old_flat.get(k)!r} in the checkpoint, {new_flat.get(k)!r} now"
+        old = old_flat.get(k, ADDED_KEYS.get(k))
+        if not _may_change(k) and old != new_flat.get(k):
+            return f"{k}: {old!r} in the checkpoint, {new_flat.get(k)!r} now"
     return None
 
 
