@@ -76,9 +76,8 @@ def mirrored(when_acting: bool = False):
         @functools.wraps(method)
         def run(self: Averager, *args, **kwargs):
             flat = self._bound()
-            idle = when_acting and not self.acts_at(self.step)
-            if not flat.mirror or flat.pulled or idle:
-                return method(self, *args, **kwargs)
+            if not flat.mirror or flat.pulled or (when_acting and not self.acts_at(self.step)):
+                return method(self, *args, **kwargs)  # the unsharded path: nothing added
             flat.pull()
             try:
                 return method(self, *args, **kwargs)
