@@ -24,6 +24,10 @@ class DistConfig:
     backend: str = "auto"  # one of BACKENDS
     timeout_s: float = 180.0  # every collective fails after this long instead of hanging
     device: str = "auto"  # one of DEVICES
+    # S: the workers as world_size/S replica groups of S contiguous ranks, each sharding the model
+    # with FSDP2; local SGD / DiLoCo average the shards across the groups (1: every worker holds
+    # the whole model). Phase 1: see docs/strategies.md#sharded-replicas for what it covers
+    shard_size: int = 1
 
 
 # dist.backend and dist.device (localsgd.cli.launch picks them: auto = nccl on CUDA, else gloo)

@@ -12,10 +12,18 @@ The tensors averaged become views of persistent flat buffers, built from `module
 construction or from the parameters of the first `average_parameters(params)` call. Before each
 average every tensor is checked to still live in its buffer and is put back if it left (torch
 averages whatever the parameters are now, so must we).
+
+Sharded parameters (DTensors: FSDP2's, `dist.shard_size`) are *mirrored* instead
+(`FlatBuffers(mirror=True)`): the buffers hold copies of this rank's local shards, pulled in
+before a step that acts (an average at any level, a launch, a merge; `acts_at`) and pushed back
+after it, and nothing at the other steps, so the local phase stays free of collectives and
+copies. The reducers' state (anchors, outer momentum, residuals) is laid out like the buffers,
+so it is sharded too. `mirrored` is the one place that happens.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
@@ -24,7 +32,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.model_averaging.averagers import ModelAverager
 
 from localsgd.averaging.comm import CommStats, Communicator
-from localsgd.averaging.flat import FlatBuffers, averaged_tensors
+from localsgd.averaging.flat import FlatBuffers, averaged_tensors, holds_dtensor
 from localsgd.averaging.reduce import Reducer
 
 # Called after every average with the level's communicator: e.g. averaging optimizer state.
@@ -58,6 +66,29 @@ def parameters_of(params: Iterable) -> list[torch.Tensor]:
     return [t for t in out if torch.is_floating_point(t)]
 
 
+def mirrored(when_acting: bool = False):
+    """Decorates an averager method that may act on the flat buffers: in mirror mode the
+    tensors are pulled into the buffers before it and pushed back after it (`when_acting`:
+    only when `acts_at(step)` says this step touches them). Without mirroring it is the method
+    itself."""
+
+    def wrap(method):
+        @functools.wraps(method)
+        def run(self: Averager, *args, **kwargs):
+            flat = self._bound()
+            if not flat.mirror or flat.pulled or (when_acting and not self.acts_at(self.step)):
+                return method(self, *args, **kwargs)  # the unsharded path: nothing added
+            flat.pull()
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                flat.push()
+
+        return run
+
+    return wrap
+
+
 class Averager(ModelAverager):
     """What the trainer depends on. Subclasses give `level_at`, `next_sync` and `period_of`."""
 
@@ -70,6 +101,7 @@ class Averager(ModelAverager):
         reducer: ReducerFactory | None,
         warmup_steps: int = 0,
         init_sync: bool | None = None,
+        mirror: bool | None = None,
     ):
         super().__init__(process_group)  # `self.step = 0`, as torch's
         self.warmup_steps = warmup_steps
@@ -81,6 +113,7 @@ class Averager(ModelAverager):
         self.module = module
         self.make_reducer = reducer if reducer is not None else (lambda flat: Reducer())
         self.init_sync = init_sync
+        self.mirror = mirror  # None: mirror exactly when a tensor is a DTensor (sharded)
         self.flat: FlatBuffers | None = None
         self.reducer: Reducer = Reducer()
         self.param_count = 0  # the first `param_count` tensors are the parameters
@@ -106,6 +139,11 @@ class Averager(ModelAverager):
     def period_of(self, level: int) -> int:
         raise NotImplementedError
 
+    def acts_at(self, step: int) -> bool:
+        """Whether the update after step `step` touches the flat buffers: an average at any
+        level, or a delayed one's launch or merge (mirror mode copies only around those)."""
+        return self.reducer.pending or self.level_at(step) is not None
+
     def extra_tensors(self, device: torch.device) -> list[torch.Tensor]:
         """Tensors that ride along in the averages (an adaptive schedule's loss slot)."""
         return []
@@ -121,7 +159,15 @@ class Averager(ModelAverager):
     def _bind(self, params: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:
         self.param_count = len(params)
         device = tensors[0].device if tensors else torch.device("cpu")
-        self.flat = FlatBuffers(tensors + self.extra_tensors(device))
+        extra = self.extra_tensors(device)
+        mirror = holds_dtensor(tensors) if self.mirror is None else self.mirror
+        if mirror and extra:
+            # the schedule reads its loss slot right after the reduction, before a push
+            raise ValueError(
+                "a schedule with loss feedback (adaptive) is not built for mirrored (sharded) "
+                "parameters yet"
+            )
+        self.flat = FlatBuffers(tensors + extra, mirror=mirror)
         self.reducer = self.make_reducer(self.flat)
         # An anchor (DiLoCo, SlowMo, compressed changes) taken from differing replicas would keep
         # them apart for good, so those start from rank 0's tensors, as DDP does when built.
@@ -178,6 +224,7 @@ class Averager(ModelAverager):
                 self._check_params(given)
         self.maybe_average()
 
+    @mirrored(when_acting=True)
     def maybe_average(self) -> bool:
         """`average_parameters()` without the parameters: merges an average in flight, averages
         when the rule says, advances `step`. Returns whether it averaged (or launched one)."""
@@ -199,6 +246,7 @@ class Averager(ModelAverager):
         self.step += 1
         return level is not None
 
+    @mirrored()
     def average(self) -> None:
         """Average across every rank now, blocking, outside the schedule (e.g. before the final
         evaluation); an average still in flight is merged first (the hooks run once, after)."""
@@ -295,8 +343,10 @@ class Averager(ModelAverager):
     def observe_loss(self, loss: torch.Tensor) -> None:
         """Feed this step's training loss to a schedule that adapts to it (no-op otherwise)."""
 
+    @mirrored()
     def broadcast_(self, src: int = 0) -> None:
-        """Give every rank rank `src`'s tensors (setup: not counted as training communication)."""
+        """Give every rank rank `src`'s tensors (`src`: a rank of the averager's group; setup:
+        not counted as training communication)."""
         for flat in self._bound().buffers:
             self.comm.broadcast_(flat, src)
         self.reducer.reset(self.flat.buffers)

@@ -226,9 +226,13 @@ class Communicator:
         return PendingMean(self, works, nbytes, start, decode)
 
     def broadcast_(self, flat: torch.Tensor, src: int = 0) -> None:
-        """Every rank gets rank `src`'s `flat` (setup, not training communication: not counted,
-        and not slowed by the link)."""
-        dist.broadcast(flat, src=src, group=self.group)
+        """Every rank gets rank `src`'s `flat` (`src` counted within the group, e.g. the first
+        rank of a replica group; setup, not training communication: not counted, and not slowed
+        by the link)."""
+        if self.group is None:
+            dist.broadcast(flat, src=src)
+        else:
+            dist.broadcast(flat, group=self.group, group_src=src)
 
     def _account(self, start: float, nbytes: int) -> None:
         if self.link is not None:

@@ -4,10 +4,17 @@ Averaging then costs one in-place collective per buffer and allocates nothing, w
 `average_parameters` concatenates a fresh model-sized tensor and rebinds every `p.data` per call.
 A tensor can leave its buffer behind our back (`p.data = x`, `module.double()`,
 `vector_to_parameters`, `load_state_dict(assign=True)`); `rebind()` finds and repairs that.
+
+`mirror=True` rebinds nothing: the buffers hold copies of the tensors, taken in by `pull()` and
+written back by `push()`. That is the mode for tensors whose storage belongs to someone else:
+FSDP2's sharded parameters are DTensors whose `.to_local()` is a view of FSDP's own sharded
+storage, and rebinding their `.data` would cut FSDP off from the values it all-gathers. A
+DTensor is mirrored through its local shard, so every buffer holds this rank's shards only.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterable
 
 import torch
@@ -34,38 +41,53 @@ class FlatBuffers:
     change, only its storage. Tensors are grouped per (device, dtype) in the order given.
     """
 
-    def __init__(self, tensors: Iterable[torch.Tensor]):
+    def __init__(self, tensors: Iterable[torch.Tensor], mirror: bool = False):
         self.tensors = _unique(tensors)
+        if not mirror and holds_dtensor(self.tensors):
+            raise ValueError(
+                "DTensor parameters (FSDP2's shards) cannot be rebound into flat buffers: "
+                "mirror them (FlatBuffers(..., mirror=True); the averagers do so by default)"
+            )
+        self.mirror = mirror
+        self.pulled = False  # mirror: between `pull()` and `push()`
         self._build()
 
     def _build(self) -> None:
+        locals_ = [local_tensor(t) for t in self.tensors]
         groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-        for i, t in enumerate(self.tensors):
+        for i, t in enumerate(locals_):
             groups.setdefault((t.device, t.dtype), []).append(i)
         self.buffers: list[torch.Tensor] = []
         self.views: list[torch.Tensor] = [None] * len(self.tensors)  # type: ignore[list-item]
         self.slots: list[tuple[int, int, int]] = [None] * len(self.tensors)  # type: ignore[list-item]
         for g, ((device, dtype), members) in enumerate(groups.items()):
-            flat = torch.empty(
-                sum(self.tensors[i].numel() for i in members), device=device, dtype=dtype
-            )
+            flat = torch.empty(sum(locals_[i].numel() for i in members), device=device, dtype=dtype)
             offset = 0
             for i in members:
-                t = self.tensors[i]
+                t = locals_[i]
                 view = flat[offset : offset + t.numel()].view(t.shape)
                 view.copy_(t.detach())
-                t.data = view
+                if not self.mirror:
+                    t.data = view
                 self.views[i], self.slots[i] = view, (g, offset, t.numel())
                 offset += t.numel()
             self.buffers.append(flat)
 
-    @property
-    def groups(self) -> list[list[torch.Tensor]]:
-        """The tensors of each buffer, in buffer order."""
-        out: list[list[torch.Tensor]] = [[] for _ in self.buffers]
-        for t, (g, _, _) in zip(self.tensors, self.slots, strict=True):
-            out[g].append(t)
-        return out
+    # --- mirror mode -----------------------------------------------------------------------------
+
+    @torch.no_grad()  # in-place on a parameter's local shard is refused with grad on
+    def pull(self) -> None:
+        """Mirror: copy every tensor's current value (a DTensor's local shard) into its slot."""
+        for t, v in zip(self.tensors, self.views, strict=True):
+            v.copy_(local_tensor(t))
+        self.pulled = True
+
+    @torch.no_grad()
+    def push(self) -> None:
+        """Mirror: write every slot back into its tensor (a DTensor's local shard)."""
+        for t, v in zip(self.tensors, self.views, strict=True):
+            local_tensor(t).copy_(v)
+        self.pulled = False
 
     @property
     def numel(self) -> int:
@@ -76,8 +98,9 @@ class FlatBuffers:
         return sum(b.numel() * b.element_size() for b in self.buffers)
 
     def is_bound(self) -> bool:
-        """True while every tensor still lives in its buffer (`p.data = x` would unbind one)."""
-        return all(
+        """True while every tensor still lives in its buffer (`p.data = x` would unbind one);
+        always in mirror mode, where no tensor lives in a buffer."""
+        return self.mirror or all(
             t.data_ptr() == v.data_ptr() for t, v in zip(self.tensors, self.views, strict=True)
         )
 
@@ -96,7 +119,10 @@ class FlatBuffers:
         """Put every tensor that left its slot back: copy its current value into the slot, then
         make it a view again (one `data_ptr` compare per tensor). A tensor whose dtype, device or
         shape changed (`module.double()`) makes the buffers be rebuilt around the new layout;
-        then the returned function converts state kept in the old layout (anchors), else None."""
+        then the returned function converts state kept in the old layout (anchors), else None.
+        Mirror mode rebinds nothing (`pull()` reads whatever the tensors hold)."""
+        if self.mirror:
+            return None
         relayout = False
         for t, v in zip(self.tensors, self.views, strict=True):
             if t.data_ptr() == v.data_ptr():
@@ -121,6 +147,23 @@ class FlatBuffers:
             return new
 
         return convert
+
+
+def is_dtensor(t: torch.Tensor) -> bool:
+    """Whether `t` is a DTensor (e.g. an FSDP2 shard). Read from `sys.modules`: no DTensor
+    exists before its module is imported, and importing it costs ~0.6 s a process here, which
+    unsharded runs need not pay."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of `t`: a DTensor's local shard (a view of its storage), else `t`."""
+    return t.to_local() if is_dtensor(t) else t
+
+
+def holds_dtensor(tensors: Iterable[torch.Tensor]) -> bool:
+    return any(is_dtensor(t) for t in tensors)
 
 
 def averaged_tensors(module: torch.nn.Module) -> list[torch.Tensor]:

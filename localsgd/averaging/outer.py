@@ -63,6 +63,7 @@ class OuterAverager(PeriodicAverager):
         error_feedback: bool = False,
         quant_block_size: int = DEFAULT_BLOCK_SIZE,
         outer_warmup_rounds: int = 0,
+        mirror: bool | None = None,
     ):
         dtype = comm_dtype_of(comm_dtype, quant_block_size)
         if outer_warmup_rounds < 0:
@@ -90,6 +91,7 @@ class OuterAverager(PeriodicAverager):
             link=link,
             reducer=make_reducer,
             init_sync=init_sync,
+            mirror=mirror,
         )
         self.comm_dtype = dtype  # what goes on the wire (PeriodicAverager set float32)
 

@@ -72,10 +72,13 @@ class OuterStep(Reducer):
         self.anchors: list[torch.Tensor] = []
         self.param_numels: list[int] = []
         outer_params = []
-        for buffer, members in zip(flat.buffers, flat.groups, strict=True):
+        # averaged_tensors lists parameters first, so they lead every buffer; counted from the
+        # slots, which hold what this rank has of each (a sharded parameter's local shard)
+        lead = [0] * len(flat.buffers)
+        for t, (g, _, numel) in zip(flat.tensors, flat.slots, strict=True):
+            lead[g] += numel if isinstance(t, torch.nn.Parameter) else 0
+        for buffer, n in zip(flat.buffers, lead, strict=True):
             anchor = buffer.detach().clone()
-            # averaged_tensors lists parameters first, so they lead every buffer
-            n = sum(t.numel() for t in members if isinstance(t, torch.nn.Parameter))
             if n > 0:
                 view = anchor[:n]
                 view.grad = buffer[:n]  # the pseudo-gradient is computed in place in the buffer

@@ -38,6 +38,9 @@ class PeriodicAverager(Averager):
     merge_rule="progress", outer=False)`, the general form the trainer runs). `link` simulates
     a slow network for every collective.
 
+    Sharded parameters (DTensors, e.g. FSDP2's) are averaged through copies of their local
+    shards (`mirror`; None: exactly when there are DTensors; see `localsgd.averaging.averager`).
+
     `init_sync=True` gives every rank rank 0's tensors when they are bound, as DDP does when
     built; None (the default) does so only where replicas that start apart would never meet: a
     reducer that keeps an anchor (low-precision changes, an outer optimizer). torch's averager
@@ -61,6 +64,7 @@ class PeriodicAverager(Averager):
         init_sync: bool | None = None,
         error_feedback: bool = False,
         quant_block_size: int = DEFAULT_BLOCK_SIZE,
+        mirror: bool | None = None,
     ):
         if period < 1:
             raise ValueError(f"period must be an integer >= 1, got {period!r}")
@@ -91,6 +95,7 @@ class PeriodicAverager(Averager):
             reducer=reducer,
             warmup_steps=warmup_steps,
             init_sync=init_sync,
+            mirror=mirror,
         )
 
     @property

@@ -86,7 +86,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from localsgd.averaging.averager import Averager
+from localsgd.averaging.averager import Averager, mirrored
 from localsgd.averaging.comm import CommStats, Communicator, SimulatedLink
 from localsgd.averaging.compress import (
     comm_dtype_of,
@@ -136,6 +136,7 @@ class StreamingAverager(Averager):
         inner_levels: dict[int, int] | None = None,
         merge_rule: str = "mix",
         bucket_mb: float | None = None,
+        mirror: bool | None = None,
     ):
         if period < 1 or warmup_steps < 0 or fragments < 1:
             raise ValueError("period and fragments must be >= 1, warmup_steps >= 0")
@@ -214,6 +215,7 @@ class StreamingAverager(Averager):
             reducer=make,
             warmup_steps=warmup_steps,
             init_sync=init_sync,
+            mirror=mirror,
         )
 
     @property
@@ -258,6 +260,10 @@ class StreamingAverager(Averager):
         """The inner level that averages the whole model after step `step`, or None."""
         return level_by_period(step, self.warmup_steps, self.inner_periods)
 
+    def acts_at(self, step: int) -> bool:
+        merges = self.delay and self.merging(step) is not None
+        return bool(merges) or self.level_at(step) is not None
+
     def level_at(self, step: int) -> int | None:
         if self.launching(step) is not None:
             return self.widest
@@ -299,6 +305,7 @@ class StreamingAverager(Averager):
 
     # --- the rounds ----------------------------------------------------------------------------
 
+    @mirrored(when_acting=True)
     def maybe_average(self) -> bool:
         frags = self.frags
         self._bound()
@@ -362,6 +369,7 @@ class StreamingAverager(Averager):
         self._global_hooks("after")
         self.merged, self.last_fragment = True, p
 
+    @mirrored()
     def average(self) -> None:
         """Blocking, outside the schedule (e.g. before the final evaluation): a fragment in
         flight is merged first; then every fragment takes one blocking outer step (plain if

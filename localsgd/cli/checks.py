@@ -1,7 +1,8 @@
 """The checks of a config's values: ranges, choices and combinations, each a one-line
 ConfigError naming the key and what is allowed. `validate` runs in the launching process before
 any worker starts (`localsgd.cli.train`) and calls the others: the `ft` keys' checks live with
-the supervisor (`localsgd.cli.fault_tolerance.validate_ft`); the override and data/model checks
+the supervisor (`localsgd.cli.fault_tolerance.validate_ft`), `dist.shard_size`'s in
+`localsgd.cli.sharding`; the override and data/model checks
 that need more than the values are `localsgd.cli.overrides` and `localsgd.cli.preflight`. What
 the sync keys mean together is read once, by `localsgd.loop.plan.SyncPlan`."""
 
@@ -13,6 +14,7 @@ from typing import Any
 from localsgd.averaging import COMM_DTYPES, OPTIMIZER_STATE_MODES
 from localsgd.averaging.streaming import MERGE_RULES
 from localsgd.cli.fault_tolerance import validate_ft
+from localsgd.cli.sharding import validate_sharding
 from localsgd.config import BACKENDS, DEVICES, ConfigError, data_options
 from localsgd.data.loader import LOADERS
 from localsgd.data.partition import PARTITIONS
@@ -109,6 +111,7 @@ def validate(cfg: Any, world_size: int | None = None, local_world_size: int | No
     )
 
     validate_sync(cfg, ws, local_world_size)
+    validate_sharding(cfg, _get, ws)
     bandwidth = _get(cfg, "comm.simulate.bandwidth_gbps")
     _require(
         bandwidth is None or bandwidth > 0,

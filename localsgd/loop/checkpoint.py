@@ -298,6 +298,11 @@ def _may_change(key: str) -> bool:
     return any(key == k or key.startswith(k + ".") for k in RESUME_MAY_CHANGE)
 
 
+# keys added after checkpoints were first written: the value a checkpoint without the key ran
+# with, so that a run interrupted before the key existed still resumes
+ADDED_KEYS = {"dist.shard_size": 1}
+
+
 def config_mismatch(marker: dict, config: dict) -> str | None:
     """The first setting outside `RESUME_MAY_CHANGE` that differs between a checkpoint and
     `config` (plain dicts), as "key: checkpoint value, this run's value", or None."""
@@ -306,8 +311,9 @@ def config_mismatch(marker: dict, config: dict) -> str | None:
         return None
     old_flat, new_flat = _flatten(saved), _flatten(config)
     for k in sorted(set(old_flat) | set(new_flat)):
-        if not _may_change(k) and old_flat.get(k) != new_flat.get(k):
-            return f"{k}: {old_flat.get(k)!r} in the checkpoint, {new_flat.get(k)!r} now"
+        old = old_flat.get(k, ADDED_KEYS.get(k))
+        if not _may_change(k) and old != new_flat.get(k):
+            return f"{k}: {old!r} in the checkpoint, {new_flat.get(k)!r} now"
     return None
 
 
@@ -330,10 +336,14 @@ def newest_complete(run_dir: str, world_size: int | None, warn=None) -> str | No
     return None
 
 
-def save_model(model: torch.nn.Module, run_dir: str) -> None:
-    """The final model as `model.pt`, written atomically."""
+def save_model(
+    model: torch.nn.Module, run_dir: str, state: dict[str, torch.Tensor] | None = None
+) -> None:
+    """The final model as `model.pt`, written atomically: `model`'s state_dict, or `state`
+    (a sharded model's, gathered whole: `Sharding.full_state`)."""
+    state = model.state_dict() if state is None else state
     # Cloned, so the file holds each tensor alone rather than views of the shared flat buffer.
-    state = {k: v.detach().clone().cpu() for k, v in model.state_dict().items()}
+    state = {k: v.detach().clone().cpu() for k, v in state.items()}
     path = os.path.join(run_dir, "model.pt")
     torch.save(state, path + ".tmp")
     os.replace(path + ".tmp", path)

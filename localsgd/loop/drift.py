@@ -21,8 +21,16 @@ class DriftMeter:
     fp32 when drift is small next to the weights, which is exactly when it matters.
     """
 
-    def __init__(self, buffers: list[torch.Tensor], group: dist.ProcessGroup | None = None):
+    def __init__(
+        self,
+        buffers: list[torch.Tensor],
+        group: dist.ProcessGroup | None = None,
+        shard_group: dist.ProcessGroup | None = None,
+    ):
+        # `group`: the replicas averaged together; `shard_group`: with sharded replica groups,
+        # the ranks whose buffers hold the other shards of this rank's model
         self.group = group
+        self.shard_group = shard_group
         self.world_size = dist.get_world_size(group)
         self.scratch = [torch.empty_like(b) for b in buffers]
         device = buffers[0].device if buffers else torch.device("cpu")
@@ -45,6 +53,8 @@ class DriftMeter:
             # fp32 norm (torch reduces it blockwise, and its terms are all positive, so it does not
             # cancel); a dtype=float64 norm would first cast a model-sized copy
             squared += torch.linalg.vector_norm(scratch).double().square()
+        if self.shard_group is not None:  # the whole model's distance, over its shards
+            dist.all_reduce(squared, group=self.shard_group)
         distance = squared.sqrt_()
         dist.all_reduce(distance, group=self.group)  # the one extra (scalar) collective
         self.total += distance / self.world_size

@@ -10,6 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from localsgd.data import task_of
+from localsgd.models.generate import generate_text
+
 
 def loss_and_correct(
     logits: torch.Tensor, targets: torch.Tensor
@@ -43,3 +46,13 @@ def evaluate(
     if task == "lm":
         result["test_perplexity"] = math.exp(min(result["test_loss"], 700.0))  # no overflow
     return result
+
+
+def text_sample(model: nn.Module, data, chars: int, seed: int) -> dict[str, str]:
+    """A generated sample of `chars` characters for character-level language models (data with
+    a vocabulary), else nothing. (A sharded model: every rank of its replica group calls it.)"""
+    vocab = getattr(data, "vocab", "")
+    if task_of(data) != "lm" or not vocab or chars == 0:
+        return {}
+    context = getattr(model, "max_len", None) or data.test[0][0].shape[-1]
+    return {"sample": generate_text(model, vocab, chars, context, seed=seed)}

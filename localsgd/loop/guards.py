@@ -65,10 +65,14 @@ def _int_dtype(dtype: torch.dtype) -> torch.dtype:
     return {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size]
 
 
-def check_replicas(buffers: list[torch.Tensor], step: int, rank: int) -> None:
+def check_replicas(
+    buffers: list[torch.Tensor], step: int, rank: int, group: dist.ProcessGroup | None = None
+) -> None:
+    """Fail unless every rank of `group` (None: every rank) holds `buffers` bit for bit (with
+    sharded replica groups: the ranks holding the same shard)."""
     mine = replica_checksum(buffers)
-    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, mine)
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, mine, group=group)
     differ = [r for r, g in enumerate(gathered) if not torch.equal(g, gathered[0])]
     if differ:
         raise ReplicasDiverged(

@@ -101,3 +101,19 @@ def notice(line: str) -> None:
             f.write(f"[{now}][localsgd][NOTICE] - {line}\n")
     except OSError:  # the log is a copy; stderr has the line
         pass
+
+
+def rate_record(
+    samples: int, interval_s: float, comm_s: float, total_s: float, drift
+) -> dict[str, Any]:
+    """Throughput (`samples` over all workers in the `interval_s` since the last log line), the
+    share of time spent communicating so far, and the mean replica drift over the averages since
+    the last log line (from a `DriftMeter`, when there were any)."""
+    record = {
+        "samples_per_s": round(samples / max(interval_s, 1e-9), 1),
+        "comm_share": round(comm_s / max(total_s, 1e-9), 4),
+    }
+    mean = drift.take() if drift is not None else None
+    if mean is not None:
+        record["drift"] = mean
+    return record

@@ -27,6 +27,17 @@ RESHARD_REFUSED = {
 }
 
 
+# sync key: what a run with dist.shard_size > 1 (sharded replica groups) does not build yet
+# (`SyncPlan.shard_refusal`); phase 1 covers plain local SGD, DiLoCo/SlowMo, sync.comm_dtype with
+# error feedback and Streaming DiLoCo
+SHARD_REFUSED = {
+    "sync.warmup_steps": "the synchronous warmup would all-reduce sharded gradients",
+    "sync.levels": "hierarchical levels",
+    "sync.optimizer_state": "averaging or resetting the sharded optimizer state",
+    "sync.schedule": "a period adapted to the loss",
+}
+
+
 def _read(node: Any, key: str) -> Any:
     return node[key] if isinstance(node, dict) else getattr(node, key)
 
@@ -48,6 +59,9 @@ class SyncPlan:
     outer_lr: float | None  # resolved to the method's default where the config says null
     outer_momentum: float | None
     outer_nesterov: bool | None
+    warmup_steps: int
+    optimizer_state: str  # local | average | reset
+    schedule: str  # constant | step | adaptive
 
     @classmethod
     def of(cls, sync: Any) -> SyncPlan:
@@ -77,6 +91,9 @@ class SyncPlan:
             outer_lr=resolved("outer_lr", "lr"),
             outer_momentum=resolved("outer_momentum", "momentum"),
             outer_nesterov=resolved("outer_nesterov", "nesterov"),
+            warmup_steps=int(_read(sync, "warmup_steps")),
+            optimizer_state=_read(sync, "optimizer_state"),
+            schedule=_read(sync, "schedule"),
         )
 
     @property
@@ -134,6 +151,21 @@ class SyncPlan:
         for key, why in RESHARD_REFUSED.items():
             if values[key]:
                 return f"{key}={values[key]!r} ({why})"
+        return None
+
+    def shard_refusal(self) -> str | None:
+        """The first sync setting not built with dist.shard_size > 1 yet, as `key=value (what
+        it is)`, or None (see SHARD_REFUSED)."""
+        state = self.optimizer_state
+        refused = {  # the value as written where it is refused, else None
+            "sync.warmup_steps": self.warmup_steps or None,
+            "sync.levels": "[...]" if self.levels else None,
+            "sync.optimizer_state": state if state != "local" else None,
+            "sync.schedule": self.schedule if self.schedule == "adaptive" else None,
+        }
+        for key, why in SHARD_REFUSED.items():
+            if refused[key] is not None:
+                return f"{key}={refused[key]} ({why})"
         return None
 
 

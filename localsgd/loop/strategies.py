@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from localsgd.averaging import (
     OUTER_DEFAULTS,
@@ -81,10 +82,13 @@ def build_averager(
     stats: CommStats,
     link: SimulatedLink | None = None,
     communicate: bool = True,
+    process_group: dist.ProcessGroup | None = None,
 ) -> Averager:
     """The averager the `sync` config asks for, its optimizer-state hook attached; a simulated
     slow `link` applies to every collective it makes. Every rank starts from rank 0's model.
-    `communicate=False`: one that never averages (the no-communication baseline)."""
+    `communicate=False`: one that never averages (the no-communication baseline).
+    `process_group`: the ranks to average with, `world_size` of them (sharded replica groups:
+    the ranks holding the same shard; None: every rank)."""
     plan = SyncPlan.of(sync)
     comm_dtype = sync.comm_dtype
     levels = list(sync.levels)
@@ -97,7 +101,13 @@ def build_averager(
     }
     if not communicate:
         return PeriodicAverager(
-            1, module=model, stats=stats, schedule=NeverAverage(), link=link, init_sync=True
+            1,
+            process_group=process_group,
+            module=model,
+            stats=stats,
+            schedule=NeverAverage(),
+            link=link,
+            init_sync=True,
         )
     sizes = {
         int(lv.period): resolve_group_size(lv.group_size, world_size, local_world_size)
@@ -109,6 +119,7 @@ def build_averager(
         averager = StreamingAverager(
             plan.period,
             sync.warmup_steps,
+            process_group,
             module=model,
             stats=stats,
             link=link,
@@ -130,6 +141,7 @@ def build_averager(
         averager = HierarchicalAverager(
             sizes,
             sync.warmup_steps,
+            process_group,
             module=model,
             stats=stats,
             comm_dtype=comm_dtype,
@@ -142,6 +154,7 @@ def build_averager(
         averager = OuterAverager(
             sync.period,
             sync.warmup_steps,
+            process_group,
             module=model,
             stats=stats,
             **outer_step,
@@ -155,6 +168,7 @@ def build_averager(
         averager = PeriodicAverager(
             sync.period,
             sync.warmup_steps,
+            process_group,
             module=model,
             stats=stats,
             schedule=build_schedule(sync),

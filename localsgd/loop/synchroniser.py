@@ -26,6 +26,7 @@ from localsgd.loop.worker import WorkerInfo
 
 if TYPE_CHECKING:
     from localsgd.loop.fault_tolerance import FaultTolerance
+    from localsgd.loop.sharding import Sharding
 
 
 class Synchroniser:
@@ -47,8 +48,10 @@ class Synchroniser:
         grad_averager: GradientAverager | None = None,
         drift: DriftMeter | None = None,
         verify: bool = False,
+        group: dist.ProcessGroup | None = None,
     ):
         self.averager = averager
+        self.group = group  # the replicas held alike (sharded replica groups: one shard's)
         self.verify = verify  # check after each sync that the replicas are bit-identical
         self.replica_checks = 0
         self.model = model
@@ -168,7 +171,7 @@ class Synchroniser:
         """With `sync.check_replicas`: fail unless every rank holds the same `common_tensors`
         after step `step`, a sync (one gather; off by default)."""
         if self.verify and self.fault_tolerance is None:  # under torchft: inside each round
-            check_replicas(self.common_tensors(step), step, rank)
+            check_replicas(self.common_tensors(step), step, rank, self.group)
             self.replica_checks += 1
 
     @property
@@ -310,10 +313,12 @@ def build_synchroniser(
     info: WorkerInfo,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
+    sharding: Sharding | None = None,
 ) -> Synchroniser:
     """The `sync` config's strategy over the `comm` config's network (a simulated slow link,
     or no communication at all), for `model` trained by `optimizer`; under `ft=torchft` its
-    syncs across replica groups go through torchft (torchft is imported only then)."""
+    syncs across replica groups go through torchft (torchft is imported only then). With
+    `sharding` (dist.shard_size > 1) it averages each shard across the replica groups."""
     sync, comm, fault_tolerant = cfg.sync, cfg.comm, cfg.ft.backend != "none"
     sim = comm.simulate
     link = (
@@ -323,6 +328,10 @@ def build_synchroniser(
     )
     # under torchft the process group is one replica group: levels are sized within it
     group = dist.get_world_size() if fault_tolerant else info.world_size
+    replicas = sharding.replicate_group if sharding is not None else None
+    shards = sharding.shard_group if sharding is not None else None
+    if sharding is not None:
+        group //= sharding.size  # the averages span one rank per replica group
     stats = CommStats()
     averager = build_averager(
         sync,
@@ -333,6 +342,7 @@ def build_synchroniser(
         stats,
         link,
         communicate=not comm.disabled,
+        process_group=replicas,
     )
     # the averager gave every rank rank 0's model already
     grad_averager = (
@@ -342,7 +352,7 @@ def build_synchroniser(
     )
     # under torchft the process group is the replica group alone: drift would measure nothing
     measure = cfg.trainer.track_drift and not comm.disabled and not fault_tolerant
-    drift = DriftMeter(averager.flat.buffers) if measure else None
+    drift = DriftMeter(averager.flat.buffers, replicas, shards) if measure else None
     synchroniser = Synchroniser(
         averager,
         model,
@@ -350,6 +360,7 @@ def build_synchroniser(
         grad_averager,
         drift,
         verify=sync.check_replicas,
+        group=replicas,
     )
     if fault_tolerant:
         from localsgd.loop.fault_tolerance import FaultTolerance

@@ -23,18 +23,18 @@ from localsgd.data import (
 )
 from localsgd.instantiate import build, target_name
 from localsgd.loop import checkpoint
-from localsgd.loop.evaluation import evaluate, loss_and_correct
+from localsgd.loop.evaluation import evaluate, loss_and_correct, text_sample
 from localsgd.loop.guards import NonFiniteTracker
 from localsgd.loop.loggers import build_loggers
-from localsgd.loop.metrics import notice, progress_bar, trim_metrics, write_json
+from localsgd.loop.metrics import notice, progress_bar, rate_record, trim_metrics, write_json
 from localsgd.loop.optim import build_optimizer, build_schedule, set_lr
 from localsgd.loop.recipe import Recipe
 from localsgd.loop.reshard import resume
+from localsgd.loop.sharding import Sharding, state_bytes
 from localsgd.loop.stop import StopAgreement, first_signal
 from localsgd.loop.synchroniser import build_synchroniser
 from localsgd.loop.worker import WorkerInfo
 from localsgd.models import build_model
-from localsgd.models.generate import generate_text
 
 
 class Trainer:
@@ -69,14 +69,17 @@ class Trainer:
         self.batches = make_batches(self.data, c.data, self.sampler, device)
 
         torch.manual_seed(c.seed)  # the same initial model on every rank
-        self.model = build_model(
+        model = build_model(
             c.model, input_shape_of(self.data), self.data.num_classes, task_of(self.data)
         ).to(device)
+        # dist.shard_size > 1: sharded inside each replica group (FSDP2), before the optimizer
+        self.sharding = Sharding(c.dist.shard_size, info.world_size, device)
+        self.model = self.sharding.shard(model)
         self.optimizer = build_optimizer(self.model.parameters(), c.optim)
         self.lr_schedule = build_schedule(c.lr_schedule, c.trainer.max_steps)
         # the strategy: warmup, averaging, drift, fault tolerance; every rank starts from rank
         # 0's model
-        self.sync = build_synchroniser(c, info, self.model, self.optimizer)
+        self.sync = build_synchroniser(c, info, self.model, self.optimizer, self.sharding)
         # after the averager: its flat-buffer views are what gets compiled
         self.recipe = Recipe.from_config(self.model, device, c.trainer)
         torch.manual_seed(c.seed + 1000 * info.rank + 1)  # dropout etc. differ per rank
@@ -225,15 +228,6 @@ class Trainer:
         )
         return evaluate(self.model, batches, self.recipe.autocast, task_of(self.data))
 
-    def text_sample(self) -> dict[str, str]:
-        """A generated sample for character-level language models (those with a vocabulary)."""
-        vocab = getattr(self.data, "vocab", "")
-        chars = self.cfg.trainer.sample_chars
-        if task_of(self.data) != "lm" or not vocab or chars == 0:
-            return {}
-        context = getattr(self.model, "max_len", None) or self.data.test[0][0].shape[-1]
-        return {"sample": generate_text(self.model, vocab, chars, context, seed=self.cfg.seed)}
-
     def comm_record(self) -> dict[str, Any]:
         return {
             "comm_rounds": self.comm_stats.rounds,
@@ -241,19 +235,6 @@ class Trainer:
             "comm_seconds": round(self.comm_stats.seconds, 6),
             **self.sync.fault_record(),  # ft=torchft: participants
         }
-
-    def rate_record(self, interval_s: float, steps: int, total_s: float) -> dict[str, Any]:
-        """Throughput since the last log line, the share of time spent communicating so far, and
-        the mean replica drift over the averages since the last log line (when there were any)."""
-        samples = steps * self.samples_per_step
-        record = {
-            "samples_per_s": round(samples / max(interval_s, 1e-9), 1),
-            "comm_share": round(self.comm_stats.seconds / max(total_s, 1e-9), 4),
-        }
-        drift = self.sync.drift.take() if self.sync.drift is not None else None
-        if drift is not None:
-            record["drift"] = drift
-        return record
 
     def train(self) -> dict[str, Any] | None:
         """Local SGD, step by step: a local step on every worker (all-reducing gradients in the
@@ -335,7 +316,13 @@ class Trainer:
                 "samples": self.step * self.samples_per_step,
                 "wall_time_s": round(now - self.start, 3),
                 **self.comm_record(),
-                **self.rate_record(now - last_time, self.step - last_step, now - self.start),
+                **rate_record(
+                    (self.step - last_step) * self.samples_per_step,
+                    now - last_time,
+                    self.comm_stats.seconds,
+                    now - self.start,
+                    self.sync.drift,
+                ),
             }
         )
         self.bar.set_postfix(
@@ -352,10 +339,13 @@ class Trainer:
         ready = self.in_sync or self.merged
         if self.step < self.next_eval or not ready or self.step >= c.max_steps:
             return
-        if self.is_main:  # wall time taken before the evaluation, for time-to-accuracy
+        if self.sharding.evaluates(self.info.rank):  # rank 0 (sharded: its whole group)
+            # wall time taken before the evaluation, for time-to-accuracy
             began = time.perf_counter()
             record = {"step": self.step, "wall_time_s": round(self.elapsed(), 3)}
-            self.logger.log({**record, **self.comm_record(), **self.evaluate()})
+            record.update(self.comm_record(), **self.evaluate())
+            if self.is_main:
+                self.logger.log(record)
             self.eval_s += time.perf_counter() - began
         self.next_eval = (self.step // c.eval_every + 1) * c.eval_every
 
@@ -383,12 +373,18 @@ class Trainer:
         self.maybe_checkpoint(final=True)  # under torchft: the final average's, shared
         wall = self.elapsed()
         self.loop_seconds = wall  # this rank's training loop (benchmarks take the slowest)
-        if not self.sync.writes_results(self.info.rank):
+        writes = self.sync.writes_results(self.info.rank)
+        if not writes and not (self.sharding.sharded and self.sharding.evaluates(self.info.rank)):
             return None
+        # sharded: every rank of the first replica group evaluates and gathers the model
         result = self.evaluate(full=True)
+        sample = text_sample(self.model, self.data, self.cfg.trainer.sample_chars, self.cfg.seed)
+        state = self.sharding.full_state(self.model)
+        if not writes:
+            return None
         self.logger.log({"step": self.step, **result})
-        result.update(self.text_sample())
-        checkpoint.save_model(self.model, self.run_dir)
+        result.update(sample)
+        checkpoint.save_model(self.model, self.run_dir, state)
         summary = {
             **result,
             "steps": self.step,
@@ -398,6 +394,8 @@ class Trainer:
             "world_size": self.info.world_size,
             **self.sync.summary(),  # period, warmup_steps, comm_levels
             "params": self.param_count,
+            "shard_size": self.sharding.size,
+            "state_bytes": state_bytes(self.model, self.optimizer, self.sync.averager),
             "skipped_steps": self.skipped_steps,
             "dataset": target_name(self.config["data"]),
             "model": target_name(self.config["model"]),

@@ -1,0 +1,49 @@
+"""The checks of `dist.shard_size` (sharded replica groups, `localsgd.loop.sharding`): a divisor
+of the world size, and, above 1, a one-line refusal of every setting phase 1 does not build
+(what the sync keys mean is read by `localsgd.loop.plan.SyncPlan.shard_refusal`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from localsgd.config import ConfigError
+from localsgd.loop.plan import SyncPlan
+
+# key: (the value phase 1 needs, what the key would ask of a sharded run)
+SHARD_NEEDS = {
+    "ft.backend": ("none", "fault tolerance across sharded replica groups"),
+    "trainer.precision": ("32-true", "mixed precision of sharded parameters"),
+    "trainer.compile": (False, "torch.compile of a sharded model"),
+    "trainer.checkpoint_every": (0, "checkpoints of sharded state"),
+    "trainer.nan_policy": ("error", "a rank of a replica group skipping a step alone"),
+}
+
+NOT_YET = "is not built with dist.shard_size > 1 yet"
+
+
+def _shown(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def validate_sharding(cfg: Any, get: Callable[[Any, str], Any], ws: int | None) -> None:
+    """Raise ConfigError unless `dist.shard_size` divides the `ws` workers (None: not known
+    yet) and, above 1, every other setting is one phase 1 builds."""
+    size = get(cfg, "dist.shard_size")
+    if not (isinstance(size, int) and not isinstance(size, bool) and size >= 1):
+        raise ConfigError(f"dist.shard_size must be an integer >= 1, got {size!r}")
+    if ws is not None and ws % size:
+        raise ConfigError(
+            f"dist.shard_size must be a divisor of the world size ({ws} workers), got {size}"
+        )
+    if size == 1:
+        return
+    refusal = SyncPlan.of(get(cfg, "sync")).shard_refusal()
+    if refusal is not None:
+        raise ConfigError(f"{refusal} {NOT_YET}")
+    for key, (needed, what) in SHARD_NEEDS.items():
+        value = get(cfg, key)
+        if value != needed:
+            raise ConfigError(
+                f"{key}={_shown(value)} ({what}) {NOT_YET}; set {key}={_shown(needed)}"
+            )

@@ -1,0 +1,175 @@
+"""Sharded replica groups (`dist.shard_size` = S): the W workers as W/S replica groups of S
+contiguous ranks. Inside a group the model is sharded with torch's FSDP2 (`fully_shard`, one
+unit per block, then the root), so each rank holds 1/S of the parameters, gradients and
+optimizer state, and FSDP reduces the gradients inside the group at every step. Local SGD /
+DiLoCo run across the groups: each rank averages its own local shards with the ranks that hold
+the same shard in the other groups (the mesh's "replicate" dimension), through the averagers'
+mirror mode (`localsgd.averaging.averager`); the full model is never gathered to average it.
+
+    mesh (W=4, S=2)          shard ->
+                        rank 0  rank 1     replica group 0 (FSDP over ranks 0, 1)
+         replicate |    rank 2  rank 3     replica group 1 (FSDP over ranks 2, 3)
+                   v
+    averaged together: {0, 2} (shard 0) and {1, 3} (shard 1)
+
+S = 1 is the unsharded run: no mesh, no FSDP, every method a no-op, the default process group.
+`state_bytes` says what a rank holds, sharded or not.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from localsgd.averaging import Averager
+from localsgd.averaging.flat import is_dtensor, local_tensor
+from localsgd.averaging.fragments import model_blocks
+
+
+class Sharding:
+    """This rank's place in the replica groups, and the FSDP2 wrapping of its model."""
+
+    def __init__(self, shard_size: int, world_size: int, device: torch.device):
+        if shard_size < 1 or world_size % shard_size:
+            raise ValueError(
+                f"dist.shard_size must divide the world size ({world_size}), got {shard_size}"
+            )
+        self.size = shard_size
+        self.groups = world_size // shard_size
+        self.mesh = None
+        if shard_size > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            # on the default process group, already initialised; collective over every rank
+            self.mesh = init_device_mesh(
+                device.type,
+                (self.groups, shard_size),
+                mesh_dim_names=("replicate", "shard"),
+            )
+
+    @property
+    def sharded(self) -> bool:
+        return self.mesh is not None
+
+    @property
+    def replicate_group(self) -> dist.ProcessGroup | None:
+        """The ranks holding this rank's shard in every group: where averages go (None: the
+        default group, every rank, when unsharded)."""
+        return None if self.mesh is None else self.mesh["replicate"].get_group()
+
+    @property
+    def shard_group(self) -> dist.ProcessGroup | None:
+        """This rank's replica group (FSDP's), or None when unsharded."""
+        return None if self.mesh is None else self.mesh["shard"].get_group()
+
+    def shard(self, model: nn.Module) -> nn.Module:
+        """`model` sharded inside the replica group: one FSDP2 unit per block
+        (`model_blocks`, as Streaming DiLoCo's fragments and torchtitan split it), then the
+        root for the rest. Build the optimizer after this: the parameters become DTensors."""
+        if self.mesh is None:
+            return model
+        from torch.distributed.fsdp import fully_shard
+
+        floats = [n for n, b in model.named_buffers() if torch.is_floating_point(b)]
+        if floats:
+            # FSDP2 leaves buffers whole and per rank: BatchNorm statistics would drift apart
+            # inside a group, where nothing averages them
+            raise ValueError(
+                f"a model with floating-point buffers ({floats[0]}: BatchNorm statistics) is "
+                "not built with dist.shard_size > 1 yet"
+            )
+        # FSDP2 warns when the root returns a view (the transformer's head does), since an
+        # in-place op on it would skip a hook; the loop only reads the logits
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view")
+        shard_mesh = self.mesh["shard"]
+        for block in model_blocks(model):
+            fully_shard(block, mesh=shard_mesh)
+        fully_shard(model, mesh=shard_mesh)
+        return model
+
+    def evaluates(self, rank: int) -> bool:
+        """Whether this rank takes part in evaluating the model: rank 0 alone when unsharded,
+        else every rank of the first replica group (FSDP's forward gathers each unit from
+        all of them)."""
+        return rank < self.size
+
+    def full_state(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
+        """The whole model's state_dict, gathered inside the replica group (a collective of the
+        ranks that `evaluates`), for `model.pt`; None when unsharded (the module's own)."""
+        if self.mesh is None:
+            return None
+        return {
+            k: v.full_tensor() if is_dtensor(v) else v
+            for k, v in model.state_dict().items()
+        }
+
+
+def _nbytes(tensors) -> int:
+    """Bytes of the distinct tensors in `tensors` on this rank (a DTensor: its local shard; the
+    same memory reached twice, e.g. a view and its tensor's alias, counted once)."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for t in tensors:
+        local = local_tensor(t)
+        key = (local.data_ptr(), local.numel())
+        if local.numel() and key not in seen:
+            seen.add(key)
+            total += local.numel() * local.element_size()
+    return total
+
+
+def _tensors_in(tree: Any) -> list[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, dict):
+        tree = list(tree.values())
+    if isinstance(tree, (list, tuple)):
+        return [t for item in tree for t in _tensors_in(item)]
+    return []
+
+
+def _optimizer_state(optimizers: Any) -> list[torch.Tensor]:
+    opts = optimizers if isinstance(optimizers, (list, tuple)) else [optimizers]
+    return [t for o in opts if o is not None for t in _tensors_in(list(o.state.values()))]
+
+
+def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, averager: Averager) -> dict:
+    """The bytes of training state this rank holds, sharded or not: its parameters (local
+    shards), their gradients (as held at the end of the last step), the inner optimizer's state,
+    and the averager's own: the mirrored copy of the parameters (sharded runs; unsharded the flat
+    buffers *are* the parameters' storage), anchors, outer momentum, error-feedback residuals,
+    and `other` (wire buffers, fragments' in-flight copies)."""
+    params = list(model.parameters())
+    flat = averager.flat
+    reducer = averager.reducer
+    anchors = _tensors_in(getattr(reducer, "anchors", []))
+    momentum = _optimizer_state(
+        getattr(reducer, "optimizers", None) or getattr(reducer, "optimizer", None)
+    )
+    residuals = _tensors_in(getattr(reducer, "residuals", []))
+    counted = {id(t) for t in anchors + momentum + residuals}
+    other = [
+        t
+        for name, value in vars(reducer).items()
+        if name not in ("anchors", "residuals", "optimizer", "optimizers")
+        for t in _tensors_in(value)
+        if id(t) not in counted
+    ]
+    own = {
+        "mirror": flat.nbytes if flat is not None and flat.mirror else 0,
+        "anchors": _nbytes(anchors),
+        "outer_momentum": _nbytes(momentum),
+        "residuals": _nbytes(residuals),
+        "other": _nbytes(other),
+    }
+    parts = {
+        "parameters": _nbytes(params),
+        "gradients": _nbytes(p.grad for p in params if p.grad is not None),
+        "optimizer": _nbytes(_optimizer_state(optimizer)),
+        "averager": sum(own.values()),
+    }
+    return {"total": sum(parts.values()), **parts, "averager_parts": own}

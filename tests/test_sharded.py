@@ -1,0 +1,254 @@
+"""Sharded replica groups (`dist.shard_size`, localsgd/loop/sharding.py): FSDP2 inside each
+group, the averagers' mirror mode across groups.
+
+The parity: 4 processes as 2 groups of 2 against 2 processes each holding the whole model, where
+each replicated worker's batch is the union of its group's two half-batches. With a mean loss,
+FSDP's gradient inside a group (the mean of the 2 ranks' mean gradients over equal halves) is
+the replicated worker's gradient on the whole batch, so both runs do the same computation; only
+the order of the sums differs (reduce-scatter adds two partial means; one worker sums 8 rows),
+a few ulps per step. After 7-11 steps of a tiny model (weights of order 0.1-1) the largest
+difference measured was 1.1e-7 (DiLoCo; 3e-8 plain): within atol 1e-6 / rtol 1e-5, while
+averaging over every rank instead of the replicate group, or mirror mode not pushing the average
+back, fails every case.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from localsgd.averaging import FlatBuffers, OuterAverager, PeriodicAverager, StreamingAverager
+from localsgd.loop.sharding import Sharding, state_bytes
+from tests.helpers import FAST, cli, refusal, run_distributed
+
+BATCH = 8  # rows per replica group and step; halved between a group's 2 ranks
+CASES = {  # name: (steps, averager factory)
+    "local_sgd": (7, lambda model, group: PeriodicAverager(3, process_group=group, module=model)),
+    "diloco": (7, lambda model, group: OuterAverager(3, process_group=group, module=model)),
+    "streaming": (  # fragment launches after steps 0, 4, 8; merges after 1, 5, 9
+        11,
+        lambda model, group: StreamingAverager(
+            8, process_group=group, module=model, fragments=2, delay_steps=1, merge_alpha=0.5
+        ),
+    ),
+    "int8_feedback": (
+        7,
+        lambda model, group: OuterAverager(
+            3, process_group=group, module=model, comm_dtype="int8", error_feedback=True
+        ),
+    ),
+}
+EXACT = ["local_sgd", "diloco", "streaming"]  # int8's blocks start at each shard's start
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    # even widths: each rank of a group holds exactly half of every tensor
+    layers = [nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4)]
+    return nn.Sequential(*layers)
+
+
+def _batch(group: int, step: int, part: int, parts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Replica group `group`'s batch at `step`, the `part`-th of `parts` equal slices."""
+    gen = torch.Generator().manual_seed(1000 * group + step)
+    x, y = torch.randn(BATCH, 6, generator=gen), torch.randint(0, 4, (BATCH,), generator=gen)
+    rows = slice(part * BATCH // parts, (part + 1) * BATCH // parts)
+    return x[rows], y[rows]
+
+
+def _train(rank: int, world: int, shard_size: int) -> dict:
+    """Every case on this rank: the whole final model, its state bytes, and how many times the
+    averager copied the shards in (mirror mode only)."""
+    torch.set_num_threads(1)
+    sharding = Sharding(shard_size, world, torch.device("cpu"))
+    pulls = {"n": 0}
+    original = FlatBuffers.pull
+
+    def counted(self):
+        pulls["n"] += 1
+        original(self)
+
+    FlatBuffers.pull = counted
+    out = {}
+    for name, (steps, make) in CASES.items():
+        pulls["n"] = 0
+        model = sharding.shard(_model())
+        # momentum / AdamW: optimizer state to shard
+        opt = (
+            torch.optim.AdamW(model.parameters(), lr=0.01)
+            if name in ("diloco", "int8_feedback")
+            else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        )
+        averager = make(model, sharding.replicate_group)
+        for step in range(steps):
+            x, y = _batch(rank // shard_size, step, rank % shard_size, shard_size)
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            averager.maybe_average()
+        averager.average()
+        full = sharding.full_state(model) or model.state_dict()
+        out[name] = {
+            "model": {k: v.detach().clone() for k, v in full.items()},
+            "bytes": state_bytes(model, opt, averager),
+            "pulls": pulls["n"],
+            "acting_steps": sum(averager.acts_at(s) for s in range(steps)),
+        }
+    FlatBuffers.pull = original
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs():
+    sharded = run_distributed(_train, 4, 2, timeout_s=60)
+    replicated = run_distributed(_train, 2, 1, timeout_s=60)
+    return sharded, replicated
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", EXACT)
+def test_sharded_groups_train_as_replicated_workers_on_the_union_of_their_batches(runs, case):
+    sharded, replicated = runs
+    for rank, result in enumerate(sharded):
+        ref = replicated[rank // 2][case]["model"]
+        got = result[case]["model"]
+        assert got.keys() == ref.keys()
+        for k in ref:
+            torch.testing.assert_close(got[k], ref[k], rtol=1e-5, atol=1e-6, msg=f"{case} {k}")
+    # after the final average every group holds the same shards: the same model, bit for bit
+    for result in sharded[1:]:
+        for k, v in sharded[0][case]["model"].items():
+            assert torch.equal(result[case]["model"][k], v), (case, k)
+    assert not torch.equal(sharded[0][case]["model"]["0.weight"], _model()[0].weight.detach())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_int8_with_error_feedback_stays_within_one_quantisation_step_of_replicated(runs):
+    # int8's blocks (128 values, one scale each) start at each shard's start, so the sharded
+    # run rounds other blocks than the replicated one: equal up to the rounding, which error
+    # feedback carries; one int8 step of these weights (|w| < 0.5) is 0.5/127 = 4e-3
+    sharded, replicated = runs
+    for rank, result in enumerate(sharded):
+        ref, got = replicated[rank // 2]["int8_feedback"]["model"], result["int8_feedback"]["model"]
+        for k in ref:
+            torch.testing.assert_close(got[k], ref[k], rtol=0, atol=4e-3, msg=k)
+            assert torch.equal(got[k], sharded[0]["int8_feedback"]["model"][k]), k
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_rank_holds_half_the_state_and_copies_only_at_steps_that_act(runs, case):
+    sharded, replicated = runs
+    one, two = replicated[0][case]["bytes"], sharded[0][case]["bytes"]
+    for part in ("parameters", "gradients", "optimizer"):
+        assert two[part] > 0
+    # parameter + optimizer bytes: at most half of the unsharded rank's, plus 5%
+    held = two["parameters"] + two["optimizer"]
+    assert held <= 0.5 * (one["parameters"] + one["optimizer"]) * 1.05, (two, one)
+    # the averager's state is sharded too (mirror copy, anchors, outer momentum)
+    assert two["averager_parts"]["mirror"] == two["parameters"]
+    assert one["averager_parts"]["mirror"] == 0
+    for part in ("anchors", "outer_momentum", "residuals"):
+        assert two["averager_parts"][part] <= 0.5 * one["averager_parts"][part] * 1.05
+    # one pull per step that acts, one for the final average, one for the initial broadcast of
+    # an anchored averager: none in the local phase
+    result = sharded[0][case]
+    assert 0 < result["acting_steps"] < CASES[case][0]  # some steps are local
+    anchored = case != "local_sgd"
+    if case == "int8_feedback":
+        assert two["averager_parts"]["residuals"] == two["parameters"]  # one per local value
+    assert result["pulls"] == result["acting_steps"] + 1 + anchored
+    assert replicated[0][case]["pulls"] == 0  # unsharded: the parameters are the buffers
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_the_cli_trains_sharded_diloco_and_reports_state_bytes(tmp_path):
+    run_dir = tmp_path / "run"
+    args = FAST + [
+        "dist.world_size=4",
+        "dist.shard_size=2",
+        "sync.outer=diloco",  # period 16: outer steps after steps 0, 16, 32, and a final one
+        "sync.check_replicas=true",  # each shard bit-identical across the groups at each sync
+        "optim=adamw",
+        "trainer.max_steps=40",
+        "trainer.checkpoint_every=0",
+        f"hydra.run.dir={run_dir}",
+    ]
+    proc, left = cli(args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not left
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["shard_size"] == 2 and summary["replica_checks"] == summary["comm_rounds"] == 4
+    held = summary["state_bytes"]
+    whole = summary["params"] * 4
+    assert whole / 2 <= held["parameters"] <= whole / 2 * 1.05
+    # every rank sends its shard, not the model: 4 outer steps
+    assert summary["comm_bytes"] == 4 * held["parameters"]
+    saved = torch.load(os.path.join(run_dir, "model.pt"), weights_only=True)
+    assert sum(v.numel() for v in saved.values()) == summary["params"]  # gathered whole
+
+
+@pytest.mark.parametrize(
+    "extra, named",
+    [
+        (["dist.shard_size=3"], "dist.shard_size must be a divisor of the world size (4 workers)"),
+        (["sync.warmup_steps=10"], "sync.warmup_steps=10"),
+        (["sync.optimizer_state=average"], "sync.optimizer_state=average"),
+        (["sync.schedule=adaptive"], "sync.schedule=adaptive"),
+        (["sync.levels=[{group_size:2,period:4},{group_size:world,period:8}]"], "sync.levels"),
+        (["ft=torchft"], "ft.backend=torchft"),
+        (["trainer.precision=bf16-mixed"], "trainer.precision=bf16-mixed"),
+        (["trainer.compile=true"], "trainer.compile=true"),
+        (["trainer.checkpoint_every=500"], "trainer.checkpoint_every=500"),
+        (["trainer.nan_policy=skip"], "trainer.nan_policy=skip"),
+        (["dist.shard_size=0"], "dist.shard_size must be an integer >= 1, got 0"),
+    ],
+)
+@pytest.mark.timeout(30)
+def test_what_phase_1_does_not_build_is_refused_in_one_line(extra, named, tmp_path, capsys):
+    args = FAST + ["dist.world_size=4", "dist.shard_size=2", "trainer.checkpoint_every=0"]
+    line = refusal(args + extra + [f"hydra.run.dir={tmp_path / 'run'}"], capsys)
+    assert named in line, line
+    if not named.startswith("dist.shard_size"):
+        assert "is not built with dist.shard_size > 1 yet" in line, line
+
+
+@pytest.mark.timeout(10)
+def test_mirrored_buffers_hold_copies_rebind_nothing_and_copy_only_when_asked():
+    a, b = nn.Parameter(torch.ones(3)), nn.Parameter(torch.zeros(2, 2))
+    storages = (a.data_ptr(), b.data_ptr())
+    flat = FlatBuffers([a, b], mirror=True)
+    assert (a.data_ptr(), b.data_ptr()) == storages and flat.is_bound()
+    assert flat.rebind() is None
+    flat.buffers[0].fill_(5.0)
+    assert torch.equal(a.detach(), torch.ones(3))  # a copy: the parameter is untouched
+    flat.push()
+    assert torch.equal(a.detach(), torch.full((3,), 5.0)) and float(b.detach().sum()) == 20.0
+    with torch.no_grad():
+        a.add_(1.0)
+    flat.pull()
+    assert torch.equal(flat.buffers[0][:3], torch.full((3,), 6.0))
+    # the default (rebinding) mode makes the parameters views of the buffer
+    plain = FlatBuffers([a, b])
+    assert a.data_ptr() == plain.buffers[0].data_ptr()
+
+
+@pytest.mark.timeout(30)
+def test_a_checkpoint_from_before_the_key_resumes_unsharded_and_never_into_a_sharded_run():
+    from localsgd.config import plain
+    from localsgd.loop.checkpoint import config_mismatch
+    from tests.helpers import compose_config
+
+    old = plain(compose_config([]))
+    del old["dist"]["shard_size"]  # written before dist.shard_size existed
+    assert config_mismatch({"config": old}, plain(compose_config([]))) is None
+    diff = config_mismatch({"config": old}, plain(compose_config(["dist.shard_size=2"])))
+    assert diff == "dist.shard_size: 1 in the checkpoint, 2 now"
