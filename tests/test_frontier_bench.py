@@ -1,6 +1,7 @@
-"""The communication-frontier benchmark (experiments/bench/frontier.py) runs at toy size and
-reports every row; and the 4-bit format sends at most 0.14x fp32's bytes (a real property of the
-runs, counted by the trainer: payload plus scales)."""
+"""The long benchmarks at toy size (`make test-long`): the communication frontier
+(experiments/bench/frontier.py) reports every row, and the 4-bit format sends at most 0.14x
+fp32's bytes (a real property of the runs, counted by the trainer: payload plus scales); the
+sharded benchmark (experiments/bench/sharded.py) runs both layouts."""
 
 from __future__ import annotations
 
@@ -52,3 +53,24 @@ def test_frontier_benchmark_runs_at_tiny_size(tmp_path):
     for run in runs.values():  # each row measured against a compute-only run of this invocation
         assert run["compute_wall_s"] in [b["wall_s"] for b in results["baseline"]]
         assert run["util_measured"] > 0 and 0 < run["util_model"] <= 1
+
+
+@pytest.mark.slow
+@pytest.mark.long  # `make test-long`
+@pytest.mark.timeout(180)
+def test_sharded_benchmark_runs_at_tiny_size(tmp_path):
+    """experiments/bench/sharded.py (GPT-2 small, sharded against replicated) at toy size: both
+    layouts run and the table shows half the parameters' and moments' bytes per rank at 2 x 2."""
+    out = tmp_path / "SHARDED.md"
+    proc = subprocess.run(
+        [sys.executable, "experiments/bench/sharded.py", "--tiny", "--out", str(out)],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = out.read_text()
+    assert "| parameters | 0.00 | 0.00 | 0.500 |" in text
+    assert "| AdamW moments | 0.00 | 0.00 | 0.500 |" in text
