@@ -1,0 +1,124 @@
+"""The recipe under sharded replica groups (`dist.shard_size` > 1, localsgd/loop/sharding.py):
+the synchronous warmup (HSDP's gradient average), gradient clipping and accumulation, against
+the replicated run on the union of each group's batches, as tests/test_sharded.py's parity."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from localsgd.averaging import GradientAverager, PeriodicAverager
+from localsgd.loop.recipe import Recipe
+from localsgd.loop.sharding import Sharding
+from tests.helpers import FAST, cli, run_distributed
+from tests.test_sharded import _batch, _model
+
+CPU = torch.device("cpu")
+# name: (steps, warmup steps, trainer keys of the Recipe)
+CASES = {
+    # every step synchronous: plain mini-batch SGD over the 4 ranks
+    "warmup": (4, 4, {}),
+    # clip at 0.05: every step's norm is larger (0.3-1), so every step is clipped; two
+    # micro-batches a step; local SGD with k=3 after a 2-step warmup
+    "clip_accumulate": (
+        5,
+        2,
+        {"gradient_clip_val": 0.05, "accumulate_grad_batches": 2},
+    ),
+}
+
+
+def _train(rank: int, world: int, shard_size: int) -> dict:
+    """Every case on this rank: the whole model after each step, and each step's clipped
+    gradient norm (the norm over the whole model, read before the clip)."""
+    torch.set_num_threads(1)
+    sharding = Sharding(shard_size, world, CPU)
+    group, part = rank // shard_size, rank % shard_size
+    out = {}
+    clip = torch.nn.utils.clip_grad_norm_
+    for name, (steps, warmup, keys) in CASES.items():
+        model = sharding.shard(_model())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        recipe = Recipe(model, CPU, **keys)
+        averager = PeriodicAverager(3, warmup, process_group=sharding.replicate_group, module=model)
+        grads = GradientAverager(model, sharding.replicate_group, init_sync=False)
+        norms, models = [], []
+
+        def recorded(params, max_norm, _norms=norms, **kw):
+            norm = clip(params, max_norm, **kw)
+            _norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+            return norm
+
+        torch.nn.utils.clip_grad_norm_ = recorded
+        for step in range(steps):
+            opt.zero_grad(set_to_none=step >= warmup)
+            k = recipe.accumulate
+            for micro in range(k):
+                x, y = _batch(group, 10 * step + micro, part, shard_size)
+                recipe.backward(nn.functional.cross_entropy(recipe.forward(x), y) / k)
+            if step < warmup:
+                grads.all_reduce()
+            recipe.step(opt)
+            averager.maybe_average()
+            full = sharding.full_state(model) or model.state_dict()
+            models.append({k: v.detach().clone() for k, v in full.items()})
+        torch.nn.utils.clip_grad_norm_ = clip
+        out[name] = {"models": models, "norms": norms, "rounds": grads.stats.rounds}
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return run_distributed(_train, 4, 2, timeout_s=60), run_distributed(_train, 2, 1, timeout_s=60)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_sharded_recipe_steps_as_the_replicated_one_on_the_union_of_the_batches(runs, case):
+    sharded, replicated = runs
+    steps, warmup, keys = CASES[case]
+    for rank, result in enumerate(sharded):
+        ref = replicated[rank // 2][case]
+        for step in range(steps):
+            for k, v in ref["models"][step].items():
+                got = result[case]["models"][step][k]
+                torch.testing.assert_close(got, v, rtol=1e-5, atol=1e-6, msg=f"{case} {step} {k}")
+        # the norm clipped is the whole model's, not this rank's shard's
+        torch.testing.assert_close(result[case]["norms"], ref["norms"], rtol=1e-5, atol=0)
+        assert result[case]["rounds"] == warmup
+    if keys:
+        assert len(sharded[0][case]["norms"]) == steps
+        assert min(sharded[0][case]["norms"]) > keys["gradient_clip_val"]  # every step clipped
+    # the warmup keeps every rank's model the same: the groups' shards agree bit for bit
+    for step in range(warmup):
+        for result in sharded[1:]:
+            for k, v in sharded[0][case]["models"][step].items():
+                assert torch.equal(result[case]["models"][step][k], v), (case, step, k)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_the_cli_runs_post_local_sgd_sharded(tmp_path):
+    run_dir = tmp_path / "run"
+    args = FAST + [
+        "+experiment=post_local_sgd",
+        "sync.warmup_steps=6",  # then local SGD, k=16
+        "sync.check_replicas=true",  # each shard bit-identical across the groups at each sync
+        "dist.world_size=4",
+        "dist.shard_size=2",
+        "trainer.max_steps=20",
+        "trainer.checkpoint_every=0",
+        f"hydra.run.dir={run_dir}",
+    ]
+    proc, left = cli(args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not left
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["shard_size"] == 2 and summary["warmup_steps"] == 6
+    # 6 gradient averages, the model average after step 6 (the warmup's end; the next, 22, is
+    # past the end), then the final one
+    assert summary["replica_checks"] == 8 and summary["comm_rounds"] == 8
