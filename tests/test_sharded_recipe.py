@@ -17,17 +17,26 @@ from tests.helpers import FAST, cli, run_distributed
 from tests.test_sharded import _batch, _model
 
 CPU = torch.device("cpu")
-# name: (steps, warmup steps, trainer keys of the Recipe)
+# name: (steps, warmup steps, trainer keys of the Recipe, tolerance against replicated)
+EXACT = (1e-5, 1e-6)
 CASES = {
     # every step synchronous: plain mini-batch SGD over the 4 ranks
-    "warmup": (4, 4, {}),
+    "warmup": (4, 4, {}, EXACT),
     # clip at 0.05: every step's norm is larger (0.3-1), so every step is clipped; two
     # micro-batches a step; local SGD with k=3 after a 2-step warmup
     "clip_accumulate": (
         5,
         2,
         {"gradient_clip_val": 0.05, "accumulate_grad_batches": 2},
+        EXACT,
     ),
+    # FSDP's MixedPrecisionPolicy against autocast: both compute the linears in the low dtype
+    # from fp32 masters, but bf16 gradients are summed in another order (the group's two
+    # halves in fp32 after the cast; one low-dtype matmul over the whole batch): apart by
+    # their rounding (measured after 4 steps: 2.6e-4 bf16, 3.1e-5 fp16; with the policy off,
+    # autocast on the sharded run, the test below fails instead)
+    "bf16": (4, 2, {"precision": "bf16-mixed"}, (0, 1e-3)),
+    "fp16": (4, 2, {"precision": "16-mixed"}, (0, 1e-4)),
 }
 
 
@@ -39,10 +48,12 @@ def _train(rank: int, world: int, shard_size: int) -> dict:
     group, part = rank // shard_size, rank % shard_size
     out = {}
     clip = torch.nn.utils.clip_grad_norm_
-    for name, (steps, warmup, keys) in CASES.items():
-        model = sharding.shard(_model())
+    for name, (steps, warmup, keys, _) in CASES.items():
+        model = sharding.shard(_model(), keys.get("precision", "32-true"))
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        recipe = Recipe(model, CPU, **keys)
+        recipe = Recipe(model, CPU, **keys, sharded=sharding.sharded)
+        computed = set()  # the dtypes the first linear computes with
+        model[0].register_forward_pre_hook(lambda m, _, c=computed: c.add(m.weight.dtype))
         averager = PeriodicAverager(3, warmup, process_group=sharding.replicate_group, module=model)
         grads = GradientAverager(model, sharding.replicate_group, init_sync=False)
         norms, models = [], []
@@ -58,7 +69,9 @@ def _train(rank: int, world: int, shard_size: int) -> dict:
             k = recipe.accumulate
             for micro in range(k):
                 x, y = _batch(group, 10 * step + micro, part, shard_size)
-                recipe.backward(nn.functional.cross_entropy(recipe.forward(x), y) / k)
+                with recipe.autocast():
+                    logits = recipe.forward(x)
+                recipe.backward(nn.functional.cross_entropy(logits.float(), y) / k)
             if step < warmup:
                 grads.all_reduce()
             recipe.step(opt)
@@ -66,7 +79,14 @@ def _train(rank: int, world: int, shard_size: int) -> dict:
             full = sharding.full_state(model) or model.state_dict()
             models.append({k: v.detach().clone() for k, v in full.items()})
         torch.nn.utils.clip_grad_norm_ = clip
-        out[name] = {"models": models, "norms": norms, "rounds": grads.stats.rounds}
+        out[name] = {
+            "models": models,
+            "norms": norms,
+            "rounds": grads.stats.rounds,
+            "computed": computed,
+            "masters": {type(p).__name__ + str(p.dtype) for p in model.parameters()},
+            "scale": recipe.scaler.get_scale() if recipe.scaler else None,
+        }
     return out
 
 
@@ -80,17 +100,17 @@ def runs():
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_sharded_recipe_steps_as_the_replicated_one_on_the_union_of_the_batches(runs, case):
     sharded, replicated = runs
-    steps, warmup, keys = CASES[case]
+    steps, warmup, keys, (rtol, atol) = CASES[case]
     for rank, result in enumerate(sharded):
         ref = replicated[rank // 2][case]
         for step in range(steps):
             for k, v in ref["models"][step].items():
                 got = result[case]["models"][step][k]
-                torch.testing.assert_close(got, v, rtol=1e-5, atol=1e-6, msg=f"{case} {step} {k}")
+                torch.testing.assert_close(got, v, rtol=rtol, atol=atol, msg=f"{case} {step} {k}")
         # the norm clipped is the whole model's, not this rank's shard's
         torch.testing.assert_close(result[case]["norms"], ref["norms"], rtol=1e-5, atol=0)
         assert result[case]["rounds"] == warmup
-    if keys:
+    if "gradient_clip_val" in keys:
         assert len(sharded[0][case]["norms"]) == steps
         assert min(sharded[0][case]["norms"]) > keys["gradient_clip_val"]  # every step clipped
     # the warmup keeps every rank's model the same: the groups' shards agree bit for bit
@@ -102,7 +122,7 @@ def test_the_sharded_recipe_steps_as_the_replicated_one_on_the_union_of_the_batc
 
 @pytest.mark.slow
 @pytest.mark.timeout(60)
-def test_the_cli_runs_post_local_sgd_sharded(tmp_path):
+def test_the_cli_runs_post_local_sgd_sharded_in_16_mixed(tmp_path):
     run_dir = tmp_path / "run"
     args = FAST + [
         "+experiment=post_local_sgd",
@@ -111,6 +131,7 @@ def test_the_cli_runs_post_local_sgd_sharded(tmp_path):
         "dist.world_size=4",
         "dist.shard_size=2",
         "trainer.max_steps=20",
+        "trainer.precision=16-mixed",  # FSDP's policy, and the GradScaler on sharded gradients
         "trainer.checkpoint_every=0",
         f"hydra.run.dir={run_dir}",
     ]
@@ -122,3 +143,18 @@ def test_the_cli_runs_post_local_sgd_sharded(tmp_path):
     # 6 gradient averages, the model average after step 6 (the warmup's end; the next, 22, is
     # past the end), then the final one
     assert summary["replica_checks"] == 8 and summary["comm_rounds"] == 8
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case, dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_sharded_mixed_precision_computes_in_the_low_dtype_from_fp32_shards(runs, case, dtype):
+    sharded, replicated = runs
+    for result in sharded:
+        assert result[case]["computed"] == {dtype}  # FSDP gathered the unit in `dtype`
+        assert result[case]["masters"] == {"DTensortorch.float32"}  # the shards stay fp32
+        # the GradScaler's found-inf is reduced inside a group: its ranks scale alike
+        assert result[case]["scale"] == sharded[0][case]["scale"]
+    assert replicated[0][case]["computed"] == {torch.float32}  # autocast casts per op instead
+    if case == "fp16":
+        assert sharded[0][case]["scale"] == replicated[0][case]["scale"] == 65536.0

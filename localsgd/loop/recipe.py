@@ -8,6 +8,11 @@ averages are as exact as without it. `16-mixed` adds a GradScaler per worker. In
 warmup the gradients are all-reduced while still scaled; every worker's scaler starts equal and
 then sees the same reduced gradients, so the scalers stay in lockstep and all ranks skip the same
 steps (as DDP with AMP does). After the warmup no gradient is shared and each scaler goes its way.
+
+Sharded (`dist.shard_size` > 1) the precision is FSDP2's MixedPrecisionPolicy instead of autocast
+(`Sharding.shard`), with the same fp32 master parameters. The GradScaler works on the sharded
+gradients: torch reduces its found-inf flag over each DTensor's mesh (a max), so every rank of a
+replica group skips the same steps, and FSDP's shards never part.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ class Recipe:
         gradient_clip_val: float | None = None,
         accumulate_grad_batches: int = 1,
         compile: bool = False,
+        sharded: bool = False,
     ):
         if precision not in PRECISIONS:
             allowed = ", ".join(PRECISIONS)
@@ -45,7 +51,8 @@ class Recipe:
                 f"got {accumulate_grad_batches!r}"
             )
         self.device_type = device.type
-        self.dtype = PRECISIONS[precision]
+        # sharded: FSDP's policy casts the gathered parameters (and the inputs) already
+        self.dtype = None if sharded else PRECISIONS[precision]
         self.scaler = torch.amp.GradScaler(device.type) if precision == "16-mixed" else None
         self.clip = gradient_clip_val if gradient_clip_val else None  # 0 / None: no clipping
         self.accumulate = int(accumulate_grad_batches)
@@ -55,7 +62,9 @@ class Recipe:
         self.forward = torch.compile(model) if compile else model
 
     @classmethod
-    def from_config(cls, model: torch.nn.Module, device: torch.device, trainer) -> Recipe:
+    def from_config(
+        cls, model: torch.nn.Module, device: torch.device, trainer, sharded: bool = False
+    ) -> Recipe:
         """From the `trainer` config (localsgd.config.TrainerConfig)."""
         return cls(
             model,
@@ -64,6 +73,7 @@ class Recipe:
             gradient_clip_val=trainer.gradient_clip_val,
             accumulate_grad_batches=trainer.accumulate_grad_batches,
             compile=trainer.compile,
+            sharded=sharded,
         )
 
     def autocast(self) -> contextlib.AbstractContextManager:

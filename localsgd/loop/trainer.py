@@ -74,14 +74,14 @@ class Trainer:
         ).to(device)
         # dist.shard_size > 1: sharded inside each replica group (FSDP2), before the optimizer
         self.sharding = Sharding(c.dist.shard_size, info.world_size, device)
-        self.model = self.sharding.shard(model)
+        self.model = self.sharding.shard(model, c.trainer.precision)
         self.optimizer = build_optimizer(self.model.parameters(), c.optim)
         self.lr_schedule = build_schedule(c.lr_schedule, c.trainer.max_steps)
         # the strategy: warmup, averaging, drift, fault tolerance; every rank starts from rank
         # 0's model
         self.sync = build_synchroniser(c, info, self.model, self.optimizer, self.sharding)
         # after the averager: its flat-buffer views are what gets compiled
-        self.recipe = Recipe.from_config(self.model, device, c.trainer)
+        self.recipe = Recipe.from_config(self.model, device, c.trainer, self.sharding.sharded)
         torch.manual_seed(c.seed + 1000 * info.rank + 1)  # dropout etc. differ per rank
         # The loop's own state (the LR is a function of the step): LOOP_STATE, checkpointed.
         self.step = 0
