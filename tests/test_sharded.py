@@ -204,7 +204,6 @@ def test_the_cli_trains_sharded_diloco_and_reports_state_bytes(tmp_path):
         (["sync.schedule=adaptive"], "sync.schedule=adaptive"),
         (["sync.levels=[{group_size:2,period:4},{group_size:world,period:8}]"], "sync.levels"),
         (["ft=torchft"], "ft.backend=torchft"),
-        (["trainer.compile=true"], "trainer.compile=true"),
         (["trainer.checkpoint_every=500"], "trainer.checkpoint_every=500"),
         (["trainer.nan_policy=skip"], "trainer.nan_policy=skip"),
         (["dist.shard_size=0"], "dist.shard_size must be an integer >= 1, got 0"),

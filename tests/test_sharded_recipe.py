@@ -158,3 +158,54 @@ def test_sharded_mixed_precision_computes_in_the_low_dtype_from_fp32_shards(runs
     assert replicated[0][case]["computed"] == {torch.float32}  # autocast casts per op instead
     if case == "fp16":
         assert sharded[0][case]["scale"] == replicated[0][case]["scale"] == 65536.0
+
+
+def _compile_train(rank: int, world: int, shard_size: int) -> dict:
+    """A tiny GPT sharded over 2 ranks, 3 steps, with and without trainer.compile, through a
+    counting backend that runs the captured graph as is (so compiled equals eager bit for bit,
+    and the test costs no inductor compile; the real backend: see docs/strategies.md)."""
+    from localsgd.models.transformer import GPT
+
+    torch.set_num_threads(1)
+    graphs: list[int] = []
+
+    def backend(gm, _inputs):
+        graphs.append(len(gm.graph.nodes))
+        return gm.forward
+
+    compile_ = nn.Module.compile
+    nn.Module.compile = lambda self: compile_(self, backend=backend)
+    sharding = Sharding(shard_size, world, CPU)
+    out = {}
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = sharding.shard(GPT(16, 8, d_model=16, n_layers=2, n_heads=2), compile=compiled)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        recipe = Recipe(model, CPU, compile=compiled, sharded=True)
+        for step in range(3):
+            gen = torch.Generator().manual_seed(100 * rank + step)
+            x, y = (
+                torch.randint(0, 16, (2, 8), generator=gen),
+                torch.randint(0, 16, (2, 8), generator=gen),
+            )
+            loss = nn.functional.cross_entropy(recipe.forward(x).flatten(0, 1), y.flatten())
+            recipe.backward(loss)
+            recipe.step(opt)
+            opt.zero_grad()
+        state = sharding.full_state(model)
+        out[compiled] = {"model": {k: v.detach().clone() for k, v in state.items()}}
+        out[compiled]["graphs"] = len(graphs)
+    nn.Module.compile = compile_
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_compile_compiles_each_block_before_sharding_and_trains_the_same_model():
+    for result in run_distributed(_compile_train, 2, 2, timeout_s=60):
+        eager, compiled = result[False], result[True]
+        # the blocks share one graph (same code, parameters as inputs); none without compile
+        assert eager["graphs"] == 0 and compiled["graphs"] >= 1
+        assert compiled["model"].keys() == eager["model"].keys()  # no `_orig_mod.` prefix
+        for k, v in eager["model"].items():
+            assert torch.equal(compiled["model"][k], v), k

@@ -13,7 +13,6 @@ from localsgd.loop.plan import SyncPlan
 # key: (the value phase 1 needs, what the key would ask of a sharded run)
 SHARD_NEEDS = {
     "ft.backend": ("none", "fault tolerance across sharded replica groups"),
-    "trainer.compile": (False, "torch.compile of a sharded model"),
     "trainer.checkpoint_every": (0, "checkpoints of sharded state"),
     "trainer.nan_policy": ("error", "a rank of a replica group skipping a step alone"),
 }

@@ -59,7 +59,8 @@ class Recipe:
         self.params = [p for p in model.parameters() if p.requires_grad]
         # Compiled forward for training only: `model` itself stays the plain module, so its
         # state_dict keys, the averagers' views and checkpoints are the same with or without it.
-        self.forward = torch.compile(model) if compile else model
+        # Sharded, `Sharding.shard` compiled each block instead.
+        self.forward = torch.compile(model) if compile and not sharded else model
 
     @classmethod
     def from_config(

@@ -66,7 +66,9 @@ class Sharding:
         """This rank's replica group (FSDP's), or None when unsharded."""
         return None if self.mesh is None else self.mesh["shard"].get_group()
 
-    def shard(self, model: nn.Module, precision: str = "32-true") -> nn.Module:
+    def shard(
+        self, model: nn.Module, precision: str = "32-true", compile: bool = False
+    ) -> nn.Module:
         """`model` sharded inside the replica group: one FSDP2 unit per block
         (`model_blocks`, as Streaming DiLoCo's fragments and torchtitan split it), then the
         root for the rest. Build the optimizer after this: the parameters become DTensors.
@@ -75,7 +77,13 @@ class Sharding:
         (`Recipe(sharded=True)` leaves autocast off, as torchtitan does): each unit is gathered
         in the low dtype and computes in it, its gradients are reduce-scattered in fp32, and the
         sharded parameters, their gradients, the optimizer state and all the averagers see stay
-        fp32 (the master copy), as unsharded."""
+        fp32 (the master copy), as unsharded.
+
+        `compile` (trainer.compile) compiles each block in place before it is sharded, as
+        torchtitan does: FSDP's hooks stay outside the compiled code (whole-model compile would
+        break its graph at every unit's gather), and the module keeps its state_dict keys. A
+        block that is a bare torch.nn layer (the MLP's Linear) is left to run eagerly by
+        torch.compile itself: it compiles only model code (GPT's Block)."""
         if self.mesh is None:
             return model
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -98,6 +106,8 @@ class Sharding:
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view")
         shard_mesh = self.mesh["shard"]
         for block in model_blocks(model):
+            if compile:
+                block.compile()
             fully_shard(block, mesh=shard_mesh, mp_policy=policy)
         fully_shard(model, mesh=shard_mesh, mp_policy=policy)
         return model

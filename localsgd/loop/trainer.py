@@ -74,7 +74,7 @@ class Trainer:
         ).to(device)
         # dist.shard_size > 1: sharded inside each replica group (FSDP2), before the optimizer
         self.sharding = Sharding(c.dist.shard_size, info.world_size, device)
-        self.model = self.sharding.shard(model, c.trainer.precision)
+        self.model = self.sharding.shard(model, c.trainer.precision, c.trainer.compile)
         self.optimizer = build_optimizer(self.model.parameters(), c.optim)
         self.lr_schedule = build_schedule(c.lr_schedule, c.trainer.max_steps)
         # the strategy: warmup, averaging, drift, fault tolerance; every rank starts from rank
