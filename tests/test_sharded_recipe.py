@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from localsgd.averaging import GradientAverager, PeriodicAverager
-from localsgd.loop.recipe import Recipe
+from localsgd.loop.recipe import Recipe, checkpoint_activations
 from localsgd.loop.sharding import Sharding
 from tests.helpers import FAST, cli, run_distributed
 from tests.test_sharded import _batch, _model
@@ -122,7 +122,7 @@ def test_the_sharded_recipe_steps_as_the_replicated_one_on_the_union_of_the_batc
 
 @pytest.mark.slow
 @pytest.mark.timeout(60)
-def test_the_cli_runs_post_local_sgd_sharded_in_16_mixed(tmp_path):
+def test_the_cli_runs_post_local_sgd_sharded_in_16_mixed_with_checkpointing(tmp_path):
     run_dir = tmp_path / "run"
     args = FAST + [
         "+experiment=post_local_sgd",
@@ -132,6 +132,7 @@ def test_the_cli_runs_post_local_sgd_sharded_in_16_mixed(tmp_path):
         "dist.shard_size=2",
         "trainer.max_steps=20",
         "trainer.precision=16-mixed",  # FSDP's policy, and the GradScaler on sharded gradients
+        "trainer.activation_checkpointing=true",  # the MLP's layers, each recomputed
         "trainer.checkpoint_every=0",
         f"hydra.run.dir={run_dir}",
     ]
@@ -160,12 +161,44 @@ def test_sharded_mixed_precision_computes_in_the_low_dtype_from_fp32_shards(runs
         assert sharded[0][case]["scale"] == replicated[0][case]["scale"] == 65536.0
 
 
-def _compile_train(rank: int, world: int, shard_size: int) -> dict:
-    """A tiny GPT sharded over 2 ranks, 3 steps, with and without trainer.compile, through a
-    counting backend that runs the captured graph as is (so compiled equals eager bit for bit,
-    and the test costs no inductor compile; the real backend: see docs/strategies.md)."""
+def _gpt(sharding: Sharding, rank: int, mode: str) -> dict:
+    """A tiny GPT (dropout on) trained 3 steps in `mode`: eager, compiled (trainer.compile) or
+    checkpointed (trainer.activation_checkpointing); its final state, and how many times its
+    blocks' attention ran (a checkpointed block runs it again in the backward)."""
     from localsgd.models.transformer import GPT
 
+    torch.manual_seed(0)
+    model = GPT(16, 8, d_model=16, n_layers=2, n_heads=2, dropout=0.1)
+    runs = [0]
+    for block in model.blocks:
+        block.attn.register_forward_hook(lambda *_: runs.__setitem__(0, runs[0] + 1))
+    if mode == "checkpointed":
+        checkpoint_activations(model)
+    model = sharding.shard(model, compile=mode == "compiled")
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    recipe = Recipe(model, CPU, compile=mode == "compiled", sharded=sharding.sharded)
+    torch.manual_seed(1 + rank)  # dropout's masks
+    for step in range(3):
+        gen = torch.Generator().manual_seed(100 * rank + step)
+        x, y = (
+            torch.randint(0, 16, (2, 8), generator=gen),
+            torch.randint(0, 16, (2, 8), generator=gen),
+        )
+        loss = nn.functional.cross_entropy(recipe.forward(x).flatten(0, 1), y.flatten())
+        recipe.backward(loss)
+        recipe.step(opt)
+        opt.zero_grad()
+    state = sharding.full_state(model) or model.state_dict()
+    return {"model": {k: v.detach().clone() for k, v in state.items()}, "runs": runs[0]}
+
+
+MODES = ("eager", "compiled", "checkpointed")
+
+
+def _recipe_gpt(rank: int, world: int, shard_size: int) -> dict:
+    """`_gpt` in every mode, sharded over `shard_size` ranks; compiled through a counting
+    backend that runs the captured graph as is (so compiled equals eager bit for bit, and the
+    test costs no inductor compile; the real backend: see docs/strategies.md)."""
     torch.set_num_threads(1)
     graphs: list[int] = []
 
@@ -177,35 +210,46 @@ def _compile_train(rank: int, world: int, shard_size: int) -> dict:
     nn.Module.compile = lambda self: compile_(self, backend=backend)
     sharding = Sharding(shard_size, world, CPU)
     out = {}
-    for compiled in (False, True):
-        torch.manual_seed(0)
-        model = sharding.shard(GPT(16, 8, d_model=16, n_layers=2, n_heads=2), compile=compiled)
-        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-        recipe = Recipe(model, CPU, compile=compiled, sharded=True)
-        for step in range(3):
-            gen = torch.Generator().manual_seed(100 * rank + step)
-            x, y = (
-                torch.randint(0, 16, (2, 8), generator=gen),
-                torch.randint(0, 16, (2, 8), generator=gen),
-            )
-            loss = nn.functional.cross_entropy(recipe.forward(x).flatten(0, 1), y.flatten())
-            recipe.backward(loss)
-            recipe.step(opt)
-            opt.zero_grad()
-        state = sharding.full_state(model)
-        out[compiled] = {"model": {k: v.detach().clone() for k, v in state.items()}}
-        out[compiled]["graphs"] = len(graphs)
+    for mode in MODES:
+        out[mode] = _gpt(sharding, rank, mode)
+        out[mode]["graphs"] = len(graphs)
     nn.Module.compile = compile_
     return out
 
 
+@pytest.fixture(scope="module")
+def gpt_runs():
+    return run_distributed(_recipe_gpt, 2, 2, timeout_s=60)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(60)
-def test_compile_compiles_each_block_before_sharding_and_trains_the_same_model():
-    for result in run_distributed(_compile_train, 2, 2, timeout_s=60):
-        eager, compiled = result[False], result[True]
+def test_compile_compiles_each_block_before_sharding_and_trains_the_same_model(gpt_runs):
+    for result in gpt_runs:
+        eager, compiled = result["eager"], result["compiled"]
         # the blocks share one graph (same code, parameters as inputs); none without compile
         assert eager["graphs"] == 0 and compiled["graphs"] >= 1
         assert compiled["model"].keys() == eager["model"].keys()  # no `_orig_mod.` prefix
         for k, v in eager["model"].items():
             assert torch.equal(compiled["model"][k], v), k
+
+
+def _same_training_recomputed(eager: dict, checkpointed: dict) -> None:
+    # 3 steps x 2 blocks: one forward each, and one recomputation each with checkpointing
+    assert eager["runs"] == 6 and checkpointed["runs"] == 12
+    assert checkpointed["model"].keys() == eager["model"].keys()  # no wrapper's prefix
+    for k, v in eager["model"].items():
+        assert torch.equal(checkpointed["model"][k], v), k  # dropout's masks replayed
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_activation_checkpointing_recomputes_each_sharded_block_and_trains_the_same(gpt_runs):
+    for result in gpt_runs:
+        _same_training_recomputed(result["eager"], result["checkpointed"])
+
+
+@pytest.mark.timeout(30)
+def test_activation_checkpointing_recomputes_each_block_and_trains_the_same_unsharded():
+    sharding = Sharding(1, 1, CPU)  # no mesh: the process group is never touched
+    _same_training_recomputed(_gpt(sharding, 0, "eager"), _gpt(sharding, 0, "checkpointed"))

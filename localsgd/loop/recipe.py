@@ -1,6 +1,6 @@
 """The training recipe around one optimizer step, named as in Lightning's Trainer:
 `trainer.precision`, `trainer.gradient_clip_val`, `trainer.accumulate_grad_batches` and
-`trainer.compile`.
+`trainer.compile`; and `trainer.activation_checkpointing` (`checkpoint_activations`).
 
 Mixed precision only changes how the forward pass computes (torch.autocast): the parameters, the
 gradients, the optimizer state and everything the averagers communicate stay fp32, so local SGD's
@@ -18,8 +18,11 @@ replica group skips the same steps, and FSDP's shards never part.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
+
+from localsgd.averaging.fragments import model_blocks
 
 # trainer.precision -> the autocast dtype (None: plain fp32)
 PRECISIONS: dict[str, torch.dtype | None] = {
@@ -27,6 +30,21 @@ PRECISIONS: dict[str, torch.dtype | None] = {
     "bf16-mixed": torch.bfloat16,
     "16-mixed": torch.float16,
 }
+
+
+def checkpoint_activations(model: torch.nn.Module) -> None:
+    """Recompute each block's activations in the backward instead of keeping them
+    (`torch.utils.checkpoint`, non-reentrant): peak memory of one block's activations at a
+    time, for one more forward per step. Blocks as `model_blocks` finds them (a transformer's
+    layers, as torchtitan wraps them). Done in place, by wrapping each block's `forward`, rather
+    than with torch's `checkpoint_wrapper`, whose wrapper module renames every state_dict key;
+    before `Sharding.shard`, so that FSDP's gather and free run around the checkpointed forward
+    and its backward gathers the block again before the recomputation. The recomputation
+    replays the RNG state (dropout draws the same mask), so the gradients are those without it."""
+    from torch.utils.checkpoint import checkpoint
+
+    for block in model_blocks(model):
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
 
 
 class Recipe:

@@ -28,7 +28,7 @@ from localsgd.loop.guards import NonFiniteTracker
 from localsgd.loop.loggers import build_loggers
 from localsgd.loop.metrics import notice, progress_bar, rate_record, trim_metrics, write_json
 from localsgd.loop.optim import build_optimizer, build_schedule, set_lr
-from localsgd.loop.recipe import Recipe
+from localsgd.loop.recipe import Recipe, checkpoint_activations
 from localsgd.loop.reshard import resume
 from localsgd.loop.sharding import Sharding, state_bytes
 from localsgd.loop.stop import StopAgreement, first_signal
@@ -72,6 +72,8 @@ class Trainer:
         model = build_model(
             c.model, input_shape_of(self.data), self.data.num_classes, task_of(self.data)
         ).to(device)
+        if c.trainer.activation_checkpointing:  # per block, before sharding wraps the blocks
+            checkpoint_activations(model)
         # dist.shard_size > 1: sharded inside each replica group (FSDP2), before the optimizer
         self.sharding = Sharding(c.dist.shard_size, info.world_size, device)
         self.model = self.sharding.shard(model, c.trainer.precision, c.trainer.compile)
