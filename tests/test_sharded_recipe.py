@@ -1,6 +1,7 @@
 """The recipe under sharded replica groups (`dist.shard_size` > 1, localsgd/loop/sharding.py):
-the synchronous warmup (HSDP's gradient average), gradient clipping and accumulation, against
-the replicated run on the union of each group's batches, as tests/test_sharded.py's parity."""
+the synchronous warmup (HSDP's gradient average), gradient clipping and accumulation, and mixed
+precision against the replicated run on the union of each group's batches, as
+tests/test_sharded.py's parity; compile and activation checkpointing against eager runs."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ EXACT = (1e-5, 1e-6)
 CASES = {
     # every step synchronous: plain mini-batch SGD over the 4 ranks
     "warmup": (4, 4, {}, EXACT),
-    # clip at 0.05: every step's norm is larger (0.3-1), so every step is clipped; two
+    # clip at 0.05: every step's norm is larger (asserted), so every step is clipped; two
     # micro-batches a step; local SGD with k=3 after a 2-step warmup
     "clip_accumulate": (
         5,
@@ -33,8 +34,8 @@ CASES = {
     # FSDP's MixedPrecisionPolicy against autocast: both compute the linears in the low dtype
     # from fp32 masters, but bf16 gradients are summed in another order (the group's two
     # halves in fp32 after the cast; one low-dtype matmul over the whole batch): apart by
-    # their rounding (measured after 4 steps: 2.6e-4 bf16, 3.1e-5 fp16; with the policy off,
-    # autocast on the sharded run, the test below fails instead)
+    # their rounding (measured after 4 steps: 2.6e-4 bf16, 3.1e-5 fp16; with the policy off
+    # the sharded run computes in fp32, and the dtype test below fails)
     "bf16": (4, 2, {"precision": "bf16-mixed"}, (0, 1e-3)),
     "fp16": (4, 2, {"precision": "16-mixed"}, (0, 1e-4)),
 }

@@ -80,8 +80,8 @@ class Sharding:
         fp32 (the master copy), as unsharded.
 
         `compile` (trainer.compile) compiles each block in place before it is sharded, as
-        torchtitan does: FSDP's hooks stay outside the compiled code (whole-model compile would
-        break its graph at every unit's gather), and the module keeps its state_dict keys. A
+        torchtitan does: FSDP's gathers and frees stay outside the compiled code, and the
+        module keeps its state_dict keys. A
         block that is a bare torch.nn layer (the MLP's Linear) is left to run eagerly by
         torch.compile itself: it compiles only model code (GPT's Block)."""
         if self.mesh is None:
