@@ -65,6 +65,8 @@ class TrainerConfig:
     gradient_clip_val: float | None = None  # clip the gradient norm to this; null / 0 = off
     accumulate_grad_batches: int = 1  # batches per optimizer step; sync.period counts steps
     compile: bool = False  # torch.compile the model's training forward
+    # recompute each block's activations in the backward (localsgd.loop.recipe)
+    activation_checkpointing: bool = False
 
 
 @dataclass

@@ -200,13 +200,10 @@ def test_the_cli_trains_sharded_diloco_and_reports_state_bytes(tmp_path):
     "extra, named",
     [
         (["dist.shard_size=3"], "dist.shard_size must be a divisor of the world size (4 workers)"),
-        (["sync.warmup_steps=10"], "sync.warmup_steps=10"),
         (["sync.optimizer_state=average"], "sync.optimizer_state=average"),
         (["sync.schedule=adaptive"], "sync.schedule=adaptive"),
         (["sync.levels=[{group_size:2,period:4},{group_size:world,period:8}]"], "sync.levels"),
         (["ft=torchft"], "ft.backend=torchft"),
-        (["trainer.precision=bf16-mixed"], "trainer.precision=bf16-mixed"),
-        (["trainer.compile=true"], "trainer.compile=true"),
         (["trainer.checkpoint_every=500"], "trainer.checkpoint_every=500"),
         (["trainer.nan_policy=skip"], "trainer.nan_policy=skip"),
         (["dist.shard_size=0"], "dist.shard_size must be an integer >= 1, got 0"),

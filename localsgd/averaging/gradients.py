@@ -1,4 +1,11 @@
-"""Synchronous mini-batch SGD for the warmup: gradients averaged over one flat buffer per step."""
+"""Synchronous mini-batch SGD for the warmup: gradients averaged over one flat buffer per step.
+
+Sharded parameters (FSDP2's DTensors, `dist.shard_size` > 1) are mirrored instead of bound, as
+the averagers mirror them (`localsgd.averaging.flat`): FSDP writes each reduce-scattered gradient
+into a DTensor of its own, which a view of our buffer cannot replace. Inside a replica group FSDP
+has averaged the gradient already; the all-reduce over the replicate group then averages the
+groups' local shards, so the step is HSDP's: the gradient of the mean loss over every rank.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from localsgd.averaging.comm import CommStats, Communicator, SimulatedLink
-from localsgd.averaging.flat import averaged_tensors
+from localsgd.averaging.flat import averaged_tensors, holds_dtensor, local_tensor
 
 
 class GradientAverager:
@@ -36,21 +43,26 @@ class GradientAverager:
             for tensor in averaged_tensors(module):
                 self.comm.broadcast_(tensor.data, src=0)
         self.stats = self.comm.stats
+        # DTensor parameters (FSDP2's shards): copies of the local gradient shards, see above
+        self.mirror = holds_dtensor(self.params)
         groups: dict[tuple[torch.device, torch.dtype], list[torch.nn.Parameter]] = {}
         for p in self.params:
-            groups.setdefault((p.device, p.dtype), []).append(p)
+            local = local_tensor(p)
+            groups.setdefault((local.device, local.dtype), []).append(p)
         self.buffers: list[torch.Tensor] = []
         self.bindings: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         for (device, dtype), members in groups.items():
-            flat = torch.zeros(sum(p.numel() for p in members), device=device, dtype=dtype)
+            shapes = [local_tensor(p).shape for p in members]
+            flat = torch.zeros(sum(s.numel() for s in shapes), device=device, dtype=dtype)
             offset = 0
-            for p in members:
-                view = flat[offset : offset + p.numel()].view(p.shape)
-                if p.grad is not None:
-                    view.copy_(p.grad)
-                p.grad = view
+            for p, shape in zip(members, shapes, strict=True):
+                view = flat[offset : offset + shape.numel()].view(shape)
+                if not self.mirror:
+                    if p.grad is not None:
+                        view.copy_(p.grad)
+                    p.grad = view
                 self.bindings.append((p, view))
-                offset += p.numel()
+                offset += shape.numel()
             self.buffers.append(flat)
 
     def _rebind(self) -> None:
@@ -62,9 +74,32 @@ class GradientAverager:
                     view.copy_(p.grad)
                 p.grad = view
 
+    @torch.no_grad()  # in-place on a DTensor gradient's local shard
+    def _pull(self) -> None:
+        """Mirror: copy the local gradient shards in (zeros for a parameter without one)."""
+        for p, view in self.bindings:
+            if p.grad is None:
+                view.zero_()
+            else:
+                view.copy_(local_tensor(p.grad))
+
+    @torch.no_grad()
+    def _push(self) -> None:
+        """Mirror: write the averaged shards back into the gradients (a parameter that had
+        none gets one, so that every group steps the same parameters)."""
+        for p, view in self.bindings:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            local_tensor(p.grad).copy_(view)
+
     def all_reduce(self) -> None:
         """Replace every gradient by its mean over the group; one communication round."""
-        self._rebind()
+        if self.mirror:
+            self._pull()
+        else:
+            self._rebind()
         for flat in self.buffers:
             self.comm.mean_(flat)
+        if self.mirror:
+            self._push()
         self.stats.rounds += 1

@@ -1,5 +1,5 @@
 """The checks of `dist.shard_size` (sharded replica groups, `localsgd.loop.sharding`): a divisor
-of the world size, and, above 1, a one-line refusal of every setting phase 1 does not build
+of the world size, and, above 1, a one-line refusal of every setting not built sharded yet
 (what the sync keys mean is read by `localsgd.loop.plan.SyncPlan.shard_refusal`)."""
 
 from __future__ import annotations
@@ -10,11 +10,10 @@ from typing import Any
 from localsgd.config import ConfigError
 from localsgd.loop.plan import SyncPlan
 
-# key: (the value phase 1 needs, what the key would ask of a sharded run)
+# key: (the value a sharded run needs, what the key would ask of it); the recipe's precision,
+# compile, clipping, accumulation and activation checkpointing are built (localsgd/loop/recipe.py)
 SHARD_NEEDS = {
     "ft.backend": ("none", "fault tolerance across sharded replica groups"),
-    "trainer.precision": ("32-true", "mixed precision of sharded parameters"),
-    "trainer.compile": (False, "torch.compile of a sharded model"),
     "trainer.checkpoint_every": (0, "checkpoints of sharded state"),
     "trainer.nan_policy": ("error", "a rank of a replica group skipping a step alone"),
 }
@@ -28,7 +27,7 @@ def _shown(value: Any) -> str:
 
 def validate_sharding(cfg: Any, get: Callable[[Any, str], Any], ws: int | None) -> None:
     """Raise ConfigError unless `dist.shard_size` divides the `ws` workers (None: not known
-    yet) and, above 1, every other setting is one phase 1 builds."""
+    yet) and, above 1, every other setting is one built sharded."""
     size = get(cfg, "dist.shard_size")
     if not (isinstance(size, int) and not isinstance(size, bool) and size >= 1):
         raise ConfigError(f"dist.shard_size must be an integer >= 1, got {size!r}")

@@ -28,10 +28,9 @@ RESHARD_REFUSED = {
 
 
 # sync key: what a run with dist.shard_size > 1 (sharded replica groups) does not build yet
-# (`SyncPlan.shard_refusal`); phase 1 covers plain local SGD, DiLoCo/SlowMo, sync.comm_dtype with
-# error feedback and Streaming DiLoCo
+# (`SyncPlan.shard_refusal`); built: plain local SGD, DiLoCo/SlowMo, sync.comm_dtype with error
+# feedback, Streaming DiLoCo and the synchronous warmup (HSDP's gradient average)
 SHARD_REFUSED = {
-    "sync.warmup_steps": "the synchronous warmup would all-reduce sharded gradients",
     "sync.levels": "hierarchical levels",
     "sync.optimizer_state": "averaging or resetting the sharded optimizer state",
     "sync.schedule": "a period adapted to the loss",
@@ -158,7 +157,6 @@ class SyncPlan:
         it is)`, or None (see SHARD_REFUSED)."""
         state = self.optimizer_state
         refused = {  # the value as written where it is refused, else None
-            "sync.warmup_steps": self.warmup_steps or None,
             "sync.levels": "[...]" if self.levels else None,
             "sync.optimizer_state": state if state != "local" else None,
             "sync.schedule": self.schedule if self.schedule == "adaptive" else None,

@@ -1,6 +1,6 @@
 """The training recipe around one optimizer step, named as in Lightning's Trainer:
 `trainer.precision`, `trainer.gradient_clip_val`, `trainer.accumulate_grad_batches` and
-`trainer.compile`.
+`trainer.compile`; and `trainer.activation_checkpointing` (`checkpoint_activations`).
 
 Mixed precision only changes how the forward pass computes (torch.autocast): the parameters, the
 gradients, the optimizer state and everything the averagers communicate stay fp32, so local SGD's
@@ -8,13 +8,21 @@ averages are as exact as without it. `16-mixed` adds a GradScaler per worker. In
 warmup the gradients are all-reduced while still scaled; every worker's scaler starts equal and
 then sees the same reduced gradients, so the scalers stay in lockstep and all ranks skip the same
 steps (as DDP with AMP does). After the warmup no gradient is shared and each scaler goes its way.
+
+Sharded (`dist.shard_size` > 1) the precision is FSDP2's MixedPrecisionPolicy instead of autocast
+(`Sharding.shard`), with the same fp32 master parameters. The GradScaler works on the sharded
+gradients: torch reduces its found-inf flag over each DTensor's mesh (a max), so every rank of a
+replica group skips the same steps, and FSDP's shards never part.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
+
+from localsgd.averaging.fragments import model_blocks
 
 # trainer.precision -> the autocast dtype (None: plain fp32)
 PRECISIONS: dict[str, torch.dtype | None] = {
@@ -22,6 +30,21 @@ PRECISIONS: dict[str, torch.dtype | None] = {
     "bf16-mixed": torch.bfloat16,
     "16-mixed": torch.float16,
 }
+
+
+def checkpoint_activations(model: torch.nn.Module) -> None:
+    """Recompute each block's activations in the backward instead of keeping them
+    (`torch.utils.checkpoint`, non-reentrant): peak memory of one block's activations at a
+    time, for one more forward per step. Blocks as `model_blocks` finds them (a transformer's
+    layers, as torchtitan wraps them). Done in place, by wrapping each block's `forward`, rather
+    than with torch's `checkpoint_wrapper`, whose wrapper module renames every state_dict key;
+    before `Sharding.shard`, so that FSDP's gather and free run around the checkpointed forward
+    and its backward gathers the block again before the recomputation. The recomputation
+    replays the RNG state (dropout draws the same mask), so the gradients are those without it."""
+    from torch.utils.checkpoint import checkpoint
+
+    for block in model_blocks(model):
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
 
 
 class Recipe:
@@ -35,6 +58,7 @@ class Recipe:
         gradient_clip_val: float | None = None,
         accumulate_grad_batches: int = 1,
         compile: bool = False,
+        sharded: bool = False,
     ):
         if precision not in PRECISIONS:
             allowed = ", ".join(PRECISIONS)
@@ -45,17 +69,21 @@ class Recipe:
                 f"got {accumulate_grad_batches!r}"
             )
         self.device_type = device.type
-        self.dtype = PRECISIONS[precision]
+        # sharded: FSDP's policy casts the gathered parameters (and the inputs) already
+        self.dtype = None if sharded else PRECISIONS[precision]
         self.scaler = torch.amp.GradScaler(device.type) if precision == "16-mixed" else None
         self.clip = gradient_clip_val if gradient_clip_val else None  # 0 / None: no clipping
         self.accumulate = int(accumulate_grad_batches)
         self.params = [p for p in model.parameters() if p.requires_grad]
         # Compiled forward for training only: `model` itself stays the plain module, so its
         # state_dict keys, the averagers' views and checkpoints are the same with or without it.
-        self.forward = torch.compile(model) if compile else model
+        # Sharded, `Sharding.shard` compiled each block instead.
+        self.forward = torch.compile(model) if compile and not sharded else model
 
     @classmethod
-    def from_config(cls, model: torch.nn.Module, device: torch.device, trainer) -> Recipe:
+    def from_config(
+        cls, model: torch.nn.Module, device: torch.device, trainer, sharded: bool = False
+    ) -> Recipe:
         """From the `trainer` config (localsgd.config.TrainerConfig)."""
         return cls(
             model,
@@ -64,6 +92,7 @@ class Recipe:
             gradient_clip_val=trainer.gradient_clip_val,
             accumulate_grad_batches=trainer.accumulate_grad_batches,
             compile=trainer.compile,
+            sharded=sharded,
         )
 
     def autocast(self) -> contextlib.AbstractContextManager:

@@ -66,13 +66,32 @@ class Sharding:
         """This rank's replica group (FSDP's), or None when unsharded."""
         return None if self.mesh is None else self.mesh["shard"].get_group()
 
-    def shard(self, model: nn.Module) -> nn.Module:
+    def shard(
+        self, model: nn.Module, precision: str = "32-true", compile: bool = False
+    ) -> nn.Module:
         """`model` sharded inside the replica group: one FSDP2 unit per block
         (`model_blocks`, as Streaming DiLoCo's fragments and torchtitan split it), then the
-        root for the rest. Build the optimizer after this: the parameters become DTensors."""
+        root for the rest. Build the optimizer after this: the parameters become DTensors.
+
+        `precision` (trainer.precision) as FSDP2's MixedPrecisionPolicy rather than autocast
+        (`Recipe(sharded=True)` leaves autocast off, as torchtitan does): each unit is gathered
+        in the low dtype and computes in it, its gradients are reduce-scattered in fp32, and the
+        sharded parameters, their gradients, the optimizer state and all the averagers see stay
+        fp32 (the master copy), as unsharded.
+
+        `compile` (trainer.compile) compiles each block in place before it is sharded, as
+        torchtitan does: FSDP's gathers and frees stay outside the compiled code, and the
+        module keeps its state_dict keys. A
+        block that is a bare torch.nn layer (the MLP's Linear) is left to run eagerly by
+        torch.compile itself: it compiles only model code (GPT's Block)."""
         if self.mesh is None:
             return model
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        from localsgd.loop.recipe import PRECISIONS
+
+        dtype = PRECISIONS[precision]
+        policy = MixedPrecisionPolicy(dtype, reduce_dtype=torch.float32 if dtype else None)
 
         floats = [n for n, b in model.named_buffers() if torch.is_floating_point(b)]
         if floats:
@@ -87,8 +106,10 @@ class Sharding:
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view")
         shard_mesh = self.mesh["shard"]
         for block in model_blocks(model):
-            fully_shard(block, mesh=shard_mesh)
-        fully_shard(model, mesh=shard_mesh)
+            if compile:
+                block.compile()
+            fully_shard(block, mesh=shard_mesh, mp_policy=policy)
+        fully_shard(model, mesh=shard_mesh, mp_policy=policy)
         return model
 
     def evaluates(self, rank: int) -> bool:

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from localsgd.averaging import Averager, CommStats, GradientAverager, SimulatedLink
+from localsgd.averaging.flat import local_tensor
 from localsgd.config import Config
 from localsgd.loop.drift import DriftMeter
 from localsgd.loop.guards import check_replicas
@@ -163,8 +164,8 @@ class Synchroniser:
         """What every rank holds identically after step `step`, which was a sync."""
         if step < self.warmup_steps:
             # the warmup keeps only the parameters identical (BatchNorm statistics stay local
-            # until the first average)
-            return list(self.model.parameters())
+            # until the first average); sharded, this rank's shards of them
+            return [local_tensor(p) for p in self.model.parameters()]
         return self.averager.common_tensors()
 
     def check_replicas(self, step: int, rank: int) -> None:
@@ -345,8 +346,9 @@ def build_synchroniser(
         process_group=replicas,
     )
     # the averager gave every rank rank 0's model already
+    # sharded: over the replicate group (FSDP averaged inside each group already), so HSDP
     grad_averager = (
-        GradientAverager(model, stats=stats, link=link, init_sync=False)
+        GradientAverager(model, replicas, stats=stats, link=link, init_sync=False)
         if sync.warmup_steps > 0
         else None
     )

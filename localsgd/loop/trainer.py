@@ -28,7 +28,7 @@ from localsgd.loop.guards import NonFiniteTracker
 from localsgd.loop.loggers import build_loggers
 from localsgd.loop.metrics import notice, progress_bar, rate_record, trim_metrics, write_json
 from localsgd.loop.optim import build_optimizer, build_schedule, set_lr
-from localsgd.loop.recipe import Recipe
+from localsgd.loop.recipe import Recipe, checkpoint_activations
 from localsgd.loop.reshard import resume
 from localsgd.loop.sharding import Sharding, state_bytes
 from localsgd.loop.stop import StopAgreement, first_signal
@@ -72,16 +72,18 @@ class Trainer:
         model = build_model(
             c.model, input_shape_of(self.data), self.data.num_classes, task_of(self.data)
         ).to(device)
+        if c.trainer.activation_checkpointing:  # per block, before sharding wraps the blocks
+            checkpoint_activations(model)
         # dist.shard_size > 1: sharded inside each replica group (FSDP2), before the optimizer
         self.sharding = Sharding(c.dist.shard_size, info.world_size, device)
-        self.model = self.sharding.shard(model)
+        self.model = self.sharding.shard(model, c.trainer.precision, c.trainer.compile)
         self.optimizer = build_optimizer(self.model.parameters(), c.optim)
         self.lr_schedule = build_schedule(c.lr_schedule, c.trainer.max_steps)
         # the strategy: warmup, averaging, drift, fault tolerance; every rank starts from rank
         # 0's model
         self.sync = build_synchroniser(c, info, self.model, self.optimizer, self.sharding)
         # after the averager: its flat-buffer views are what gets compiled
-        self.recipe = Recipe.from_config(self.model, device, c.trainer)
+        self.recipe = Recipe.from_config(self.model, device, c.trainer, self.sharding.sharded)
         torch.manual_seed(c.seed + 1000 * info.rank + 1)  # dropout etc. differ per rank
         # The loop's own state (the LR is a function of the step): LOOP_STATE, checkpointed.
         self.step = 0
