@@ -109,14 +109,21 @@ def resolve_resume(
     found = _find_resume(cfg, world_size, run_dir, quiet)
     if found is not None:
         marker = checkpoint.verify(found, world_size)
-        if marker["world_size"] != world_size:
+        config = plain(cfg)
+        # a sharded run's checkpoint (DCP, localsgd.loop.checkpoint_dcp) continues with any
+        # shard size; an unsharded one is never resumed sharded (the key must stay)
+        sharded = int(marker.get("shard_size", 1)) > 1
+        if sharded and isinstance(config.get("dist"), dict):
+            config["dist"]["shard_size"] = marker["shard_size"]
+        shard_size = _get(cfg, "dist.shard_size")
+        if marker["world_size"] != world_size or (sharded and marker["shard_size"] != shard_size):
             refusal = SyncPlan.of(_get(cfg, "sync")).reshard_refusal()
             if refusal is not None:
-                raise ConfigError(
-                    f"dist.world_size must stay {marker['world_size']} to resume {found} with "
-                    f"{refusal}"
-                )
-        diff = checkpoint.config_mismatch(marker, plain(cfg))
+                keys = "dist.world_size" + (" and dist.shard_size" if sharded else "")
+                was = str(marker["world_size"])
+                was += f" and {marker['shard_size']}" if sharded else ""
+                raise ConfigError(f"{keys} must stay {was} to resume {found} with {refusal}")
+        diff = checkpoint.config_mismatch(marker, config)
         if diff is not None:
             raise ConfigError(
                 f"trainer.resume must continue the same run, but {found} differs in {diff}; "

@@ -15,7 +15,6 @@ SHARD_NEEDS = {
     "ft.backend": ("none", "fault tolerance across sharded replica groups"),
     "trainer.precision": ("32-true", "mixed precision of sharded parameters"),
     "trainer.compile": (False, "torch.compile of a sharded model"),
-    "trainer.checkpoint_every": (0, "checkpoints of sharded state"),
     "trainer.nan_policy": ("error", "a rank of a replica group skipping a step alone"),
 }
 

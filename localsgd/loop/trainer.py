@@ -22,7 +22,7 @@ from localsgd.data import (
     task_of,
 )
 from localsgd.instantiate import build, target_name
-from localsgd.loop import checkpoint
+from localsgd.loop import checkpoint, checkpoint_dcp
 from localsgd.loop.evaluation import evaluate, loss_and_correct, text_sample
 from localsgd.loop.guards import NonFiniteTracker
 from localsgd.loop.loggers import build_loggers
@@ -103,7 +103,13 @@ class Trainer:
             "loop": self,
         }
         self.resumed_from = resume_from
-        if resume_from is not None:  # this world size's own, or reshared (loop/reshard.py)
+        if resume_from is not None and checkpoint_dcp.is_sharded(resume_from):
+            # a sharded run's checkpoint (DCP): its own layout, or resharded onto this one
+            self.step = checkpoint_dcp.resume(
+                resume_from, info.rank, info.world_size, self.sharding.size, device,
+                self.stateful, ("drift", "ft"),
+            )  # fmt: skip
+        elif resume_from is not None:  # this world size's own, or reshared (loop/reshard.py)
             self.step = resume(resume_from, info, device, self.stateful, ("drift", "ft"))
         # objects with optional on_step_start(trainer, step) / on_step_end(trainer, step)
         self.callbacks = [
@@ -420,6 +426,17 @@ class Trainer:
                 self.run_dir,
                 self.step,
                 self.info.world_size,
+                self.stateful,
+                self.cfg.trainer.keep_checkpoints,
+                config=self.config,
+            )
+        if self.sharding.sharded:  # the sharded state through DCP, the rest per rank
+            return checkpoint_dcp.save(
+                self.run_dir,
+                self.step,
+                self.info.rank,
+                self.info.world_size,
+                self.sharding.size,
                 self.stateful,
                 self.cfg.trainer.keep_checkpoints,
                 config=self.config,

@@ -1,0 +1,375 @@
+"""Checkpoints of sharded runs (`dist.shard_size` > 1): the model's and the optimizer's sharded
+state through torch.distributed.checkpoint (DCP), the rest per rank, in the `step-N/` layout of
+`localsgd.loop.checkpoint`.
+
+Layout of `checkpoints/step-N/`:
+
+- `dcp/`: one DCP save of every replica group's model and optimizer state dicts (FSDP2's DTensor
+  state dicts, `get_state_dict`), each group under its own key `group{g}`: between syncs the
+  groups hold different models, so DCP must not deduplicate one group's shards against another's
+  (it keeps one copy of equal keys). At a sync the groups' copies are equal; that costs G copies
+  of the model on disk, the price of exact resume between syncs.
+- `rank-R.pt`: each rank's own state as in unsharded checkpoints, less the model and optimizer:
+  the averager (counters, and its anchors, outer momentum and residuals as flat buffers of this
+  rank's local shards), the sampler, RNG, loop state and counters.
+- `COMPLETE`: written by rank 0 after a barrier, once every rank's file and DCP's are in place,
+  with `shard_size` (what marks the checkpoint as sharded), the sizes of the rank files and of
+  DCP's files (`dcp_files`, checked by `checkpoint.verify`). Without it the folder is never used.
+
+Resuming with the same world size and shard size restores every rank exactly. Another layout
+(shard size, number of groups, or both, down to an unsharded run) is resharded: DCP reshards the
+model and optimizer on load; the averager's flat buffers are cut back into each parameter's
+shards (FSDP2 shards dim 0 in `torch.chunk` pieces), joined whole and cut again for the new
+layout (`_relayout`). What the new groups start from follows `localsgd.loop.reshard`: at a sync
+the averaged model (group 0's, the same in every group); between syncs with an outer step the
+anchor; between syncs without one the mean of the old groups' models. The inner optimizer state
+is the old groups' mean; error-feedback residuals are the old groups' sum over the old number of
+groups, on every new group. An unsharded checkpoint is not resumed sharded (refused before any
+worker starts: `dist.shard_size` must stay as it was).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+
+from localsgd.loop.checkpoint import (
+    MARKER,
+    Stateful,
+    _marker,
+    _write_atomic,
+    prune,
+    rank_file,
+    restore,
+    step_dir,
+)
+
+DCP_DIR = "dcp"
+# the model and optimizer go through DCP; every other component through the rank file
+_SHARDED = ("model", "optimizer")
+
+
+def is_sharded(folder: str) -> bool:
+    """Whether a (verified) checkpoint folder was written by a sharded run."""
+    return int((_marker(folder) or {}).get("shard_size", 1)) > 1
+
+
+def shard_size_of(folder: str) -> int:
+    return int((_marker(folder) or {}).get("shard_size", 1))
+
+
+def _module(components: Mapping[str, Stateful]) -> torch.nn.Module:
+    return components["model"].module  # checkpoint.ModuleState
+
+
+def _group_key(rank: int, shard_size: int) -> str:
+    return f"group{rank // shard_size}"
+
+
+def save(
+    run_dir: str,
+    step: int,
+    rank: int,
+    world_size: int,
+    shard_size: int,
+    components: Mapping[str, Stateful],
+    keep: int,
+    config: dict | None = None,
+) -> str:
+    """Every rank calls this at the same step (collectives: DCP's and a barrier); returns the
+    folder."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    folder = step_dir(run_dir, step)
+    os.makedirs(folder, exist_ok=True)
+    model_state, optim_state = get_state_dict(_module(components), components["optimizer"])
+    group = _group_key(rank, shard_size)
+    dcp.save(
+        {group: {"model": model_state, "optimizer": optim_state}},
+        checkpoint_id=os.path.join(folder, DCP_DIR),
+    )
+    state = {"step": step}
+    state.update({n: c.state_dict() for n, c in components.items() if n not in _SHARDED})
+    _write_atomic(rank_file(folder, rank), lambda f: torch.save(state, f))
+    dist.barrier()  # every rank's file and DCP's are in place before the marker exists
+    if rank == 0:
+        files = {
+            os.path.basename(rank_file(folder, r)): os.path.getsize(rank_file(folder, r))
+            for r in range(world_size)
+        }
+        dcp_dir = os.path.join(folder, DCP_DIR)
+        dcp_files = {
+            f"{DCP_DIR}/{name}": os.path.getsize(os.path.join(dcp_dir, name))
+            for name in sorted(os.listdir(dcp_dir))
+            if not name.startswith(".") or name == ".metadata"
+        }
+        marker = {
+            "step": step,
+            "world_size": world_size,
+            "shard_size": shard_size,
+            "files": files,
+            "dcp_files": dcp_files,
+            "config": config,
+        }
+        _write_atomic(os.path.join(folder, MARKER), lambda f: f.write(json.dumps(marker).encode()))
+        prune(run_dir, keep)
+    return folder
+
+
+# --- the averager's flat buffers across layouts -----------------------------------------------
+
+
+def _rows(dim0: int, shards: int, s: int) -> tuple[int, int]:
+    """The rows [start, stop) of dim 0 that shard `s` of `shards` holds: FSDP2 cuts dim 0 in
+    `torch.chunk` pieces (ceil(dim0 / shards) rows each; the last ones short or empty)."""
+    size = -(-dim0 // shards)
+    return min(dim0, s * size), min(dim0, (s + 1) * size)
+
+
+def _piece(shape: torch.Size, shards: int, s: int) -> torch.Size:
+    if shards == 1 or len(shape) == 0:
+        return shape
+    start, stop = _rows(shape[0], shards, s)
+    return torch.Size([stop - start, *shape[1:]])
+
+
+def _relayout(
+    old: list[torch.Tensor], shapes: list[torch.Size], new_shards: int, new_s: int
+) -> torch.Tensor:
+    """One flat buffer laid out for shard `new_s` of `new_shards` (1: the whole tensors), from
+    the old shards' flat buffers `old` (one per shard of the old layout, in shard order), each
+    the concatenation of that shard's pieces of the tensors of `shapes`, in order."""
+    offsets = [0] * len(old)
+    out = []
+    for shape in shapes:
+        parts = []
+        for s, flat in enumerate(old):
+            piece = _piece(shape, len(old), s)
+            parts.append(flat[offsets[s] : offsets[s] + piece.numel()].view(piece))
+            offsets[s] += piece.numel()
+        whole = torch.cat(parts) if len(shape) else parts[0]
+        if new_shards > 1 and len(shape):
+            start, stop = _rows(shape[0], new_shards, new_s)
+            whole = whole[start:stop]
+        out.append(whole.reshape(-1))
+    return torch.cat(out) if out else old[0].new_empty(0)
+
+
+def _group_shapes(averager, params_only: bool) -> list[list[torch.Size]]:
+    """Per flat buffer, the global shapes of the tensors in it (in slot order)."""
+    flat = averager.flat
+    shapes: list[list[torch.Size]] = [[] for _ in flat.buffers]
+    for t, (g, _, _) in zip(flat.tensors, flat.slots, strict=True):
+        if not params_only or isinstance(t, torch.nn.Parameter):
+            shapes[g].append(t.shape)  # a DTensor's shape is the global one
+    return shapes
+
+
+def _averager_state(
+    states: list[dict], old_shards: int, averager, new_shards: int, new_s: int
+) -> dict:
+    """Rank 0's averager state with its anchors, outer momentum and residuals relaid out for
+    shard `new_s` of `new_shards` (from the old ranks' `states`, all of them)."""
+    state = states[0]["averager"]
+    reducer = state.get("reducer", {})
+    if not isinstance(reducer, dict) or not reducer:
+        return state
+    groups = len(states) // old_shards
+    group0 = [s["averager"]["reducer"] for s in states[:old_shards]]  # the same in every group
+    shapes = _group_shapes(averager, params_only=False)
+    out = dict(reducer)
+    if "anchors" in reducer:
+        out["anchors"] = [
+            _relayout([r["anchors"][b] for r in group0], shapes[b], new_shards, new_s)
+            for b in range(len(shapes))
+        ]
+    if "outer_optimizer" in reducer:
+        # one outer parameter per buffer that leads with parameters: their prefix of it
+        param_shapes = [s for s in _group_shapes(averager, params_only=True) if s]
+        optim = reducer["outer_optimizer"]
+        new_state = {}
+        for k, entry in optim["state"].items():
+            entry = dict(entry)
+            if isinstance(entry.get("momentum_buffer"), torch.Tensor):
+                old = [r["outer_optimizer"]["state"][k]["momentum_buffer"] for r in group0]
+                entry["momentum_buffer"] = _relayout(old, param_shapes[int(k)], new_shards, new_s)
+            new_state[k] = entry
+        out["outer_optimizer"] = {**optim, "state": new_state}
+    if reducer.get("residuals") is not None:
+        # every new group takes the old groups' sum over the old number of groups: the next
+        # average adds what the old groups' next one would have (localsgd.loop.reshard)
+        residuals = []
+        for b, first in enumerate(reducer["residuals"]):
+            if first is None:
+                residuals.append(None)
+                continue
+            total = None
+            for g in range(groups):
+                old = [
+                    s["averager"]["reducer"]["residuals"][b]
+                    for s in states[g * old_shards : (g + 1) * old_shards]
+                ]
+                whole = _relayout(old, shapes[b], new_shards, new_s)
+                total = whole if total is None else total.add_(whole)
+            residuals.append(total.div_(groups))
+        out["residuals"] = residuals
+    return {**state, "reducer": out}
+
+
+# --- loading ------------------------------------------------------------------------------------
+
+
+def _clone(tree):
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().clone()
+    if isinstance(tree, dict):
+        return {k: _clone(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_clone(v) for v in tree]
+    return tree
+
+
+def _add_floats(total, other) -> None:
+    """`total` += `other` on every floating-point tensor of more than one value (nested dicts;
+    a DTensor through its local shard); step counts and the like stay `total`'s."""
+    from localsgd.averaging.flat import local_tensor
+
+    for k, v in total.items():
+        if isinstance(v, dict):
+            _add_floats(v, other[k])
+        elif isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() > 0:
+            local_tensor(v).add_(local_tensor(other[k]))
+
+
+def _scale_floats(tree, factor: float) -> None:
+    from localsgd.averaging.flat import local_tensor
+
+    for v in tree.values():
+        if isinstance(v, dict):
+            _scale_floats(v, factor)
+        elif isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() > 0:
+            local_tensor(v).mul_(factor)
+
+
+def _load_group(folder: str, group: int, parts: dict) -> None:
+    """Read old group `group`'s `parts` ({"model": ..., "optimizer": ...}, either or both) into
+    the given state dicts, in place (DCP reshards onto their layout; a collective)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.load({f"group{group}": parts}, checkpoint_id=os.path.join(folder, DCP_DIR))
+
+
+def _mean_of_groups(folder: str, groups: int, template: dict, what: str) -> dict:
+    """The old groups' mean of the `what` ("model" or "optimizer") state dict, read into
+    clones of `template` (DCP reshards each onto this rank's layout); summed in group order,
+    divided once."""
+    total = None
+    for g in range(groups):
+        part = _clone(template)
+        _load_group(folder, g, {what: part})
+        if total is None:
+            total = part
+        else:
+            _add_floats(total, part)
+    if groups > 1:
+        _scale_floats(total, 1.0 / groups)
+    return total
+
+
+def resume(
+    folder: str,
+    rank: int,
+    world_size: int,
+    shard_size: int,
+    device: torch.device,
+    components: Mapping[str, Stateful],
+    optional: tuple[str, ...] = (),
+) -> int:
+    """Restore rank `rank` of `world_size` workers in groups of `shard_size` from a sharded
+    checkpoint: exactly when the layout is the same, else resharded (module docstring).
+    Every rank calls this (DCP's loads are collective). Returns the step."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from localsgd.loop.reshard import _at_sync, _outer, _rescaled_position
+
+    marker = _marker(folder)
+    old_world, old_shards = int(marker["world_size"]), int(marker["shard_size"])
+    model, optimizer = _module(components), components["optimizer"]
+    model_state, optim_state = get_state_dict(model, optimizer)
+    if old_world == world_size and old_shards == shard_size:
+        _load_group(folder, rank // shard_size, {"model": model_state, "optimizer": optim_state})
+        set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+        state = torch.load(rank_file(folder, rank), map_location=device, weights_only=True)
+        restore(state, components, (*optional, *_SHARDED), folder)
+        return int(state["step"])
+    groups = old_world // old_shards
+    states = [
+        torch.load(rank_file(folder, r), map_location=device, weights_only=True)
+        for r in range(old_world)
+    ]
+    between = not _at_sync(states[0])
+    if between and not _outer(states[0]):
+        model_state = _mean_of_groups(folder, groups, model_state, "model")
+    else:  # at a sync every group holds the same model; with an outer step the anchor, below
+        model_state = _mean_of_groups(folder, 1, model_state, "model")
+    optim_state = _mean_of_groups(folder, groups, optim_state, "optimizer")
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+    averager = components["averager"]
+    merged = {k: v for k, v in states[0].items() if k not in _SHARDED}
+    merged["averager"] = _averager_state(
+        states, old_shards, averager, shard_size, rank % shard_size
+    )
+    if old_world == world_size:  # the same data shards: each rank's own position and RNG
+        merged["sampler"] = states[rank]["sampler"]
+    elif "sampler" in components:
+        merged["sampler"] = _rescaled_position(
+            states[0]["sampler"], components["sampler"].state_dict()
+        )
+    if rank < old_world:
+        merged["rng"] = states[rank]["rng"]
+    else:
+        merged.pop("rng", None)  # the per-rank seed the trainer set
+    restore(merged, components, (*optional, *_SHARDED, "rng"), folder)
+    if between and _outer(states[0]):
+        flat = averager.flat
+        for buffer, anchor in zip(flat.buffers, averager.reducer.anchors, strict=True):
+            buffer.copy_(anchor)  # unsharded: the parameters' storage; sharded: the mirror
+        if flat.mirror:
+            flat.push()
+    return int(states[0]["step"])
+
+
+def resume_line(folder: str, world_size: int, shard_size: int) -> str | None:
+    """The launcher's line when a sharded checkpoint continues with another layout; None when
+    every rank takes its own state."""
+    from localsgd.loop.reshard import _at_sync, _outer, _steps_since_sync
+
+    marker = _marker(folder)
+    old_world, old_shards = int(marker["world_size"]), int(marker["shard_size"])
+    if (old_world, old_shards) == (world_size, shard_size):
+        return None
+    old_groups, groups = old_world // old_shards, world_size // shard_size
+    state = torch.load(rank_file(folder, 0), map_location="cpu", weights_only=True, mmap=True)
+    if _at_sync(state):
+        start = "the averaged model"
+    elif _outer(state):
+        since = _steps_since_sync(state)
+        start = (
+            f"the model of the last outer step (the anchor), dropping the "
+            f"{'' if since is None else f'{since} '}local steps since"
+        )
+    else:
+        start = f"the mean of the {old_groups} groups' models"
+    return (
+        f"resuming sharded with another layout: {old_groups} group(s) of {old_shards} become "
+        f"{groups} group(s) of {shard_size} (DCP reshards the model and the optimizer, the "
+        f"averager's anchors, outer momentum and residuals are cut to the new shards); they "
+        f"start from {start}, with the old groups' mean optimizer state; the step, schedule and "
+        f"outer state go on from the checkpoint"
+        + ("" if old_world == world_size else "; the data is re-partitioned")
+    )
