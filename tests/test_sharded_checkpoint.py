@@ -65,7 +65,7 @@ def _dcp_models(folder) -> list[dict]:
 @pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_a_sharded_run_killed_and_resumed_ends_bit_identical(uninterrupted, tmp_path):
-    marker = json.loads(open(uninterrupted / "checkpoints/step-16" / checkpoint.MARKER).read())
+    marker = json.loads((uninterrupted / "checkpoints/step-16" / checkpoint.MARKER).read_text())
     assert marker["shard_size"] == 2 and "dcp/.metadata" in marker["dcp_files"]
     run_dir = tmp_path / "killed"
     args = JOB + SHARDED + [f"hydra.run.dir={run_dir}"]
