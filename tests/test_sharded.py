@@ -207,7 +207,6 @@ def test_the_cli_trains_sharded_diloco_and_reports_state_bytes(tmp_path):
         (["ft=torchft"], "ft.backend=torchft"),
         (["trainer.precision=bf16-mixed"], "trainer.precision=bf16-mixed"),
         (["trainer.compile=true"], "trainer.compile=true"),
-        (["trainer.checkpoint_every=500"], "trainer.checkpoint_every=500"),
         (["trainer.nan_policy=skip"], "trainer.nan_policy=skip"),
         (["dist.shard_size=0"], "dist.shard_size must be an integer >= 1, got 0"),
     ],
