@@ -115,8 +115,8 @@ def resolve_resume(
         sharded = int(marker.get("shard_size", 1)) > 1
         if sharded and isinstance(config.get("dist"), dict):
             config["dist"]["shard_size"] = marker["shard_size"]
-        shard_size = _get(cfg, "dist.shard_size")
-        if marker["world_size"] != world_size or (sharded and marker["shard_size"] != shard_size):
+        relaid = sharded and marker["shard_size"] != _get(cfg, "dist.shard_size")
+        if marker["world_size"] != world_size or relaid:
             refusal = SyncPlan.of(_get(cfg, "sync")).reshard_refusal()
             if refusal is not None:
                 keys = "dist.world_size" + (" and dist.shard_size" if sharded else "")
