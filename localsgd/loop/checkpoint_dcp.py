@@ -367,9 +367,9 @@ def resume_line(folder: str, world_size: int, shard_size: int) -> str | None:
         start = f"the mean of the {old_groups} groups' models"
     return (
         f"resuming sharded with another layout: {old_groups} group(s) of {old_shards} become "
-        f"{groups} group(s) of {shard_size} (DCP reshards the model and the optimizer, the "
-        f"averager's anchors, outer momentum and residuals are cut to the new shards); they "
-        f"start from {start}, with the old groups' mean optimizer state; the step, schedule and "
-        f"outer state go on from the checkpoint"
+        f"{groups} group(s) of {shard_size} (DCP reshards the model and the optimizer; the "
+        f"averager's flat state is cut to the new shards); they start from {start}, with the "
+        f"old groups' mean optimizer state; the step, the schedule and the averager's state go "
+        f"on from the checkpoint"
         + ("" if old_world == world_size else "; the data is re-partitioned")
     )
