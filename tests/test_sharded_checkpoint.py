@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from localsgd.loop import checkpoint
-from localsgd.loop.checkpoint_dcp import _relayout
+from localsgd.loop.relayout import relayout
+from localsgd.loop.reshard import resume_line
 from tests.helpers import cli, refusal, same_model
 
 JOB = [
@@ -98,29 +99,38 @@ def test_a_sharded_checkpoint_resumes_with_another_shard_size_and_number_of_grou
         args = JOB + layout + ["trainer.max_steps=16", f"trainer.resume={at_sync}"]
         proc, left = cli(args + [f"hydra.run.dir={run_dir}"])
         _ok((proc, left))
-        assert f"resuming sharded with another layout: {line}" in proc.stderr
+        assert f"resuming with another layout: {line}" in proc.stderr
         saved = torch.load(run_dir / "model.pt", weights_only=True)
         assert saved.keys() == groups[0].keys()
         for k, v in groups[0].items():
             assert torch.equal(saved[k], v), (layout, k)
-    # between syncs, DiLoCo: every new worker starts from the anchor, and the run finishes
-    run_dir = tmp_path / "between"
-    between = uninterrupted / "checkpoints/step-8"
-    args = JOB + ["dist.world_size=2", "dist.shard_size=2", f"trainer.resume={between}"]
-    proc, left = cli(args + [f"hydra.run.dir={run_dir}"])
-    _ok((proc, left))
-    assert "the model of the last outer step (the anchor), dropping the 2 local steps" in (
-        proc.stderr
-    )
-    assert "the data is re-partitioned" in proc.stderr
+    # between syncs, DiLoCo: every new worker starts from the anchor (the line says so)
+    line = resume_line(str(uninterrupted / "checkpoints/step-8"), 2, 2)
+    assert "the model of the last outer step (the anchor), dropping the 2 local steps" in line
+    assert line.endswith("the data is re-partitioned")
     # the averager's flat anchors, cut back from the 2 shards, are DCP's whole model at a sync
     anchors = [
         torch.load(checkpoint.rank_file(str(at_sync), r), weights_only=True)["averager"]
         for r in range(2)
     ]
     shapes = [v.shape for v in groups[0].values()]
-    whole = _relayout([a["reducer"]["anchors"][0] for a in anchors], shapes, 1, 0)
+    whole = relayout([a["reducer"]["anchors"][0] for a in anchors], shapes, 1, 0)
     assert torch.equal(whole, torch.cat([v.reshape(-1) for v in groups[0].values()]))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_an_unsharded_checkpoint_resumes_sharded(tmp_path):
+    unsharded = tmp_path / "unsharded"
+    job = [a for a in JOB if a != "trainer.max_steps=24"] + ["trainer.max_steps=16"]
+    _ok(cli(job + ["dist.world_size=4", f"hydra.run.dir={unsharded}"]))
+    at_sync = unsharded / "checkpoints/step-16"  # after the outer step at 15: every rank alike
+    run_dir = tmp_path / "sharded"
+    proc, left = cli(job + SHARDED + [f"trainer.resume={at_sync}", f"hydra.run.dir={run_dir}"])
+    _ok((proc, left))
+    assert "resuming with another layout: 4 group(s) of 1 become 2 group(s) of 2" in proc.stderr
+    # nothing left to train: the sharded groups hold the unsharded run's final model
+    assert same_model(run_dir / "model.pt", unsharded / "model.pt")
 
 
 def test_relayout_cuts_and_joins_dim_0_as_fsdp2_does():
@@ -136,10 +146,10 @@ def test_relayout_cuts_and_joins_dim_0_as_fsdp2_does():
         return torch.cat(parts)
 
     old = [flat(2, s) for s in range(2)]
-    assert torch.equal(_relayout(old, shapes, 1, 0), flat(1, 0))
+    assert torch.equal(relayout(old, shapes, 1, 0), flat(1, 0))
     for s in range(4):
-        assert torch.equal(_relayout(old, shapes, 4, s), flat(4, s)), s
-    assert torch.equal(_relayout([flat(4, s) for s in range(4)], shapes, 2, 1), old[1])
+        assert torch.equal(relayout(old, shapes, 4, s), flat(4, s)), s
+    assert torch.equal(relayout([flat(4, s) for s in range(4)], shapes, 2, 1), old[1])
 
 
 def _fake_sharded_checkpoint(run_dir, config: dict) -> str:

@@ -110,18 +110,19 @@ def resolve_resume(
     if found is not None:
         marker = checkpoint.verify(found, world_size)
         config = plain(cfg)
-        # a sharded run's checkpoint (DCP, localsgd.loop.checkpoint_dcp) continues with any
-        # shard size; an unsharded one is never resumed sharded (the key must stay)
-        sharded = int(marker.get("shard_size", 1)) > 1
-        if sharded and isinstance(config.get("dist"), dict):
-            config["dist"]["shard_size"] = marker["shard_size"]
-        relaid = sharded and marker["shard_size"] != _get(cfg, "dist.shard_size")
+        # a checkpoint of one worker per rank continues with any shard size, resharded on
+        # load (localsgd.loop.checkpoint_dcp); a shared one (ft) only unsharded: the key stays
+        shards = _shard_size_of(marker)
+        relaid = False
+        if not marker.get("shared") and isinstance(config.get("dist"), dict):
+            relaid = shards != _get(cfg, "dist.shard_size")
+            config["dist"]["shard_size"] = shards
         if marker["world_size"] != world_size or relaid:
             refusal = SyncPlan.of(_get(cfg, "sync")).reshard_refusal()
             if refusal is not None:
-                keys = "dist.world_size" + (" and dist.shard_size" if sharded else "")
-                was = str(marker["world_size"])
-                was += f" and {marker['shard_size']}" if sharded else ""
+                keys, was = "dist.world_size", str(marker["world_size"])
+                if relaid:
+                    keys, was = f"{keys} and dist.shard_size", f"{was} and {shards}"
                 raise ConfigError(f"{keys} must stay {was} to resume {found} with {refusal}")
         diff = checkpoint.config_mismatch(marker, config)
         if diff is not None:
@@ -130,6 +131,14 @@ def resolve_resume(
                 f"keep those settings, or start afresh in another hydra.run.dir"
             )
     return found
+
+
+def _shard_size_of(marker: dict) -> int:
+    """The dist.shard_size a checkpoint was written with (1 before the key existed)."""
+    if "shard_size" in marker:  # a sharded run's (checkpoint_dcp)
+        return int(marker["shard_size"])
+    saved = (marker.get("config") or {}).get("dist") or {}
+    return int(saved.get("shard_size", checkpoint.ADDED_KEYS["dist.shard_size"]))
 
 
 def _find_resume(cfg: Any, world_size: int, run_dir: str | None, quiet: bool = False) -> str | None:

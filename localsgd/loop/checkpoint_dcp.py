@@ -20,7 +20,7 @@ Resuming with the same world size and shard size restores every rank exactly. An
 (shard size, number of groups, or both, down to an unsharded run) is resharded: DCP reshards the
 model and optimizer on load; the averager's flat buffers are cut back into each parameter's
 shards (FSDP2 shards dim 0 in `torch.chunk` pieces), joined whole and cut again for the new
-layout (`_relayout`). What the new groups start from follows `localsgd.loop.reshard`: at a sync
+layout (`relayout`). What the new groups start from follows `localsgd.loop.reshard`: at a sync
 the averaged model (group 0's, the same in every group); between syncs with an outer step the
 anchor; between syncs without one the mean of the old groups' models. The inner optimizer state
 is the old groups' mean; error-feedback residuals are the old groups' sum over the old number of
@@ -47,6 +47,7 @@ from localsgd.loop.checkpoint import (
     restore,
     step_dir,
 )
+from localsgd.loop.relayout import averager_state, by_name, from_anchor
 
 DCP_DIR = "dcp"
 # the model and optimizer go through DCP; every other component through the rank file
@@ -75,10 +76,11 @@ def save(
     step: int,
     rank: int,
     world_size: int,
-    shard_size: int,
     components: Mapping[str, Stateful],
     keep: int,
     config: dict | None = None,
+    *,
+    shard_size: int,
 ) -> str:
     """Every rank calls this at the same step (collectives: DCP's and a barrier); returns the
     folder."""
@@ -119,106 +121,6 @@ def save(
         _write_atomic(os.path.join(folder, MARKER), lambda f: f.write(json.dumps(marker).encode()))
         prune(run_dir, keep)
     return folder
-
-
-# --- the averager's flat buffers across layouts -----------------------------------------------
-
-
-def _rows(dim0: int, shards: int, s: int) -> tuple[int, int]:
-    """The rows [start, stop) of dim 0 that shard `s` of `shards` holds: FSDP2 cuts dim 0 in
-    `torch.chunk` pieces (ceil(dim0 / shards) rows each; the last ones short or empty)."""
-    size = -(-dim0 // shards)
-    return min(dim0, s * size), min(dim0, (s + 1) * size)
-
-
-def _piece(shape: torch.Size, shards: int, s: int) -> torch.Size:
-    if shards == 1 or len(shape) == 0:
-        return shape
-    start, stop = _rows(shape[0], shards, s)
-    return torch.Size([stop - start, *shape[1:]])
-
-
-def _relayout(
-    old: list[torch.Tensor], shapes: list[torch.Size], new_shards: int, new_s: int
-) -> torch.Tensor:
-    """One flat buffer laid out for shard `new_s` of `new_shards` (1: the whole tensors), from
-    the old shards' flat buffers `old` (one per shard of the old layout, in shard order), each
-    the concatenation of that shard's pieces of the tensors of `shapes`, in order."""
-    offsets = [0] * len(old)
-    out = []
-    for shape in shapes:
-        parts = []
-        for s, flat in enumerate(old):
-            piece = _piece(shape, len(old), s)
-            parts.append(flat[offsets[s] : offsets[s] + piece.numel()].view(piece))
-            offsets[s] += piece.numel()
-        whole = torch.cat(parts) if len(shape) else parts[0]
-        if new_shards > 1 and len(shape):
-            start, stop = _rows(shape[0], new_shards, new_s)
-            whole = whole[start:stop]
-        out.append(whole.reshape(-1))
-    return torch.cat(out) if out else old[0].new_empty(0)
-
-
-def _group_shapes(averager, params_only: bool) -> list[list[torch.Size]]:
-    """Per flat buffer, the global shapes of the tensors in it (in slot order)."""
-    flat = averager.flat
-    shapes: list[list[torch.Size]] = [[] for _ in flat.buffers]
-    for t, (g, _, _) in zip(flat.tensors, flat.slots, strict=True):
-        if not params_only or isinstance(t, torch.nn.Parameter):
-            shapes[g].append(t.shape)  # a DTensor's shape is the global one
-    return shapes
-
-
-def _averager_state(
-    states: list[dict], old_shards: int, averager, new_shards: int, new_s: int
-) -> dict:
-    """Rank 0's averager state with its anchors, outer momentum and residuals relaid out for
-    shard `new_s` of `new_shards` (from the old ranks' `states`, all of them)."""
-    state = states[0]["averager"]
-    reducer = state.get("reducer", {})
-    if not isinstance(reducer, dict) or not reducer:
-        return state
-    groups = len(states) // old_shards
-    group0 = [s["averager"]["reducer"] for s in states[:old_shards]]  # the same in every group
-    shapes = _group_shapes(averager, params_only=False)
-    out = dict(reducer)
-    if "anchors" in reducer:
-        out["anchors"] = [
-            _relayout([r["anchors"][b] for r in group0], shapes[b], new_shards, new_s)
-            for b in range(len(shapes))
-        ]
-    if "outer_optimizer" in reducer:
-        # one outer parameter per buffer that leads with parameters: their prefix of it
-        param_shapes = [s for s in _group_shapes(averager, params_only=True) if s]
-        optim = reducer["outer_optimizer"]
-        new_state = {}
-        for k, entry in optim["state"].items():
-            entry = dict(entry)
-            if isinstance(entry.get("momentum_buffer"), torch.Tensor):
-                old = [r["outer_optimizer"]["state"][k]["momentum_buffer"] for r in group0]
-                entry["momentum_buffer"] = _relayout(old, param_shapes[int(k)], new_shards, new_s)
-            new_state[k] = entry
-        out["outer_optimizer"] = {**optim, "state": new_state}
-    if reducer.get("residuals") is not None:
-        # every new group takes the old groups' sum over the old number of groups: the next
-        # average adds what the old groups' next one would have (localsgd.loop.reshard)
-        residuals = []
-        for b, first in enumerate(reducer["residuals"]):
-            if first is None:
-                residuals.append(None)
-                continue
-            total = None
-            for g in range(groups):
-                old = [
-                    s["averager"]["reducer"]["residuals"][b]
-                    for s in states[g * old_shards : (g + 1) * old_shards]
-                ]
-                whole = _relayout(old, shapes[b], new_shards, new_s)
-                total = whole if total is None else total.add_(whole)
-            residuals.append(total.div_(groups))
-        out["residuals"] = residuals
-    return {**state, "reducer": out}
 
 
 # --- loading ------------------------------------------------------------------------------------
@@ -321,9 +223,7 @@ def resume(
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
     averager = components["averager"]
     merged = {k: v for k, v in states[0].items() if k not in _SHARDED}
-    merged["averager"] = _averager_state(
-        states, old_shards, averager, shard_size, rank % shard_size
-    )
+    merged["averager"] = averager_state(states, old_shards, averager, shard_size, rank % shard_size)
     if old_world == world_size:  # the same data shards: each rank's own position and RNG
         merged["sampler"] = states[rank]["sampler"]
     elif "sampler" in components:
@@ -336,11 +236,67 @@ def resume(
         merged.pop("rng", None)  # the per-rank seed the trainer set
     restore(merged, components, (*optional, *_SHARDED, "rng"), folder)
     if between and _outer(states[0]):
-        flat = averager.flat
-        for buffer, anchor in zip(flat.buffers, averager.reducer.anchors, strict=True):
-            buffer.copy_(anchor)  # unsharded: the parameters' storage; sharded: the mirror
-        if flat.mirror:
-            flat.push()
+        from_anchor(averager)
+    return int(states[0]["step"])
+
+
+def resume_unsharded(
+    folder: str,
+    rank: int,
+    world_size: int,
+    shard_size: int,
+    device: torch.device,
+    components: Mapping[str, Stateful],
+    optional: tuple[str, ...] = (),
+) -> int:
+    """Restore rank `rank` of a sharded run (groups of `shard_size`) from an unsharded run's
+    checkpoint (one whole state per rank, `checkpoint.save`): the model and the optimizer
+    state as `localsgd.loop.reshard` merges them, sharded on load (`set_state_dict` of whole
+    state dicts), the averager's flat state cut to this rank's shards. Returns the step."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    from localsgd.loop.reshard import (
+        _at_sync,
+        _average_model,
+        _average_optimizer,
+        _outer,
+        _rescaled_position,
+    )
+
+    old_world = int(_marker(folder)["world_size"])
+    states = [
+        torch.load(rank_file(folder, r), map_location=device, weights_only=True)
+        for r in range(old_world)
+    ]
+    between = not _at_sync(states[0])
+    model_state = states[0]["model"]
+    if between and not _outer(states[0]):
+        model_state = _average_model([s["model"] for s in states])
+    model, optimizer = _module(components), components["optimizer"]
+    optim_state = by_name(_average_optimizer([s["optimizer"] for s in states]), model, optimizer)
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=model_state,
+        optim_state_dict=optim_state,
+        options=StateDictOptions(full_state_dict=True),
+    )
+    averager = components["averager"]
+    merged = {k: v for k, v in states[0].items() if k not in _SHARDED}
+    merged["averager"] = averager_state(states, 1, averager, shard_size, rank % shard_size)
+    if old_world == world_size:
+        merged["sampler"] = states[rank]["sampler"]
+    elif "sampler" in components:
+        merged["sampler"] = _rescaled_position(
+            states[0]["sampler"], components["sampler"].state_dict()
+        )
+    if rank < old_world:
+        merged["rng"] = states[rank]["rng"]
+    else:
+        merged.pop("rng", None)
+    restore(merged, components, (*optional, *_SHARDED, "rng"), folder)
+    if between and _outer(states[0]):
+        from_anchor(averager)
     return int(states[0]["step"])
 
 
@@ -350,7 +306,7 @@ def resume_line(folder: str, world_size: int, shard_size: int) -> str | None:
     from localsgd.loop.reshard import _at_sync, _outer, _steps_since_sync
 
     marker = _marker(folder)
-    old_world, old_shards = int(marker["world_size"]), int(marker["shard_size"])
+    old_world, old_shards = int(marker["world_size"]), int(marker.get("shard_size", 1))
     if (old_world, old_shards) == (world_size, shard_size):
         return None
     old_groups, groups = old_world // old_shards, world_size // shard_size
@@ -366,10 +322,30 @@ def resume_line(folder: str, world_size: int, shard_size: int) -> str | None:
     else:
         start = f"the mean of the {old_groups} groups' models"
     return (
-        f"resuming sharded with another layout: {old_groups} group(s) of {old_shards} become "
-        f"{groups} group(s) of {shard_size} (DCP reshards the model and the optimizer; the "
-        f"averager's flat state is cut to the new shards); they start from {start}, with the "
-        f"old groups' mean optimizer state; the step, the schedule and the averager's state go "
-        f"on from the checkpoint"
-        + ("" if old_world == world_size else "; the data is re-partitioned")
+        f"resuming with another layout: {old_groups} group(s) of {old_shards} become {groups} "
+        f"group(s) of {shard_size} (the model and the optimizer resharded on load, the "
+        f"averager's flat state cut to the new shards); they start from {start}, with the old "
+        f"groups' mean optimizer state; the step, the schedule and the averager's state go on "
+        f"from the checkpoint" + ("" if old_world == world_size else "; the data is re-partitioned")
     )
+
+
+def resume_run(
+    folder: str,
+    info,
+    shard_size: int,
+    device: torch.device,
+    components: Mapping[str, Stateful],
+    optional: tuple[str, ...] = (),
+) -> int:
+    """Restore worker `info.rank` of `info.world_size` (groups of `shard_size`) from a verified
+    checkpoint, whoever wrote it: a sharded run's (`resume`), an unsharded run's into a sharded
+    one (`resume_unsharded`), else `localsgd.loop.reshard.resume`. Returns the step."""
+    from localsgd.loop.reshard import resume as resume_unsharded_run
+
+    rank, world = info.rank, info.world_size
+    if is_sharded(folder):
+        return resume(folder, rank, world, shard_size, device, components, optional)
+    if shard_size > 1:
+        return resume_unsharded(folder, rank, world, shard_size, device, components, optional)
+    return resume_unsharded_run(folder, info, device, components, optional)

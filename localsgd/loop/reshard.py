@@ -122,7 +122,7 @@ def resume_line(folder: str, world_size: int, shard_size: int = 1) -> str | None
     own states. A sharded run's checkpoint: `checkpoint_dcp.resume_line`."""
     from localsgd.loop import checkpoint_dcp
 
-    if checkpoint_dcp.is_sharded(folder):
+    if checkpoint_dcp.is_sharded(folder) or shard_size > 1:
         return checkpoint_dcp.resume_line(folder, world_size, shard_size)
     if not needs_reshard(folder, world_size):
         return None
