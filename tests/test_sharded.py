@@ -241,7 +241,8 @@ def test_mirrored_buffers_hold_copies_rebind_nothing_and_copy_only_when_asked():
 
 
 @pytest.mark.timeout(30)
-def test_a_checkpoint_from_before_the_key_resumes_unsharded_and_never_into_a_sharded_run():
+def test_a_checkpoint_from_before_the_key_counts_as_shard_size_1():
+    # (the key may change for a checkpoint of one state per rank: cli/preflight.py)
     from localsgd.config import plain
     from localsgd.loop.checkpoint import config_mismatch
     from tests.helpers import compose_config

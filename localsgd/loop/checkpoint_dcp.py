@@ -24,8 +24,8 @@ layout (`relayout`). What the new groups start from follows `localsgd.loop.resha
 the averaged model (group 0's, the same in every group); between syncs with an outer step the
 anchor; between syncs without one the mean of the old groups' models. The inner optimizer state
 is the old groups' mean; error-feedback residuals are the old groups' sum over the old number of
-groups, on every new group. An unsharded checkpoint is not resumed sharded (refused before any
-worker starts: `dist.shard_size` must stay as it was).
+groups, on every new group. An unsharded run's checkpoint resumes sharded the same way
+(`resume_unsharded`); a shared one (ft) does not (refused before any worker starts).
 """
 
 from __future__ import annotations
