@@ -152,7 +152,7 @@ def test_relayout_cuts_and_joins_dim_0_as_fsdp2_does():
     assert torch.equal(relayout([flat(4, s) for s in range(4)], shapes, 2, 1), old[1])
 
 
-def _fake_sharded_checkpoint(run_dir, config: dict) -> str:
+def _fake_sharded_checkpoint(run_dir, config: dict, units: list[str] | None = None) -> str:
     folder = checkpoint.step_dir(str(run_dir), 8)
     os.makedirs(folder)
     torch.save({"step": 8}, checkpoint.rank_file(folder, 0))
@@ -164,6 +164,8 @@ def _fake_sharded_checkpoint(run_dir, config: dict) -> str:
         "dcp_files": {},
         "config": config,
     }
+    if units is not None:
+        marker["units"] = units
     with open(os.path.join(folder, checkpoint.MARKER), "w") as f:
         json.dump(marker, f)
     return folder
@@ -187,3 +189,15 @@ def test_what_a_sharded_checkpoint_cannot_continue_is_refused_in_one_line(tmp_pa
     other = [a if a != "model.hidden=[16]" else "model.hidden=[32]" for a in job]
     line = refusal(other + SHARDED + run, capsys)
     assert "differs in model.hidden: [16] in the checkpoint, [32] now" in line, line
+    # the same config, but the checkpoint's FSDP units differ (the model's code changed)
+    units = ["net.1: net.1.weight[16, 32], net.1.bias[16]", "(root): "]
+    folder = _fake_sharded_checkpoint(
+        tmp_path / "units", plain(compose_config(JOB + SHARDED)), units
+    )
+    run = [f"hydra.run.dir={tmp_path / 'new2'}", f"trainer.resume={folder}"]
+    line = refusal(JOB + SHARDED + run, capsys)
+    assert line == (
+        f"error: trainer.resume must name a checkpoint of this model's FSDP units, but {folder} "
+        "was written with other units ('(root): ' in the checkpoint, 'net.4: net.4.weight[10, "
+        "16], net.4.bias[10]' now); start afresh in another hydra.run.dir"
+    ), line

@@ -47,7 +47,7 @@ from localsgd.loop.checkpoint import (
     restore,
     step_dir,
 )
-from localsgd.loop.relayout import averager_state, by_name, from_anchor
+from localsgd.loop.relayout import averager_state, by_name, from_anchor, fsdp_units
 
 DCP_DIR = "dcp"
 # the model and optimizer go through DCP; every other component through the rank file
@@ -116,6 +116,7 @@ def save(
             "shard_size": shard_size,
             "files": files,
             "dcp_files": dcp_files,
+            "units": fsdp_units(_module(components)),  # what the DCP keys were written from
             "config": config,
         }
         _write_atomic(os.path.join(folder, MARKER), lambda f: f.write(json.dumps(marker).encode()))
