@@ -89,6 +89,10 @@ def save(
 
     folder = step_dir(run_dir, step)
     os.makedirs(folder, exist_ok=True)
+    if rank == 0 and os.path.exists(os.path.join(folder, MARKER)):
+        # an earlier life's marker over the files rewritten now: gone before any is (the
+        # ranks meet in DCP's first collective), so a kill mid-save leaves an unmarked folder
+        os.remove(os.path.join(folder, MARKER))
     model_state, optim_state = get_state_dict(_module(components), components["optimizer"])
     group = _group_key(rank, shard_size)
     dcp.save(
