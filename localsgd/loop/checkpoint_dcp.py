@@ -59,10 +59,6 @@ def is_sharded(folder: str) -> bool:
     return int((_marker(folder) or {}).get("shard_size", 1)) > 1
 
 
-def shard_size_of(folder: str) -> int:
-    return int((_marker(folder) or {}).get("shard_size", 1))
-
-
 def _module(components: Mapping[str, Stateful]) -> torch.nn.Module:
     return components["model"].module  # checkpoint.ModuleState
 
@@ -202,7 +198,7 @@ def resume(
     Every rank calls this (DCP's loads are collective). Returns the step."""
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    from localsgd.loop.reshard import _at_sync, _outer, _rescaled_position
+    from localsgd.loop.reshard import _at_sync, _outer
 
     marker = _marker(folder)
     old_world, old_shards = int(marker["world_size"]), int(marker["shard_size"])
@@ -226,23 +222,8 @@ def resume(
         model_state = _mean_of_groups(folder, 1, model_state, "model")
     optim_state = _mean_of_groups(folder, groups, optim_state, "optimizer")
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
-    averager = components["averager"]
-    merged = {k: v for k, v in states[0].items() if k not in _SHARDED}
-    merged["averager"] = averager_state(states, old_shards, averager, shard_size, rank % shard_size)
-    if old_world == world_size:  # the same data shards: each rank's own position and RNG
-        merged["sampler"] = states[rank]["sampler"]
-    elif "sampler" in components:
-        merged["sampler"] = _rescaled_position(
-            states[0]["sampler"], components["sampler"].state_dict()
-        )
-    if rank < old_world:
-        merged["rng"] = states[rank]["rng"]
-    else:
-        merged.pop("rng", None)  # the per-rank seed the trainer set
-    restore(merged, components, (*optional, *_SHARDED, "rng"), folder)
-    if between and _outer(states[0]):
-        from_anchor(averager)
-    return int(states[0]["step"])
+    layout = (rank, world_size, shard_size)
+    return _restore_rest(folder, states, old_shards, layout, components, optional)
 
 
 def resume_unsharded(
@@ -260,13 +241,7 @@ def resume_unsharded(
     state dicts), the averager's flat state cut to this rank's shards. Returns the step."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-    from localsgd.loop.reshard import (
-        _at_sync,
-        _average_model,
-        _average_optimizer,
-        _outer,
-        _rescaled_position,
-    )
+    from localsgd.loop.reshard import _at_sync, _average_model, _average_optimizer, _outer
 
     old_world = int(_marker(folder)["world_size"])
     states = [
@@ -286,10 +261,31 @@ def resume_unsharded(
         optim_state_dict=optim_state,
         options=StateDictOptions(full_state_dict=True),
     )
+    layout = (rank, world_size, shard_size)
+    return _restore_rest(folder, states, 1, layout, components, optional)
+
+
+def _restore_rest(
+    folder: str,
+    states: list[dict],
+    old_shards: int,
+    layout: tuple[int, int, int],
+    components: Mapping[str, Stateful],
+    optional: tuple[str, ...],
+) -> int:
+    """Everything but the model and the optimizer (already loaded) for `layout` (rank, world
+    size, shard size) from the old ranks' `states` (in groups of `old_shards`): rank 0's
+    counters and loop state, the averager's flat state cut to this rank's shards, the data
+    position and RNG; then, between syncs with an outer step, the anchor as the model. Returns
+    the step."""
+    from localsgd.loop.reshard import _at_sync, _outer, _rescaled_position
+
+    rank, world_size, shard_size = layout
+    old_world = len(states)
     averager = components["averager"]
     merged = {k: v for k, v in states[0].items() if k not in _SHARDED}
-    merged["averager"] = averager_state(states, 1, averager, shard_size, rank % shard_size)
-    if old_world == world_size:
+    merged["averager"] = averager_state(states, old_shards, averager, shard_size, rank % shard_size)
+    if old_world == world_size:  # the same data shards: each rank's own position and RNG
         merged["sampler"] = states[rank]["sampler"]
     elif "sampler" in components:
         merged["sampler"] = _rescaled_position(
@@ -298,9 +294,9 @@ def resume_unsharded(
     if rank < old_world:
         merged["rng"] = states[rank]["rng"]
     else:
-        merged.pop("rng", None)
+        merged.pop("rng", None)  # the per-rank seed the trainer set
     restore(merged, components, (*optional, *_SHARDED, "rng"), folder)
-    if between and _outer(states[0]):
+    if not _at_sync(states[0]) and _outer(states[0]):
         from_anchor(averager)
     return int(states[0]["step"])
 
