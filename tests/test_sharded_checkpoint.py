@@ -152,6 +152,48 @@ def test_relayout_cuts_and_joins_dim_0_as_fsdp2_does():
     assert torch.equal(relayout([flat(4, s) for s in range(4)], shapes, 2, 1), old[1])
 
 
+def test_the_averager_state_is_cut_to_the_new_shards_and_residuals_summed_over_the_groups():
+    from types import SimpleNamespace
+
+    from localsgd.averaging import FlatBuffers
+    from localsgd.loop.relayout import averager_state
+
+    params = [torch.nn.Parameter(torch.zeros(5, 2)), torch.nn.Parameter(torch.zeros(3))]
+    averager = SimpleNamespace(flat=FlatBuffers(params))  # the new layout: unsharded
+
+    def whole(seed: int) -> torch.Tensor:  # laid out as the unsharded flat buffer: 10 + 3
+        return torch.randn(13, generator=torch.Generator().manual_seed(seed))
+
+    def shard(v: torch.Tensor, s: int) -> torch.Tensor:  # shard s of 2, as FSDP2 cuts dim 0
+        return torch.cat([torch.chunk(v[:10].view(5, 2), 2)[s].reshape(-1), v[10:].chunk(2)[s]])
+
+    anchor, momentum, residuals = whole(0), whole(1), [whole(2), whole(3)]  # residuals per group
+    states = [  # 2 groups of 2: ranks 0, 1 (group 0), 2, 3 (group 1)
+        {
+            "averager": {
+                "step": 7,
+                "reducer": {
+                    "anchors": [shard(anchor, s)],
+                    "outer_optimizer": {
+                        "state": {0: {"momentum_buffer": shard(momentum, s)}},
+                        "param_groups": [{"params": [0]}],
+                    },
+                    "residuals": [shard(residuals[g], s)],
+                },
+            }
+        }
+        for g in range(2)
+        for s in range(2)
+    ]
+    out = averager_state(states, 2, averager, 1, 0)
+    assert out["step"] == 7
+    reducer = out["reducer"]
+    assert torch.equal(reducer["anchors"][0], anchor)
+    assert torch.equal(reducer["outer_optimizer"]["state"][0]["momentum_buffer"], momentum)
+    # every new worker: the old groups' residuals summed, over the old number of groups
+    assert torch.equal(reducer["residuals"][0], (residuals[0] + residuals[1]) / 2)
+
+
 def _fake_sharded_checkpoint(run_dir, config: dict, units: list[str] | None = None) -> str:
     folder = checkpoint.step_dir(str(run_dir), 8)
     os.makedirs(folder)
