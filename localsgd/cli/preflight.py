@@ -17,6 +17,7 @@ from localsgd.loop import checkpoint
 from localsgd.loop.plan import SyncPlan
 
 _probed: dict[str, int | None] = {}  # the launcher checks twice (before and inside Hydra)
+_units: dict[str, list[str]] = {}  # the probed model's FSDP units (relayout.fsdp_units)
 
 
 def check_data(cfg: Any, world_size: int) -> int | None:
@@ -28,17 +29,21 @@ def check_data(cfg: Any, world_size: int) -> int | None:
     """
     data_cfg, model_cfg = plain(_get(cfg, "data")), plain(_get(cfg, "model"))
     seed, batch = _get(cfg, "seed"), _get(cfg, "trainer.batch_size")
-    epochs = _get(cfg, "trainer.max_epochs")
-    fragments = _get(cfg, "sync.fragments")
-    key = json.dumps(
-        [data_cfg, model_cfg, seed, batch, epochs, world_size, fragments], sort_keys=True
-    )
+    epochs, fragments = _get(cfg, "trainer.max_epochs"), _get(cfg, "sync.fragments")
+    key = _probe_key(cfg, world_size)
     if key not in _probed:
-        _probed[key] = _probe(data_cfg, model_cfg, seed, batch, epochs, world_size, fragments)
+        _probed[key] = _probe(data_cfg, model_cfg, seed, batch, epochs, world_size, fragments, key)
     return _probed[key]
 
 
-def _probe(data_cfg, model_cfg, seed, batch, epochs, world_size, fragments=1) -> int | None:
+def _probe_key(cfg: Any, world_size: int) -> str:
+    keys = ("data", "model", "seed", "trainer.batch_size", "trainer.max_epochs", "sync.fragments")
+    return json.dumps([plain(_get(cfg, k)) for k in keys] + [world_size], sort_keys=True)
+
+
+def _probe(
+    data_cfg, model_cfg, seed, batch, epochs, world_size, fragments=1, key=None
+) -> int | None:
     import torch
 
     from localsgd.data import input_shape_of, labels_of, load_data, shard_indices, task_of
@@ -82,6 +87,10 @@ def _probe(data_cfg, model_cfg, seed, batch, epochs, world_size, fragments=1) ->
                 f"model._target_ {model_cfg['_target_']!r} fails on a batch of the data (input "
                 f"{tuple(x.shape)}): {type(e).__name__}: {reason}"
             ) from None
+    if key is not None:  # what a sharded run's checkpoint must have been written from
+        from localsgd.loop.relayout import fsdp_units
+
+        _units[key] = fsdp_units(model)
     if fragments > 1:  # Streaming DiLoCo strides its fragments over the model's blocks
         from localsgd.averaging.fragments import model_blocks
 
@@ -109,20 +118,55 @@ def resolve_resume(
     found = _find_resume(cfg, world_size, run_dir, quiet)
     if found is not None:
         marker = checkpoint.verify(found, world_size)
-        if marker["world_size"] != world_size:
+        config = plain(cfg)
+        # a checkpoint of one worker per rank continues with any shard size, resharded on
+        # load (localsgd.loop.checkpoint_dcp); a shared one (ft) only unsharded: the key stays
+        shards = _shard_size_of(marker)
+        relaid = False
+        if not marker.get("shared") and isinstance(config.get("dist"), dict):
+            relaid = shards != _get(cfg, "dist.shard_size")
+            config["dist"]["shard_size"] = shards
+        if marker["world_size"] != world_size or relaid:
             refusal = SyncPlan.of(_get(cfg, "sync")).reshard_refusal()
             if refusal is not None:
-                raise ConfigError(
-                    f"dist.world_size must stay {marker['world_size']} to resume {found} with "
-                    f"{refusal}"
-                )
-        diff = checkpoint.config_mismatch(marker, plain(cfg))
+                keys, was = "dist.world_size", str(marker["world_size"])
+                if relaid:
+                    keys, was = f"{keys} and dist.shard_size", f"{was} and {shards}"
+                raise ConfigError(f"{keys} must stay {was} to resume {found} with {refusal}")
+        diff = checkpoint.config_mismatch(marker, config)
         if diff is not None:
             raise ConfigError(
                 f"trainer.resume must continue the same run, but {found} differs in {diff}; "
                 f"keep those settings, or start afresh in another hydra.run.dir"
             )
+        _check_units(cfg, world_size, marker, found)
     return found
+
+
+def _check_units(cfg: Any, world_size: int, marker: dict, found: str) -> None:
+    """A sharded run's checkpoint holds its FSDP units' keys: refuse one of other units (a
+    model whose blocks or shapes changed while its config did not) in one line."""
+    if "units" not in marker:
+        return
+    key = _probe_key(cfg, world_size)
+    units = _units.get(key)
+    if units is None:
+        return
+    for old, new in zip(marker["units"] + [None], units + [None], strict=False):
+        if old != new:
+            raise ConfigError(
+                f"trainer.resume must name a checkpoint of this model's FSDP units, but {found} "
+                f"was written with other units ({old!r} in the checkpoint, {new!r} now); start "
+                f"afresh in another hydra.run.dir"
+            )
+
+
+def _shard_size_of(marker: dict) -> int:
+    """The dist.shard_size a checkpoint was written with (1 before the key existed)."""
+    if "shard_size" in marker:  # a sharded run's (checkpoint_dcp)
+        return int(marker["shard_size"])
+    saved = (marker.get("config") or {}).get("dist") or {}
+    return int(saved.get("shard_size", checkpoint.ADDED_KEYS["dist.shard_size"]))
 
 
 def _find_resume(cfg: Any, world_size: int, run_dir: str | None, quiet: bool = False) -> str | None:

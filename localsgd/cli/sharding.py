@@ -14,7 +14,6 @@ from localsgd.loop.plan import SyncPlan
 # compile, clipping, accumulation and activation checkpointing are built (localsgd/loop/recipe.py)
 SHARD_NEEDS = {
     "ft.backend": ("none", "fault tolerance across sharded replica groups"),
-    "trainer.checkpoint_every": (0, "checkpoints of sharded state"),
     "trainer.nan_policy": ("error", "a rank of a replica group skipping a step alone"),
 }
 

@@ -210,7 +210,7 @@ def main(cfg: DictConfig) -> float | None:
         run_cfg.trainer.max_steps = epoch_steps
     if resume is not None:
         notice(f"resuming from {resume}")
-        line = resume_line(resume, world_size_of(run_cfg))
+        line = resume_line(resume, world_size_of(run_cfg), run_cfg.dist.shard_size)
         if line is not None:
             notice(line)
     stopped_by = None

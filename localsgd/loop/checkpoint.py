@@ -251,6 +251,10 @@ def verify(folder: str, world_size: int | None = None) -> dict:
         if name == os.path.basename(rank_file(folder, 0)):
             loop = state.get("loop")
             at_sync = isinstance(loop, dict) and loop.get("in_sync") is True
+    for name, size in marker.get("dcp_files", {}).items():  # a sharded run's (checkpoint_dcp)
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path) or os.path.getsize(path) != size:
+            raise CheckpointError(f"{path} is missing or truncated")
     if marker.get("shared") and not at_sync:
         raise CheckpointError(f"{folder} is corrupt (a shared state taken between syncs)")
     return marker

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from functools import partial
 from typing import Any
 
 import torch
@@ -22,14 +23,13 @@ from localsgd.data import (
     task_of,
 )
 from localsgd.instantiate import build, target_name
-from localsgd.loop import checkpoint
+from localsgd.loop import checkpoint, checkpoint_dcp
 from localsgd.loop.evaluation import evaluate, loss_and_correct, text_sample
 from localsgd.loop.guards import NonFiniteTracker
 from localsgd.loop.loggers import build_loggers
 from localsgd.loop.metrics import notice, progress_bar, rate_record, trim_metrics, write_json
 from localsgd.loop.optim import build_optimizer, build_schedule, set_lr
 from localsgd.loop.recipe import Recipe, checkpoint_activations
-from localsgd.loop.reshard import resume
 from localsgd.loop.sharding import Sharding, state_bytes
 from localsgd.loop.stop import StopAgreement, first_signal
 from localsgd.loop.synchroniser import build_synchroniser
@@ -105,8 +105,10 @@ class Trainer:
             "loop": self,
         }
         self.resumed_from = resume_from
-        if resume_from is not None:  # this world size's own, or reshared (loop/reshard.py)
-            self.step = resume(resume_from, info, device, self.stateful, ("drift", "ft"))
+        if resume_from is not None:  # its own, or resharded (loop/reshard.py, checkpoint_dcp.py)
+            self.step = checkpoint_dcp.resume_run(
+                resume_from, info, self.sharding.size, device, self.stateful, ("drift", "ft")
+            )
         # objects with optional on_step_start(trainer, step) / on_step_end(trainer, step)
         self.callbacks = [
             build(cb, f"trainer.callbacks[{i}]") for i, cb in enumerate(c.trainer.callbacks)
@@ -426,7 +428,10 @@ class Trainer:
                 self.cfg.trainer.keep_checkpoints,
                 config=self.config,
             )
-        return checkpoint.save(
+        save = checkpoint.save
+        if self.sharding.sharded:  # the sharded state through DCP, the rest per rank
+            save = partial(checkpoint_dcp.save, shard_size=self.sharding.size)
+        return save(
             self.run_dir,
             self.step,
             self.info.rank,
