@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from localsgd.loop import checkpoint
+from localsgd.loop.checkpoint_dcp import resume_line
 from localsgd.loop.relayout import relayout
-from localsgd.loop.reshard import resume_line
 from tests.helpers import cli, refusal, same_model
 
 JOB = [

@@ -116,14 +116,10 @@ def _at_sync(state: dict) -> bool:
     return bool(state.get("loop", {}).get("in_sync", False))
 
 
-def resume_line(folder: str, world_size: int, shard_size: int = 1) -> str | None:
-    """The line the launcher prints when `world_size` workers continue `folder` through
-    `load_resharded`: what they start from and what is carried over; None when they load their
-    own states. A sharded run's checkpoint: `checkpoint_dcp.resume_line`."""
-    from localsgd.loop import checkpoint_dcp
-
-    if checkpoint_dcp.is_sharded(folder) or shard_size > 1:
-        return checkpoint_dcp.resume_line(folder, world_size, shard_size)
+def resume_line(folder: str, world_size: int) -> str | None:
+    """The line the launcher prints when `world_size` unsharded workers continue an unsharded
+    `folder` through `load_resharded`: what they start from and what is carried over; None when
+    they load their own states. Sharded: `checkpoint_dcp.resume_line`."""
     if not needs_reshard(folder, world_size):
         return None
     before, shared = written_by(folder), rank_states(folder) == 1 and written_by(folder) > 1
