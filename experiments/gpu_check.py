@@ -9,8 +9,9 @@ Checks: device pick (cuda, nccl, one worker per GPU); NCCL's ReduceOp.AVG in an 
 in the averager; bf16-mixed and 16-mixed training (fp32 parameters, a finite falling loss, the
 GradScaler on the GPU); pinned-memory loading; the CUDA RNG state through a checkpoint; a run
 killed mid-way resuming bit-identical; `ft=torchft` (torchft's NCCL process group, 4-bit
-messages gathered on the device) giving the same model as without it; and a short `make train`
-on dist.device=cuda.
+messages gathered on the device) giving the same model as without it; sharded DiLoCo
+(`dist.shard_size=2`, FSDP2 on NCCL, with 2 GPUs or more); and a short `make train` on
+dist.device=cuda.
 """
 
 from __future__ import annotations
@@ -296,6 +297,33 @@ def fault_tolerant(device: str, tmp: str) -> str:
     return f"{world} replica group(s), 4-bit Streaming DiLoCo: the same model with and without ft="
 
 
+def sharded(device: str, tmp: str) -> str:
+    """`dist.shard_size=2`: DiLoCo across replica groups of 2 GPUs each, FSDP2 on NCCL inside
+    a group; needs 2 GPUs at least (NCCL takes one rank per GPU)."""
+    if device != "cuda":  # on CPU it is tests/test_sharded.py's, in make test
+        raise Skip("needs CUDA (the CPU path is tests/test_sharded.py's)")
+    gpus = torch.cuda.device_count()
+    if gpus < 2:
+        raise Skip(f"needs 2 GPUs for 2 ranks a group, {gpus} here")
+    world = gpus - gpus % 2
+    run_dir = os.path.join(tmp, "sharded")
+    args = [
+        "data=synthetic", "data.num_samples=1200", "model=mlp", "model.hidden=[64,64]",
+        "trainer.batch_size=16", "trainer.max_steps=24", "trainer.checkpoint_every=0",
+        "trainer.progress=false", "trainer.eval_every=1000", "sync.period=4",
+        "sync.outer=diloco", "optim=adamw", "sync.check_replicas=true", "dist.timeout_s=60",
+        "logger.wandb.mode=disabled", "dist.device=cuda", f"dist.world_size={world}",
+        "dist.shard_size=2", f"hydra.run.dir={run_dir}",
+    ]  # fmt: skip
+    proc = _cli(args, 180)
+    check(proc.returncode == 0, f"exit {proc.returncode}: {proc.stderr.strip()[-300:]}")
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        summary = json.load(f)
+    check(summary["replica_checks"] > 0, "no sync was checked across the groups")
+    state = summary["state_bytes"]
+    return f"{world // 2} groups of 2 GPUs, rank 0 holds {state['total']:,} bytes of state"
+
+
 def make_train(device: str, tmp: str) -> str:
     run_dir = os.path.join(tmp, "make-train")
     # make train's job, shortened: 300 synchronous steps then k=16, to step 600
@@ -378,6 +406,7 @@ def main(argv: list[str] | None = None) -> int:
         checks.run("CUDA RNG in checkpoints", lambda: cuda_rng(device))
         checks.run("exact resume", lambda: exact_resume(device, tmp))
         checks.run("ft=torchft", lambda: fault_tolerant(device, tmp))
+        checks.run("sharded DiLoCo", lambda: sharded(device, tmp))
         checks.run(f"make train on dist.device={device}", lambda: make_train(device, tmp))
     print(f"gpu-check: {'all passed' if not checks.failed else f'{checks.failed} failed'}")
     return 1 if checks.failed else 0

@@ -54,6 +54,7 @@ def test_the_checks_pass_on_cpu_one_line_each():
         "SKIP CUDA RNG in checkpoints",
         "PASS exact resume",
         "SKIP ft=torchft",
+        "SKIP sharded DiLoCo",
         "PASS make train on dist.device=cpu",
     }
 
