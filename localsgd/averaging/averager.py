@@ -17,8 +17,9 @@ Sharded parameters (DTensors: FSDP2's, `dist.shard_size`) are *mirrored* instead
 (`FlatBuffers(mirror=True)`): the buffers hold copies of this rank's local shards, pulled in
 before a step that acts (an average at any level, a launch, a merge; `acts_at`) and pushed back
 after it, and nothing at the other steps, so the local phase stays free of collectives and
-copies. The reducers' state (anchors, outer momentum, residuals) is laid out like the buffers,
-so it is sharded too. `mirrored` is the one place that happens.
+copies. Between those steps the buffers' storage is released, so a rank holds no second copy
+of its shards. The reducers' state (anchors, outer momentum, residuals) is laid out like the
+buffers, so it is sharded too. `mirrored` is the one place that happens.
 """
 
 from __future__ import annotations
@@ -173,6 +174,7 @@ class Averager(ModelAverager):
         # them apart for good, so those start from rank 0's tensors, as DDP does when built.
         if self.reducer.anchored if self.init_sync is None else self.init_sync:
             self.broadcast_(src=0)
+        self.flat.release()  # mirror: held only while a step acts (the reducer took its copies)
 
     def _bound(self) -> FlatBuffers:
         if self.flat is None:
@@ -327,7 +329,7 @@ class Averager(ModelAverager):
         average; after a delayed merge, the average received (the buffers hold local progress)."""
         if self.merged and not self.all_in_sync:
             return self.reducer.averages
-        return self._bound().buffers
+        return self._bound().current()  # mirror, between steps: a transient copy
 
     def complete_launched(self) -> None:
         """Wait for the collectives this averager launched and left in flight (none here; a

@@ -77,17 +77,57 @@ class FlatBuffers:
 
     @torch.no_grad()  # in-place on a parameter's local shard is refused with grad on
     def pull(self) -> None:
-        """Mirror: copy every tensor's current value (a DTensor's local shard) into its slot."""
+        """Mirror: (re)allocate the buffers and copy every tensor's current value (a DTensor's
+        local shard) into its slot."""
+        self._allocate()
         for t, v in zip(self.tensors, self.views, strict=True):
             v.copy_(local_tensor(t))
         self.pulled = True
 
     @torch.no_grad()
     def push(self) -> None:
-        """Mirror: write every slot back into its tensor (a DTensor's local shard)."""
+        """Mirror: write every slot back into its tensor (a DTensor's local shard), then release
+        the buffers' storage until the next `pull()`."""
         for t, v in zip(self.tensors, self.views, strict=True):
             local_tensor(t).copy_(v)
         self.pulled = False
+        self.release()
+
+    def release(self) -> None:
+        """Mirror: free the buffers' storage (the tensors hold the values); views and layout stay.
+        A no-op in the rebinding mode, where the buffers are the tensors' storage."""
+        if self.mirror:
+            for b in self.buffers:
+                b.untyped_storage().resize_(0)
+
+    def _allocate(self) -> None:
+        for b in self.buffers:
+            size = b.numel() * b.element_size()
+            if b.untyped_storage().nbytes() < size:
+                b.untyped_storage().resize_(size)
+
+    @property
+    def released(self) -> bool:
+        return self.mirror and any(
+            b.untyped_storage().nbytes() < b.numel() * b.element_size() for b in self.buffers
+        )
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes the buffers hold now: `nbytes`, or 0 in mirror mode between steps."""
+        return sum(min(b.untyped_storage().nbytes(), b.numel() * b.element_size())
+                   for b in self.buffers)
+
+    def current(self) -> list[torch.Tensor]:
+        """The tensors' values laid out as the buffers: the buffers themselves unless they are
+        released (mirror mode between steps), then a fresh copy that nothing keeps."""
+        if not self.released:
+            return self.buffers
+        out = [torch.empty_like(b) for b in self.buffers]
+        with torch.no_grad():
+            for t, (g, offset, n) in zip(self.tensors, self.slots, strict=True):
+                out[g][offset : offset + n].copy_(local_tensor(t).reshape(-1))
+        return out
 
     @property
     def numel(self) -> int:

@@ -410,14 +410,15 @@ class StreamingAverager(Averager):
     def common_tensors(self) -> Tensors:
         """What every rank holds identically now (see the module docstring)."""
         if self.all_in_sync or not self.merged:
-            return self._bound().buffers
+            return self._bound().current()
         frags = self.frags
         p = self.last_fragment
         if self.eager:
             return list(frags.received[p])
         out = list(frags.anchors) if self.outer else list(self.received or frags.sent[p])
         if self._replaces:
-            out += [self.flat.buffers[g][s:e] for g, s, _, e in frags.regions[p]]
+            current = self.flat.current()  # mirror, between steps: a transient copy
+            out += [current[g][s:e] for g, s, _, e in frags.regions[p]]
         return out
 
     def state_dict(self) -> dict:

@@ -32,7 +32,10 @@ class DriftMeter:
         self.group = group
         self.shard_group = shard_group
         self.world_size = dist.get_world_size(group)
-        self.scratch = [torch.empty_like(b) for b in buffers]
+        # sharded (mirror mode), the scratch lives only from `before()` to `after()`, as the
+        # buffers do: a persistent copy would cost a rank as much again as its shards
+        self.transient = shard_group is not None
+        self.scratch = [] if self.transient else [torch.empty_like(b) for b in buffers]
         device = buffers[0].device if buffers else torch.device("cpu")
         self.norm = torch.zeros((), dtype=torch.float64, device=device)
         # drift summed over the averages since the last `take()`, kept on the device so that no
@@ -59,6 +62,8 @@ class DriftMeter:
         dist.all_reduce(distance, group=self.group)  # the one extra (scalar) collective
         self.total += distance / self.world_size
         self.count += 1
+        if self.transient:
+            self.scratch = []
 
     def take(self) -> float | None:
         """Mean drift over the averages since the last call (None if there was none); resets."""

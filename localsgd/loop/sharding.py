@@ -159,11 +159,16 @@ def _optimizer_state(optimizers: Any) -> list[torch.Tensor]:
 
 
 def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, averager: Averager) -> dict:
-    """The bytes of training state this rank holds, sharded or not: its parameters (local
-    shards), their gradients (as held at the end of the last step), the inner optimizer's state,
-    and the averager's own: the mirrored copy of the parameters (sharded runs; unsharded the flat
-    buffers *are* the parameters' storage), anchors, outer momentum, error-feedback residuals,
-    and `other` (wire buffers, fragments' in-flight copies)."""
+    """The bytes of training state this rank holds between steps, sharded or not: its
+    parameters (local shards), their gradients (as held at the end of the last step), the inner
+    optimizer's state, and the averager's own: the mirrored copy of the parameters (sharded
+    runs: 0 between steps, where it is released; unsharded the flat buffers *are* the
+    parameters' storage), anchors, outer momentum, error-feedback residuals, and `other` (wire
+    buffers, fragments' in-flight copies).
+
+    Excluded: what exists only while a step runs (activations, FSDP's gathered parameters, the
+    mirrored copy and drift's scratch during a step that acts, a replica check's copy) and the
+    allocator's caches; the peak at a round is measured apart (experiments/bench/sharded.py)."""
     params = list(model.parameters())
     flat = averager.flat
     reducer = averager.reducer
@@ -181,7 +186,7 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, averager: Av
         if id(t) not in counted
     ]
     own = {
-        "mirror": flat.nbytes if flat is not None and flat.mirror else 0,
+        "mirror": flat.held_bytes if flat is not None and flat.mirror else 0,
         "anchors": _nbytes(anchors),
         "outer_momentum": _nbytes(momentum),
         "residuals": _nbytes(residuals),
