@@ -199,6 +199,8 @@ def test_the_cli_trains_sharded_diloco_and_reports_state_bytes(tmp_path):
     assert whole / 2 <= held["parameters"] <= whole / 2 * 1.05
     # every rank sends its shard, not the model: 4 outer steps
     assert summary["comm_bytes"] == 4 * held["parameters"]
+    # the replica group's total: both ranks' shards, the whole model's bytes per outer step
+    assert summary["comm_bytes_group"] == 4 * summary["params"] * 4
     saved = torch.load(os.path.join(run_dir, "model.pt"), weights_only=True)
     assert sum(v.numel() for v in saved.values()) == summary["params"]  # gathered whole
 

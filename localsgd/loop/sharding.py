@@ -41,6 +41,7 @@ class Sharding:
         self.size = shard_size
         self.groups = world_size // shard_size
         self.mesh = None
+        self.device = device
         if shard_size > 1:
             from torch.distributed.device_mesh import init_device_mesh
 
@@ -127,6 +128,16 @@ class Sharding:
             k: v.full_tensor() if is_dtensor(v) else v
             for k, v in model.state_dict().items()
         }
+
+
+    def group_sum(self, value: int) -> int:
+        """`value` summed over this rank's replica group (one scalar all-reduce inside it, a
+        collective of the group's ranks); `value` itself when unsharded."""
+        if self.mesh is None:
+            return value
+        total = torch.tensor(value, dtype=torch.int64, device=self.device)
+        dist.all_reduce(total, group=self.shard_group)
+        return int(total.item())
 
 
 def _nbytes(tensors) -> int:

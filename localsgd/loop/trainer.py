@@ -384,6 +384,8 @@ class Trainer:
         result = self.evaluate(full=True)
         sample = text_sample(self.model, self.data, self.cfg.trainer.sample_chars, self.cfg.seed)
         state = self.sharding.full_state(self.model)
+        # what the whole replica group sent: each rank of it sends only its own shard
+        group_bytes = self.sharding.group_sum(self.comm_stats.bytes)
         if not writes:
             return None
         self.logger.log({"step": self.step, **result})
@@ -399,6 +401,7 @@ class Trainer:
             **self.sync.summary(),  # period, warmup_steps, comm_levels
             "params": self.param_count,
             "shard_size": self.sharding.size,
+            "comm_bytes_group": group_bytes,  # comm_bytes summed over this replica group
             "state_bytes": state_bytes(self.model, self.optimizer, self.sync.averager),
             "skipped_steps": self.skipped_steps,
             "dataset": target_name(self.config["data"]),
