@@ -35,14 +35,17 @@ CASES = {  # name: (steps, averager factory)
             8, process_group=group, module=model, fragments=2, delay_steps=1, merge_alpha=0.5
         ),
     ),
-    "int8_feedback": (
-        7,
-        lambda model, group: OuterAverager(
-            3, process_group=group, module=model, comm_dtype="int8", error_feedback=True
-        ),
-    ),
+    **{
+        f"{dtype}_feedback": (
+            7,
+            lambda model, group, dtype=dtype: OuterAverager(
+                3, process_group=group, module=model, comm_dtype=dtype, error_feedback=True
+            ),
+        )
+        for dtype in ("int8", "int4")
+    },
 }
-EXACT = ["local_sgd", "diloco", "streaming"]  # int8's blocks start at each shard's start
+EXACT = ["local_sgd", "diloco", "streaming"]  # low bits: blocks start at each shard's start
 
 
 def _model() -> nn.Module:
@@ -81,7 +84,7 @@ def _train(rank: int, world: int, shard_size: int) -> dict:
         # momentum / AdamW: optimizer state to shard
         opt = (
             torch.optim.AdamW(model.parameters(), lr=0.01)
-            if name in ("diloco", "int8_feedback")
+            if name in ("diloco", "int8_feedback", "int4_feedback")
             else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         )
         averager = make(model, sharding.replicate_group)
@@ -131,16 +134,20 @@ def test_sharded_groups_train_as_replicated_workers_on_the_union_of_their_batche
 
 @pytest.mark.slow
 @pytest.mark.timeout(60)
-def test_int8_with_error_feedback_stays_within_one_quantisation_step_of_replicated(runs):
-    # int8's blocks (128 values, one scale each) start at each shard's start, so the sharded
-    # run rounds other blocks than the replicated one: equal up to the rounding, which error
-    # feedback carries; one int8 step of these weights (|w| < 0.5) is 0.5/127 = 4e-3
+@pytest.mark.parametrize("dtype, qmax", [("int8", 127), ("int4", 7)])
+def test_low_bits_with_error_feedback_stay_within_one_quantisation_step_of_replicated(
+    runs, dtype, qmax
+):
+    # the blocks (one scale each) start at each shard's start, so the sharded run rounds other
+    # blocks than the replicated one: equal up to the rounding, which error feedback carries;
+    # one step of these weights (|w| < 0.5) is 0.5/qmax (int8: 4e-3, int4: 7e-2)
     sharded, replicated = runs
+    case = f"{dtype}_feedback"
     for rank, result in enumerate(sharded):
-        ref, got = replicated[rank // 2]["int8_feedback"]["model"], result["int8_feedback"]["model"]
+        ref, got = replicated[rank // 2][case]["model"], result[case]["model"]
         for k in ref:
-            torch.testing.assert_close(got[k], ref[k], rtol=0, atol=4e-3, msg=k)
-            assert torch.equal(got[k], sharded[0]["int8_feedback"]["model"][k]), k
+            torch.testing.assert_close(got[k], ref[k], rtol=0, atol=0.5 / qmax, msg=k)
+            assert torch.equal(got[k], sharded[0][case]["model"][k]), k
 
 
 @pytest.mark.slow
@@ -169,7 +176,7 @@ def test_a_rank_holds_half_the_state_and_copies_only_at_steps_that_act(runs, cas
     result = sharded[0][case]
     assert 0 < result["acting_steps"] < CASES[case][0]  # some steps are local
     anchored = case != "local_sgd"
-    if case == "int8_feedback":
+    if case.endswith("_feedback"):
         assert two["averager_parts"]["residuals"] == two["parameters"]  # one per local value
     assert result["pulls"] == result["acting_steps"] + 1 + anchored
     assert replicated[0][case]["pulls"] == 0  # unsharded: the parameters are the buffers
