@@ -265,3 +265,21 @@ def test_a_checkpoint_from_before_the_key_counts_as_shard_size_1():
     assert config_mismatch({"config": old}, plain(compose_config([]))) is None
     diff = config_mismatch({"config": old}, plain(compose_config(["dist.shard_size=2"])))
     assert diff == "dist.shard_size: 1 in the checkpoint, 2 now"
+
+
+@pytest.mark.timeout(10)
+def test_a_replica_group_spanning_machines_is_refused():
+    # torchrun, 2 machines of 4 workers: a group of 8 would put FSDP's per-step collectives
+    # on the network
+    from localsgd.cli.checks import validate
+    from localsgd.config import ConfigError
+    from tests.helpers import compose_config
+
+    validate(compose_config(["dist.shard_size=2"]), world_size=8, local_world_size=4)
+    validate(compose_config(["dist.shard_size=8"]), world_size=8)  # one machine
+    refused = (
+        r"^dist\.shard_size must be a divisor of the workers per machine \(4, LOCAL_WORLD_SIZE\), "
+        r"got 8: a replica group would span machines$"
+    )
+    with pytest.raises(ConfigError, match=refused):
+        validate(compose_config(["dist.shard_size=8"]), world_size=8, local_world_size=4)

@@ -111,7 +111,7 @@ def validate(cfg: Any, world_size: int | None = None, local_world_size: int | No
     )
 
     validate_sync(cfg, ws, local_world_size)
-    validate_sharding(cfg, _get, ws)
+    validate_sharding(cfg, _get, ws, local_world_size)
     bandwidth = _get(cfg, "comm.simulate.bandwidth_gbps")
     _require(
         bandwidth is None or bandwidth > 0,

@@ -24,15 +24,26 @@ def _shown(value: Any) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def validate_sharding(cfg: Any, get: Callable[[Any, str], Any], ws: int | None) -> None:
+def validate_sharding(
+    cfg: Any, get: Callable[[Any, str], Any], ws: int | None, local: int | None = None
+) -> None:
     """Raise ConfigError unless `dist.shard_size` divides the `ws` workers (None: not known
-    yet) and, above 1, every other setting is one built sharded."""
+    yet) and the `local` ones of a machine (torchrun's LOCAL_WORLD_SIZE; None: one machine),
+    and, above 1, every other setting is one built sharded."""
     size = get(cfg, "dist.shard_size")
     if not (isinstance(size, int) and not isinstance(size, bool) and size >= 1):
         raise ConfigError(f"dist.shard_size must be an integer >= 1, got {size!r}")
     if ws is not None and ws % size:
         raise ConfigError(
             f"dist.shard_size must be a divisor of the world size ({ws} workers), got {size}"
+        )
+    if local is not None and local % size:
+        # a group is S contiguous ranks and torchrun numbers each machine's contiguously: only
+        # a divisor keeps every group on one machine, else FSDP's per-step gathers and
+        # reduce-scatters would cross the network
+        raise ConfigError(
+            f"dist.shard_size must be a divisor of the workers per machine ({local}, "
+            f"LOCAL_WORLD_SIZE), got {size}: a replica group would span machines"
         )
     if size == 1:
         return
