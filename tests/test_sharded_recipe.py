@@ -84,6 +84,8 @@ def _train(rank: int, world: int, shard_size: int) -> dict:
             "models": models,
             "norms": norms,
             "rounds": grads.stats.rounds,
+            "held": sum(b.untyped_storage().nbytes() for b in grads.buffers),  # between steps
+            "numel": sum(b.numel() for b in grads.buffers),
             "computed": computed,
             "masters": {type(p).__name__ + str(p.dtype) for p in model.parameters()},
             "scale": recipe.scaler.get_scale() if recipe.scaler else None,
@@ -111,6 +113,10 @@ def test_the_sharded_recipe_steps_as_the_replicated_one_on_the_union_of_the_batc
         # the norm clipped is the whole model's, not this rank's shard's
         torch.testing.assert_close(result[case]["norms"], ref["norms"], rtol=1e-5, atol=0)
         assert result[case]["rounds"] == warmup
+        # sharded, the warmup's mirror of the gradient shards is released between steps;
+        # unsharded, its buffers are the gradients' own storage
+        assert result[case]["held"] == 0 and result[case]["numel"] > 0
+    assert replicated[0][case]["held"] == 4 * replicated[0][case]["numel"]
     if "gradient_clip_val" in keys:
         assert len(sharded[0][case]["norms"]) == steps
         assert min(sharded[0][case]["norms"]) > keys["gradient_clip_val"]  # every step clipped

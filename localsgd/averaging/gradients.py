@@ -64,6 +64,15 @@ class GradientAverager:
                 self.bindings.append((p, view))
                 offset += shape.numel()
             self.buffers.append(flat)
+        self._release()
+
+    def _release(self) -> None:
+        """Mirror: free the buffers' storage between all-reduces (the gradients hold the
+        values), as the averagers' mirror does: no second copy of the gradient shards is kept
+        across steps, nor for the rest of the run once the warmup is over."""
+        if self.mirror:
+            for flat in self.buffers:
+                flat.untyped_storage().resize_(0)
 
     def _rebind(self) -> None:
         for p, view in self.bindings:
@@ -76,7 +85,10 @@ class GradientAverager:
 
     @torch.no_grad()  # in-place on a DTensor gradient's local shard
     def _pull(self) -> None:
-        """Mirror: copy the local gradient shards in (zeros for a parameter without one)."""
+        """Mirror: (re)allocate the buffers, copy the local gradient shards in (zeros for a
+        parameter without one)."""
+        for flat in self.buffers:
+            flat.untyped_storage().resize_(flat.numel() * flat.element_size())
         for p, view in self.bindings:
             if p.grad is None:
                 view.zero_()
@@ -91,6 +103,7 @@ class GradientAverager:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             local_tensor(p.grad).copy_(view)
+        self._release()
 
     def all_reduce(self) -> None:
         """Replace every gradient by its mean over the group; one communication round."""
