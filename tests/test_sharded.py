@@ -204,6 +204,7 @@ def test_the_cli_trains_sharded_diloco_and_reports_state_bytes(tmp_path):
     held = summary["state_bytes"]
     whole = summary["params"] * 4
     assert whole / 2 <= held["parameters"] <= whole / 2 * 1.05
+    assert held["averager_parts"]["mirror"] == 0  # released between steps
     # every rank sends its shard, not the model: 4 outer steps
     assert summary["comm_bytes"] == 4 * held["parameters"]
     # the replica group's total: both ranks' shards, the whole model's bytes per outer step
