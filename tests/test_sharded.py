@@ -245,10 +245,16 @@ def test_mirrored_buffers_hold_copies_rebind_nothing_and_copy_only_when_asked():
     assert torch.equal(a.detach(), torch.ones(3))  # a copy: the parameter is untouched
     flat.push()
     assert torch.equal(a.detach(), torch.full((3,), 5.0)) and float(b.detach().sum()) == 20.0
+    # released until the next pull; the tensors hold the values, a copy can be had meanwhile
+    view = flat.views[0]
+    assert flat.held_bytes == 0 and flat.released
+    assert torch.equal(flat.current()[0][:3], torch.full((3,), 5.0))
     with torch.no_grad():
         a.add_(1.0)
     flat.pull()
+    assert flat.held_bytes == flat.nbytes == 7 * 4 and flat.views[0] is view
     assert torch.equal(flat.buffers[0][:3], torch.full((3,), 6.0))
+    assert torch.equal(view, torch.full((3,), 6.0))  # the views survive the release
     # the default (rebinding) mode makes the parameters views of the buffer
     plain = FlatBuffers([a, b])
     assert a.data_ptr() == plain.buffers[0].data_ptr()
