@@ -1,0 +1,118 @@
+"""`ft=torchft` with sharded replica groups (HSDP-style): per machine a torchrun whose ranks
+shard the model with FSDP2 (`dist.shard_size` = the ranks per machine), torchft averaging each
+shard across the machines (rank r of every group holds shard r), and a restarted group healing
+each rank's local shards from the live group's same rank."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from tests import faults
+from tests.helpers import FAST, ROOT, TORCHRUN, free_port, survivors, tagged_env
+
+pytest.importorskip("torchft")
+
+ARGS = FAST + [
+    "data.num_samples=900",
+    "trainer.batch_size=16",
+    "trainer.log_every=2",
+    "trainer.eval_every=1000",
+    "trainer.checkpoint_every=0",
+    "sync.warmup_steps=4",
+    "sync.period=4",
+    "logger=jsonl",
+    "ft=torchft",
+    "ft.replica_groups=2",
+    "ft.timeout_s=10",
+    "sync.check_replicas=true",
+    "dist.world_size=null",
+    "dist.shard_size=2",
+]
+
+
+def _participants(run_dir) -> list[int]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    seq = [r["participants"] for r in map(json.loads, lines) if "participants" in r]
+    return [x for i, x in enumerate(seq) if i == 0 or seq[i - 1] != x]
+
+
+def _two_machines(tmp_path, extra: list[str]) -> list[str]:
+    """A lighthouse and two `torchrun --nproc-per-node=2` (groups 0 and 1) on loopback; their
+    outputs, after asserting both exit 0 and leave no process behind."""
+    from localsgd.averaging.torchft import start_lighthouse
+
+    server, address = start_lighthouse(1, heartbeat_timeout_ms=1000, quorum_tick_ms=20)
+    env, tag = tagged_env({"RUST_LOG": "warn"})
+    groups = []
+    try:
+        for index in range(2):
+            args = (
+                ARGS
+                + extra
+                + [
+                    f"ft.lighthouse={address.removeprefix('http://')}",
+                    f"ft.replica_id=group_{index}",
+                    f"hydra.run.dir={tmp_path / f'group_{index}'}",
+                ]
+            )
+            cmd = [
+                TORCHRUN,
+                "--nproc-per-node=2",
+                "--max-restarts=1",
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+                "--monitor-interval=0.2",
+                "-m",
+                "localsgd.train",
+                *args,
+            ]
+            groups.append(
+                subprocess.Popen(
+                    cmd,
+                    cwd=ROOT,
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                )  # fmt: skip
+            )
+        outputs = [g.communicate(timeout=200)[0] for g in groups]
+    finally:
+        for g in groups:
+            g.kill()
+        server.shutdown()
+    assert [g.returncode for g in groups] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    assert not survivors(tag)
+    return outputs
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_sharded_group_killed_and_restarted_heals_each_shard_from_the_live_group(tmp_path):
+    """Rank 2 (group 1's first) is SIGKILLed at step 10; torchrun restarts group 1, whose two
+    ranks each take their own shard of the model and optimizer state from group 0's rank of the
+    same index, and train on: participants 2 -> 1 -> 2, one heal, every sync's shards checked
+    bit-identical across the groups."""
+    once = tmp_path / "killed-once"
+    outputs = _two_machines(
+        tmp_path,
+        [
+            # a slow link keeps group 0 training while torchrun restarts group 1
+            "trainer.max_steps=120",
+            "comm.simulate.latency_ms=250",
+            faults.override(f"kill:2:10:{once}"),
+        ],
+    )
+    for rank in (2, 3):  # both shards of group 1
+        assert f"ft: worker {rank} healed from a live peer" in outputs[1], outputs[1][-3000:]
+    run_dir = tmp_path / "group_0"  # global rank 0 writes the results
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 4 and summary["shard_size"] == 2
+    assert summary["steps"] == 120 and summary["heals"] == 1
+    assert summary["participants"] == 2 and summary["participants_min"] == 1
+    assert summary["replica_checks"] > 0
+    assert _participants(run_dir) == [2, 1, 2]
+    assert not (tmp_path / "group_1" / "summary.json").exists()
