@@ -91,7 +91,18 @@ def _two_machines(tmp_path, extra: list[str]) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_a_sharded_group_killed_and_restarted_heals_each_shard_from_the_live_group(tmp_path):
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        [],  # local SGD, SGD with momentum: one state tensor per shard
+        # DiLoCo: AdamW's two moments per shard and its step count, the outer momentum
+        ["sync.outer=diloco", "optim=adamw", "optim.lr=0.003"],
+    ],
+    ids=["local-sgd", "diloco"],
+)
+def test_a_sharded_group_killed_and_restarted_heals_each_shard_from_the_live_group(
+    strategy, tmp_path
+):
     """Rank 2 (group 1's first) is SIGKILLed at step 10; torchrun restarts group 1, whose two
     ranks each take their own shard of the model and optimizer state from group 0's rank of the
     same index, and train on: participants 2 -> 1 -> 2, one heal, every sync's shards checked
@@ -100,6 +111,7 @@ def test_a_sharded_group_killed_and_restarted_heals_each_shard_from_the_live_gro
     outputs = _two_machines(
         tmp_path,
         [
+            *strategy,
             # a slow link keeps group 0 training while torchrun restarts group 1
             "trainer.max_steps=120",
             "comm.simulate.latency_ms=250",
@@ -116,3 +128,31 @@ def test_a_sharded_group_killed_and_restarted_heals_each_shard_from_the_live_gro
     assert summary["replica_checks"] > 0
     assert _participants(run_dir) == [2, 1, 2]
     assert not (tmp_path / "group_1" / "summary.json").exists()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    "extra, ranks, line",
+    [
+        ([], 2, None),  # shard_size = the ranks per machine: built
+        ([], 4, "dist.shard_size must equal the ranks per machine (4, torchrun's"),
+        (["trainer.checkpoint_every=10"], 2, "trainer.checkpoint_every=10 with ft=torchft is not"),
+    ],
+)
+def test_under_torchrun_shard_size_is_the_ranks_per_machine(extra, ranks, line, monkeypatch):
+    from localsgd.cli.checks import _get
+    from localsgd.cli.sharding import validate_sharding
+    from localsgd.config import ConfigError
+    from tests.helpers import compose_config
+
+    for key, value in (("RANK", "0"), ("WORLD_SIZE", str(ranks)), ("LOCAL_RANK", "0")):
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    cfg = compose_config(["ft=torchft", "dist.shard_size=2", "trainer.checkpoint_every=0", *extra])
+    if line is None:
+        validate_sharding(cfg, _get, ranks)
+        return
+    with pytest.raises(ConfigError) as refused:
+        validate_sharding(cfg, _get, ranks)
+    assert line in str(refused.value) and "\n" not in str(refused.value), refused.value
