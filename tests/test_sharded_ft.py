@@ -156,3 +156,71 @@ def test_under_torchrun_shard_size_is_the_ranks_per_machine(extra, ranks, line, 
     with pytest.raises(ConfigError) as refused:
         validate_sharding(cfg, _get, ranks)
     assert line in str(refused.value) and "\n" not in str(refused.value), refused.value
+
+
+def _heal_round_trip(rank: int, world: int) -> dict:
+    """One replica group of `world` ranks: rank r's heal state of a trained sharded model and its
+    AdamW, carried as torchft's transport does (torch.save), loaded into a fresh model and an
+    optimizer that has taken no step (a restarted rank's); then one more step on both."""
+    import io
+
+    import torch
+    from torch import nn
+
+    from localsgd.averaging.flat import local_tensor
+    from localsgd.loop.checkpoint import ModuleState
+    from localsgd.loop.fault_tolerance import _heal_loader, _heal_state
+    from localsgd.loop.sharding import Sharding
+
+    torch.set_num_threads(1)
+    sharding = Sharding(world, world, torch.device("cpu"))
+
+    def build(seed: int):
+        torch.manual_seed(seed)
+        model = sharding.shard(nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3)))
+        return model, torch.optim.AdamW(model.parameters(), lr=0.01)
+
+    def step(model, opt, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        x, y = torch.randn(4, 6, generator=g), torch.randint(0, 3, (4,), generator=g)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    peer, peer_opt = build(0)
+    for s in range(2):
+        step(peer, peer_opt, s)
+    healer, healer_opt = build(1)
+    for component, target in ((ModuleState(peer), healer), (peer_opt, healer_opt)):
+        own = ModuleState(target) if isinstance(target, nn.Module) else target
+        wire = io.BytesIO()
+        torch.save(_heal_state(component)(), wire)
+        wire.seek(0)
+        _heal_loader("x", own)(torch.load(wire, weights_only=False))
+
+    def shards(model, opt) -> list:
+        state = [local_tensor(p).clone() for p in model.parameters()]
+        for p in model.parameters():
+            state += [local_tensor(v).clone() for v in opt.state[p].values()]
+        return state
+
+    def same() -> bool:
+        pairs = zip(shards(peer, peer_opt), shards(healer, healer_opt), strict=True)
+        return all(torch.equal(a, b) for a, b in pairs)
+
+    healed = same()
+    step(peer, peer_opt, 2)
+    step(healer, healer_opt, 2)
+    after = same()
+    return {"healed": healed, "after": after, "n": len(shards(peer, peer_opt))}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_a_heal_carries_each_ranks_local_shards_and_the_next_step_matches():
+    from tests.helpers import run_distributed
+
+    results = run_distributed(_heal_round_trip, 2, timeout_s=60)
+    for r in results:
+        # 4 parameters, each with AdamW's step, exp_avg and exp_avg_sq
+        assert r == {"healed": True, "after": True, "n": 16}, results
