@@ -423,7 +423,11 @@ class Trainer:
             if self.sharding.sharded:
                 # one process writes a shared checkpoint, and it holds only its own shard
                 # (checkpoint_every is refused; a stop's checkpoint is not written)
-                notice("a shared checkpoint is not built with dist.shard_size > 1 yet: not written")
+                if writes:
+                    notice(
+                        "a shared checkpoint is not built with dist.shard_size > 1 yet: none "
+                        "written (the same command starts over)"
+                    )
                 return ""
             own = self.sync.own_state()
             if own is not None:
