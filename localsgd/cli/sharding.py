@@ -13,7 +13,6 @@ from localsgd.loop.plan import SyncPlan
 # key: (the value a sharded run needs, what the key would ask of it); the recipe's precision,
 # compile, clipping, accumulation and activation checkpointing are built (localsgd/loop/recipe.py)
 SHARD_NEEDS = {
-    "ft.backend": ("none", "fault tolerance across sharded replica groups"),
     "trainer.nan_policy": ("error", "a rank of a replica group skipping a step alone"),
 }
 
@@ -50,9 +49,41 @@ def validate_sharding(
     refusal = SyncPlan.of(get(cfg, "sync")).shard_refusal()
     if refusal is not None:
         raise ConfigError(f"{refusal} {NOT_YET}")
+    if get(cfg, "ft.backend") != "none":
+        _validate_ft(cfg, get, size, ws)
     for key, (needed, what) in SHARD_NEEDS.items():
         value = get(cfg, key)
         if value != needed:
             raise ConfigError(
                 f"{key}={_shown(value)} ({what}) {NOT_YET}; set {key}={_shown(needed)}"
             )
+
+
+def _validate_ft(cfg: Any, get: Callable[[Any, str], Any], size: int, ws: int | None) -> None:
+    """ft=torchft with sharding: each machine (a torchrun) is one replica group, sharded with
+    FSDP2 over all its ranks, and torchft connects rank r of every group, which holds the same
+    shard. On one machine each worker is a replica group of one process: nothing to shard."""
+    from localsgd.cli.forkserver import under_torchrun
+
+    if not under_torchrun():
+        raise ConfigError(
+            f"ft=torchft with dist.shard_size={size} needs torchrun per machine (each machine's "
+            "ranks one sharded replica group, ft.replica_groups, ft.replica_id); on one machine "
+            "each worker is a replica group of one process: set dist.shard_size=1"
+        )
+    # Equal, not a divisor: with fewer ranks per shard than per machine, a shard's replicas
+    # inside the machine would need their own average under torchft's, not built
+    if ws is not None and size != ws:
+        raise ConfigError(
+            f"dist.shard_size must equal the ranks per machine ({ws}, torchrun's "
+            f"--nproc-per-node) with ft=torchft: each machine is one sharded replica group, "
+            f"got {size}"
+        )
+    every = get(cfg, "trainer.checkpoint_every")
+    if every:
+        # checkpoints under ft are one shared state written by one process, which holds only
+        # its own shard here
+        raise ConfigError(
+            f"trainer.checkpoint_every={every} with ft=torchft {NOT_YET}; set "
+            "trainer.checkpoint_every=0"
+        )

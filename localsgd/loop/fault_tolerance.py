@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from localsgd.averaging.flat import is_dtensor
 from localsgd.averaging.torchft import (
     FaultTolerantRounds,
     QuorumLost,
@@ -117,7 +118,7 @@ class FaultTolerance:
         rounds, info = self.rounds, self.info
         for key, component in registry.items():
             if key not in NOT_HEALED:
-                rounds.register_state(key, component.state_dict, _heal_loader(key, component))
+                rounds.register_state(key, _heal_state(component), _heal_loader(key, component))
         if every > 0:
             rounds.checkpoint_mark = step // every
         groups = replica_groups(self.ft, info)
@@ -199,6 +200,14 @@ class FaultTolerance:
         self.rounds.manager.shutdown(wait=False)
 
 
+def _heal_state(component) -> Callable[[], Any]:
+    """What a peer sends of `component`: its state_dict, with any DTensor (a sharded replica
+    group's model and optimizer state, FSDP2's) as its local shard. A DTensor pickles with its
+    device mesh, which names this process's groups: torchft's checkpoint transport cannot carry
+    it, and the healer's rank r needs only the shard that the peer's rank r holds anyway."""
+    return lambda: _local_tree(component.state_dict())
+
+
 def _heal_loader(key: str, component) -> Callable[[Any], None]:
     if key == "sampler":  # the peer's epoch and position, on this worker's own shard
 
@@ -207,7 +216,72 @@ def _heal_loader(key: str, component) -> Callable[[Any], None]:
             component.load_state_dict({**state, "num_indices": own["num_indices"]})
 
         return load
-    return component.load_state_dict
+
+    def load_shards(state: Any) -> None:
+        # local shards back into DTensors laid out as this rank's own (same mesh and placements:
+        # the peer's rank r held the same shard index)
+        if isinstance(component, torch.optim.Optimizer):
+            state = _optimizer_dtensors(state, component)
+        else:
+            state = _into_dtensors(state, component.state_dict())
+        component.load_state_dict(state)
+
+    return load_shards
+
+
+def _as_dtensor_like(local: torch.Tensor, like) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
+        local.to(like.device),
+        like.device_mesh,
+        like.placements,
+        run_check=False,
+        shape=like.shape,
+        stride=like.stride(),
+    )
+
+
+def _optimizer_dtensors(state: dict, optimizer: torch.optim.Optimizer) -> dict:
+    """A peer's optimizer state_dict with each per-parameter tensor shaped as that parameter's
+    local shard made a DTensor like the parameter. Read from the parameters, not from this
+    optimizer's own state: a restarted worker has taken no step, so it holds none."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    out = {}
+    for index, entries in state["state"].items():
+        param = params[index]
+        if is_dtensor(param):
+            shape = param.to_local().shape
+            entries = {
+                k: _as_dtensor_like(v, param)
+                if isinstance(v, torch.Tensor) and v.dim() and v.shape == shape
+                else v
+                for k, v in entries.items()
+            }
+        out[index] = entries
+    return {**state, "state": out}
+
+
+def _local_tree(tree: Any) -> Any:
+    if is_dtensor(tree):
+        return tree.to_local()
+    if isinstance(tree, dict):
+        return {k: _local_tree(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_local_tree(v) for v in tree)
+    return tree
+
+
+def _into_dtensors(theirs: Any, own: Any) -> Any:
+    """`theirs` with each tensor where `own` holds a DTensor made a DTensor like it."""
+    if is_dtensor(own):
+        return _as_dtensor_like(theirs, own)
+    if isinstance(theirs, dict) and isinstance(own, dict):
+        return {k: _into_dtensors(v, own.get(k)) for k, v in theirs.items()}
+    pairs = isinstance(theirs, (list, tuple)) and isinstance(own, (list, tuple))
+    if pairs and len(theirs) == len(own):
+        return type(theirs)(_into_dtensors(t, o) for t, o in zip(theirs, own, strict=True))
+    return theirs
 
 
 def _group_store() -> dict[str, Any]:
@@ -224,4 +298,3 @@ def _group_store() -> dict[str, Any]:
 
 
 _STORES: list[Any] = []
-

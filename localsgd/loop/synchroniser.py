@@ -262,6 +262,14 @@ class Synchroniser:
         ft = self.fault_tolerance
         return rank == 0 if ft is None else ft.writes_results
 
+    def evaluates_final(self, rank: int, sharding: Sharding) -> bool:
+        """Sharded: whether this rank takes part in the final evaluation (FSDP's forward
+        gathers from every rank of a group): the first replica group's ranks; under torchft
+        every rank of the group whose rank 0 writes the results (the same quorum, so the same
+        answer on each)."""
+        ft = self.fault_tolerance
+        return sharding.evaluates(rank) if ft is None else ft.rounds.leads
+
     def close(self) -> None:
         if self.fault_tolerance is not None:
             self.fault_tolerance.close()

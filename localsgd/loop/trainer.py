@@ -75,7 +75,10 @@ class Trainer:
         if c.trainer.activation_checkpointing:  # per block, before sharding wraps the blocks
             checkpoint_activations(model)
         # dist.shard_size > 1: sharded inside each replica group (FSDP2), before the optimizer
-        self.sharding = Sharding(c.dist.shard_size, info.world_size, device)
+        # over the process group's ranks: every worker's, or under torchrun with torchft one
+        # machine's (its replica group; torchft goes across the machines)
+        ranks = dist.get_world_size() if dist.is_initialized() else info.world_size
+        self.sharding = Sharding(c.dist.shard_size, ranks, device)
         self.model = self.sharding.shard(model, c.trainer.precision, c.trainer.compile)
         self.optimizer = build_optimizer(self.model.parameters(), c.optim)
         self.lr_schedule = build_schedule(c.lr_schedule, c.trainer.max_steps)
@@ -378,9 +381,11 @@ class Trainer:
         wall = self.elapsed()
         self.loop_seconds = wall  # this rank's training loop (benchmarks take the slowest)
         writes = self.sync.writes_results(self.info.rank)
-        if not writes and not (self.sharding.sharded and self.sharding.evaluates(self.info.rank)):
+        rank, sharding = self.info.rank, self.sharding
+        evaluates = sharding.sharded and self.sync.evaluates_final(rank, sharding)
+        if not writes and not evaluates:
             return None
-        # sharded: every rank of the first replica group evaluates and gathers the model
+        # sharded: every rank of the writer's replica group evaluates and gathers the model
         result = self.evaluate(full=True)
         sample = text_sample(self.model, self.data, self.cfg.trainer.sample_chars, self.cfg.seed)
         state = self.sharding.full_state(self.model)
@@ -418,6 +423,15 @@ class Trainer:
         self.nonfinite.check(self.info.rank)  # a checkpoint never holds a diverged state
         self.elapsed_s = self.elapsed()
         if shared:
+            if self.sharding.sharded:
+                # one process writes a shared checkpoint, and it holds only its own shard
+                # (checkpoint_every is refused; a stop's checkpoint is not written)
+                if writes:
+                    notice(
+                        "a shared checkpoint is not built with dist.shard_size > 1 yet: none "
+                        "written (the same command starts over)"
+                    )
+                return ""
             own = self.sync.own_state()
             if own is not None:
                 checkpoint.save_own(self.run_dir, self.step, self.info.rank, own)

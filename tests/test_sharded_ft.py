@@ -1,0 +1,226 @@
+"""`ft=torchft` with sharded replica groups (HSDP-style): per machine a torchrun whose ranks
+shard the model with FSDP2 (`dist.shard_size` = the ranks per machine), torchft averaging each
+shard across the machines (rank r of every group holds shard r), and a restarted group healing
+each rank's local shards from the live group's same rank."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from tests import faults
+from tests.helpers import FAST, ROOT, TORCHRUN, free_port, survivors, tagged_env
+
+pytest.importorskip("torchft")
+
+ARGS = FAST + [
+    "data.num_samples=900",
+    "trainer.batch_size=16",
+    "trainer.log_every=2",
+    "trainer.eval_every=1000",
+    "trainer.checkpoint_every=0",
+    "sync.warmup_steps=4",
+    "sync.period=4",
+    "logger=jsonl",
+    "ft=torchft",
+    "ft.replica_groups=2",
+    "ft.timeout_s=10",
+    "sync.check_replicas=true",
+    "dist.world_size=null",
+    "dist.shard_size=2",
+]
+
+
+def _participants(run_dir) -> list[int]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    seq = [r["participants"] for r in map(json.loads, lines) if "participants" in r]
+    return [x for i, x in enumerate(seq) if i == 0 or seq[i - 1] != x]
+
+
+def _two_machines(tmp_path, extra: list[str]) -> list[str]:
+    """A lighthouse and two `torchrun --nproc-per-node=2` (groups 0 and 1) on loopback; their
+    outputs, after asserting both exit 0 and leave no process behind."""
+    from localsgd.averaging.torchft import start_lighthouse
+
+    server, address = start_lighthouse(1, heartbeat_timeout_ms=1000, quorum_tick_ms=20)
+    env, tag = tagged_env({"RUST_LOG": "warn"})
+    groups = []
+    try:
+        for index in range(2):
+            args = (
+                ARGS
+                + extra
+                + [
+                    f"ft.lighthouse={address.removeprefix('http://')}",
+                    f"ft.replica_id=group_{index}",
+                    f"hydra.run.dir={tmp_path / f'group_{index}'}",
+                ]
+            )
+            cmd = [
+                TORCHRUN,
+                "--nproc-per-node=2",
+                "--max-restarts=1",
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+                "--monitor-interval=0.2",
+                "-m",
+                "localsgd.train",
+                *args,
+            ]
+            groups.append(
+                subprocess.Popen(
+                    cmd,
+                    cwd=ROOT,
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                )  # fmt: skip
+            )
+        outputs = [g.communicate(timeout=200)[0] for g in groups]
+    finally:
+        for g in groups:
+            g.kill()
+        server.shutdown()
+    assert [g.returncode for g in groups] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    assert not survivors(tag)
+    return outputs
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        [],  # local SGD, SGD with momentum: one state tensor per shard
+        # DiLoCo: AdamW's two moments per shard and its step count, the outer momentum
+        ["sync.outer=diloco", "optim=adamw", "optim.lr=0.003"],
+    ],
+    ids=["local-sgd", "diloco"],
+)
+def test_a_sharded_group_killed_and_restarted_heals_each_shard_from_the_live_group(
+    strategy, tmp_path
+):
+    """Rank 2 (group 1's first) is SIGKILLed at step 10; torchrun restarts group 1, whose two
+    ranks each take their own shard of the model and optimizer state from group 0's rank of the
+    same index, and train on: participants 2 -> 1 -> 2, one heal, every sync's shards checked
+    bit-identical across the groups."""
+    once = tmp_path / "killed-once"
+    outputs = _two_machines(
+        tmp_path,
+        [
+            *strategy,
+            # a slow link keeps group 0 training while torchrun restarts group 1
+            "trainer.max_steps=120",
+            "comm.simulate.latency_ms=250",
+            faults.override(f"kill:2:10:{once}"),
+        ],
+    )
+    for rank in (2, 3):  # both shards of group 1
+        assert f"ft: worker {rank} healed from a live peer" in outputs[1], outputs[1][-3000:]
+    run_dir = tmp_path / "group_0"  # global rank 0 writes the results
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 4 and summary["shard_size"] == 2
+    assert summary["steps"] == 120 and summary["heals"] == 1
+    assert summary["participants"] == 2 and summary["participants_min"] == 1
+    assert summary["replica_checks"] > 0
+    assert _participants(run_dir) == [2, 1, 2]
+    assert not (tmp_path / "group_1" / "summary.json").exists()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    "extra, ranks, line",
+    [
+        ([], 2, None),  # shard_size = the ranks per machine: built
+        ([], 4, "dist.shard_size must equal the ranks per machine (4, torchrun's"),
+        (["trainer.checkpoint_every=10"], 2, "trainer.checkpoint_every=10 with ft=torchft is not"),
+    ],
+)
+def test_under_torchrun_shard_size_is_the_ranks_per_machine(extra, ranks, line, monkeypatch):
+    from localsgd.cli.checks import _get
+    from localsgd.cli.sharding import validate_sharding
+    from localsgd.config import ConfigError
+    from tests.helpers import compose_config
+
+    for key, value in (("RANK", "0"), ("WORLD_SIZE", str(ranks)), ("LOCAL_RANK", "0")):
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    cfg = compose_config(["ft=torchft", "dist.shard_size=2", "trainer.checkpoint_every=0", *extra])
+    if line is None:
+        validate_sharding(cfg, _get, ranks)
+        return
+    with pytest.raises(ConfigError) as refused:
+        validate_sharding(cfg, _get, ranks)
+    assert line in str(refused.value) and "\n" not in str(refused.value), refused.value
+
+
+def _heal_round_trip(rank: int, world: int) -> dict:
+    """One replica group of `world` ranks: rank r's heal state of a trained sharded model and its
+    AdamW, carried as torchft's transport does (torch.save), loaded into a fresh model and an
+    optimizer that has taken no step (a restarted rank's); then one more step on both."""
+    import io
+
+    import torch
+    from torch import nn
+
+    from localsgd.averaging.flat import local_tensor
+    from localsgd.loop.checkpoint import ModuleState
+    from localsgd.loop.fault_tolerance import _heal_loader, _heal_state
+    from localsgd.loop.sharding import Sharding
+
+    torch.set_num_threads(1)
+    sharding = Sharding(world, world, torch.device("cpu"))
+
+    def build(seed: int):
+        torch.manual_seed(seed)
+        model = sharding.shard(nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3)))
+        return model, torch.optim.AdamW(model.parameters(), lr=0.01)
+
+    def step(model, opt, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        x, y = torch.randn(4, 6, generator=g), torch.randint(0, 3, (4,), generator=g)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    peer, peer_opt = build(0)
+    for s in range(2):
+        step(peer, peer_opt, s)
+    healer, healer_opt = build(1)
+    for component, target in ((ModuleState(peer), healer), (peer_opt, healer_opt)):
+        own = ModuleState(target) if isinstance(target, nn.Module) else target
+        wire = io.BytesIO()
+        torch.save(_heal_state(component)(), wire)
+        wire.seek(0)
+        _heal_loader("x", own)(torch.load(wire, weights_only=False))
+
+    def shards(model, opt) -> list:
+        state = [local_tensor(p).clone() for p in model.parameters()]
+        for p in model.parameters():
+            state += [local_tensor(v).clone() for v in opt.state[p].values()]
+        return state
+
+    def same() -> bool:
+        pairs = zip(shards(peer, peer_opt), shards(healer, healer_opt), strict=True)
+        return all(torch.equal(a, b) for a, b in pairs)
+
+    healed = same()
+    step(peer, peer_opt, 2)
+    step(healer, healer_opt, 2)
+    after = same()
+    return {"healed": healed, "after": after, "n": len(shards(peer, peer_opt))}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_a_heal_carries_each_ranks_local_shards_and_the_next_step_matches():
+    from tests.helpers import run_distributed
+
+    results = run_distributed(_heal_round_trip, 2, timeout_s=60)
+    for r in results:
+        # 4 parameters, each with AdamW's step, exp_avg and exp_avg_sq
+        assert r == {"healed": True, "after": True, "n": 16}, results
