@@ -96,7 +96,10 @@ def _two_machines(tmp_path, extra: list[str]) -> list[str]:
     [
         [],  # local SGD, SGD with momentum: one state tensor per shard
         # DiLoCo: AdamW's two moments per shard and its step count, the outer momentum
-        ["sync.outer=diloco", "optim=adamw", "optim.lr=0.003"],
+        # (~20 s more: `make test-long`; the heal round trip below covers AdamW's state)
+        pytest.param(
+            ["sync.outer=diloco", "optim=adamw", "optim.lr=0.003"], marks=pytest.mark.long
+        ),
     ],
     ids=["local-sgd", "diloco"],
 )

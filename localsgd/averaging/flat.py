@@ -129,6 +129,18 @@ class FlatBuffers:
                 out[g][offset : offset + n].copy_(local_tensor(t).reshape(-1))
         return out
 
+    @torch.no_grad()
+    def assign(self, values: list[torch.Tensor]) -> None:
+        """Set the tensors' values from `values`, laid out as the buffers (what `current()`
+        gave): into the buffers, or, released (mirror mode between steps), into each tensor."""
+        if not self.released:
+            for b, v in zip(self.buffers, values, strict=True):
+                b.copy_(v)
+            return
+        for t, (g, offset, n) in zip(self.tensors, self.slots, strict=True):
+            local = local_tensor(t)
+            local.copy_(values[g][offset : offset + n].view(local.shape))
+
     @property
     def numel(self) -> int:
         return sum(b.numel() for b in self.buffers)

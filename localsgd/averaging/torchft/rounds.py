@@ -166,15 +166,15 @@ class FaultTolerantRounds:
         av = self.averager
         av.ensure_bound()
         return {
-            "buffers": [b.detach().clone() for b in av.flat.buffers],
+            # mirror mode (sharded) between steps: the values live in the tensors
+            "buffers": [b.detach().clone() for b in av.flat.current()],
             "reducer": _clone_tree(av.reducer.state_dict()),
         }
 
     def _restore(self, snap: dict) -> None:
         av = self.averager
         av.ensure_bound()
-        for mine, saved in zip(av.flat.buffers, snap["buffers"], strict=True):
-            mine.copy_(saved)
+        av.flat.assign(snap["buffers"])
         av.reducer.load_state_dict(_clone_tree(snap["reducer"]))
 
     def _ft_state(self) -> dict:
@@ -185,7 +185,7 @@ class FaultTolerantRounds:
         return {
             "phase": self.phase,
             "averager": av.state_dict(),
-            "buffers": list(av.flat.buffers),
+            "buffers": list(av.flat.current()),
             "committed": self.committed,
             "failed_syncs": self.failed_syncs,
             "participants_min": self.participants_min,
@@ -197,8 +197,7 @@ class FaultTolerantRounds:
         av = self.averager
         av.ensure_bound()
         av.load_state_dict(without_residuals(state["averager"]))
-        for mine, theirs in zip(av.flat.buffers, state["buffers"], strict=True):
-            mine.copy_(theirs)
+        av.flat.assign(state["buffers"])
         committed = state["committed"]
         if committed is not None:  # the peer's residuals are not this replica's
             committed = {**committed, "reducer": without_residuals(
