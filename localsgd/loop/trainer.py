@@ -94,6 +94,7 @@ class Trainer:
         self.loss_sum = torch.zeros((), device=device)  # summed on device, read at log steps
         self.loss_count = 0
         self.skipped_steps = 0
+        self.saved_at: int | None = None  # the step of the last checkpoint this rank wrote
         self.elapsed_s = 0.0  # training seconds before the last resume
         self.eval_s = 0.0  # of those and the seconds since, spent in periodic evaluation
         self.start: float | None = None  # perf_counter at the loop's start, less elapsed_s
@@ -367,10 +368,12 @@ class Trainer:
         )
         if stopping and self.sync.writes_results(self.info.rank):
             why = "Ctrl-C" if first_signal() == signal.SIGINT else "SIGTERM"
-            notice(
-                f"{why}: stopped after step {self.step} with a checkpoint; run the same "
-                f"command again to resume"
+            kept = (
+                "with a checkpoint; run the same command again to resume"
+                if self.saved_at == self.step
+                else "without a checkpoint (see the line above)"
             )
+            notice(f"{why}: stopped after step {self.step} {kept}")
         return stopping
 
     def finish(self) -> dict[str, Any] | None:
@@ -437,6 +440,7 @@ class Trainer:
                 checkpoint.save_own(self.run_dir, self.step, self.info.rank, own)
             if not writes:
                 return ""
+            self.saved_at = self.step
             return checkpoint.save_shared(
                 self.run_dir,
                 self.step,
@@ -448,6 +452,7 @@ class Trainer:
         save = checkpoint.save
         if self.sharding.sharded:  # the sharded state through DCP, the rest per rank
             save = partial(checkpoint_dcp.save, shard_size=self.sharding.size)
+        self.saved_at = self.step
         return save(
             self.run_dir,
             self.step,
