@@ -278,7 +278,7 @@ def _restore_rest(
     counters and loop state, the averager's flat state cut to this rank's shards, the data
     position and RNG; then, between syncs with an outer step, the anchor as the model. Returns
     the step."""
-    from localsgd.loop.reshard import _at_sync, _outer, _rescaled_position
+    from localsgd.loop.reshard import _at_sync, _outer, _rescaled_position, carry_rng
 
     rank, world_size, shard_size = layout
     old_world = len(states)
@@ -291,10 +291,7 @@ def _restore_rest(
         merged["sampler"] = _rescaled_position(
             states[0]["sampler"], components["sampler"].state_dict()
         )
-    if rank < old_world:
-        merged["rng"] = states[rank]["rng"]
-    else:
-        merged.pop("rng", None)  # the per-rank seed the trainer set
+    carry_rng(merged, states, rank)
     restore(merged, components, (*optional, *_SHARDED, "rng"), folder)
     if not _at_sync(states[0]) and _outer(states[0]):
         from_anchor(averager)

@@ -157,6 +157,15 @@ def resume_line(folder: str, world_size: int) -> str | None:
     )
 
 
+def carry_rng(merged: dict, states: list[dict], rank: int) -> None:
+    """A rank that existed keeps its random generators; a new one its per-rank seed (the one the
+    trainer set: nothing is restored)."""
+    if rank < len(states):
+        merged["rng"] = states[rank]["rng"]
+    else:
+        merged.pop("rng", None)
+
+
 def _rescaled_position(sampler: dict, own: dict) -> dict:
     """The old workers' epoch, at the same fraction of this worker's new shard."""
     old_n, new_n = int(sampler["num_indices"]), int(own["num_indices"])
@@ -247,10 +256,7 @@ def load_resharded(
         merged["sampler"] = _rescaled_position(
             states[0]["sampler"], components["sampler"].state_dict()
         )
-    if rank < old:
-        merged["rng"] = states[rank]["rng"]
-    else:
-        merged.pop("rng", None)  # the per-rank seed the trainer set
+    carry_rng(merged, states, rank)
     restore(merged, components, (*optional, "rng"), folder)
     if between and _outer(states[0]):
         averager = components["averager"]
