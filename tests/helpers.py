@@ -243,6 +243,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def torchrun_machine(args: list[str], env: dict, nproc: int = 2) -> subprocess.Popen:
+    """One "machine" on loopback: `torchrun --nproc-per-node=NPROC -m localsgd.train ARGS` with
+    a rendezvous of its own, restarted once by torchrun if a rank dies; output on stdout."""
+    cmd = [
+        TORCHRUN,
+        f"--nproc-per-node={nproc}",
+        "--max-restarts=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        "--monitor-interval=0.2",
+        "-m",
+        "localsgd.train",
+        *args,
+    ]
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
 def same_model(a, b) -> bool:
     sa = torch.load(a, weights_only=True)
     sb = torch.load(b, weights_only=True)

@@ -20,13 +20,12 @@ from tests import faults
 from tests.helpers import (
     FAST,
     ROOT,
-    TORCHRUN,
     cli,
-    free_port,
     refusal,
     same_model,
     survivors,
     tagged_env,
+    torchrun_machine,
 )
 
 pytest.importorskip("torchft")
@@ -350,28 +349,7 @@ def test_two_machines_each_a_replica_group_of_two_one_killed_and_restarted(tmp_p
                 f"hydra.run.dir={tmp_path / f'group_{index}'}",
                 faults.override(f"kill:2:10:{once}"),
             ]
-            port = free_port()
-            cmd = [
-                TORCHRUN,
-                "--nproc-per-node=2",
-                "--max-restarts=1",
-                "--rdzv-backend=c10d",
-                f"--rdzv-endpoint=127.0.0.1:{port}",
-                "--monitor-interval=0.2",
-                "-m",
-                "localsgd.train",
-                *args,
-            ]
-            groups.append(
-                subprocess.Popen(
-                    cmd,
-                    cwd=ROOT,
-                    env=env,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    text=True,
-                )
-            )
+            groups.append(torchrun_machine(args, env))
         outputs = [g.communicate(timeout=200)[0] for g in groups]
     finally:
         for g in groups:

@@ -6,12 +6,11 @@ each rank's local shards from the live group's same rank."""
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 
 from tests import faults
-from tests.helpers import FAST, ROOT, TORCHRUN, free_port, survivors, tagged_env
+from tests.helpers import FAST, survivors, tagged_env, torchrun_machine
 
 pytest.importorskip("torchft")
 
@@ -58,27 +57,7 @@ def _two_machines(tmp_path, extra: list[str]) -> list[str]:
                     f"hydra.run.dir={tmp_path / f'group_{index}'}",
                 ]
             )
-            cmd = [
-                TORCHRUN,
-                "--nproc-per-node=2",
-                "--max-restarts=1",
-                "--rdzv-backend=c10d",
-                f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-                "--monitor-interval=0.2",
-                "-m",
-                "localsgd.train",
-                *args,
-            ]
-            groups.append(
-                subprocess.Popen(
-                    cmd,
-                    cwd=ROOT,
-                    env=env,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    text=True,
-                )  # fmt: skip
-            )
+            groups.append(torchrun_machine(args, env))
         outputs = [g.communicate(timeout=200)[0] for g in groups]
     finally:
         for g in groups:
