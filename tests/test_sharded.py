@@ -21,7 +21,15 @@ import pytest
 import torch
 from torch import nn
 
-from localsgd.averaging import FlatBuffers, OuterAverager, PeriodicAverager, StreamingAverager
+from localsgd.averaging import (
+    FlatBuffers,
+    HierarchicalAverager,
+    OuterAverager,
+    PeriodicAverager,
+    StreamingAverager,
+)
+from localsgd.averaging.optimizer_state import OptimizerStateSync
+from localsgd.averaging.schedule import AdaptivePeriod
 from localsgd.loop.sharding import Sharding, state_bytes
 from tests.helpers import FAST, cli, refusal, run_distributed
 
@@ -45,7 +53,25 @@ CASES = {  # name: (steps, averager factory)
         for dtype in ("int8", "int4")
     },
 }
-EXACT = ["local_sgd", "diloco", "streaming"]  # low bits: blocks start at each shard's start
+# the settings each case turns on besides its averager: the optimizer state averaged with the
+# parameters, a period adapted to the loss (fed the replica group's loss), and two levels whose
+# narrower one (a replica group alone) makes subgroups of every shard's replicate group
+CASES |= {
+    "hierarchical": (
+        9,
+        lambda model, group: HierarchicalAverager({2: 1, 4: 2}, process_group=group, module=model),
+    ),
+    "moments_averaged": (7, CASES["diloco"][1]),
+    "adaptive": (
+        12,
+        lambda model, group: PeriodicAverager(
+            2, process_group=group, module=model, schedule=AdaptivePeriod(2, 1, 8, tolerance=0.05)
+        ),
+    ),
+}
+ADAM = ("diloco", "moments_averaged", "int8_feedback", "int4_feedback")
+EXACT = ["local_sgd", "diloco", "streaming", "hierarchical", "moments_averaged", "adaptive"]
+# (low bits: their blocks start at each shard's start)
 
 
 def _model() -> nn.Module:
@@ -84,16 +110,24 @@ def _train(rank: int, world: int, shard_size: int) -> dict:
         # momentum / AdamW: optimizer state to shard
         opt = (
             torch.optim.AdamW(model.parameters(), lr=0.01)
-            if name in ("diloco", "int8_feedback", "int4_feedback")
+            if name in ADAM
             else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         )
         averager = make(model, sharding.replicate_group)
+        if name == "moments_averaged":
+            averager.hooks.append(OptimizerStateSync(opt, "average"))
+        periods, acting = [], 0
         for step in range(steps):
             x, y = _batch(rank // shard_size, step, rank % shard_size, shard_size)
             opt.zero_grad()
-            nn.functional.cross_entropy(model(x), y).backward()
+            loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
             opt.step()
+            if averager.needs_loss:
+                averager.observe_loss(sharding.group_mean(loss))
+            acting += averager.acts_at(step)  # (asked before: adaptive's answer changes)
             averager.maybe_average()
+            periods.append(getattr(averager, "period", None))
         averager.average()
         full = sharding.full_state(model) or model.state_dict()
         out[name] = {
@@ -101,7 +135,14 @@ def _train(rank: int, world: int, shard_size: int) -> dict:
             "bytes": state_bytes(model, opt, averager),
             "pulls": pulls["n"],
             "mirror_at_rounds": pulls["held"],
-            "acting_steps": sum(averager.acts_at(s) for s in range(steps)),
+            "acting_steps": acting,
+            "periods": periods,
+            "moments": [
+                {k: v.full_tensor() for k, v in st.items() if k != "step"}
+                if sharding.sharded
+                else {k: v for k, v in st.items() if k != "step"}
+                for st in opt.state.values()
+            ],
         }
     FlatBuffers.pull = original
     return out
@@ -130,6 +171,17 @@ def test_sharded_groups_train_as_replicated_workers_on_the_union_of_their_batche
         for k, v in sharded[0][case]["model"].items():
             assert torch.equal(result[case]["model"][k], v), (case, k)
     assert not torch.equal(sharded[0][case]["model"]["0.weight"], _model()[0].weight.detach())
+    periods = [result[case]["periods"] for result in sharded + replicated]
+    assert all(p == periods[0] for p in periods), periods  # every shard index adapts alike
+    if case == "adaptive":
+        assert len(set(periods[0])) > 1, periods[0]  # the period did adapt
+    if case == "moments_averaged":  # as the parameters: the replicated workers' moments
+        for rank, result in enumerate(sharded):
+            for got, ref in zip(
+                result[case]["moments"], replicated[rank // 2][case]["moments"], strict=True
+            ):
+                for k in ref:
+                    torch.testing.assert_close(got[k], ref[k], rtol=1e-5, atol=1e-6, msg=k)
 
 
 @pytest.mark.slow
@@ -166,7 +218,10 @@ def test_a_rank_holds_half_the_state_and_copies_only_at_steps_that_act(runs, cas
     assert two["total"] <= 0.5 * one["total"] * 1.05, (two, one)
     # the mirrored copy of the shards exists only while a step acts, released after it
     assert two["averager_parts"]["mirror"] == 0
-    assert sharded[0][case]["mirror_at_rounds"] == two["parameters"]
+    # (the largest copy pulled: the parameters, with the adaptive schedule's loss slot, or
+    # Adam's two moments where the optimizer state is averaged too)
+    mirrored = {"adaptive": two["parameters"] + 4, "moments_averaged": 2 * two["parameters"]}
+    assert sharded[0][case]["mirror_at_rounds"] == mirrored.get(case, two["parameters"])
     assert one["averager_parts"]["mirror"] == 0
     # the averager's state is sharded too (anchors, outer momentum)
     for part in ("anchors", "outer_momentum", "residuals"):
@@ -175,10 +230,12 @@ def test_a_rank_holds_half_the_state_and_copies_only_at_steps_that_act(runs, cas
     # an anchored averager: none in the local phase
     result = sharded[0][case]
     assert 0 < result["acting_steps"] < CASES[case][0]  # some steps are local
-    anchored = case != "local_sgd"
+    anchored = case not in ("local_sgd", "hierarchical", "adaptive")  # broadcast at the start
     if case.endswith("_feedback"):
         assert two["averager_parts"]["residuals"] == two["parameters"]  # one per local value
-    assert result["pulls"] == result["acting_steps"] + 1 + anchored
+    averages = result["acting_steps"] + 1
+    moments = averages if case == "moments_averaged" else 0  # the moments pulled at each
+    assert result["pulls"] == averages + anchored + moments
     assert replicated[0][case]["pulls"] == 0  # unsharded: the parameters are the buffers
 
 
@@ -213,13 +270,39 @@ def test_the_cli_trains_sharded_diloco_and_reports_state_bytes(tmp_path):
     assert sum(v.numel() for v in saved.values()) == summary["params"]  # gathered whole
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_the_cli_adapts_the_period_to_the_group_loss_and_averages_the_sharded_moments(tmp_path):
+    run_dir = tmp_path / "run"
+    args = FAST + [
+        "dist.world_size=4",
+        "dist.shard_size=2",
+        "sync.schedule=adaptive",
+        "sync.period=4",
+        "sync.optimizer_state=average",
+        "sync.check_replicas=true",
+        "optim=adamw",
+        "trainer.max_steps=24",
+        "trainer.checkpoint_every=0",
+        f"hydra.run.dir={run_dir}",
+    ]
+    proc, left = cli(args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not left
+    summary = json.loads((run_dir / "summary.json").read_text())
+    # every round checked bit-identical across the groups; a constant period would make 6
+    assert summary["replica_checks"] == summary["comm_rounds"] != 6
+    # each round sends this rank's shard of the parameters, Adam's 2 moments and the loss slot
+    shard = summary["state_bytes"]["parameters"]
+    assert summary["comm_bytes"] == summary["comm_rounds"] * (3 * shard + 4)
+    # the other shard index adapted alike (fed the group's loss): as many rounds, as many bytes
+    assert summary["comm_bytes_group"] == 2 * summary["comm_bytes"]
+
+
 @pytest.mark.parametrize(
     "extra, named",
     [
         (["dist.shard_size=3"], "dist.shard_size must be a divisor of the world size (4 workers)"),
-        (["sync.optimizer_state=average"], "sync.optimizer_state=average"),
-        (["sync.schedule=adaptive"], "sync.schedule=adaptive"),
-        (["sync.levels=[{group_size:2,period:4},{group_size:world,period:8}]"], "sync.levels"),
         # one machine without torchrun: each worker a replica group of one process
         (["ft=torchft"], "ft=torchft with dist.shard_size=2 needs torchrun per machine"),
         (["trainer.nan_policy=skip"], "trainer.nan_policy=skip"),
@@ -291,3 +374,38 @@ def test_a_replica_group_spanning_machines_is_refused():
     )
     with pytest.raises(ConfigError, match=refused):
         validate(compose_config(["dist.shard_size=8"]), world_size=8, local_world_size=4)
+
+
+@pytest.mark.timeout(10)
+def test_every_rank_enumerates_the_same_subgroups_of_the_replicate_groups(monkeypatch):
+    """`sync.levels` sharded: the subgroups of a level are made by every rank of the default
+    group from one enumeration (torch matches groups by creation order), so a rank must list
+    the other shards' subgroups too, not only its own replicate group's. 8 ranks as 4 replica
+    groups of 2: levels of 2 replica groups, simulated in one process."""
+    from localsgd.averaging import comm as comm_module
+
+    groups = {r: [r % 2 + 2 * i for i in range(4)] for r in range(8)}  # shard index r % 2
+    seen = {}
+    for rank in range(8):
+        monkeypatch.setattr(
+            comm_module.dist, "get_world_size", lambda g=None: 8 if g is None else 4
+        )
+        monkeypatch.setattr(
+            comm_module.dist, "get_process_group_ranks", lambda g, r=rank: groups[r]
+        )
+        monkeypatch.setattr(
+            comm_module.dist,
+            "all_gather_object",
+            lambda out, obj: out.__setitem__(slice(None), [groups[r] for r in range(8)]),
+        )
+        monkeypatch.setattr(
+            comm_module.dist,
+            "new_subgroups_by_enumeration",
+            lambda chunks, r=rank: (seen.__setitem__(r, chunks), (None, None))[1],
+        )
+        monkeypatch.setattr(comm_module, "supports_avg", lambda group: False)
+        comm = object.__new__(comm_module.Communicator)
+        comm.group, comm.size, comm.stats, comm.link = object(), 4, None, None
+        comm.subgroups(2)
+    assert all(chunks == seen[0] for chunks in seen.values()), seen
+    assert seen[0] == [[0, 2], [4, 6], [1, 3], [5, 7]]

@@ -118,6 +118,7 @@ class Averager(ModelAverager):
         self.flat: FlatBuffers | None = None
         self.reducer: Reducer = Reducer()
         self.param_count = 0  # the first `param_count` tensors are the parameters
+        self.extra_count = 0  # the last `extra_count` tensors ride along (extra_tensors)
         self.hooks: list[AverageHook] = []
         self.global_hooks: list[GlobalSyncHook] = []
         self.all_in_sync = True  # every rank holds the same tensors (right after a full average)
@@ -162,12 +163,7 @@ class Averager(ModelAverager):
         device = tensors[0].device if tensors else torch.device("cpu")
         extra = self.extra_tensors(device)
         mirror = holds_dtensor(tensors) if self.mirror is None else self.mirror
-        if mirror and extra:
-            # the schedule reads its loss slot right after the reduction, before a push
-            raise ValueError(
-                "a schedule with loss feedback (adaptive) is not built for mirrored (sharded) "
-                "parameters yet"
-            )
+        self.extra_count = len(extra)
         self.flat = FlatBuffers(tensors + extra, mirror=mirror)
         self.reducer = self.make_reducer(self.flat)
         # An anchor (DiLoCo, SlowMo, compressed changes) taken from differing replicas would keep
@@ -265,6 +261,7 @@ class Averager(ModelAverager):
         observed = scheduled and not delayed and comm is self.comm
         before = self.stats.bytes
         self._before_reduce()
+        self._extras_into_buffers()
         if observed:
             self._global_hooks("before")
         if delayed:
@@ -277,7 +274,27 @@ class Averager(ModelAverager):
         self.stats.rounds += 1
         self.level_stats[level].rounds += 1
         self.level_stats[level].bytes += self.stats.bytes - before
+        self._extras_from_buffers()
         self._after_reduce(scheduled)
+        self._extras_into_buffers()
+
+    @torch.no_grad()
+    def _extras_into_buffers(self) -> None:
+        """Mirror mode: the buffers hold copies, taken before the schedule's `before_sync` /
+        `after_sync` changed its loss slot; refresh them, so the reduction averages what the
+        schedule prepared and the push after the step writes back what it left."""
+        if self.flat.mirror and self.extra_count:
+            n = len(self.flat.tensors) - self.extra_count
+            for t, v in zip(self.flat.tensors[n:], self.flat.views[n:], strict=True):
+                v.copy_(t)
+
+    @torch.no_grad()
+    def _extras_from_buffers(self) -> None:
+        """Mirror mode: hand the reduced loss slot to the schedule before it reads it."""
+        if self.flat.mirror and self.extra_count:
+            n = len(self.flat.tensors) - self.extra_count
+            for t, v in zip(self.flat.tensors[n:], self.flat.views[n:], strict=True):
+                t.copy_(v)
 
     def _global_hooks(self, when: str) -> None:
         for hook in self.global_hooks:
@@ -341,6 +358,11 @@ class Averager(ModelAverager):
         (a checkpoint of it: `Synchroniser.checkpoint`); None where there are none (the replicas
         are together only right after a sync)."""
         return None
+
+    @property
+    def needs_loss(self) -> bool:
+        """Whether `observe_loss` feeds anything (a schedule that adapts to the loss)."""
+        return self.extra_count > 0
 
     def observe_loss(self, loss: torch.Tensor) -> None:
         """Feed this step's training loss to a schedule that adapts to it (no-op otherwise)."""

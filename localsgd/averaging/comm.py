@@ -142,9 +142,20 @@ class Communicator:
         group: every rank must call it in the same order."""
         if size == self.size:
             return self
-        ranks = dist.get_process_group_ranks(self.group) if self.group is not None else None
-        ranks = ranks if ranks is not None else list(range(self.size))
-        chunks = [ranks[i : i + size] for i in range(0, self.size, size)]
+        mine = list(range(self.size))
+        if self.group is not None:
+            mine = dist.get_process_group_ranks(self.group)
+        parallel = [mine]
+        if len(mine) < dist.get_world_size():
+            # every rank must enumerate the same subgroups, and ranks outside this group hold
+            # groups of their own (sharded replica groups: one group per shard index), so the
+            # enumeration is the chunks of every rank's group, learnt by one gather
+            everyone: list[list[int]] = [None] * dist.get_world_size()  # type: ignore[list-item]
+            dist.all_gather_object(everyone, mine)
+            parallel = sorted({tuple(r) for r in everyone}, key=lambda r: r[0])
+        chunks = [
+            list(ranks[i : i + size]) for ranks in parallel for i in range(0, len(ranks), size)
+        ]
         group, _ = dist.new_subgroups_by_enumeration(chunks)
         return Communicator(group, self.stats, self.link)
 

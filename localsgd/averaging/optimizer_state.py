@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from localsgd.averaging.comm import Communicator
-from localsgd.averaging.flat import FlatBuffers
+from localsgd.averaging.flat import FlatBuffers, holds_dtensor
 
 OPTIMIZER_STATE_MODES = ("local", "average", "reset")
 
@@ -54,7 +54,14 @@ class OptimizerStateSync:
             return  # no state yet (no step taken, or plain SGD without momentum)
         ids = [id(t) for t in tensors]
         if self.flat is None or ids != self.bound_ids or not self.flat.is_bound():
-            self.flat = FlatBuffers(tensors)
+            # a sharded model's state is DTensors (FSDP2): mirrored through the local shards,
+            # averaged with the ranks that hold the same shards, held only during the average
+            self.flat = FlatBuffers(tensors, mirror=holds_dtensor(tensors))
+            self.flat.release()
             self.bound_ids = ids
+        if self.flat.mirror:
+            self.flat.pull()
         for flat in self.flat.buffers:
             comm.mean_(flat)
+        if self.flat.mirror:
+            self.flat.push()

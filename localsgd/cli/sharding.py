@@ -1,6 +1,5 @@
 """The checks of `dist.shard_size` (sharded replica groups, `localsgd.loop.sharding`): a divisor
-of the world size, and, above 1, a one-line refusal of every setting not built sharded yet
-(what the sync keys mean is read by `localsgd.loop.plan.SyncPlan.shard_refusal`)."""
+of the world size, and, above 1, a one-line refusal of every setting not built sharded yet."""
 
 from __future__ import annotations
 
@@ -8,7 +7,6 @@ from collections.abc import Callable
 from typing import Any
 
 from localsgd.config import ConfigError
-from localsgd.loop.plan import SyncPlan
 
 # key: (the value a sharded run needs, what the key would ask of it); the recipe's precision,
 # compile, clipping, accumulation and activation checkpointing are built (localsgd/loop/recipe.py)
@@ -46,9 +44,6 @@ def validate_sharding(
         )
     if size == 1:
         return
-    refusal = SyncPlan.of(get(cfg, "sync")).shard_refusal()
-    if refusal is not None:
-        raise ConfigError(f"{refusal} {NOT_YET}")
     if get(cfg, "ft.backend") != "none":
         _validate_ft(cfg, get, size, ws)
     for key, (needed, what) in SHARD_NEEDS.items():

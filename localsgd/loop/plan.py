@@ -27,16 +27,6 @@ RESHARD_REFUSED = {
 }
 
 
-# sync key: what a run with dist.shard_size > 1 (sharded replica groups) does not build yet
-# (`SyncPlan.shard_refusal`); built: plain local SGD, DiLoCo/SlowMo, sync.comm_dtype with error
-# feedback, Streaming DiLoCo and the synchronous warmup (HSDP's gradient average)
-SHARD_REFUSED = {
-    "sync.levels": "hierarchical levels",
-    "sync.optimizer_state": "averaging or resetting the sharded optimizer state",
-    "sync.schedule": "a period adapted to the loss",
-}
-
-
 def _read(node: Any, key: str) -> Any:
     return node[key] if isinstance(node, dict) else getattr(node, key)
 
@@ -150,20 +140,6 @@ class SyncPlan:
         for key, why in RESHARD_REFUSED.items():
             if values[key]:
                 return f"{key}={values[key]!r} ({why})"
-        return None
-
-    def shard_refusal(self) -> str | None:
-        """The first sync setting not built with dist.shard_size > 1 yet, as `key=value (what
-        it is)`, or None (see SHARD_REFUSED)."""
-        state = self.optimizer_state
-        refused = {  # the value as written where it is refused, else None
-            "sync.levels": "[...]" if self.levels else None,
-            "sync.optimizer_state": state if state != "local" else None,
-            "sync.schedule": self.schedule if self.schedule == "adaptive" else None,
-        }
-        for key, why in SHARD_REFUSED.items():
-            if refused[key] is not None:
-                return f"{key}={refused[key]} ({why})"
         return None
 
 

@@ -130,6 +130,17 @@ class Sharding:
         }
 
 
+    def group_mean(self, loss: torch.Tensor) -> torch.Tensor:
+        """`loss` averaged over this rank's replica group (a collective of the group's ranks):
+        each rank's is the loss of its part of the group's batch, and what a schedule adapts
+        to must be the group's, the same on every shard index, or the replicate groups of
+        different shards would average at different steps. `loss` itself when unsharded."""
+        if self.mesh is None:
+            return loss
+        mean = loss.detach().clone()
+        dist.all_reduce(mean, group=self.shard_group)
+        return mean.div_(self.size)
+
     def group_sum(self, value: int) -> int:
         """`value` summed over this rank's replica group (one scalar all-reduce inside it, a
         collective of the group's ranks); `value` itself when unsharded."""

@@ -50,8 +50,10 @@ class Synchroniser:
         drift: DriftMeter | None = None,
         verify: bool = False,
         group: dist.ProcessGroup | None = None,
+        sharding: Sharding | None = None,
     ):
         self.averager = averager
+        self.sharding = sharding if sharding is not None and sharding.sharded else None
         self.group = group  # the replicas held alike (sharded replica groups: one shard's)
         self.verify = verify  # check after each sync that the replicas are bit-identical
         self.replica_checks = 0
@@ -149,8 +151,10 @@ class Synchroniser:
     def after_step(self, loss: torch.Tensor | None) -> None:
         """After the optimizer step: feed the loss (None: the step was skipped) to a schedule
         that adapts to it, then average when the schedule says."""
-        if loss is not None:
-            self.averager.observe_loss(loss)
+        if loss is not None and self.averager.needs_loss:
+            # sharded: the replica group's loss, or each shard index would adapt its own way
+            shards = self.sharding
+            self.averager.observe_loss(loss if shards is None else shards.group_mean(loss))
         self._driver.maybe_average()
         self.in_sync = self.synchronous or self.averager.all_in_sync
 
@@ -347,7 +351,8 @@ def build_synchroniser(
         model,
         optimizer,
         group,
-        min(info.local_world_size, group),
+        # a machine's replica groups (sync.levels' group_size: node)
+        min(info.local_world_size // (sharding.size if sharding is not None else 1), group),
         stats,
         link,
         communicate=not comm.disabled,
@@ -371,6 +376,7 @@ def build_synchroniser(
         drift,
         verify=sync.check_replicas,
         group=replicas,
+        sharding=sharding,
     )
     if fault_tolerant:
         from localsgd.loop.fault_tolerance import FaultTolerance
