@@ -28,6 +28,10 @@ class DistConfig:
     # with FSDP2; local SGD / DiLoCo average the shards across the groups (1: every worker holds
     # the whole model). Phase 1: see docs/strategies.md#sharded-replicas for what it covers
     shard_size: int = 1
+    # the dotted name of the submodule whose children are the FSDP units (and the blocks that
+    # trainer.activation_checkpointing / trainer.compile treat one by one), e.g. "transformer.h";
+    # null: the automatic rule, the longest ModuleList/Sequential (localsgd.averaging.fragments)
+    shard_blocks: str | None = None
 
 
 # dist.backend and dist.device (localsgd.cli.launch picks them: auto = nccl on CUDA, else gloo)

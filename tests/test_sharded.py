@@ -409,3 +409,36 @@ def test_every_rank_enumerates_the_same_subgroups_of_the_replicate_groups(monkey
         comm.subgroups(2)
     assert all(chunks == seen[0] for chunks in seen.values()), seen
     assert seen[0] == [[0, 2], [4, 6], [1, 3], [5, 7]]
+
+
+@pytest.mark.timeout(30)
+def test_dist_shard_blocks_names_the_fsdp_units_and_a_wrong_name_is_refused(
+    monkeypatch, tmp_path, capsys
+):
+    from localsgd.loop import sharding as sharding_module
+    from localsgd.loop.relayout import fsdp_units
+    from localsgd.models.transformer import GPT
+
+    model = GPT(vocab_size=11, d_model=8, n_heads=2, n_layers=2, max_len=4)
+    wrapped = []
+    monkeypatch.setattr(
+        "torch.distributed.fsdp.fully_shard", lambda module, **kw: wrapped.append(module)
+    )
+    sharding = object.__new__(Sharding)
+    sharding.mesh, sharding.blocks_path = {"shard": None}, "blocks.0"  # the first block's parts
+    sharding_module.Sharding.shard(sharding, model)
+    block = model.blocks[0]
+    assert wrapped == [block.ln1, block.attn, block.ln2, block.mlp, model]
+    units = fsdp_units(model, "blocks.0")
+    assert [u.split(":")[0] for u in units] == [
+        "blocks.0.ln1",
+        "blocks.0.attn",
+        "blocks.0.ln2",
+        "blocks.0.mlp",
+        "(root)",
+    ]
+    assert [u.split(":")[0] for u in fsdp_units(model)] == ["blocks.0", "blocks.1", "(root)"]
+    args = FAST + ["dist.world_size=4", "dist.shard_size=2", "trainer.checkpoint_every=0"]
+    for name, why in [("nope", "names no submodule of"), ("net.0", "has no child module")]:
+        line = refusal(args + [f"dist.shard_blocks={name}", f"hydra.run.dir={tmp_path}"], capsys)
+        assert line.startswith(f"error: dist.shard_blocks={name}: ") and why in line, line

@@ -30,12 +30,31 @@ from localsgd.averaging.reduce import Reducer
 Tensors = list[torch.Tensor]
 
 
-def model_blocks(module: nn.Module) -> list[nn.Module]:
-    """The repeated blocks of `module`, as the module docstring defines them."""
+def model_blocks(module: nn.Module, path: str | None = None) -> list[nn.Module]:
+    """The repeated blocks of `module`, as the module docstring defines them; with `path` (a
+    dotted submodule name, e.g. "transformer.h"), that submodule's children that hold
+    floating-point tensors, whatever the automatic rule would find. Raises ValueError when
+    `path` names no submodule, or one with no such child."""
 
     def holds(m: nn.Module) -> bool:
         return any(torch.is_floating_point(t) for t in chain(m.parameters(), m.buffers()))
 
+    if path is not None:
+        try:
+            parent = module.get_submodule(path)
+        except AttributeError:
+            names = [n for n, m in module.named_modules() if n and list(m.children())]
+            raise ValueError(
+                f"{path!r} names no submodule of {type(module).__name__} (its submodules with "
+                f"children: {', '.join(names[:8]) or 'none'})"
+            ) from None
+        kids = [c for c in parent.children() if holds(c)]
+        if not kids:
+            raise ValueError(
+                f"{path!r} ({type(parent).__name__}) has no child module holding parameters "
+                "to make a block of"
+            )
+        return kids
     best: list[nn.Module] = []
     for m in module.modules():
         if isinstance(m, nn.ModuleList | nn.Sequential):

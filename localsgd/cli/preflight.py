@@ -32,17 +32,21 @@ def check_data(cfg: Any, world_size: int) -> int | None:
     epochs, fragments = _get(cfg, "trainer.max_epochs"), _get(cfg, "sync.fragments")
     key = _probe_key(cfg, world_size)
     if key not in _probed:
-        _probed[key] = _probe(data_cfg, model_cfg, seed, batch, epochs, world_size, fragments, key)
+        blocks = _get(cfg, "dist.shard_blocks")
+        _probed[key] = _probe(
+            data_cfg, model_cfg, seed, batch, epochs, world_size, fragments, key, blocks
+        )
     return _probed[key]
 
 
 def _probe_key(cfg: Any, world_size: int) -> str:
-    keys = ("data", "model", "seed", "trainer.batch_size", "trainer.max_epochs", "sync.fragments")
+    keys = ("data", "model", "seed", "trainer.batch_size", "trainer.max_epochs", "sync.fragments",
+            "dist.shard_blocks")
     return json.dumps([plain(_get(cfg, k)) for k in keys] + [world_size], sort_keys=True)
 
 
 def _probe(
-    data_cfg, model_cfg, seed, batch, epochs, world_size, fragments=1, key=None
+    data_cfg, model_cfg, seed, batch, epochs, world_size, fragments=1, key=None, blocks=None
 ) -> int | None:
     import torch
 
@@ -87,10 +91,17 @@ def _probe(
                 f"model._target_ {model_cfg['_target_']!r} fails on a batch of the data (input "
                 f"{tuple(x.shape)}): {type(e).__name__}: {reason}"
             ) from None
+    if blocks is not None:
+        from localsgd.averaging.fragments import model_blocks
+
+        try:
+            model_blocks(model, blocks)
+        except ValueError as e:
+            raise ConfigError(f"dist.shard_blocks={blocks}: {e}") from None
     if key is not None:  # what a sharded run's checkpoint must have been written from
         from localsgd.loop.relayout import fsdp_units
 
-        _units[key] = fsdp_units(model)
+        _units[key] = fsdp_units(model, blocks)
     if fragments > 1:  # Streaming DiLoCo strides its fragments over the model's blocks
         from localsgd.averaging.fragments import model_blocks
 

@@ -116,7 +116,8 @@ def save(
             "shard_size": shard_size,
             "files": files,
             "dcp_files": dcp_files,
-            "units": fsdp_units(_module(components)),  # what the DCP keys were written from
+            # what the DCP keys were written from
+            "units": fsdp_units(_module(components), _blocks_path(config)),
             "config": config,
         }
         _write_atomic(os.path.join(folder, MARKER), lambda f: f.write(json.dumps(marker).encode()))
@@ -347,3 +348,8 @@ def resume_run(
     if shard_size > 1:
         return resume_unsharded(folder, rank, world, shard_size, device, components, optional)
     return resume_unsharded_run(folder, info, device, components, optional)
+
+
+def _blocks_path(config: dict | None) -> str | None:
+    """dist.shard_blocks of the run's config (absent in configs from before the key)."""
+    return ((config or {}).get("dist") or {}).get("shard_blocks")

@@ -32,7 +32,7 @@ PRECISIONS: dict[str, torch.dtype | None] = {
 }
 
 
-def checkpoint_activations(model: torch.nn.Module) -> None:
+def checkpoint_activations(model: torch.nn.Module, blocks_path: str | None = None) -> None:
     """Recompute each block's activations in the backward instead of keeping them
     (`torch.utils.checkpoint`, non-reentrant): peak memory of one block's activations at a
     time, for one more forward per step. Blocks as `model_blocks` finds them (a transformer's
@@ -43,7 +43,7 @@ def checkpoint_activations(model: torch.nn.Module) -> None:
     replays the RNG state (dropout draws the same mask), so the gradients are those without it."""
     from torch.utils.checkpoint import checkpoint
 
-    for block in model_blocks(model):
+    for block in model_blocks(model, blocks_path):
         block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
 
 

@@ -131,14 +131,15 @@ def from_anchor(averager) -> None:
         flat.push()
 
 
-def fsdp_units(model: torch.nn.Module) -> list[str]:
+def fsdp_units(model: torch.nn.Module, blocks_path: str | None = None) -> list[str]:
     """The FSDP2 units a sharded run wraps `model` in (`Sharding.shard`: one per block, then the
-    root), each as "name: param[shape], ...", global shapes; the same for the whole module and
-    its sharded copy. A checkpoint of other units cannot be read into this model."""
+    root; `blocks_path`: dist.shard_blocks), each as "name: param[shape], ...", global shapes;
+    the same for the whole module and its sharded copy. A checkpoint of other units cannot be
+    read into this model."""
     from localsgd.averaging.fragments import model_blocks
 
     names = {id(m): n for n, m in model.named_modules()}
-    blocks = model_blocks(model)
+    blocks = model_blocks(model, blocks_path)
     inside = {id(p) for b in blocks for p in b.parameters()}
     units = [(names[id(b)], list(b.named_parameters(prefix=names[id(b)]))) for b in blocks]
     units.append(("(root)", [(n, p) for n, p in model.named_parameters() if id(p) not in inside]))

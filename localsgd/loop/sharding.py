@@ -33,12 +33,19 @@ from localsgd.averaging.fragments import model_blocks
 class Sharding:
     """This rank's place in the replica groups, and the FSDP2 wrapping of its model."""
 
-    def __init__(self, shard_size: int, world_size: int, device: torch.device):
+    def __init__(
+        self,
+        shard_size: int,
+        world_size: int,
+        device: torch.device,
+        blocks_path: str | None = None,
+    ):
         if shard_size < 1 or world_size % shard_size:
             raise ValueError(
                 f"dist.shard_size must divide the world size ({world_size}), got {shard_size}"
             )
         self.size = shard_size
+        self.blocks_path = blocks_path  # dist.shard_blocks: None, the automatic rule
         self.groups = world_size // shard_size
         self.mesh = None
         self.device = device
@@ -71,7 +78,8 @@ class Sharding:
         self, model: nn.Module, precision: str = "32-true", compile: bool = False
     ) -> nn.Module:
         """`model` sharded inside the replica group: one FSDP2 unit per block
-        (`model_blocks`, as Streaming DiLoCo's fragments and torchtitan split it), then the
+        (`model_blocks`, as Streaming DiLoCo's fragments and torchtitan split it, or the
+        children of the submodule `dist.shard_blocks` names), then the
         root for the rest. Build the optimizer after this: the parameters become DTensors.
 
         `precision` (trainer.precision) as FSDP2's MixedPrecisionPolicy rather than autocast
@@ -106,7 +114,7 @@ class Sharding:
         # in-place op on it would skip a hook; the loop only reads the logits
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view")
         shard_mesh = self.mesh["shard"]
-        for block in model_blocks(model):
+        for block in model_blocks(model, self.blocks_path):
             if compile:
                 block.compile()
             fully_shard(block, mesh=shard_mesh, mp_policy=policy)

@@ -73,12 +73,12 @@ class Trainer:
             c.model, input_shape_of(self.data), self.data.num_classes, task_of(self.data)
         ).to(device)
         if c.trainer.activation_checkpointing:  # per block, before sharding wraps the blocks
-            checkpoint_activations(model)
+            checkpoint_activations(model, c.dist.shard_blocks)
         # dist.shard_size > 1: sharded inside each replica group (FSDP2), before the optimizer
         # over the process group's ranks: every worker's, or under torchrun with torchft one
         # machine's (its replica group; torchft goes across the machines)
         ranks = dist.get_world_size() if dist.is_initialized() else info.world_size
-        self.sharding = Sharding(c.dist.shard_size, ranks, device)
+        self.sharding = Sharding(c.dist.shard_size, ranks, device, c.dist.shard_blocks)
         self.model = self.sharding.shard(model, c.trainer.precision, c.trainer.compile)
         self.optimizer = build_optimizer(self.model.parameters(), c.optim)
         self.lr_schedule = build_schedule(c.lr_schedule, c.trainer.max_steps)
