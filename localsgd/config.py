@@ -125,6 +125,10 @@ class SyncConfig:
     # and applied one step later, keeping that step's progress
     overlap: bool = False
     bucket_mb: float = 25.0  # a launched (delay_steps >= 1) fp32 average: buckets of this many MiB
+    # per-worker step counts: each round's inner phase lasts at most this many seconds per
+    # worker, a slow worker computing fewer of the round's steps instead of holding up the
+    # others, and averages weigh each worker by the samples it trained on (localsgd.loop.pacing)
+    inner_time_s: float | None = None
 
 
 @dataclass
@@ -132,6 +136,10 @@ class SimulateConfig:
     # a slower network than the real one: every collective lasts >= latency + bytes / bandwidth
     bandwidth_gbps: float | None = None  # null: no bandwidth limit
     latency_ms: float = 0.0  # 0 with bandwidth_gbps null: no simulation
+    # slow workers: worker r's step lasts worker_speed[r] * step_s seconds (one factor per
+    # worker; null: none), its time budget counted in that modelled time (localsgd.loop.pacing)
+    worker_speed: list[float] | None = None
+    step_s: float | None = None  # the modelled seconds of one step at speed 1
 
 
 @dataclass

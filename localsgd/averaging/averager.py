@@ -25,6 +25,7 @@ buffers, so it is sharded too. `mirrored` is the one place that happens.
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
@@ -119,6 +120,16 @@ class Averager(ModelAverager):
         self.reducer: Reducer = Reducer()
         self.param_count = 0  # the first `param_count` tensors are the parameters
         self.extra_count = 0  # the last `extra_count` tensors ride along (extra_tensors)
+        # Weighted rounds (per-worker step counts): with `weighted`, every average over all
+        # ranks weighs each rank by its `contribution` (e.g. the samples it trained on since
+        # the last one); `round_weights` are the last round's, `wait_s` the seconds this rank
+        # spent in their exchange (where it waits for the slowest), `contributed` their sum
+        # over every round so far
+        self.weighted = False
+        self.contribution = 0.0
+        self.round_weights: list[float] | None = None
+        self.wait_s = 0.0
+        self.contributed = 0.0
         self.hooks: list[AverageHook] = []
         self.global_hooks: list[GlobalSyncHook] = []
         self.all_in_sync = True  # every rank holds the same tensors (right after a full average)
@@ -262,6 +273,12 @@ class Averager(ModelAverager):
         before = self.stats.bytes
         self._before_reduce()
         self._extras_into_buffers()
+        weighs = self.weighted and comm is self.comm
+        if weighs:
+            start = time.perf_counter()
+            self.round_weights = comm.weigh(self.contribution, buffers[0].device)
+            self.wait_s += time.perf_counter() - start
+            self.contributed += sum(self.round_weights)
         if observed:
             self._global_hooks("before")
         if delayed:
@@ -271,6 +288,8 @@ class Averager(ModelAverager):
             self._run_hooks(comm)
         if observed:
             self._global_hooks("after")
+        if weighs:
+            comm.unweigh()
         self.stats.rounds += 1
         self.level_stats[level].rounds += 1
         self.level_stats[level].bytes += self.stats.bytes - before
@@ -388,14 +407,26 @@ class Averager(ModelAverager):
         ]
 
     def state_dict(self) -> dict:
-        return {
+        state = {
             "step": self.step,
             "levels": [s.state_dict() for s in self.level_stats],
             "reducer": self.reducer.state_dict(),
         }
+        if self.weighted:
+            state["weighted"] = {
+                "contributed": self.contributed,
+                "round_weights": self.round_weights,
+                "wait_s": self.wait_s,
+            }
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.step = int(state["step"])
+        weighted = state.get("weighted")
+        if weighted is not None:
+            self.contributed = float(weighted["contributed"])
+            self.round_weights = weighted["round_weights"]
+            self.wait_s = float(weighted["wait_s"])
         for stats, saved in zip(self.level_stats, state.get("levels", []), strict=False):
             stats.load_state_dict(saved)
         if self.flat is not None:

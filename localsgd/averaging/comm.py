@@ -135,6 +135,28 @@ class Communicator:
         self.use_avg = supports_avg(group)
         self.stats = stats if stats is not None else CommStats()
         self.link = link
+        # a weighted round (`weigh`): this rank's share w_r / sum(w) of the next means; None:
+        # the plain mean
+        self.share: float | None = None
+
+    def weigh(self, weight: float, device: torch.device | None = None) -> list[float]:
+        """Every rank's `weight` for the next means (one all-reduce of a vector of one slot per
+        rank, in rank order; counted). Unequal weights make `mean_` the weighted mean,
+        sum_r (w_r / sum(w)) x_r, until `unweigh()`; equal ones (everyone on time) leave it the
+        plain mean, bit for bit. Returns the weights."""
+        start = time.perf_counter()
+        slots = torch.zeros(self.size, dtype=torch.float64, device=device)
+        slots[dist.get_rank(self.group)] = float(weight)
+        dist.all_reduce(slots, group=self.group)
+        self._account(start, _nbytes(slots))
+        weights = slots.tolist()
+        total = sum(weights)
+        unequal = total > 0 and any(w != weights[0] for w in weights)
+        self.share = weight / total if unequal else None
+        return weights
+
+    def unweigh(self) -> None:
+        self.share = None
 
     def subgroups(self, size: int) -> Communicator:
         """This rank's group of `size` contiguous ranks of this group (as torch's
@@ -169,7 +191,10 @@ class Communicator:
         """
         start = time.perf_counter()
         wire = flat if through is None else through.copy_(flat)
-        if self.use_avg:
+        if self.share is not None:  # a weighted round: each rank's share, summed
+            wire.mul_(self.share)
+            dist.all_reduce(wire, group=self.group)
+        elif self.use_avg:
             dist.all_reduce(wire, op=dist.ReduceOp.AVG, group=self.group)
         else:
             wire.div_(self.size)

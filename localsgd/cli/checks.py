@@ -14,6 +14,7 @@ from typing import Any
 from localsgd.averaging import COMM_DTYPES, OPTIMIZER_STATE_MODES
 from localsgd.averaging.streaming import MERGE_RULES
 from localsgd.cli.fault_tolerance import validate_ft
+from localsgd.cli.pacing import validate_pacing
 from localsgd.cli.sharding import validate_sharding
 from localsgd.config import BACKENDS, DEVICES, ConfigError, data_options
 from localsgd.data.loader import LOADERS
@@ -112,6 +113,7 @@ def validate(cfg: Any, world_size: int | None = None, local_world_size: int | No
 
     validate_sync(cfg, ws, local_world_size)
     validate_sharding(cfg, _get, ws, local_world_size)
+    validate_pacing(cfg, _get, ws)
     bandwidth = _get(cfg, "comm.simulate.bandwidth_gbps")
     _require(
         bandwidth is None or bandwidth > 0,

@@ -29,6 +29,7 @@ from localsgd.loop.guards import NonFiniteTracker
 from localsgd.loop.loggers import build_loggers
 from localsgd.loop.metrics import notice, progress_bar, rate_record, trim_metrics, write_json
 from localsgd.loop.optim import build_optimizer, build_schedule, set_lr
+from localsgd.loop.pacing import build_pacer, pace_record
 from localsgd.loop.recipe import Recipe, checkpoint_activations
 from localsgd.loop.sharding import Sharding, state_bytes
 from localsgd.loop.stop import StopAgreement, first_signal
@@ -85,6 +86,10 @@ class Trainer:
         # the strategy: warmup, averaging, drift, fault tolerance; every rank starts from rank
         # 0's model
         self.sync = build_synchroniser(c, info, self.model, self.optimizer, self.sharding)
+        # which ticks compute (sync.inner_time_s, comm.simulate.worker_speed; loop/pacing.py),
+        # and the averages weighted by the samples each worker trained on
+        self.pacer = build_pacer(c, info.rank)
+        self.sync.averager.weighted = c.sync.inner_time_s is not None
         # after the averager: its flat-buffer views are what gets compiled
         self.recipe = Recipe.from_config(self.model, device, c.trainer, self.sharding.sharded)
         torch.manual_seed(c.seed + 1000 * info.rank + 1)  # dropout etc. differ per rank
@@ -107,6 +112,7 @@ class Trainer:
             "rng": checkpoint.RNGState(),
             "scaler": self.recipe,
             "loop": self,
+            **({"pacer": self.pacer} if self.pacer.active else {}),
         }
         self.resumed_from = resume_from
         if resume_from is not None:  # its own, or resharded (loop/reshard.py, checkpoint_dcp.py)
@@ -157,6 +163,10 @@ class Trainer:
         return self.sync.stats
 
     @property
+    def samples_per_worker_step(self) -> int:
+        return self.cfg.trainer.batch_size * self.cfg.trainer.accumulate_grad_batches
+
+    @property
     def samples_per_step(self) -> int:
         """Training samples one optimizer step consumes, over all workers."""
         t = self.cfg.trainer
@@ -186,11 +196,31 @@ class Trainer:
         return losses[0] if k == 1 else torch.stack(losses).mean()
 
     def train_step(self, step: int) -> torch.Tensor | None:
-        """One optimizer step (of `accumulate_grad_batches` batches); returns the loss, or None
-        when nan_policy=skip skipped it."""
+        """One optimizer step (of `accumulate_grad_batches` batches), or an idle tick past this
+        round's time budget (loop/pacing.py); then the average, when due. Returns the loss, or
+        None when the tick idled or nan_policy=skip skipped it."""
         for callback in self.callbacks:
             if hasattr(callback, "on_step_start"):
                 callback.on_step_start(self, step)
+        pacer, loss = self.pacer, None
+        if not pacer.active or self.sync.in_warmup or pacer.computes():
+            pacer.begin_step()
+            loss = self.local_step(step)
+            pacer.end_step(0 if loss is None else self.samples_per_worker_step)
+        else:
+            pacer.idle()
+        self.sync.averager.contribution = pacer.round_samples  # the weight, when weighted
+        self.sync.after_step(loss)  # the model average, when due
+        if self.in_sync:
+            pacer.new_round()
+        for callback in self.callbacks:
+            if hasattr(callback, "on_step_end"):
+                callback.on_step_end(self, step)
+        return loss
+
+    def local_step(self, step: int) -> torch.Tensor | None:
+        """The optimizer step itself; returns its loss, or None when nan_policy=skip skipped
+        it."""
         set_lr(self.optimizer, self.lr_schedule, step)
         self.sync.zero_grad(self.optimizer)
         loss = self.forward_backward()
@@ -200,11 +230,7 @@ class Trainer:
         if self.sync.after_backward(skip):  # the warmup's gradient average
             self.recipe.step(self.optimizer)
         self.skipped_steps += skip
-        self.sync.after_step(None if skip else loss)  # the model average, when due
-        for callback in self.callbacks:
-            if hasattr(callback, "on_step_end"):
-                callback.on_step_end(self, step)
-        return None if skip else loss.detach()
+        return None if skip else loss
 
     def skips(self, loss: torch.Tensor, step: int) -> bool:
         """The NaN policy: `skip` drops a step with a non-finite loss (a host sync per step,
@@ -242,6 +268,7 @@ class Trainer:
             "comm_bytes": self.comm_stats.bytes,
             "comm_seconds": round(self.comm_stats.seconds, 6),
             **self.sync.fault_record(),  # ft=torchft: participants
+            **pace_record(self.pacer, self.sync.averager),
         }
 
     def train(self) -> dict[str, Any] | None:

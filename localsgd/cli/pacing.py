@@ -1,0 +1,74 @@
+"""The checks of per-worker step counts (`sync.inner_time_s`) and simulated slow workers
+(`comm.simulate.worker_speed`, `comm.simulate.step_s`), localsgd.loop.pacing."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from localsgd.config import ConfigError
+from localsgd.loop.plan import SyncPlan
+
+# what a weighted round cannot run with yet: key -> (the plan or config has it, why)
+NOT_WEIGHTED = {
+    "sync.levels": (lambda p, c: bool(p.levels), "each level's average would need its own weights"),
+    "sync.overlap": (lambda p, c: p.overlap, "an average is in flight while workers idle"),
+    "sync.fragments": (lambda p, c: p.streaming, "Streaming DiLoCo's fragments and delays"),
+    "sync.comm_dtype": (
+        lambda p, c: c != "float32",
+        "a weighted sum of rounded values; only float32 weighs exactly",
+    ),
+}
+
+
+def validate_pacing(cfg: Any, get: Callable[[Any, str], Any], ws: int | None) -> None:
+    budget = get(cfg, "sync.inner_time_s")
+    if budget is not None and not (_number(budget) and budget > 0):
+        raise ConfigError(f"sync.inner_time_s must be > 0 (seconds), or null, got {budget!r}")
+    speeds = get(cfg, "comm.simulate.worker_speed")
+    step = get(cfg, "comm.simulate.step_s")
+    if speeds is not None:
+        speeds = list(speeds)
+        if not speeds or not all(_number(s) and s >= 1 for s in speeds):
+            raise ConfigError(
+                "comm.simulate.worker_speed must list one slowdown factor >= 1 per worker "
+                f"(e.g. [1,1,1,3]), or be null, got {speeds!r}"
+            )
+        if ws is not None and len(speeds) != ws:
+            raise ConfigError(
+                f"comm.simulate.worker_speed must list one factor per worker ({ws}), got "
+                f"{len(speeds)}"
+            )
+        if not (_number(step) and step > 0):
+            raise ConfigError(
+                "comm.simulate.step_s must be > 0 (the modelled seconds of one step at speed "
+                f"1) with comm.simulate.worker_speed, got {step!r}"
+            )
+    elif step is not None:
+        raise ConfigError(
+            f"comm.simulate.step_s={step} models nothing without comm.simulate.worker_speed; "
+            "set both, or neither"
+        )
+    if budget is None:
+        return
+    plan, dtype = SyncPlan.of(get(cfg, "sync")), get(cfg, "sync.comm_dtype")
+    for key, (is_set, why) in NOT_WEIGHTED.items():
+        if is_set(plan, dtype):
+            raise ConfigError(
+                f"sync.inner_time_s with {key} ({why}) is not built; set sync.inner_time_s=null"
+            )
+    for key, what in (
+        ("ft.backend", "torchft's rounds"),
+        ("dist.shard_size", "sharded replica groups"),
+        ("comm.disabled", "no averages"),
+    ):
+        value = get(cfg, key)
+        if value not in ("none", 1, False):
+            raise ConfigError(
+                f"sync.inner_time_s with {key}={value} ({what}) is not built; set "
+                "sync.inner_time_s=null"
+            )
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)

@@ -1,0 +1,139 @@
+"""Slow workers: per-worker step counts in a time budget, and a deterministic model of a slow
+worker to test them with.
+
+Every worker runs the same step indices ("ticks"), so syncs, evaluations, checkpoints and the
+learning-rate schedule stay where they are. A tick either computes a step or idles:
+
+- `sync.inner_time_s` = T: a worker computes a tick's step only while its time in this round
+  (since the end of the last sync), plus what the step will take, fits in T; it idles the
+  round's other ticks. A slow worker then does fewer steps instead of holding up the others,
+  which arrive at the sync after about T (Async Local-SGD's DyLU: steps in proportion to speed),
+  and the average weighs each worker by the samples it trained on this round
+  (`Averager.weighted`). With every worker on time nobody idles, every weight is equal and the
+  average is the plain mean, bit for bit.
+- `comm.simulate.worker_speed` = [s_0, s_1, ...] with `comm.simulate.step_s` = t: worker r's
+  step takes s_r * t seconds (it sleeps out what its compute did not take), as the link
+  simulation makes each collective last what its bytes would. The time in a round is then the
+  modelled one, s_r * t per computed step, so which ticks compute is the same on every run and
+  machine; without `sync.inner_time_s` every tick computes and the others wait for the slow
+  worker at each sync (the blocking path, to measure against).
+
+Without a model the time is the wall clock's, a step's predicted length the mean of the last
+ones, and which ticks compute depends on the machine's load: such a run resumes from its
+checkpoints, but is not repeatable bit for bit.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+# the modelled clock sums floats: a round of exactly T seconds of steps still fits
+_FITS = 1 + 1e-9
+
+
+class Pacer:
+    """Whether each tick computes, and what this worker trained on since the last sync."""
+
+    def __init__(
+        self,
+        inner_time_s: float | None = None,
+        speed: float = 1.0,
+        step_s: float | None = None,
+    ):
+        self.budget = inner_time_s  # None: every tick computes
+        self.speed = speed
+        self.step_s = step_s  # None: the wall clock
+        self.round_seconds = 0.0  # modelled (or measured) seconds computed in this round
+        self.round_samples = 0  # samples trained on in this round: the average's weight
+        self.computed_steps = 0
+        self.idle_steps = 0
+        self.predicted: float | None = None  # wall clock: a step's predicted seconds
+        self.round_start = time.perf_counter()
+        self.step_start = 0.0
+
+    @property
+    def modelled(self) -> bool:
+        return self.step_s is not None
+
+    @property
+    def active(self) -> bool:
+        """Whether it does anything (a budget or a modelled speed)."""
+        return self.budget is not None or self.modelled
+
+    def computes(self) -> bool:
+        """Whether the next tick computes its step: always without a budget; else while this
+        round's time, plus the step's, fits in the budget."""
+        if self.budget is None:
+            return True
+        if self.modelled:
+            return self.round_seconds + self.speed * self.step_s <= self.budget * _FITS
+        spent = time.perf_counter() - self.round_start
+        return spent + (self.predicted or 0.0) <= self.budget
+
+    def begin_step(self) -> None:
+        self.step_start = time.perf_counter()
+
+    def end_step(self, samples: int) -> None:
+        """A computed step of `samples` samples ended: modelled, it lasts speed * step_s (the
+        rest slept out)."""
+        took = time.perf_counter() - self.step_start
+        if self.modelled:
+            modelled = self.speed * self.step_s
+            if modelled > took:
+                time.sleep(modelled - took)
+            took = modelled
+        else:
+            self.predicted = took if self.predicted is None else 0.5 * (self.predicted + took)
+        self.round_seconds += took
+        self.round_samples += samples
+        self.computed_steps += 1
+
+    def idle(self) -> None:
+        self.idle_steps += 1
+
+    def new_round(self) -> None:
+        """The workers synced: the next round's time and samples start from zero."""
+        self.round_seconds = 0.0
+        self.round_samples = 0
+        self.round_start = time.perf_counter()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "round_seconds": self.round_seconds,
+            "round_samples": self.round_samples,
+            "computed_steps": self.computed_steps,
+            "idle_steps": self.idle_steps,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.round_seconds = float(state["round_seconds"])
+        self.round_samples = int(state["round_samples"])
+        self.computed_steps = int(state["computed_steps"])
+        self.idle_steps = int(state["idle_steps"])
+        self.round_start = time.perf_counter() - (0.0 if self.modelled else self.round_seconds)
+
+
+def build_pacer(cfg: Any, rank: int) -> Pacer:
+    """The `sync.inner_time_s` / `comm.simulate.worker_speed` pacing of worker `rank`."""
+    sim = cfg.comm.simulate
+    speeds = sim.worker_speed
+    return Pacer(
+        cfg.sync.inner_time_s,
+        float(speeds[rank]) if speeds else 1.0,
+        sim.step_s if speeds else None,
+    )
+
+
+def pace_record(pacer: Pacer, averager: Any) -> dict[str, Any]:
+    """For the metrics and the summary, with pacing: this rank's computed and idle ticks;
+    weighted, the last round's weights (samples, in rank order), their sum over every round,
+    and the seconds this rank waited in their exchange for the slowest. Nothing without."""
+    if not pacer.active:
+        return {}
+    record = {"computed_steps": pacer.computed_steps, "idle_steps": pacer.idle_steps}
+    if averager.weighted:
+        record["round_weights"] = averager.round_weights
+        record["contributed_samples"] = averager.contributed
+        record["wait_s"] = round(averager.wait_s, 6)
+    return record

@@ -1,0 +1,161 @@
+"""Slow workers (localsgd/loop/pacing.py): per-worker step counts in a time budget
+(`sync.inner_time_s`), averages weighted by the samples each worker trained on, and the
+deterministic slow-worker model (`comm.simulate.worker_speed`, `comm.simulate.step_s`)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from localsgd.averaging import OuterAverager, PeriodicAverager
+from tests.helpers import FAST, cli, refusal, run_distributed, same_model
+
+WEIGHTS = [1.0, 2.0, 5.0]  # samples each of 3 workers trained on this round
+
+
+def _model(rank: int) -> torch.nn.Module:
+    torch.manual_seed(rank)  # every worker's own values: the replicas differ before the sync
+    return torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 2))
+
+
+def _weighted_worker(rank: int, world: int, weights: list[float]) -> dict:
+    torch.set_num_threads(1)
+    out = {}
+    for name in ("local_sgd", "diloco"):
+        model = _model(rank)
+        before = [p.detach().clone() for p in model.parameters()]
+        if name == "diloco":
+            averager = OuterAverager(1, module=model)  # anchored on rank 0's model
+            anchor = [p.detach().clone() for p in model.parameters()]
+            with torch.no_grad():  # this worker's inner steps
+                for p in model.parameters():
+                    p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(rank)))
+            before = [p.detach().clone() for p in model.parameters()]
+        else:
+            averager = PeriodicAverager(1, module=model)
+            anchor = None
+        averager.weighted = True
+        averager.contribution = weights[rank]
+        averager.maybe_average()
+        out[name] = {
+            "before": before,
+            "anchor": anchor,
+            "after": [p.detach().clone() for p in model.parameters()],
+            "round_weights": averager.round_weights,
+            "bytes": averager.stats.bytes,
+        }
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_a_weighted_round_is_the_samples_weighted_mean_computed_in_one_process():
+    runs = run_distributed(_weighted_worker, 3, WEIGHTS, timeout_s=60)
+    total = sum(WEIGHTS)
+    # plain local SGD: the parameters' weighted mean
+    for i in range(4):
+        expected = sum(
+            w / total * r["local_sgd"]["before"][i] for w, r in zip(WEIGHTS, runs, strict=True)
+        )
+        for r in runs:
+            torch.testing.assert_close(r["local_sgd"]["after"][i], expected, rtol=0, atol=1e-6)
+            assert torch.equal(r["local_sgd"]["after"][i], runs[0]["local_sgd"]["after"][i])
+    # DiLoCo: the weighted mean pseudo-gradient, then the outer Nesterov step (lr 0.7, m 0.9)
+    # from the anchor, written out in one process
+    for i in range(4):
+        anchor = runs[0]["diloco"]["anchor"][i]
+        delta = sum(
+            w / total * (anchor - r["diloco"]["before"][i])
+            for w, r in zip(WEIGHTS, runs, strict=True)
+        )
+        buf = delta.clone()  # the first momentum step: the buffer is the gradient
+        expected = anchor - 0.7 * (delta + 0.9 * buf)
+        for r in runs:
+            torch.testing.assert_close(r["diloco"]["after"][i], expected, rtol=0, atol=1e-6)
+    for r in runs:
+        assert r["local_sgd"]["round_weights"] == WEIGHTS
+        params = sum(p.numel() for p in r["local_sgd"]["before"])
+        assert r["local_sgd"]["bytes"] == 4 * params + 8 * 3  # the model, then 3 fp64 weights
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_equal_weights_give_the_plain_mean_bit_for_bit():
+    equal = run_distributed(_weighted_worker, 3, [4.0, 4.0, 4.0], timeout_s=60)
+    plain = run_distributed(_plain_worker, 3, timeout_s=60)
+    for weighted, unweighted in zip(equal, plain, strict=True):
+        for got, ref in zip(weighted["local_sgd"]["after"], unweighted, strict=True):
+            assert torch.equal(got, ref)
+
+
+def _plain_worker(rank: int, world: int) -> list[torch.Tensor]:
+    torch.set_num_threads(1)
+    model = _model(rank)
+    PeriodicAverager(1, module=model).maybe_average()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+JOB = FAST + [
+    "dist.world_size=4",
+    "trainer.max_steps=48",
+    "trainer.checkpoint_every=0",
+    "sync.period=8",
+]
+SLOW = ["comm.simulate.worker_speed=[1,1,1,3]", "comm.simulate.step_s=0.002"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_the_cli_paces_a_simulated_slow_worker_and_nobody_late_is_todays_model(tmp_path):
+    runs = {
+        "plain": JOB,
+        # a budget everyone keeps: the same model as without one, bit for bit
+        "on_time": JOB + ["sync.inner_time_s=100"],
+        # worker 3 three times slower, a budget of 8 steps at speed 1: it computes 2 of a
+        # round's 8 steps, the others all 8
+        "paced": JOB + SLOW + ["sync.inner_time_s=0.016"],
+        # the same, stopped after 24 steps with a checkpoint, then extended to 48
+        "first_half": JOB + SLOW + ["sync.inner_time_s=0.016", "trainer.max_steps=24",
+                                    "trainer.checkpoint_every=24"],
+    }  # fmt: skip
+    summaries = {}
+    for name, args in runs.items():
+        proc, _ = cli(args + [f"hydra.run.dir={tmp_path / name}"])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        summaries[name] = json.loads((tmp_path / name / "summary.json").read_text())
+    extended = JOB + SLOW + ["sync.inner_time_s=0.016", f"hydra.run.dir={tmp_path / 'first_half'}"]
+    proc, _ = cli(extended)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert same_model(tmp_path / "plain" / "model.pt", tmp_path / "on_time" / "model.pt")
+    paced = summaries["paced"]
+    assert paced["computed_steps"] == 48 and paced["idle_steps"] == 0  # rank 0: on time
+    # syncs after steps 0, 8, ..., 40 (1 step, then 6 rounds of 8) and a final one of 7:
+    # worker 3 trains 1, then 2 a round, 2 in the last
+    batch = 32
+    assert paced["round_weights"] == [7 * batch] * 3 + [2 * batch]
+    assert paced["contributed_samples"] == batch * (4 + 5 * (3 * 8 + 2) + (3 * 7 + 2))
+    assert not same_model(tmp_path / "plain" / "model.pt", tmp_path / "paced" / "model.pt")
+    # the pacing is in the checkpoint, and the modelled clock repeats: an exact continuation
+    assert same_model(tmp_path / "paced" / "model.pt", tmp_path / "first_half" / "model.pt")
+
+
+@pytest.mark.parametrize(
+    "extra, named",
+    [
+        (["sync.inner_time_s=0"], "sync.inner_time_s must be > 0 (seconds), or null, got 0"),
+        (["comm.simulate.worker_speed=[1,3]"], "one factor per worker (4), got 2"),
+        (["comm.simulate.worker_speed=[1,1,1,0.5]", "comm.simulate.step_s=0.1"], "factor >= 1"),
+        (["comm.simulate.worker_speed=[1,1,1,3]"], "comm.simulate.step_s must be > 0"),
+        (["comm.simulate.step_s=0.1"], "models nothing without comm.simulate.worker_speed"),
+        (["sync.inner_time_s=1", "sync.comm_dtype=int8"], "with sync.comm_dtype (a weighted"),
+        (["sync.inner_time_s=1", "sync.overlap=true"], "with sync.overlap"),
+        (["sync.inner_time_s=1", "dist.shard_size=2"], "with dist.shard_size=2"),
+    ],
+)
+@pytest.mark.timeout(30)
+def test_pacing_settings_that_cannot_hold_are_refused_in_one_line(extra, named, tmp_path, capsys):
+    args = FAST + ["dist.world_size=4", "trainer.checkpoint_every=0"]
+    line = refusal(args + extra + [f"hydra.run.dir={tmp_path}"], capsys)
+    assert named in line, line
