@@ -89,10 +89,14 @@ def _job(rank: int, world_size: int, shape: dict, shard_size: int, args: dict) -
         "sent": averager.stats.bytes,
         "loss": float(loss.detach()),
     }
-    # sync.outer_state=cpu: the device averager dropped first (two at once would not fit 4 x 1
-    # of GPT-2 small in this machine's memory); the new one starts from the averaged model
+    # sync.outer_state=cpu: the device averager dropped first, and the gradients and AdamW's
+    # moments, which no round reads (4 x 1 of GPT-2 small would not fit this machine's 24 GiB
+    # otherwise); the new averager starts from the averaged model
     averager.flat.push = push  # no cycle through the closure: freed at once
     averager = None
+    opt.state.clear()
+    for p in model.parameters():
+        p.grad = None
     gc.collect()
     on_host = OuterAverager(
         args["period"], process_group=sharding.replicate_group, module=model, outer_state="cpu"
@@ -209,7 +213,7 @@ def main(argv: list[str] | None = None) -> None:
             f"| {name} | {_gib(get(one['rank0']['host_state']))} | "
             f"{_gib(get(two['rank0']['host_state']))} |"
             for name, get in (
-                ("on the device, between steps (`total`)", lambda s: s["total"]),
+                ("the averager's on the device (`averager`)", lambda s: s["averager"]),
                 ("in host memory (`host`: anchor, outer momentum, staging)",
                  lambda s: s["host"]["total"]),
             )
