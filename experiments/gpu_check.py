@@ -365,6 +365,31 @@ def _outer_state_run(dev: torch.device, state: str) -> dict:
     }
 
 
+def _streaming_run(dev: torch.device, state: str) -> list[torch.Tensor]:
+    """Streaming DiLoCo (2 fragments, τ = 1, α = 0.5) with its outer state where `state` says,
+    the replica check after every merge (host anchors beside device values, gathered on NCCL);
+    the final model."""
+    from localsgd.averaging import StreamingAverager
+    from localsgd.loop.guards import check_replicas
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(512, 512) for _ in range(4))).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    averager = StreamingAverager(
+        8, module=model, fragments=2, delay_steps=1, merge_alpha=0.5, outer_state=state
+    )
+    gen = torch.Generator(device=dev).manual_seed(1)
+    for step in range(20):
+        opt.zero_grad()
+        model(torch.randn(32, 512, device=dev, generator=gen)).square().mean().backward()
+        opt.step()
+        averager.maybe_average()
+        if averager.merged:
+            check_replicas(averager.common_tensors(), step, 0)
+    averager.average()
+    return [p.detach().cpu() for p in model.parameters()]
+
+
 def _outer_state_worker(info, store, device: str, out: str) -> None:
     import torch.distributed as dist
 
@@ -377,6 +402,7 @@ def _outer_state_worker(info, store, device: str, out: str) -> None:
         for state in ("device", "cpu"):
             result[state] = _outer_state_run(dev, state)
             torch.cuda.empty_cache()
+        result["streaming"] = {s: _streaming_run(dev, s) for s in ("device", "cpu")}
         torch.save(result, os.path.join(out, f"{info.rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -399,9 +425,15 @@ def outer_state_on_host(device: str) -> str:
     model_bytes = sum(p.numel() * 4 for p in dev["model"])
     check(dev["held"] >= 1.9 * model_bytes, f"device mode holds {dev['held']:,} bytes")
     check(host["held"] <= 0.1 * model_bytes, f"cpu mode still holds {host['held']:,} on the GPU")
-    diff = max(float((a - b).abs().max()) for a, b in zip(dev["model"], host["model"], strict=True))
-    check(diff < 1e-5, f"the models differ by up to {diff:g}")
-    same = "bit-identical" if diff == 0 else f"max |difference| {diff:.2g}"
+    diffs = [
+        max(float((a - b).abs().max()) for a, b in zip(one, two, strict=True))
+        for one, two in ((dev["model"], host["model"]), r["streaming"].values())
+    ]
+    check(max(diffs) < 1e-5, f"the models differ by up to {max(diffs):g} (DiLoCo, streaming)")
+    same = " and ".join(
+        f"{name} " + ("bit-identical" if d == 0 else f"max |difference| {d:.2g}")
+        for name, d in zip(("DiLoCo", "Streaming DiLoCo"), diffs, strict=True)
+    )
     return (
         f"{model_bytes / 2**20:.0f} MiB model: {dev['held'] / 2**20:.0f} MiB of outer state on "
         f"the GPU with device, {host['held'] / 2**20:.0f} MiB with cpu; one outer step "
