@@ -162,3 +162,40 @@ def test_the_peak_allocated_is_read_and_reset_on_cuda_and_absent_elsewhere(monke
     assert peak.interval() == {"peak_allocated_bytes": 300}
     allocator["peak"] = 200
     assert peak.run() == {"peak_allocated_bytes": 500}
+
+
+@pytest.mark.timeout(30)
+def test_the_trainer_reports_the_peak_in_each_metrics_line_and_the_summary(
+    lone_group, monkeypatch, tmp_path
+):
+    """The trainer's wiring, on CPU as if it were CUDA: torch.cuda's counter replaced by one
+    that grows by 100 bytes a read, so each line shows its own interval's peak."""
+    import json
+
+    from localsgd.loop import trainer as trainer_module
+    from localsgd.loop.trainer import Trainer
+    from localsgd.loop.worker import WorkerInfo
+    from tests.helpers import SMALL
+
+    reads = {"n": 0}
+
+    def max_memory_allocated(device=None):
+        reads["n"] += 1
+        return 100 * reads["n"]
+
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", max_memory_allocated)
+    monkeypatch.setattr(
+        trainer_module, "PeakMemory", lambda device: PeakMemory(torch.device("cuda", 0))
+    )
+    cfg = compose_config(
+        SMALL + ["trainer.max_steps=8", "trainer.log_every=4", "trainer.checkpoint_every=0",
+                 "logger.wandb.mode=disabled", "logger.plots=false", "trainer.sample_chars=0"]
+    )  # fmt: skip
+    summary = Trainer(cfg, WorkerInfo(0, 1, 0, 1), torch.device("cpu"), str(tmp_path)).train()
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    peaks = [x["peak_allocated_bytes"] for x in lines if "loss" in x]
+    assert peaks == [100, 200]  # steps 4 and 8, each its own interval's
+    assert summary["peak_allocated_bytes"] == 300  # the run's: the last read, after the end
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    assert saved["peak_allocated_bytes"] == 300
