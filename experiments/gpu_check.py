@@ -10,8 +10,10 @@ in the averager; bf16-mixed and 16-mixed training (fp32 parameters, a finite fal
 GradScaler on the GPU); pinned-memory loading; the CUDA RNG state through a checkpoint; a run
 killed mid-way resuming bit-identical; `ft=torchft` (torchft's NCCL process group, 4-bit
 messages gathered on the device) giving the same model as without it; sharded DiLoCo
-(`dist.shard_size=2`, FSDP2 on NCCL, with 2 GPUs or more); and a short `make train` on
-dist.device=cuda.
+(`dist.shard_size=2`, FSDP2 on NCCL, with 2 GPUs or more); DiLoCo's outer state in pinned host
+memory (`sync.outer_state=cpu`: the device memory it frees, what an outer step then costs, the
+model against `device`); and a short `make train` on dist.device=cuda (with the peak allocated
+in its summary).
 """
 
 from __future__ import annotations
@@ -324,6 +326,122 @@ def sharded(device: str, tmp: str) -> str:
     return f"{world // 2} groups of 2 GPUs, rank 0 holds {state['total']:,} bytes of state"
 
 
+def _outer_state_run(dev: torch.device, state: str) -> dict:
+    """DiLoCo on a 134M-parameter model (8 x 4096^2, 537 MB in fp32), one GPU, with its outer
+    state where `state` says: the device memory the averager holds, one outer step's time."""
+    import statistics
+
+    from localsgd.averaging import OuterAverager
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(4096, 4096) for _ in range(8))).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    gen = torch.Generator(device=dev).manual_seed(1)
+
+    def step() -> None:
+        opt.zero_grad()
+        model(torch.randn(64, 4096, device=dev, generator=gen)).square().mean().backward()
+        opt.step()
+
+    step()  # the gradients and AdamW's moments exist: what is held from here is the averager's
+    torch.cuda.synchronize(dev)
+    base = torch.cuda.memory_allocated(dev)
+    averager = OuterAverager(2, module=model, outer_state=state)
+    rounds = []
+    for _ in range(8):  # outer steps after steps 0, 2, 4, 6 (momentum from the first)
+        step()
+        torch.cuda.synchronize(dev)
+        start = time.perf_counter()
+        acted = averager.maybe_average()
+        torch.cuda.synchronize(dev)
+        if acted:
+            rounds.append(time.perf_counter() - start)
+    return {
+        "held": torch.cuda.memory_allocated(dev) - base,
+        "round_s": statistics.median(rounds[1:]),  # the first pays one-time costs
+        "pinned": all(a.is_pinned() for a in averager.reducer.anchors),
+        "on_host": all(a.device.type == "cpu" for a in averager.reducer.anchors),
+        "model": [p.detach().cpu() for p in model.parameters()],
+    }
+
+
+def _streaming_run(dev: torch.device, state: str) -> list[torch.Tensor]:
+    """Streaming DiLoCo (2 fragments, τ = 1, α = 0.5) with its outer state where `state` says,
+    the replica check after every merge (host anchors beside device values, gathered on NCCL);
+    the final model."""
+    from localsgd.averaging import StreamingAverager
+    from localsgd.loop.guards import check_replicas
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(512, 512) for _ in range(4))).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    averager = StreamingAverager(
+        8, module=model, fragments=2, delay_steps=1, merge_alpha=0.5, outer_state=state
+    )
+    gen = torch.Generator(device=dev).manual_seed(1)
+    for step in range(20):
+        opt.zero_grad()
+        model(torch.randn(32, 512, device=dev, generator=gen)).square().mean().backward()
+        opt.step()
+        averager.maybe_average()
+        if averager.merged:
+            check_replicas(averager.common_tensors(), step, 0)
+    averager.average()
+    return [p.detach().cpu() for p in model.parameters()]
+
+
+def _outer_state_worker(info, store, device: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from localsgd.cli.launch import init_process_group, pick_backend, pick_device
+
+    dev = pick_device(device, info.local_rank)
+    init_process_group(info, pick_backend("auto", dev), 60, store)
+    try:
+        result = {}
+        for state in ("device", "cpu"):
+            result[state] = _outer_state_run(dev, state)
+            torch.cuda.empty_cache()
+        result["streaming"] = {s: _streaming_run(dev, s) for s in ("device", "cpu")}
+        torch.save(result, os.path.join(out, f"{info.rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def outer_state_on_host(device: str) -> str:
+    """`sync.outer_state=cpu` on one GPU: the anchor and outer momentum pinned in host memory,
+    the device memory that frees (two model-sized copies), one outer step's time against
+    `device`, and the model against `device`'s: the same bits where the GPU's SGD kernels
+    round as the CPU's, else within float32 rounding (the largest difference is reported)."""
+    if device != "cuda":  # on CPU: tests/test_outer_state.py and tests/test_sharded.py
+        raise Skip("needs CUDA (the CPU path is tests/test_outer_state.py's)")
+    from localsgd.cli.launch import spawn
+
+    with tempfile.TemporaryDirectory() as out:
+        spawn(_outer_state_worker, 1, 180, args=(device, out))
+        r = torch.load(os.path.join(out, "0.pt"))
+    dev, host = r["device"], r["cpu"]
+    check(host["on_host"] and host["pinned"], "the anchors are not in pinned host memory")
+    model_bytes = sum(p.numel() * 4 for p in dev["model"])
+    check(dev["held"] >= 1.9 * model_bytes, f"device mode holds {dev['held']:,} bytes")
+    check(host["held"] <= 0.1 * model_bytes, f"cpu mode still holds {host['held']:,} on the GPU")
+    diffs = [
+        max(float((a - b).abs().max()) for a, b in zip(one, two, strict=True))
+        for one, two in ((dev["model"], host["model"]), r["streaming"].values())
+    ]
+    check(max(diffs) < 1e-5, f"the models differ by up to {max(diffs):g} (DiLoCo, streaming)")
+    same = " and ".join(
+        f"{name} " + ("bit-identical" if d == 0 else f"max |difference| {d:.2g}")
+        for name, d in zip(("DiLoCo", "Streaming DiLoCo"), diffs, strict=True)
+    )
+    return (
+        f"{model_bytes / 2**20:.0f} MiB model: {dev['held'] / 2**20:.0f} MiB of outer state on "
+        f"the GPU with device, {host['held'] / 2**20:.0f} MiB with cpu; one outer step "
+        f"{dev['round_s'] * 1e3:.1f} ms against {host['round_s'] * 1e3:.1f} ms "
+        f"({host['round_s'] / dev['round_s']:.2f}x); models {same}"
+    )
+
+
 def make_train(device: str, tmp: str) -> str:
     run_dir = os.path.join(tmp, "make-train")
     # make train's job, shortened: 300 synchronous steps then k=16, to step 600
@@ -340,9 +458,12 @@ def make_train(device: str, tmp: str) -> str:
     with open(os.path.join(run_dir, "summary.json")) as f:
         summary = json.load(f)
     check(summary["test_accuracy"] > 0.5, f"test accuracy {summary['test_accuracy']}")
+    peak = summary.get("peak_allocated_bytes")  # CUDA's counter: absent on CPU
+    check((peak is not None and peak > 0) == (device == "cuda"), f"peak_allocated_bytes {peak}")
+    shown = f", peak allocated {peak / 2**20:.1f} MiB" if peak else ""
     return (
         f"{summary['world_size']} worker(s), {summary['steps']} steps, test accuracy "
-        f"{summary['test_accuracy']}, {summary['wall_time_s']} s"
+        f"{summary['test_accuracy']}, {summary['wall_time_s']} s{shown}"
     )
 
 
@@ -407,6 +528,7 @@ def main(argv: list[str] | None = None) -> int:
         checks.run("exact resume", lambda: exact_resume(device, tmp))
         checks.run("ft=torchft", lambda: fault_tolerant(device, tmp))
         checks.run("sharded DiLoCo", lambda: sharded(device, tmp))
+        checks.run("outer state in host memory", lambda: outer_state_on_host(device))
         checks.run(f"make train on dist.device={device}", lambda: make_train(device, tmp))
     print(f"gpu-check: {'all passed' if not checks.failed else f'{checks.failed} failed'}")
     return 1 if checks.failed else 0

@@ -102,6 +102,9 @@ class SyncConfig:
     # the first R outer steps move linearly from a plain average (lr 1, momentum 0) to the
     # outer_lr/outer_momentum above (0 = off): for runs with few outer steps
     outer_warmup_rounds: int = 0
+    # where the outer step's state (anchors, outer momentum) lives: device (beside the model) |
+    # cpu (host memory, pinned on CUDA; the outer step runs there, the same bits)
+    outer_state: str = "device"
     optimizer_state: str = "local"  # local | average | reset, at each sync
     # what an average sends (localsgd.averaging.COMM_DTYPES): float32 | bfloat16 | float16, or
     # block-quantised int8 | float8_e4m3fn | int4 | float4_e2m1 (per-block fp32 scales)

@@ -74,3 +74,4 @@ def test_sharded_benchmark_runs_at_tiny_size(tmp_path):
     text = out.read_text()
     assert "| parameters | 0.00 | 0.00 | 0.500 |" in text
     assert "| AdamW moments | 0.00 | 0.00 | 0.500 |" in text
+    assert "| ratio cpu / device |" in text  # sync.outer_state=cpu's rounds, side by side

@@ -69,9 +69,17 @@ CASES |= {
         ),
     ),
 }
-ADAM = ("diloco", "moments_averaged", "int8_feedback", "int4_feedback")
+ADAM = ("diloco", "diloco_cpu", "moments_averaged", "int8_feedback", "int4_feedback")
 EXACT = ["local_sgd", "diloco", "streaming", "hierarchical", "moments_averaged", "adaptive"]
 # (low bits: their blocks start at each shard's start)
+# sync.outer_state=cpu (localsgd/averaging/offload.py): each must give its device case's bits
+OFFLOADED = {
+    "diloco_cpu": (7, lambda model, group: OuterAverager(
+        3, process_group=group, module=model, outer_state="cpu")),
+    "streaming_cpu": (11, lambda model, group: StreamingAverager(
+        8, process_group=group, module=model, fragments=2, delay_steps=1, merge_alpha=0.5,
+        outer_state="cpu")),
+}  # fmt: skip  # low bits: blocks start at each shard's start
 
 
 def _model() -> nn.Module:
@@ -104,7 +112,7 @@ def _train(rank: int, world: int, shard_size: int) -> dict:
 
     FlatBuffers.pull = counted
     out = {}
-    for name, (steps, make) in CASES.items():
+    for name, (steps, make) in {**CASES, **OFFLOADED}.items():
         pulls["n"] = pulls["held"] = 0
         model = sharding.shard(_model())
         # momentum / AdamW: optimizer state to shard
@@ -241,12 +249,33 @@ def test_a_rank_holds_half_the_state_and_copies_only_at_steps_that_act(runs, cas
 
 @pytest.mark.slow
 @pytest.mark.timeout(60)
+def test_outer_state_on_the_host_gives_the_device_bits_sharded_and_not(runs):
+    # both runs (4 ranks as 2 x 2, and 2 replicated ranks): the whole final model equal bit for
+    # bit, and the anchors and outer momentum counted in host memory, no longer on the device
+    for results in runs:
+        for result in results:
+            for name in OFFLOADED:
+                device = result[name.removesuffix("_cpu")]
+                for k, v in device["model"].items():
+                    assert torch.equal(result[name]["model"][k], v), (name, k)
+                held, ref = result[name]["bytes"], device["bytes"]
+                outer = ref["averager_parts"]["anchors"] + ref["averager_parts"]["outer_momentum"]
+                assert ref["averager_parts"]["anchors"] == held["host"]["anchors"] > 0
+                assert held["host"]["outer_momentum"] == ref["averager_parts"]["outer_momentum"]
+                assert held["total"] == ref["total"] - outer, (held, ref)
+                assert held["host"]["staging"] == held["host"]["anchors"]  # this rank's shards
+                assert "host" not in ref
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
 def test_the_cli_trains_sharded_diloco_and_reports_state_bytes(tmp_path):
     run_dir = tmp_path / "run"
     args = FAST + [
         "dist.world_size=4",
         "dist.shard_size=2",
         "sync.outer=diloco",  # period 16: outer steps after steps 0, 16, 32, and a final one
+        "sync.outer_state=cpu",  # the anchors and outer momentum held apart, in host memory
         "sync.check_replicas=true",  # each shard bit-identical across the groups at each sync
         "optim=adamw",
         "trainer.max_steps=40",
@@ -262,6 +291,16 @@ def test_the_cli_trains_sharded_diloco_and_reports_state_bytes(tmp_path):
     whole = summary["params"] * 4
     assert whole / 2 <= held["parameters"] <= whole / 2 * 1.05
     assert held["averager_parts"]["mirror"] == 0  # released between steps
+    # sync.outer_state=cpu: anchor, momentum and staging (this rank's shards) counted apart,
+    # and one line says that on a CPU run that saves nothing
+    assert held["host"] == {"total": 3 * held["parameters"], "anchors": held["parameters"],
+                            "outer_momentum": held["parameters"], "staging": held["parameters"]}
+    assert held["averager"] == 0
+    assert proc.stderr.count("sync.outer_state=cpu on a CPU run saves nothing") == 1
+    # the peak allocated is CUDA's counter: absent on CPU, not zero
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert "peak_allocated_bytes" not in summary and not any("peak_allocated_bytes" in x
+                                                             for x in lines)
     # every rank sends its shard, not the model: 4 outer steps
     assert summary["comm_bytes"] == 4 * held["parameters"]
     # the replica group's total: both ranks' shards, the whole model's bytes per outer step

@@ -243,3 +243,35 @@ def test_what_a_sharded_checkpoint_cannot_continue_is_refused_in_one_line(tmp_pa
         "was written with other units ('(root): ' in the checkpoint, 'net.4: net.4.weight[10, "
         "16], net.4.bias[10]' now); start afresh in another hydra.run.dir"
     ), line
+
+
+@pytest.mark.long  # three to five runs of 2-4 processes, ~1 min: `make test-long`
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    "layout, killed, resumed",
+    [("torch_save", "cpu", "cpu"), ("dcp", "cpu", "cpu"), ("torch_save", "device", "cpu")],
+)
+def test_with_the_outer_state_on_the_host_a_killed_run_resumes_to_the_device_runs_model(
+    uninterrupted, tmp_path, layout, killed, resumed
+):
+    """sync.outer_state=cpu: the anchors and outer momentum are saved from and loaded into host
+    tensors, in the per-rank files of both layouts (unsharded: torch.save; sharded: beside the
+    DCP save). Killed after step 13, the run resumes from step 8, between outer steps (anchor
+    and momentum differ from the model), and ends with the device run's model, bit for bit;
+    a device run's checkpoint may resume with the state on the host (the same bits)."""
+    if layout == "dcp":
+        args, reference = JOB + SHARDED, uninterrupted
+    else:
+        args, reference = JOB + ["dist.world_size=2"], tmp_path / "device"
+        _ok(cli(args + [f"hydra.run.dir={reference}"]))
+    run_dir = tmp_path / "host"
+    args = args + [f"hydra.run.dir={run_dir}"]
+    proc, _ = cli(args + [f"sync.outer_state={killed}"], fault="kill:1:13")
+    assert proc.returncode != 0
+    proc, left = cli(args + [f"sync.outer_state={resumed}"])
+    _ok((proc, left))
+    assert "resuming from" in proc.stderr and "step-8" in proc.stderr
+    marker = json.loads((run_dir / "checkpoints/step-16" / checkpoint.MARKER).read_text())
+    assert ("dcp/.metadata" in marker.get("dcp_files", [])) == (layout == "dcp")
+    assert same_model(run_dir / "model.pt", reference / "model.pt")

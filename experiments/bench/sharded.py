@@ -6,7 +6,12 @@ The same 4 worker processes' job twice, one after the other in one invocation: a
 `--period` steps) on random tokens, then reports rank 0's state (`localsgd.loop.sharding.
 state_bytes`: parameters, gradients, AdamW's moments, the averager's anchor and outer momentum)
 and the time of one blocking averaging round (`averager.average()`: the pseudo-gradient's
-all-reduce and the outer step), the median over `--rounds`, the slowest rank's.
+all-reduce and the outer step), the median over `--rounds`, the slowest rank's. Then, in the
+same processes, the same rounds again with the anchor and outer momentum in host memory
+(`sync.outer_state=cpu`, a new averager over the same model): the outer step's cost with and
+without the option, side by side. On a CPU machine the host *is* the device, so that ratio
+measures the option's extra copies only; the copies over PCIe need a GPU
+(experiments/gpu_check.py).
 
     python experiments/bench/sharded.py               # GPT-2 small (124M), ~4 min, ~14 GB
     python experiments/bench/sharded.py --tiny        # smoke test, seconds
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import os
 import sys
 import time
@@ -73,13 +79,8 @@ def _job(rank: int, world_size: int, shape: dict, shard_size: int, args: dict) -
         opt.step()
         averager.maybe_average()
         step_s.append(time.perf_counter() - start)
-    rounds = []
-    for _ in range(args["rounds"]):
-        torch.distributed.barrier()
-        start = time.perf_counter()
-        averager.average()
-        rounds.append(time.perf_counter() - start)
-    return {
+    rounds = _rounds(averager, args["rounds"])
+    out = {
         "params": params,
         "state": state_bytes(model, opt, averager),
         "state_at_round": max(peak["total"], state_bytes(model, opt, averager)["total"]),
@@ -88,6 +89,44 @@ def _job(rank: int, world_size: int, shape: dict, shard_size: int, args: dict) -
         "sent": averager.stats.bytes,
         "loss": float(loss.detach()),
     }
+    # sync.outer_state device against cpu, side by side: the averager above, the gradients and
+    # AdamW's moments dropped first (no round reads them; 4 x 1 of GPT-2 small would not fit
+    # this machine's 24 GiB beside a second averager otherwise). Then, twice in turn, a fresh
+    # averager of each kind over the averaged model: one round untimed (its first outer step
+    # allocates the momentum, first touches), then `rounds` timed.
+    averager.flat.push = push  # no cycle through the closure: freed at once
+    averager = None
+    opt.state.clear()
+    for p in model.parameters():
+        p.grad = None
+    gc.collect()
+    out["side_by_side_s"] = {"device": [], "cpu": []}
+    for _ in range(2):
+        for where, timed in out["side_by_side_s"].items():
+            fresh = OuterAverager(
+                args["period"], process_group=sharding.replicate_group, module=model,
+                outer_state=where,
+            )  # fmt: skip
+            timed.extend(_rounds(fresh, 1 + args["rounds"])[1:])
+            if where == "cpu":
+                out["host_state"] = state_bytes(model, opt, fresh)
+            fresh = None
+            gc.collect()
+    return out
+
+
+def _rounds(averager, n: int) -> list[float]:
+    """Seconds of `n` blocking averaging rounds (the pseudo-gradient's all-reduce and the outer
+    step), each started together on every rank."""
+    import torch
+
+    out = []
+    for _ in range(n):
+        torch.distributed.barrier()
+        start = time.perf_counter()
+        averager.average()
+        out.append(time.perf_counter() - start)
+    return out
 
 
 def _gib(n: int) -> str:
@@ -107,11 +146,18 @@ def main(argv: list[str] | None = None) -> None:
     job = {"steps": args.steps, "period": args.period, "rounds": args.rounds, "seq": args.seq}
     started = time.perf_counter()
     results = {}
+    rounds = args.rounds
     for shard_size in (1, 2):  # one after the other: the two never share the cores
         ranks = run_world(_job, WORLD, shape, shard_size, job, timeout_s=1800.0)
         results[shard_size] = {
             "rank0": ranks[0],
             "round_s": median([max(r["round_s"][i] for r in ranks) for i in range(args.rounds)]),
+            **{
+                f"{where}_round_s": median(
+                    [max(r["side_by_side_s"][where][i] for r in ranks) for i in range(2 * rounds)]
+                )
+                for where in ("device", "cpu")
+            },
             "step_s": median([max(r["step_s"][i] for r in ranks) for i in range(args.steps)]),
         }
     one, two = results[1], results[2]
@@ -157,6 +203,38 @@ def main(argv: list[str] | None = None) -> None:
         "",
         f"Bytes rank 0 sent in the averages: {one['rank0']['sent']:,} (4 x 1) against "
         f"{two['rank0']['sent']:,} (2 x 2).",
+        "",
+        "## The outer state in host memory (`sync.outer_state=cpu`)",
+        "",
+        "In the same processes, after the rounds above, with the gradients and AdamW's moments "
+        "dropped (no round reads them): twice in turn, a fresh averager with the anchor and "
+        "outer momentum on the device and one with them in host memory (the pseudo-gradient "
+        "computed on the host, its mean copied back there for the outer step, the new model "
+        f"copied up: four model-sized copies a round; the same bits), one untimed round each, "
+        f"then {args.rounds} timed; the median of the {2 * args.rounds} rounds of each, the "
+        "slowest rank's. **On this CPU machine the host is the device**: the ratio measures "
+        "those extra copies only, and the option saves no memory here. What it costs over "
+        "PCIe, and saves on a GPU, is measured by experiments/gpu_check.py.",
+        "",
+        "| one blocking averaging round (s, median of the slowest rank) | 4 x 1 | 2 x 2 |",
+        "|---|---|---|",
+        f"| `sync.outer_state=device` | {one['device_round_s']:.3f} | "
+        f"{two['device_round_s']:.3f} |",
+        f"| `sync.outer_state=cpu` | {one['cpu_round_s']:.3f} | {two['cpu_round_s']:.3f} |",
+        f"| ratio cpu / device | {one['cpu_round_s'] / one['device_round_s']:.2f} | "
+        f"{two['cpu_round_s'] / two['device_round_s']:.2f} |",
+        "",
+        "| rank 0's state with `sync.outer_state=cpu` (GiB) | 4 x 1 | 2 x 2 |",
+        "|---|---|---|",
+        *(
+            f"| {name} | {_gib(get(one['rank0']['host_state']))} | "
+            f"{_gib(get(two['rank0']['host_state']))} |"
+            for name, get in (
+                ("the averager's on the device (`averager`)", lambda s: s["averager"]),
+                ("in host memory (`host`: anchor, outer momentum, staging)",
+                 lambda s: s["host"]["total"]),
+            )
+        ),  # fmt: skip
     ]
     with open(args.out, "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -22,6 +22,7 @@ from localsgd.averaging.compress import (
     wire_buffers,
 )
 from localsgd.averaging.flat import FlatBuffers, Relayout, averaged_tensors
+from localsgd.averaging.offload import host_clone, host_empty_like
 from localsgd.averaging.outer_step import outer_step
 from localsgd.averaging.overlap import buckets, keep_progress_
 from localsgd.averaging.quantize import BlockCodec
@@ -97,7 +98,8 @@ def fragment_ids(
 class Fragments(Reducer):
     """The per-fragment state and arithmetic of `StreamingAverager`: anchors, outer optimizers,
     the values on the wire. `regions[p]`: (buffer, start, start of its buffers, end) per flat
-    buffer that holds part of fragment p."""
+    buffer that holds part of fragment p. `host`: the anchors and outer momentum in host memory,
+    each fragment's outer step run there (`localsgd.averaging.offload`)."""
 
     def __init__(
         self,
@@ -111,8 +113,10 @@ class Fragments(Reducer):
         error_feedback: bool = False,
         progress: bool = False,
         bucket_bytes: int | None = None,
+        host: bool = False,
     ):
         self.anchored = outer is not None
+        self.host = host and self.anchored
         # a delayed merge keeps this rank's progress since the launch (`merge_rule="progress"`)
         self.progress, self.bucket_bytes = progress, bucket_bytes
         fragments = max(ids, default=0) + 1
@@ -126,13 +130,16 @@ class Fragments(Reducer):
             [(g, s, n, e) for (q, g), (s, n, e) in sorted(spans.items()) if q == p]
             for p in range(fragments)
         ]
-        self.anchors = [b.detach().clone() for b in flat.buffers] if outer else []
+        keep = host_clone if self.host else (lambda b: b.detach().clone())
+        self.anchors = [keep(b) for b in flat.buffers] if outer else []
 
         def new() -> list[Tensors]:
             return [[flat.buffers[g].new_empty(e - s) for g, s, _, e in rs] for rs in self.regions]
 
         self.sent = new()  # on the wire, in place: the values or pseudo-gradient, then its mean
         self.origins = new() if progress else []  # the local values at the launch
+        # host: where a fragment's mean pseudo-gradient lands for its outer step
+        self.staging = [[host_empty_like(t) for t in ts] for ts in self.sent] if self.host else []
         # per piece: None (sent as it is), a 16-bit copy or a `QuantizedWire`; error feedback's
         # residual (None where nothing is rounded)
         self.comm_dtype, self.error_feedback = comm_dtype, error_feedback
@@ -202,14 +209,23 @@ class Fragments(Reducer):
     def _load(self, p: int, buffers: Tensors, out: Tensors) -> None:
         """`anchor - local` (outer) or `local` (plain) of fragment p into `out`."""
         for (g, s, _, e), o in zip(self.regions[p], out, strict=True):
-            if self.anchored:
+            if self.host:  # the anchor staged through `out`: the same difference
+                o.copy_(self.anchors[g][s:e]).sub_(buffers[g][s:e])
+            elif self.anchored:
                 torch.sub(self.anchors[g][s:e], buffers[g][s:e], out=o)
             else:
                 o.copy_(buffers[g][s:e])
 
-    def _outer(self, p: int, grads: Tensors, plain: bool) -> None:
+    def _outer(self, p: int, grads: Tensors, plain: bool) -> Tensors | None:
         """Step fragment p's anchor by the (mean) pseudo-gradient `grads`; floating-point
-        buffers (or everything, if `plain`) take it plainly."""
+        buffers (or everything, if `plain`) take it plainly. Host: `grads` are copied to the
+        host for the step, then overwritten with the new anchor, which is returned: the global
+        values on the buffers' device for the merge (None: the anchor itself is there)."""
+        on_device = None
+        if self.host:
+            on_device, grads = grads, self.staging[p]
+            for h, d in zip(grads, on_device, strict=True):
+                h.copy_(d)
         for (g, s, n, e), d in zip(self.regions[p], grads, strict=True):
             start = 0 if plain else n - s
             self.anchors[g][s + start : e].sub_(d[start:])
@@ -221,12 +237,27 @@ class Fragments(Reducer):
             ):
                 param.grad = d
             outer_step(opt, self.outer_warmup)
+        if on_device is not None:
+            for (g, s, _, e), d in zip(self.regions[p], on_device, strict=True):
+                d.copy_(self.anchors[g][s:e])
+        return on_device
 
-    def _merge(self, p: int, buffers: Tensors, alpha: float, delayed: bool = False) -> None:
+    def _merge(
+        self,
+        p: int,
+        buffers: Tensors,
+        alpha: float,
+        delayed: bool = False,
+        glob_on_device: Tensors | None = None,
+    ) -> None:
         """local <- α·local + (1-α)·global (α=0: a copy), or, for a delayed merge under
-        `progress`, local <- global + (local - local at the launch)."""
+        `progress`, local <- global + (local - local at the launch). The global values: the
+        anchor, `glob_on_device` (a host anchor's copy, `_outer`), or the mean received."""
         for i, (g, s, _, e) in enumerate(self.regions[p]):
-            glob = self.anchors[g][s:e] if self.anchored else self.sent[p][i]
+            if glob_on_device is not None:
+                glob = glob_on_device[i]
+            else:
+                glob = self.anchors[g][s:e] if self.anchored else self.sent[p][i]
             local = buffers[g][s:e]
             if delayed and self.progress:
                 keep_progress_(local, glob, self.origins[p][i])
@@ -243,9 +274,8 @@ class Fragments(Reducer):
         if self.eager:  # what every rank received, for common_tensors
             for r, d in zip(self.received[p], self.sent[p], strict=True):
                 r.copy_(d)
-        if self.anchored:
-            self._outer(p, self.sent[p], plain)
-        self._merge(p, buffers, alpha)
+        glob = self._outer(p, self.sent[p], plain) if self.anchored else None
+        self._merge(p, buffers, alpha, glob_on_device=glob)
 
     def launch(self, p: int, buffers: Tensors, comm: Communicator, step: int, plain: bool):
         self._load(p, buffers, self.sent[p])
@@ -257,9 +287,8 @@ class Fragments(Reducer):
 
     def finish(self, p: int, buffers: Tensors, alpha: float) -> None:
         self.wait(p)
-        if self.anchored:
-            self._outer(p, self.sent[p], self.pending_plain[p])
-        self._merge(p, buffers, alpha, delayed=True)
+        glob = self._outer(p, self.sent[p], self.pending_plain[p]) if self.anchored else None
+        self._merge(p, buffers, alpha, delayed=True, glob_on_device=glob)
         self.holding[p] = False
 
     def eager_round(self, p: int, buffers: Tensors, comm: Communicator, alpha: float, step: int):
@@ -283,9 +312,9 @@ class Fragments(Reducer):
         for o, r, f in zip(own, self.received[p], fresh, strict=True):
             o.div_(-prev_size).add_(r).add_(f, alpha=1 / size)  # D - d_prev/M' + d/M
         self.own_size[p] = size
-        self._outer(p, own, plain=False)
+        glob = self._outer(p, own, plain=False)
         self.own[p], self.scratch[p] = fresh, own  # the fresh d is the next round's d_prev
-        self._merge(p, buffers, alpha)
+        self._merge(p, buffers, alpha, glob_on_device=glob)  # host: `own` holds the anchor
         return got
 
     def drop(self, p: int) -> None:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from localsgd.averaging.comm import CommStats, SimulatedLink
 from localsgd.averaging.compress import comm_dtype_of
 from localsgd.averaging.flat import FlatBuffers
+from localsgd.averaging.offload import check_outer_state
 from localsgd.averaging.outer_step import DILOCO, OUTER_DEFAULTS, OuterStep, outer_step
 from localsgd.averaging.periodic import PeriodicAverager
 from localsgd.averaging.quantize import DEFAULT_BLOCK_SIZE, BlockCodec
@@ -39,7 +40,9 @@ class OuterAverager(PeriodicAverager):
     `quant_block_size` values (`localsgd.averaging.quantize`). `error_feedback` adds each
     worker's rounding residual to its next pseudo-gradient (checkpointed; see `compress`).
     `outer_warmup_rounds` = R moves the first R outer steps linearly from a plain average to the
-    configured step (`outer_step`).
+    configured step (`outer_step`). `outer_state="cpu"` keeps the anchor and the outer momentum
+    in host memory (pinned where CUDA is available) and runs the outer step there, with the
+    same bits (`localsgd.averaging.offload`).
     The anchor must exist from the start, so `module` is required. The outer step moves the
     anchor by the mean pseudo-gradient, so anchors that differed when built would never meet:
     with `init_sync` (the default) every rank starts from rank 0's parameters and buffers.
@@ -64,8 +67,11 @@ class OuterAverager(PeriodicAverager):
         quant_block_size: int = DEFAULT_BLOCK_SIZE,
         outer_warmup_rounds: int = 0,
         mirror: bool | None = None,
+        outer_state: str = "device",
     ):
         dtype = comm_dtype_of(comm_dtype, quant_block_size)
+        host = check_outer_state(outer_state)
+        self.outer_state = outer_state
         if outer_warmup_rounds < 0:
             raise ValueError(f"outer_warmup_rounds must be >= 0, got {outer_warmup_rounds}")
 
@@ -79,6 +85,7 @@ class OuterAverager(PeriodicAverager):
                 dtype,
                 error_feedback=error_feedback,
                 warmup_rounds=outer_warmup_rounds,
+                host=host,
             )
 
         super().__init__(

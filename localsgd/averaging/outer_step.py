@@ -19,6 +19,7 @@ from localsgd.averaging.compress import (
     wire_buffers,
 )
 from localsgd.averaging.flat import FlatBuffers, Relayout
+from localsgd.averaging.offload import host_clone, host_empty_like
 from localsgd.averaging.reduce import Reducer
 
 OUTER_DEFAULTS = {  # the papers' settings: the one place they are written
@@ -51,7 +52,8 @@ class OuterStep(Reducer):
     """The reducer of `OuterAverager`: the mean pseudo-gradient fed to an outer `torch.optim.SGD`
     over the anchor (communicated in `comm_dtype`, a dtype or a block-quantised format; anchor
     and outer state stay fp32). `error_feedback` keeps this worker's residual, what it wanted to
-    send minus what it sent, and adds it to its next pseudo-gradient (see `compress`)."""
+    send minus what it sent, and adds it to its next pseudo-gradient (see `compress`). `host`:
+    the anchor and outer momentum in host memory, the outer step run there (`offload`)."""
 
     anchored = True
 
@@ -65,8 +67,10 @@ class OuterStep(Reducer):
         comm_dtype: CommFormat,
         error_feedback: bool = False,
         warmup_rounds: int = 0,
+        host: bool = False,
     ):
         self.warmup_steps = warmup_steps
+        self.host = host
         self.warmup_rounds = warmup_rounds
         self.error_feedback = error_feedback
         self.anchors: list[torch.Tensor] = []
@@ -77,11 +81,14 @@ class OuterStep(Reducer):
         lead = [0] * len(flat.buffers)
         for t, (g, _, numel) in zip(flat.tensors, flat.slots, strict=True):
             lead[g] += numel if isinstance(t, torch.nn.Parameter) else 0
-        for buffer, n in zip(flat.buffers, lead, strict=True):
-            anchor = buffer.detach().clone()
+        # host: where the mean pseudo-gradient lands for the outer step (see `offload`)
+        self.staging = [host_empty_like(b) for b in flat.buffers] if host else []
+        for g, (buffer, n) in enumerate(zip(flat.buffers, lead, strict=True)):
+            anchor = host_clone(buffer) if host else buffer.detach().clone()
             if n > 0:
                 view = anchor[:n]
-                view.grad = buffer[:n]  # the pseudo-gradient is computed in place in the buffer
+                # the pseudo-gradient is computed in place in the buffer (host: in its staging)
+                view.grad = self.staging[g][:n] if host else buffer[:n]
                 outer_params.append(view)
             self.anchors.append(anchor)
             self.param_numels.append(n)
@@ -92,13 +99,23 @@ class OuterStep(Reducer):
     def reduce_(self, buffers: list[torch.Tensor], comm: Communicator, level: int, step: int):
         # the first sync after a warmup (the rule fires at step `warmup_steps`), see the module doc
         plain = self.warmup_steps > 0 and step == self.warmup_steps
-        for flat, anchor, low, residual, n in zip(
-            buffers, self.anchors, self.low, self.residuals, self.param_numels, strict=True
-        ):
-            torch.sub(anchor, flat, out=flat)  # pseudo-gradient
-            lossy_mean_(flat, comm, low, residual)
+        staging = self.staging or [None] * len(buffers)
+        for flat, anchor, low, residual, n, stage in zip(
+            buffers, self.anchors, self.low, self.residuals, self.param_numels, staging,
+            strict=True,
+        ):  # fmt: skip
+            if stage is None:
+                torch.sub(anchor, flat, out=flat)  # pseudo-gradient
+                lossy_mean_(flat, comm, low, residual)
+                mean = flat
+            else:  # the same arithmetic on the host; the wire stays on the device
+                stage.copy_(flat)
+                torch.sub(anchor, stage, out=stage)
+                flat.copy_(stage)
+                lossy_mean_(flat, comm, low, residual)
+                mean = stage.copy_(flat)
             start = 0 if plain else n  # buffers (or everything) are averaged plainly
-            anchor[start:].sub_(flat[start:])
+            anchor[start:].sub_(mean[start:])
         if not plain:
             outer_step(self.optimizer, self.warmup_rounds)
         for flat, anchor in zip(buffers, self.anchors, strict=True):

@@ -75,7 +75,8 @@ Memory beyond the model: the anchors and outer momentum, one fragment-sized wire
 fragment (all fragments together: one model), one more under "progress", three more with
 `eager`; below fp32, per piece the wire's buffers (`QuantizedWire`: about two fp32 copies of
 the piece for float4_e2m1 and the gathered messages) or a 16-bit copy, and a residual with
-`error_feedback`.
+`error_feedback`. `outer_state="cpu"` moves the anchors and outer momentum to host memory, with
+a host staging copy of the fragments' wire (`localsgd.averaging.offload`; the same bits).
 """
 
 from __future__ import annotations
@@ -94,6 +95,7 @@ from localsgd.averaging.compress import (
 from localsgd.averaging.flat import FlatBuffers, averaged_tensors
 from localsgd.averaging.fragments import Fragments, Tensors, fragment_ids
 from localsgd.averaging.hierarchical import level_by_period
+from localsgd.averaging.offload import check_outer_state
 from localsgd.averaging.outer_step import DILOCO
 from localsgd.averaging.quantize import DEFAULT_BLOCK_SIZE, BlockCodec
 
@@ -104,7 +106,8 @@ MERGE_RULES = ("mix", "progress")
 class StreamingAverager(Averager):
     """Streaming DiLoCo: `fragments` fragments synced in turn, each `delay_steps` late, merged
     with `merge_alpha`; `eager` overlaps the whole outer step; `outer=False` streams plain
-    averages; `inner_levels` adds hierarchical levels below the streaming one. Called once after
+    averages; `inner_levels` adds hierarchical levels below the streaming one; `outer_state="cpu"`
+    keeps the anchors and outer momentum in host memory (`offload`). Called once after
     every optimizer step, like every averager here. See the module docstring for the split, the
     schedule, the levels and the arithmetic; P=1, τ=0, α=0 is `OuterAverager` bit for bit.
     `module` is required (the blocks come from it). Every rank must construct it in the same
@@ -137,6 +140,7 @@ class StreamingAverager(Averager):
         merge_rule: str = "mix",
         bucket_mb: float | None = None,
         mirror: bool | None = None,
+        outer_state: str = "device",
     ):
         if period < 1 or warmup_steps < 0 or fragments < 1:
             raise ValueError("period and fragments must be >= 1, warmup_steps >= 0")
@@ -158,6 +162,10 @@ class StreamingAverager(Averager):
                 "eager overlaps the whole outer step: it needs outer and delay_steps=0"
             )
         dtype = comm_dtype_of(comm_dtype, quant_block_size)
+        host = check_outer_state(outer_state)
+        if host and not outer:
+            raise ValueError("outer_state='cpu' needs outer=True (plain streaming keeps no state)")
+        self.outer_state = outer_state
         if dtype != torch.float32 and not outer:
             raise ValueError(
                 "comm_dtype below float32 needs outer=True under streaming: the pseudo-gradient "
@@ -193,6 +201,7 @@ class StreamingAverager(Averager):
                 error_feedback,
                 progress,
                 None if bucket_mb is None else int(bucket_mb * 2**20),
+                host,
             )
 
         comm = Communicator(process_group, stats, link)

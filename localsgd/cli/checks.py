@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from localsgd.averaging import COMM_DTYPES, OPTIMIZER_STATE_MODES
+from localsgd.averaging.offload import OUTER_STATES
 from localsgd.averaging.streaming import MERGE_RULES
 from localsgd.cli.fault_tolerance import validate_ft
 from localsgd.cli.pacing import validate_pacing
@@ -283,6 +284,22 @@ def _validate_streaming(cfg: Any, plan: SyncPlan) -> None:
         _require(value == default, key, f"{shown} {what}", value)
 
 
+def _validate_outer_state(cfg: Any) -> None:
+    """`sync.outer_state=cpu` moves state that exists only with an outer step that runs."""
+    if _get(cfg, "sync.outer_state") == "device":
+        return
+    for key, value, where in (
+        ("sync.outer", "none", "no anchor or outer momentum to keep"),
+        ("comm.disabled", True, "nothing syncs"),
+        ("ft.backend", "torchft", "not built with ft=torchft yet"),
+    ):
+        if _get(cfg, key) == value:
+            shown = str(value).lower() if isinstance(value, bool) else value
+            raise ConfigError(
+                f"sync.outer_state must be device with {key}={shown} ({where}), got cpu"
+            )
+
+
 def validate_sync(cfg: Any, ws: int | None, local_ws: int | None) -> None:
     """The averaging strategy's keys and their combinations. `ws` None: not known yet."""
     for key, choices in (
@@ -291,8 +308,10 @@ def validate_sync(cfg: Any, ws: int | None, local_ws: int | None) -> None:
         ("sync.optimizer_state", OPTIMIZER_STATE_MODES),
         ("sync.comm_dtype", COMM_DTYPES),
         ("sync.merge_rule", MERGE_RULES),
+        ("sync.outer_state", OUTER_STATES),
     ):
         _choice(cfg, key, choices)
+    _validate_outer_state(cfg)
     bucket = _get(cfg, "sync.bucket_mb")
     _require(bucket > 0, "sync.bucket_mb", "> 0 (MiB)", bucket)
     schedule = _get(cfg, "sync.schedule")

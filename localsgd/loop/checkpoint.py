@@ -282,6 +282,7 @@ RESUME_MAY_CHANGE = (
     "data.num_workers",  # batches are seeded per batch: the same for any number of loaders
     "data.loader",  # memory or stream: the same batches
     "sync.check_replicas",
+    "sync.outer_state",  # where the outer state lives: the same bits (tests/test_outer_state.py)
     "comm.simulate",
     "logger",
     "optimized_metric",  # what a sweep reads of the summary, not how the run trains

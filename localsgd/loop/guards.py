@@ -52,7 +52,11 @@ class ReplicasDiverged(RuntimeError):
 def replica_checksum(tensors: list[torch.Tensor]) -> torch.Tensor:
     """Two int64 sums over the raw bits (all words, odd-position words), accumulated without a
     converted copy: equal bits give equal sums, and any single changed word changes the first."""
-    sums = torch.zeros(2, dtype=torch.int64, device=tensors[0].device)
+    # on an accelerator when any tensor is (the gather that follows may be NCCL's): host anchors
+    # (sync.outer_state=cpu) come first in Streaming DiLoCo's list; a CPU sum adds to it as a
+    # scalar
+    device = next((t.device for t in tensors if t.device.type != "cpu"), tensors[0].device)
+    sums = torch.zeros(2, dtype=torch.int64, device=device)
     for t in tensors:
         bits = t.detach().reshape(-1).view(_int_dtype(t.dtype))
         sums[0] += bits.sum(dtype=torch.int64)

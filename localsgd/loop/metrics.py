@@ -1,5 +1,5 @@
-"""Rank-0 outputs: per-step metrics as JSON lines and the progress bar; every process's
-one-line notices."""
+"""Rank-0 outputs: per-step metrics as JSON lines, the progress bar and the peak memory on
+CUDA; every process's one-line notices."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import sys
 import threading
 from typing import Any
 
+import torch
 from tqdm import tqdm
 
 
@@ -117,3 +118,35 @@ def rate_record(
     if mean is not None:
         record["drift"] = mean
     return record
+
+
+class PeakMemory:
+    """On CUDA, the most bytes the caching allocator handed out (`torch.cuda.
+    max_memory_allocated`: tensors, activations, FSDP's gathered units, NCCL's buffers; not the
+    cache it keeps): `interval()` the peak since the last call, for a metrics line, `run()` the
+    whole run's, for the summary. Elsewhere nothing: the key is absent, not zero (CPU memory
+    has no such counter; `state_bytes` counts the training state on any device)."""
+
+    KEY = "peak_allocated_bytes"
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.run_peak = 0
+        if self.cuda:  # from here on: the model and the averager are built, training starts
+            torch.cuda.reset_peak_memory_stats(device)
+
+    def _take(self) -> int:
+        peak = torch.cuda.max_memory_allocated(self.device)
+        self.run_peak = max(self.run_peak, peak)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return peak
+
+    def interval(self) -> dict[str, int]:
+        return {self.KEY: self._take()} if self.cuda else {}
+
+    def run(self) -> dict[str, int]:
+        if not self.cuda:
+            return {}
+        self._take()
+        return {self.KEY: self.run_peak}

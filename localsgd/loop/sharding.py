@@ -194,7 +194,10 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, averager: Av
     optimizer's state, and the averager's own: the mirrored copy of the parameters (sharded
     runs: 0 between steps, where it is released; unsharded the flat buffers *are* the
     parameters' storage), anchors, outer momentum, error-feedback residuals, and `other` (wire
-    buffers, fragments' in-flight copies).
+    buffers, fragments' in-flight copies). With `sync.outer_state=cpu` the anchors and outer
+    momentum, and the host staging buffer of the outer step, are counted apart, in `host`
+    (`total`, `anchors`, `outer_momentum`, `staging`), not in `total`: `total` is what the
+    accelerator holds (on a CPU-only run the two are the same memory).
 
     Excluded: what exists only while a step runs (activations, FSDP's gathered parameters, the
     mirrored copy and drift's scratch during a step that acts, a replica check's copy) and the
@@ -207,18 +210,20 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, averager: Av
         getattr(reducer, "optimizers", None) or getattr(reducer, "optimizer", None)
     )
     residuals = _tensors_in(getattr(reducer, "residuals", []))
-    counted = {id(t) for t in anchors + momentum + residuals}
+    staging = _tensors_in(getattr(reducer, "staging", []))
+    counted = {id(t) for t in anchors + momentum + residuals + staging}
     other = [
         t
         for name, value in vars(reducer).items()
-        if name not in ("anchors", "residuals", "optimizer", "optimizers")
+        if name not in ("anchors", "residuals", "optimizer", "optimizers", "staging")
         for t in _tensors_in(value)
         if id(t) not in counted
     ]
+    outer = {"anchors": _nbytes(anchors), "outer_momentum": _nbytes(momentum)}
+    on_host = getattr(reducer, "host", False)  # sync.outer_state=cpu
     own = {
         "mirror": flat.held_bytes if flat is not None and flat.mirror else 0,
-        "anchors": _nbytes(anchors),
-        "outer_momentum": _nbytes(momentum),
+        **({"anchors": 0, "outer_momentum": 0} if on_host else outer),
         "residuals": _nbytes(residuals),
         "other": _nbytes(other),
     }
@@ -228,4 +233,8 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, averager: Av
         "optimizer": _nbytes(_optimizer_state(optimizer)),
         "averager": sum(own.values()),
     }
-    return {"total": sum(parts.values()), **parts, "averager_parts": own}
+    out = {"total": sum(parts.values()), **parts, "averager_parts": own}
+    if on_host:
+        host = {**outer, "staging": _nbytes(staging)}
+        out["host"] = {"total": sum(host.values()), **host}
+    return out

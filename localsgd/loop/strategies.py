@@ -98,6 +98,7 @@ def build_averager(
         "outer_momentum": plan.outer_momentum,
         "outer_nesterov": plan.outer_nesterov,
         "outer_warmup_rounds": sync.outer_warmup_rounds,
+        "outer_state": sync.outer_state,
     }
     if not communicate:
         return PeriodicAverager(

@@ -358,6 +358,12 @@ def build_synchroniser(
         communicate=not comm.disabled,
         process_group=replicas,
     )
+    buffers = averager.flat.buffers
+    if sync.outer_state == "cpu" and info.rank == 0 and buffers and buffers[0].device.type == "cpu":
+        notice(
+            "sync.outer_state=cpu on a CPU run saves nothing: the anchors and outer momentum "
+            "were in host memory already (the outer step still runs through its host staging)"
+        )
     # the averager gave every rank rank 0's model already
     # sharded: over the replicate group (FSDP averaged inside each group already), so HSDP
     grad_averager = (

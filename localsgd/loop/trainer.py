@@ -27,7 +27,14 @@ from localsgd.loop import checkpoint, checkpoint_dcp
 from localsgd.loop.evaluation import evaluate, loss_and_correct, text_sample
 from localsgd.loop.guards import NonFiniteTracker
 from localsgd.loop.loggers import build_loggers
-from localsgd.loop.metrics import notice, progress_bar, rate_record, trim_metrics, write_json
+from localsgd.loop.metrics import (
+    PeakMemory,
+    notice,
+    progress_bar,
+    rate_record,
+    trim_metrics,
+    write_json,
+)
 from localsgd.loop.optim import build_optimizer, build_schedule, set_lr
 from localsgd.loop.pacing import build_pacer, pace_record
 from localsgd.loop.recipe import Recipe, checkpoint_activations
@@ -318,6 +325,7 @@ class Trainer:
         self.logger = build_loggers(self.cfg, self.run_dir, self.is_main, append=self.step > 0)
         self.bar = progress_bar(c.max_steps, self.step, self.is_main and c.progress)
         self.start = time.perf_counter() - self.elapsed_s
+        self.peak_memory = PeakMemory(self.device)  # CUDA only
         self.last_log = (time.perf_counter(), self.step)
 
     def close_run(self, failed: bool) -> None:
@@ -358,6 +366,7 @@ class Trainer:
                     now - self.start,
                     self.sync.drift,
                 ),
+                **self.peak_memory.interval(),  # since the last line (CUDA only)
             }
         )
         self.bar.set_postfix(
@@ -438,6 +447,7 @@ class Trainer:
             "shard_size": self.sharding.size,
             "comm_bytes_group": group_bytes,  # comm_bytes summed over this replica group
             "state_bytes": state_bytes(self.model, self.optimizer, self.sync.averager),
+            **self.peak_memory.run(),  # the whole run's, final average and evaluation included
             "skipped_steps": self.skipped_steps,
             "dataset": target_name(self.config["data"]),
             "model": target_name(self.config["model"]),
