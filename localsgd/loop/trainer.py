@@ -23,7 +23,7 @@ from localsgd.data import (
     task_of,
 )
 from localsgd.instantiate import build, target_name
-from localsgd.loop import checkpoint, checkpoint_dcp
+from localsgd.loop import checkpoint, checkpoint_dcp, checkpoint_shared
 from localsgd.loop.evaluation import evaluate, loss_and_correct, text_sample
 from localsgd.loop.guards import NonFiniteTracker
 from localsgd.loop.loggers import build_loggers
@@ -421,27 +421,25 @@ class Trainer:
 
     def save_checkpoint(self, shared: bool = False, writes: bool = True) -> str:
         """Every rank's own state (a collective); `shared`: one state for every worker (all
-        hold the same model), with no collective, written if `writes`; every worker saves
-        beside it what is its own (`Synchroniser.own_state`)."""
+        hold the same model), written if `writes` (by one process, with no collective; sharded,
+        by every rank of one replica group together); every worker saves beside it what is
+        its own (`Synchroniser.own_state`)."""
         self.nonfinite.check(self.info.rank)  # a checkpoint never holds a diverged state
         self.elapsed_s = self.elapsed()
         if shared:
-            if self.sharding.sharded:
-                # one process writes a shared checkpoint, and it holds only its own shard
-                # (checkpoint_every is refused; a stop's checkpoint is not written)
-                if writes:
-                    notice(
-                        "a shared checkpoint is not built with dist.shard_size > 1 yet: none "
-                        "written (the same command starts over)"
-                    )
-                return ""
             own = self.sync.own_state()
             if own is not None:
                 checkpoint.save_own(self.run_dir, self.step, self.info.rank, own)
             if not writes:
                 return ""
             self.saved_at = self.step
-            return checkpoint.save_shared(
+            save_shared = checkpoint.save_shared
+            if self.sharding.sharded:  # the writing replica group's ranks together, via DCP
+                size = self.sharding.size
+                save_shared = partial(
+                    checkpoint_shared.save_shared, shard_size=size, group=self.info.rank // size
+                )
+            return save_shared(
                 self.run_dir,
                 self.step,
                 self.info.world_size,
