@@ -146,11 +146,11 @@ def _shared_marker(run_dir, step: int) -> dict:
 @pytest.mark.timeout(420)
 def test_a_sharded_ft_job_checkpoints_from_its_leading_group_and_resumes_after_sigterm(tmp_path):
     """Two torchruns of 2 ranks sharing one run directory. Every checkpoint (after steps 9,
-    17, 25, 32; the last two kept) is one shared state written complete by group 0, the leading group, its two
-    ranks together through DCP. SIGTERM to both machines at step 13: every rank stops after
-    the same round (step 17) with that checkpoint; the same command resumes both groups from
-    it (each rank loading the leading group's shard of its index) and ends bit-identical to the
-    uninterrupted job."""
+    17, 25, 32; the last two kept) is one shared state written complete by group 0, the
+    leading group, its two ranks together through DCP. SIGTERM to both machines at step 13:
+    every rank stops after the same round (step 17) with that checkpoint; the same command
+    resumes both groups from it (each rank loading the leading group's shard of its index) and
+    ends bit-identical to the uninterrupted job."""
     from localsgd.loop import checkpoint
     from tests.helpers import same_model
 

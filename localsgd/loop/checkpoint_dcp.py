@@ -26,7 +26,7 @@ anchor; between syncs without one the mean of the old groups' models. The inner 
 is the old groups' mean; error-feedback residuals are the old groups' sum over the old number of
 groups, on every new group. An unsharded run's checkpoint resumes sharded the same way
 (`resume_unsharded`). A *shared* sharded checkpoint, one replica group's state written under
-`ft=torchft`, is `localsgd.loop.checkpoint_shared`'s.
+`ft=torchft`, is `localsgd.loop.checkpoint_shared`'s; `localsgd.loop.resume` picks the loader.
 """
 
 from __future__ import annotations
@@ -220,10 +220,6 @@ def resume(
     from localsgd.loop.reshard import _at_sync, _outer
 
     marker = _marker(folder)
-    if marker.get("shared"):  # one replica group's, under ft=torchft
-        from localsgd.loop.checkpoint_shared import resume_shared
-
-        return resume_shared(folder, rank, world_size, shard_size, device, components, optional)
     old_world, old_shards = int(marker["world_size"]), int(marker["shard_size"])
     model, optimizer = _module(components), components["optimizer"]
     model_state, optim_state = get_state_dict(model, optimizer)
@@ -327,10 +323,6 @@ def resume_line(folder: str, world_size: int, shard_size: int) -> str | None:
     from localsgd.loop.reshard import _at_sync, _outer, _steps_since_sync
 
     marker = _marker(folder)
-    if marker.get("shared"):
-        from localsgd.loop.checkpoint_shared import shared_resume_line
-
-        return shared_resume_line(folder, world_size)
     old_world, old_shards = int(marker["world_size"]), int(marker.get("shard_size", 1))
     if (old_world, old_shards) == (world_size, shard_size):
         return None
@@ -353,24 +345,3 @@ def resume_line(folder: str, world_size: int, shard_size: int) -> str | None:
         f"groups' mean optimizer state; the step, the schedule and the averager's state go on "
         f"from the checkpoint" + ("" if old_world == world_size else "; the data is re-partitioned")
     )
-
-
-def resume_run(
-    folder: str,
-    info,
-    shard_size: int,
-    device: torch.device,
-    components: Mapping[str, Stateful],
-    optional: tuple[str, ...] = (),
-) -> int:
-    """Restore worker `info.rank` of `info.world_size` (groups of `shard_size`) from a verified
-    checkpoint, whoever wrote it: a sharded run's (`resume`), an unsharded run's into a sharded
-    one (`resume_unsharded`), else `localsgd.loop.reshard.resume`. Returns the step."""
-    from localsgd.loop.reshard import resume as resume_unsharded_run
-
-    rank, world = info.rank, info.world_size
-    if is_sharded(folder):
-        return resume(folder, rank, world, shard_size, device, components, optional)
-    if shard_size > 1:
-        return resume_unsharded(folder, rank, world, shard_size, device, components, optional)
-    return resume_unsharded_run(folder, info, device, components, optional)

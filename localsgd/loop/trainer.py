@@ -30,6 +30,7 @@ from localsgd.loop.loggers import build_loggers
 from localsgd.loop.metrics import notice, progress_bar, rate_record, trim_metrics, write_json
 from localsgd.loop.optim import build_optimizer, build_schedule, set_lr
 from localsgd.loop.recipe import Recipe, checkpoint_activations
+from localsgd.loop.resume import resume_run
 from localsgd.loop.sharding import Sharding, state_bytes
 from localsgd.loop.stop import StopAgreement, first_signal
 from localsgd.loop.synchroniser import build_synchroniser
@@ -109,8 +110,8 @@ class Trainer:
             "loop": self,
         }
         self.resumed_from = resume_from
-        if resume_from is not None:  # its own, or resharded (loop/reshard.py, checkpoint_dcp.py)
-            self.step = checkpoint_dcp.resume_run(
+        if resume_from is not None:  # its own, resharded, or shared (loop/resume.py)
+            self.step = resume_run(
                 resume_from, info, self.sharding.size, device, self.stateful, ("drift", "ft")
             )
         # objects with optional on_step_start(trainer, step) / on_step_end(trainer, step)
