@@ -194,10 +194,13 @@ def test_the_averager_state_is_cut_to_the_new_shards_and_residuals_summed_over_t
     assert torch.equal(reducer["residuals"][0], (residuals[0] + residuals[1]) / 2)
 
 
-def _fake_sharded_checkpoint(run_dir, config: dict, units: list[str] | None = None) -> str:
+def _fake_sharded_checkpoint(
+    run_dir, config: dict, units: list[str] | None = None, shared: bool = False
+) -> str:
     folder = checkpoint.step_dir(str(run_dir), 8)
     os.makedirs(folder)
-    torch.save({"step": 8}, checkpoint.rank_file(folder, 0))
+    # a shared checkpoint (ft) is taken at a sync
+    torch.save({"step": 8, "loop": {"in_sync": shared}}, checkpoint.rank_file(folder, 0))
     marker = {
         "step": 8,
         "world_size": 4,
@@ -208,6 +211,8 @@ def _fake_sharded_checkpoint(run_dir, config: dict, units: list[str] | None = No
     }
     if units is not None:
         marker["units"] = units
+    if shared:
+        marker.update(shared=True, group=0)
     with open(os.path.join(folder, checkpoint.MARKER), "w") as f:
         json.dump(marker, f)
     return folder
@@ -242,6 +247,16 @@ def test_what_a_sharded_checkpoint_cannot_continue_is_refused_in_one_line(tmp_pa
         f"error: trainer.resume must name a checkpoint of this model's FSDP units, but {folder} "
         "was written with other units ('(root): ' in the checkpoint, 'net.4: net.4.weight[10, "
         "16], net.4.bias[10]' now); start afresh in another hydra.run.dir"
+    ), line
+    # a shared checkpoint (one replica group's, under ft) holds that group's layout of shards
+    folder = _fake_sharded_checkpoint(
+        tmp_path / "shared", plain(compose_config(JOB + SHARDED)), shared=True
+    )
+    run = [f"hydra.run.dir={tmp_path / 'new3'}", f"trainer.resume={folder}"]
+    line = refusal(JOB + ["dist.world_size=4"] + run, capsys)
+    assert line == (
+        f"error: dist.shard_size must stay 2 to resume {folder}, a shared checkpoint (written "
+        "under ft=torchft: one replica group's state, laid out for its 2 rank(s)), got 1"
     ), line
 
 

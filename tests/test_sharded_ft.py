@@ -38,9 +38,10 @@ def _participants(run_dir) -> list[int]:
     return [x for i, x in enumerate(seq) if i == 0 or seq[i - 1] != x]
 
 
-def _two_machines(tmp_path, extra: list[str]) -> list[str]:
+def _launch(tmp_path, extra: list[str], run_dir=None) -> tuple[list[int], list[str]]:
     """A lighthouse and two `torchrun --nproc-per-node=2` (groups 0 and 1) on loopback; their
-    outputs, after asserting both exit 0 and leave no process behind."""
+    exit codes and outputs, after asserting they leave no process behind. `run_dir`: one run
+    directory for both (a shared filesystem), else `group_0` and `group_1` under `tmp_path`."""
     from localsgd.averaging.torchft import start_lighthouse
 
     server, address = start_lighthouse(1, heartbeat_timeout_ms=1000, quorum_tick_ms=20)
@@ -54,7 +55,7 @@ def _two_machines(tmp_path, extra: list[str]) -> list[str]:
                 + [
                     f"ft.lighthouse={address.removeprefix('http://')}",
                     f"ft.replica_id=group_{index}",
-                    f"hydra.run.dir={tmp_path / f'group_{index}'}",
+                    f"hydra.run.dir={run_dir or tmp_path / f'group_{index}'}",
                 ]
             )
             groups.append(torchrun_machine(args, env))
@@ -63,8 +64,14 @@ def _two_machines(tmp_path, extra: list[str]) -> list[str]:
         for g in groups:
             g.kill()
         server.shutdown()
-    assert [g.returncode for g in groups] == [0, 0], "\n".join(o[-3000:] for o in outputs)
     assert not survivors(tag)
+    return [g.returncode for g in groups], outputs
+
+
+def _two_machines(tmp_path, extra: list[str], run_dir=None) -> list[str]:
+    """`_launch`, asserting both torchruns exit 0; their outputs."""
+    codes, outputs = _launch(tmp_path, extra, run_dir)
+    assert codes == [0, 0], "\n".join(o[-3000:] for o in outputs)
     return outputs
 
 
@@ -112,13 +119,74 @@ def test_a_sharded_group_killed_and_restarted_heals_each_shard_from_the_live_gro
     assert not (tmp_path / "group_1" / "summary.json").exists()
 
 
+# Checkpoints every 8 steps, plain SGD without momentum and no dropout: a shared checkpoint
+# (the leading group's state) then holds everything every group needs, so a resume is exact.
+CHECKPOINTED = ["trainer.max_steps=32", "trainer.checkpoint_every=8", "optim.momentum=0"]
+
+
+def _sigterm_both(once) -> str:
+    """SIGTERM to both machines' torchruns (as a scheduler stopping the job), from group 0's
+    rank 0 and group 1's rank 0 (global rank 2) at step 13, once."""
+    faults_ = [f"{{_target_:tests.faults.Fault,spec:'sigterm:{r}:13:{once}-{r}'}}" for r in (0, 2)]
+    return f"trainer.callbacks=[{','.join(faults_)}]"
+
+
+def _shared_marker(run_dir, step: int) -> dict:
+    from localsgd.loop import checkpoint
+
+    marker = checkpoint.verify(checkpoint.step_dir(str(run_dir), step))
+    assert marker["shared"] and marker["shard_size"] == 2 and marker["world_size"] == 4, marker
+    assert list(marker["files"]) == ["rank-0.pt", "rank-1.pt"], marker  # the group's 2 ranks
+    assert "dcp/.metadata" in marker["dcp_files"], marker
+    return marker
+
+
+@pytest.mark.slow
+@pytest.mark.long
+@pytest.mark.timeout(420)
+def test_a_sharded_ft_job_checkpoints_from_its_leading_group_and_resumes_after_sigterm(tmp_path):
+    """Two torchruns of 2 ranks sharing one run directory. Every checkpoint (after steps 9,
+    17, 25, 32; the last two kept) is one shared state written complete by group 0, the
+    leading group, its two ranks together through DCP. SIGTERM to both machines at step 13:
+    every rank stops after the same round (step 17) with that checkpoint; the same command
+    resumes both groups from it (each rank loading the leading group's shard of its index) and
+    ends bit-identical to the uninterrupted job."""
+    from localsgd.loop import checkpoint
+    from tests.helpers import same_model
+
+    reference = tmp_path / "reference"
+    _two_machines(tmp_path, CHECKPOINTED, reference)
+    # syncs after steps 5, 9, 13, ...: the first round at or after each multiple of 8, and
+    # the end (keep_checkpoints=2)
+    assert checkpoint.listed_steps(str(reference)) == [32, 25]
+    for step in (32, 25):
+        assert _shared_marker(reference, step)["group"] == 0
+
+    run_dir = tmp_path / "run"
+    args = CHECKPOINTED + [_sigterm_both(tmp_path / "once")]
+    codes, outputs = _launch(tmp_path, args, run_dir)
+    assert 0 not in codes, "\n".join(o[-3000:] for o in outputs)
+    assert "SIGTERM: stopped after step 17 with a checkpoint" in outputs[0], outputs[0][-3000:]
+    assert checkpoint.listed_steps(str(run_dir)) == [17, 9]
+    assert _shared_marker(run_dir, 17)["group"] == 0
+    assert not (run_dir / "summary.json").exists()
+
+    outputs = _two_machines(tmp_path, args, run_dir)  # the same command, once more
+    for out in outputs:  # each torchrun found it
+        assert f"resuming from {checkpoint.step_dir(str(run_dir), 17)}" in out, out[-3000:]
+        assert "resuming every replica group from one group's shared checkpoint" in out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 32 and summary["shard_size"] == 2
+    assert same_model(run_dir / "model.pt", reference / "model.pt")
+
+
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize(
     "extra, ranks, line",
     [
         ([], 2, None),  # shard_size = the ranks per machine: built
         ([], 4, "dist.shard_size must equal the ranks per machine (4, torchrun's"),
-        (["trainer.checkpoint_every=10"], 2, "trainer.checkpoint_every=10 with ft=torchft is not"),
+        (["trainer.checkpoint_every=10"], 2, None),  # written by the leading group (below)
     ],
 )
 def test_under_torchrun_shard_size_is_the_ranks_per_machine(extra, ranks, line, monkeypatch):

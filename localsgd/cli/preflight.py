@@ -131,8 +131,14 @@ def resolve_resume(
         marker = checkpoint.verify(found, world_size)
         config = plain(cfg)
         # a checkpoint of one worker per rank continues with any shard size, resharded on
-        # load (localsgd.loop.checkpoint_dcp); a shared one (ft) only unsharded: the key stays
+        # load (localsgd.loop.checkpoint_dcp); a shared one (ft) with its own: the key stays
         shards = _shard_size_of(marker)
+        if marker.get("shared") and shards != _get(cfg, "dist.shard_size"):
+            raise ConfigError(
+                f"dist.shard_size must stay {shards} to resume {found}, a shared checkpoint "
+                f"(written under ft=torchft: one replica group's state, laid out for its "
+                f"{shards} rank(s)), got {_get(cfg, 'dist.shard_size')}"
+            )
         relaid = False
         if not marker.get("shared") and isinstance(config.get("dist"), dict):
             relaid = shards != _get(cfg, "dist.shard_size")

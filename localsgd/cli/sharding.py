@@ -74,11 +74,3 @@ def _validate_ft(cfg: Any, get: Callable[[Any, str], Any], size: int, ws: int | 
             f"--nproc-per-node) with ft=torchft: each machine is one sharded replica group, "
             f"got {size}"
         )
-    every = get(cfg, "trainer.checkpoint_every")
-    if every:
-        # checkpoints under ft are one shared state written by one process, which holds only
-        # its own shard here
-        raise ConfigError(
-            f"trainer.checkpoint_every={every} with ft=torchft {NOT_YET}; set "
-            "trainer.checkpoint_every=0"
-        )

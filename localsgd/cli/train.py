@@ -49,11 +49,11 @@ from localsgd.cli.overrides import (
 from localsgd.cli.preflight import check_data, resolve_resume
 from localsgd.cli.proctitle import launcher_title, set_title
 from localsgd.config import Config, ConfigError, register_schemas, typed
-from localsgd.loop import checkpoint_dcp
 from localsgd.loop.fault_tolerance import NoLivePeer
 from localsgd.loop.loggers import offline_runs, resolve_wandb_settings
 from localsgd.loop.metrics import notice, set_notice_log
-from localsgd.loop.reshard import resume_line, written_at
+from localsgd.loop.reshard import written_at
+from localsgd.loop.resume import resume_line
 from localsgd.loop.stop import agreed_stop, first_signal, stopped_exit_code
 
 register_schemas()
@@ -212,10 +212,7 @@ def main(cfg: DictConfig) -> float | None:
     if resume is not None:
         notice(f"resuming from {resume}")
         shard_size, world = run_cfg.dist.shard_size, world_size_of(run_cfg)
-        if checkpoint_dcp.is_sharded(resume) or shard_size > 1:
-            line = checkpoint_dcp.resume_line(resume, world, shard_size)
-        else:
-            line = resume_line(resume, world)
+        line = resume_line(resume, world, shard_size)
         if line is not None:
             notice(line)
     stopped_by = None

@@ -25,7 +25,8 @@ the averaged model (group 0's, the same in every group); between syncs with an o
 anchor; between syncs without one the mean of the old groups' models. The inner optimizer state
 is the old groups' mean; error-feedback residuals are the old groups' sum over the old number of
 groups, on every new group. An unsharded run's checkpoint resumes sharded the same way
-(`resume_unsharded`); a shared one (ft) does not (refused before any worker starts).
+(`resume_unsharded`). A *shared* sharded checkpoint, one replica group's state written under
+`ft=torchft`, is `localsgd.loop.checkpoint_shared`'s; `localsgd.loop.resume` picks the loader.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ from localsgd.loop.relayout import averager_state, by_name, from_anchor, fsdp_un
 
 DCP_DIR = "dcp"
 # the model and optimizer go through DCP; every other component through the rank file
-_SHARDED = ("model", "optimizer")
+SHARDED = ("model", "optimizer")
 
 
 def is_sharded(folder: str) -> bool:
@@ -63,8 +64,56 @@ def _module(components: Mapping[str, Stateful]) -> torch.nn.Module:
     return components["model"].module  # checkpoint.ModuleState
 
 
-def _group_key(rank: int, shard_size: int) -> str:
-    return f"group{rank // shard_size}"
+def write_states(
+    folder: str, step: int, rank: int, components: Mapping[str, Stateful], group: int
+) -> None:
+    """This rank's part of a sharded checkpoint in `folder`: its shards of the model and the
+    optimizer through DCP under the key `group{group}` (a collective of the default process
+    group), and the rest of its state in `rank-R.pt`."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(_module(components), components["optimizer"])
+    dcp.save(
+        {f"group{group}": {"model": model_state, "optimizer": optim_state}},
+        checkpoint_id=os.path.join(folder, DCP_DIR),
+    )
+    state = {"step": step}
+    state.update({n: c.state_dict() for n, c in components.items() if n not in SHARDED})
+    _write_atomic(rank_file(folder, rank), lambda f: torch.save(state, f))
+
+
+def marker_of(
+    folder: str,
+    step: int,
+    world_size: int,
+    shard_size: int,
+    ranks: int,
+    components: Mapping[str, Stateful],
+    config: dict | None,
+) -> dict:
+    """The COMPLETE marker of a sharded checkpoint in `folder` holding `ranks` rank files (once
+    every rank's file and DCP's are in place): the sizes `checkpoint.verify` checks."""
+    files = {
+        os.path.basename(rank_file(folder, r)): os.path.getsize(rank_file(folder, r))
+        for r in range(ranks)
+    }
+    dcp_dir = os.path.join(folder, DCP_DIR)
+    dcp_files = {
+        f"{DCP_DIR}/{name}": os.path.getsize(os.path.join(dcp_dir, name))
+        for name in sorted(os.listdir(dcp_dir))
+        if not name.startswith(".") or name == ".metadata"
+    }
+    return {
+        "step": step,
+        "world_size": world_size,
+        "shard_size": shard_size,
+        "files": files,
+        "dcp_files": dcp_files,
+        # what the DCP keys were written from
+        "units": fsdp_units(_module(components), _blocks_path(config)),
+        "config": config,
+    }
 
 
 def save(
@@ -80,46 +129,16 @@ def save(
 ) -> str:
     """Every rank calls this at the same step (collectives: DCP's and a barrier); returns the
     folder."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
     folder = step_dir(run_dir, step)
     os.makedirs(folder, exist_ok=True)
     if rank == 0 and os.path.exists(os.path.join(folder, MARKER)):
         # an earlier life's marker over the files rewritten now: gone before any is (the
         # ranks meet in DCP's first collective), so a kill mid-save leaves an unmarked folder
         os.remove(os.path.join(folder, MARKER))
-    model_state, optim_state = get_state_dict(_module(components), components["optimizer"])
-    group = _group_key(rank, shard_size)
-    dcp.save(
-        {group: {"model": model_state, "optimizer": optim_state}},
-        checkpoint_id=os.path.join(folder, DCP_DIR),
-    )
-    state = {"step": step}
-    state.update({n: c.state_dict() for n, c in components.items() if n not in _SHARDED})
-    _write_atomic(rank_file(folder, rank), lambda f: torch.save(state, f))
+    write_states(folder, step, rank, components, rank // shard_size)
     dist.barrier()  # every rank's file and DCP's are in place before the marker exists
     if rank == 0:
-        files = {
-            os.path.basename(rank_file(folder, r)): os.path.getsize(rank_file(folder, r))
-            for r in range(world_size)
-        }
-        dcp_dir = os.path.join(folder, DCP_DIR)
-        dcp_files = {
-            f"{DCP_DIR}/{name}": os.path.getsize(os.path.join(dcp_dir, name))
-            for name in sorted(os.listdir(dcp_dir))
-            if not name.startswith(".") or name == ".metadata"
-        }
-        marker = {
-            "step": step,
-            "world_size": world_size,
-            "shard_size": shard_size,
-            "files": files,
-            "dcp_files": dcp_files,
-            # what the DCP keys were written from
-            "units": fsdp_units(_module(components), _blocks_path(config)),
-            "config": config,
-        }
+        marker = marker_of(folder, step, world_size, shard_size, world_size, components, config)
         _write_atomic(os.path.join(folder, MARKER), lambda f: f.write(json.dumps(marker).encode()))
         prune(run_dir, keep)
     return folder
@@ -160,7 +179,7 @@ def _scale_floats(tree, factor: float) -> None:
             local_tensor(v).mul_(factor)
 
 
-def _load_group(folder: str, group: int, parts: dict) -> None:
+def load_group(folder: str, group: int, parts: dict) -> None:
     """Read old group `group`'s `parts` ({"model": ..., "optimizer": ...}, either or both) into
     the given state dicts, in place (DCP reshards onto their layout; a collective)."""
     import torch.distributed.checkpoint as dcp
@@ -175,7 +194,7 @@ def _mean_of_groups(folder: str, groups: int, template: dict, what: str) -> dict
     total = None
     for g in range(groups):
         part = _clone(template)
-        _load_group(folder, g, {what: part})
+        load_group(folder, g, {what: part})
         if total is None:
             total = part
         else:
@@ -206,10 +225,10 @@ def resume(
     model, optimizer = _module(components), components["optimizer"]
     model_state, optim_state = get_state_dict(model, optimizer)
     if old_world == world_size and old_shards == shard_size:
-        _load_group(folder, rank // shard_size, {"model": model_state, "optimizer": optim_state})
+        load_group(folder, rank // shard_size, {"model": model_state, "optimizer": optim_state})
         set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
         state = torch.load(rank_file(folder, rank), map_location=device, weights_only=True)
-        restore(state, components, (*optional, *_SHARDED), folder)
+        restore(state, components, (*optional, *SHARDED), folder)
         return int(state["step"])
     groups = old_world // old_shards
     states = [
@@ -284,7 +303,7 @@ def _restore_rest(
     rank, world_size, shard_size = layout
     old_world = len(states)
     averager = components["averager"]
-    merged = {k: v for k, v in states[0].items() if k not in _SHARDED}
+    merged = {k: v for k, v in states[0].items() if k not in SHARDED}
     merged["averager"] = averager_state(states, old_shards, averager, shard_size, rank % shard_size)
     if old_world == world_size:  # the same data shards: each rank's own position and RNG
         merged["sampler"] = states[rank]["sampler"]
@@ -293,7 +312,7 @@ def _restore_rest(
             states[0]["sampler"], components["sampler"].state_dict()
         )
     carry_rng(merged, states, rank)
-    restore(merged, components, (*optional, *_SHARDED, "rng"), folder)
+    restore(merged, components, (*optional, *SHARDED, "rng"), folder)
     if not _at_sync(states[0]) and _outer(states[0]):
         from_anchor(averager)
     return int(states[0]["step"])
@@ -327,27 +346,6 @@ def resume_line(folder: str, world_size: int, shard_size: int) -> str | None:
         f"groups' mean optimizer state; the step, the schedule and the averager's state go on "
         f"from the checkpoint" + ("" if old_world == world_size else "; the data is re-partitioned")
     )
-
-
-def resume_run(
-    folder: str,
-    info,
-    shard_size: int,
-    device: torch.device,
-    components: Mapping[str, Stateful],
-    optional: tuple[str, ...] = (),
-) -> int:
-    """Restore worker `info.rank` of `info.world_size` (groups of `shard_size`) from a verified
-    checkpoint, whoever wrote it: a sharded run's (`resume`), an unsharded run's into a sharded
-    one (`resume_unsharded`), else `localsgd.loop.reshard.resume`. Returns the step."""
-    from localsgd.loop.reshard import resume as resume_unsharded_run
-
-    rank, world = info.rank, info.world_size
-    if is_sharded(folder):
-        return resume(folder, rank, world, shard_size, device, components, optional)
-    if shard_size > 1:
-        return resume_unsharded(folder, rank, world, shard_size, device, components, optional)
-    return resume_unsharded_run(folder, info, device, components, optional)
 
 
 def _blocks_path(config: dict | None) -> str | None:

@@ -15,7 +15,9 @@ attempt, so that no two workers draw the same dropout masks.
 Checkpoints on disk are *shared* (`checkpoint.save_shared`): right after a committed round every
 worker holds the same model, so one worker's state is the job's. The first committed round at or
 after each multiple of `trainer.checkpoint_every` (and the final average) is written by the
-replica group that ranked first in its quorum (its rank 0), with no collective; with error
+replica group that ranked first in its quorum (its rank 0), with no collective; a sharded group
+(`dist.shard_size` > 1) writes it with all its ranks together, through DCP
+(`localsgd.loop.checkpoint_shared`), having agreed within the group that it leads; with error
 feedback every worker also writes its own residual beside it (`checkpoint.save_residual`), so
 that a resume gives each its own. A stop (SIGTERM or Ctrl-C reaching any worker) is carried by
 the next round to every replica group, which all stop after it, with a shared checkpoint. A
@@ -71,12 +73,27 @@ class FaultTolerance:
     """`ft=torchft` for one worker: its round driver (`rounds`) and what the loop does around
     it. Built by `build_synchroniser`; the trainer only sees the Synchroniser."""
 
-    def __init__(self, ft: FtConfig, info: WorkerInfo, rounds: FaultTolerantRounds, seed: int):
+    def __init__(
+        self,
+        ft: FtConfig,
+        info: WorkerInfo,
+        rounds: FaultTolerantRounds,
+        seed: int,
+        sharded: bool = False,
+    ):
         self.ft, self.info, self.rounds, self.seed = ft, info, rounds, seed
+        self.sharded = sharded  # the replica group's ranks hold shards: they write together
 
     @classmethod
     def build(
-        cls, ft: FtConfig, info: WorkerInfo, seed: int, averager, gradients, verify: bool
+        cls,
+        ft: FtConfig,
+        info: WorkerInfo,
+        seed: int,
+        averager,
+        gradients,
+        verify: bool,
+        sharded: bool = False,
     ) -> FaultTolerance:
         group: dict[str, Any] = {}
         if ft.replica_groups is not None:  # torchrun: this machine's ranks are the replica group
@@ -103,7 +120,7 @@ class FaultTolerance:
         rounds = FaultTolerantRounds(
             averager, comm, gradients=gradients, check_replicas=verify, stop_requested=signalled
         )
-        return cls(ft, info, rounds, seed)
+        return cls(ft, info, rounds, seed, sharded)
 
     # --- the first round -----------------------------------------------------------------------
 
@@ -160,7 +177,6 @@ class FaultTolerance:
         is called on every worker for a checkpoint; `writes`: this process writes it."""
         rounds = self.rounds
         committed, rounds.just_committed = rounds.just_committed, False
-        writes = dist.get_rank() == 0  # one process per replica group
         if rounds.quorum_lost is not None:
             why, rounds.quorum_lost = rounds.quorum_lost, None
             ft = self.ft
@@ -173,14 +189,15 @@ class FaultTolerance:
                     f"{below}; stopped without a checkpoint of this state (these workers hold no "
                     "common state between syncs)"
                 )
-            folder = save(writes) or "its newest checkpoint"
+            # every surviving group writes (one folder wins whole)
+            folder = save(self.writes_checkpoint(True)) or "its newest checkpoint"
             raise QuorumLost(
                 f"{below}; stopped with the last global state in {folder}: run the same command "
                 "to resume, at any dist.world_size"
             )
         if committed and rounds.stop_agreed and not final:
             if shared:
-                save(rounds.leads and writes)
+                save(self.writes_checkpoint(rounds.leads))
             return True
         if every <= 0 or not committed or not shared:
             return False
@@ -188,8 +205,20 @@ class FaultTolerance:
         if mark <= rounds.checkpoint_mark and not final:
             return False
         rounds.checkpoint_mark = mark
-        save(rounds.leads and writes)
+        save(self.writes_checkpoint(rounds.leads))
         return False
+
+    def writes_checkpoint(self, group_writes: bool) -> bool:
+        """Whether this process writes a shared checkpoint that its replica group writes if
+        `group_writes` (as this rank's own torchft Manager says): the group's rank 0; sharded,
+        every rank of the group together (the DCP save is the group's collective), all taking
+        the word of the group's rank 0 (one broadcast inside the group), so that no rank enters
+        the collective alone."""
+        if not self.sharded:
+            return group_writes and dist.get_rank() == 0
+        agreed = [bool(group_writes)]
+        dist.broadcast_object_list(agreed, src=0)
+        return agreed[0]
 
     @property
     def writes_results(self) -> bool:

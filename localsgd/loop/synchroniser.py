@@ -239,17 +239,15 @@ class Synchroniser:
         since each fragment's last sync."""
         if self.in_sync or not writes:
             return save(True, writes)
-        buffers = self.averager.flat.buffers
-        local = [b.clone() for b in buffers]
-        for mine, common in zip(buffers, self.averager.global_state(), strict=True):
-            mine.copy_(common)
+        flat = self.averager.flat  # sharded (mirror mode): the values live in the tensors
+        local = [b.clone() for b in flat.current()]
+        flat.assign(self.averager.global_state())
         self.in_sync = True  # what the checkpoint's loop state says: resumed, all start alike
         try:
             return save(True, writes)
         finally:
             self.in_sync = False
-            for mine, kept in zip(buffers, local, strict=True):
-                mine.copy_(kept)
+            flat.assign(local)
 
     def finish(self) -> None:
         """The final model is the average of the replicas: average once more if the last step
@@ -388,6 +386,12 @@ def build_synchroniser(
         from localsgd.loop.fault_tolerance import FaultTolerance
 
         synchroniser.fault_tolerance = FaultTolerance.build(
-            cfg.ft, info, cfg.seed, averager, grad_averager, sync.check_replicas
+            cfg.ft,
+            info,
+            cfg.seed,
+            averager,
+            grad_averager,
+            sync.check_replicas,
+            sharded=sharding is not None and sharding.sharded,
         )
     return synchroniser

@@ -23,7 +23,7 @@ from localsgd.data import (
     task_of,
 )
 from localsgd.instantiate import build, target_name
-from localsgd.loop import checkpoint, checkpoint_dcp
+from localsgd.loop import checkpoint, checkpoint_dcp, checkpoint_shared
 from localsgd.loop.evaluation import evaluate, loss_and_correct, text_sample
 from localsgd.loop.guards import NonFiniteTracker
 from localsgd.loop.loggers import build_loggers
@@ -38,6 +38,7 @@ from localsgd.loop.metrics import (
 from localsgd.loop.optim import build_optimizer, build_schedule, set_lr
 from localsgd.loop.pacing import build_pacer, pace_record
 from localsgd.loop.recipe import Recipe, checkpoint_activations
+from localsgd.loop.resume import resume_run
 from localsgd.loop.sharding import Sharding, state_bytes
 from localsgd.loop.stop import StopAgreement, first_signal
 from localsgd.loop.synchroniser import build_synchroniser
@@ -122,8 +123,8 @@ class Trainer:
             **({"pacer": self.pacer} if self.pacer.active else {}),
         }
         self.resumed_from = resume_from
-        if resume_from is not None:  # its own, or resharded (loop/reshard.py, checkpoint_dcp.py)
-            self.step = checkpoint_dcp.resume_run(
+        if resume_from is not None:  # its own, resharded, or shared (loop/resume.py)
+            self.step = resume_run(
                 resume_from, info, self.sharding.size, device, self.stateful, ("drift", "ft")
             )
         # objects with optional on_step_start(trainer, step) / on_step_end(trainer, step)
@@ -458,27 +459,25 @@ class Trainer:
 
     def save_checkpoint(self, shared: bool = False, writes: bool = True) -> str:
         """Every rank's own state (a collective); `shared`: one state for every worker (all
-        hold the same model), with no collective, written if `writes`; every worker saves
-        beside it what is its own (`Synchroniser.own_state`)."""
+        hold the same model), written if `writes` (by one process, with no collective; sharded,
+        by every rank of one replica group together); every worker saves beside it what is
+        its own (`Synchroniser.own_state`)."""
         self.nonfinite.check(self.info.rank)  # a checkpoint never holds a diverged state
         self.elapsed_s = self.elapsed()
         if shared:
-            if self.sharding.sharded:
-                # one process writes a shared checkpoint, and it holds only its own shard
-                # (checkpoint_every is refused; a stop's checkpoint is not written)
-                if writes:
-                    notice(
-                        "a shared checkpoint is not built with dist.shard_size > 1 yet: none "
-                        "written (the same command starts over)"
-                    )
-                return ""
             own = self.sync.own_state()
             if own is not None:
                 checkpoint.save_own(self.run_dir, self.step, self.info.rank, own)
             if not writes:
                 return ""
             self.saved_at = self.step
-            return checkpoint.save_shared(
+            save_shared = checkpoint.save_shared
+            if self.sharding.sharded:  # the writing replica group's ranks together, via DCP
+                size = self.sharding.size
+                save_shared = partial(
+                    checkpoint_shared.save_shared, shard_size=size, group=self.info.rank // size
+                )
+            return save_shared(
                 self.run_dir,
                 self.step,
                 self.info.world_size,
