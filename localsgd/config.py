@@ -165,6 +165,13 @@ class FtConfig:
     max_restarts: int = 3  # times a dead worker is restarted (then it is lost for good)
     timeout_s: float = 30.0  # every torchft collective and heal fails after this long
     quorum_timeout_s: float = 60.0  # how long an average waits for ft.min_replicas groups
+    # how long a round's collectives wait for a peer that stopped answering (frozen, not dead)
+    # before the round fails and is retried without it: grace_s fixed, or (null) adaptive:
+    # grace_factor x the longest collective of the last 16 committed rounds, at least
+    # grace_min_s (>= the lighthouse's 2 s heartbeat timeout), at most ft.timeout_s
+    grace_s: float | None = None
+    grace_factor: float = 4.0
+    grace_min_s: float = 3.0
     host: str = "127.0.0.1"  # the interface the lighthouse, managers and heal servers bind to
 
 

@@ -5,6 +5,10 @@ launcher), make its loss `nan` (the model's output is poisoned for that step), o
 parameters after the step. With ONCE_FILE it fires only if that file does not exist yet (and
 creates it), so a restarted worker does not fail again.
 
+`freeze:RANK:STEP:SECONDS` (ft=torchft) freezes rank RANK inside its next torchft round from step
+STEP on: at the round's first collective a helper process sends it SIGSTOP, then SIGCONT
+SECONDS later, as a swapping host or a hung link would (a process cannot stop and wake itself).
+
 From the command line: `trainer.callbacks=[{_target_:tests.faults.Fault,spec:'kill:1:7'}]`
 (`override(spec)` writes that), run from the repository root so that `tests` is importable.
 """
@@ -14,6 +18,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import subprocess
 import time
 
 import torch
@@ -30,6 +35,8 @@ class Fault:
         kind, rank, step, *once = spec.split(":", 3)
         self.kind, self.rank, self.step = kind, int(rank), int(step)
         self.once = once[0] if once else None
+        if kind == "freeze":
+            self.freeze_s, self.once = float(once[0]), None
         self._poison = None
 
     def fires(self, trainer, step: int) -> bool:
@@ -57,10 +64,27 @@ class Fault:
             deadline = time.monotonic() + 10.0
             while not stop.signalled() and time.monotonic() < deadline:
                 time.sleep(0.001)
+        if self.kind == "freeze":
+            self._freeze_in_next_round(trainer.sync.fault_tolerance.rounds.comm)
         if self.kind == "nan":
             self._poison = trainer.model.register_forward_hook(lambda m, i, out: out * float("nan"))
         if self.kind == "desync":
             self._poison = True
+
+    def _freeze_in_next_round(self, comm) -> None:
+        real = comm._allreduce
+
+        def frozen_first(*args, **kwargs):
+            comm._allreduce = real  # once
+            pid, seconds = os.getpid(), self.freeze_s
+            subprocess.Popen(
+                ["sh", "-c", f"kill -STOP {pid}; sleep {seconds}; kill -CONT {pid}"],
+                start_new_session=True,
+            )
+            time.sleep(seconds)  # stopped in here; its deadline has passed on waking
+            return real(*args, **kwargs)
+
+        comm._allreduce = frozen_first
 
     def on_step_end(self, trainer, step: int) -> None:
         if self._poison is None:

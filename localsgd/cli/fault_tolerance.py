@@ -147,6 +147,20 @@ def validate_ft(cfg: Any, get: Callable[[Any, str], Any], world_size: int | None
         value = get(cfg, key)
         if not value > 0:
             raise ConfigError(f"{key} must be > 0 seconds, got {value!r}")
+    grace = get(cfg, "ft.grace_s")
+    if grace is not None and not 0 < grace <= get(cfg, "ft.timeout_s"):
+        raise ConfigError(
+            f"ft.grace_s must be null (adaptive) or > 0 and <= ft.timeout_s "
+            f"({get(cfg, 'ft.timeout_s'):g}) seconds, got {grace!r}"
+        )
+    if not get(cfg, "ft.grace_factor") >= 1:
+        raise ConfigError(f"ft.grace_factor must be >= 1, got {get(cfg, 'ft.grace_factor')!r}")
+    low = get(cfg, "ft.grace_min_s")
+    if not 0 < low <= get(cfg, "ft.timeout_s"):
+        raise ConfigError(
+            f"ft.grace_min_s must be > 0 and <= ft.timeout_s ({get(cfg, 'ft.timeout_s'):g}) "
+            f"seconds, got {low!r}"
+        )
     if not get(cfg, "ft.host"):
         raise ConfigError("ft.host must name the interface to bind (e.g. 127.0.0.1), got ''")
     for key, keep, allowed in FT_REFUSED:

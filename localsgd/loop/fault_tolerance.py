@@ -43,6 +43,7 @@ from localsgd.averaging.torchft import (
     TorchftCommunicator,
     make_manager,
 )
+from localsgd.averaging.torchft.grace import GraceWindow
 from localsgd.config import FtConfig
 from localsgd.loop.stop import signalled
 from localsgd.loop.worker import WorkerInfo
@@ -61,6 +62,14 @@ def replica_name(rank: int) -> str:
     """torchft orders quorum members by id and reads trailing digits as ranks: zero-padded,
     the replicas sum in the same order as ranks do on the torch.distributed path."""
     return f"replica_{rank:03d}"
+
+
+def grace_window(ft: FtConfig) -> GraceWindow:
+    """The per-collective timeout of the rounds (`ft.grace_s`, or adaptive from
+    `ft.grace_factor` and `ft.grace_min_s`), never above `ft.timeout_s`."""
+    return GraceWindow(
+        fixed_s=ft.grace_s, factor=ft.grace_factor, min_s=ft.grace_min_s, max_s=ft.timeout_s
+    )
 
 
 def replica_groups(ft: FtConfig, info: WorkerInfo) -> int:
@@ -116,6 +125,7 @@ class FaultTolerance:
             link=averager.comm.link,
             replicas=replica_groups(ft, info),
             device=device,
+            grace=grace_window(ft),
         )
         rounds = FaultTolerantRounds(
             averager, comm, gradients=gradients, check_replicas=verify, stop_requested=signalled

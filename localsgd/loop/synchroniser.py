@@ -295,6 +295,10 @@ class Synchroniser:
                 participants_min=rounds.participants_min,
                 heals=rounds.heals_seen,  # of any worker, counted alike by every worker
                 failed_syncs=rounds.failed_syncs,
+                # rounds that ran out of their grace window here, what they waited, the window
+                grace_timeouts=rounds.comm.timeouts,
+                grace_waited_s=round(rounds.comm.waited_s, 3),
+                grace_s=round(rounds.comm.grace.seconds(), 3) if rounds.comm.grace else None,
             )
         return summary
 

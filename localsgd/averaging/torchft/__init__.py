@@ -3,6 +3,7 @@
 - `comm.TorchftCommunicator`: the widest level of an averager, across replica groups;
 - `rounds.FaultTolerantRounds`: each sync across groups as a torchft round (quorum, heal,
   commit or put back);
+- `grace.GraceWindow`: how long a round's collectives wait for a peer that stopped answering;
 - `services`: torchft's lighthouse and Manager, every server bound to one interface.
 
 Importing this package imports no torchft module: its functions import torchft when called, so
@@ -10,6 +11,7 @@ a run without fault tolerance never loads it.
 """
 
 from localsgd.averaging.torchft.comm import QuorumLost, TorchftCommunicator
+from localsgd.averaging.torchft.grace import GraceWindow
 from localsgd.averaging.torchft.rounds import (
     FaultTolerantRounds,
     ReplicaGroupsDiverged,
@@ -20,6 +22,7 @@ from localsgd.averaging.torchft.services import lighthouse_url, make_manager, st
 
 __all__ = [
     "FaultTolerantRounds",
+    "GraceWindow",
     "QuorumLost",
     "ReplicaGroupsDiverged",
     "TorchftCommunicator",

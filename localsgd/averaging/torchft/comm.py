@@ -12,6 +12,7 @@ torch.distributed path's bits. torchft is imported only inside functions that ne
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -25,6 +26,7 @@ from localsgd.averaging.comm import (
     _nbytes,
     decode_mean_,
 )
+from localsgd.averaging.torchft.grace import GraceWindow
 
 __all__ = ["QuorumLost", "TorchftCommunicator"]
 
@@ -44,21 +46,32 @@ def _sum_then_divide(local: Communicator | None) -> bool:
     return TorchVersion(torch.__version__) >= (2, 13)
 
 
-class _ReportedWork:
-    """A process-group work whose failure is reported to the Manager (the round then does not
-    commit) instead of raised."""
+class _RoundWork:
+    """A collective of a round, launched on the Manager's process group: its failure is reported
+    to the Manager (the round then does not commit) instead of raised, and its wait is timed for
+    the grace window (`TorchftCommunicator.grace`)."""
 
-    def __init__(self, manager, work):
-        self.manager, self.work = manager, work
+    def __init__(self, comm: TorchftCommunicator, work, window_s: float | None = None):
+        self.comm, self.work, self.window_s = comm, work, window_s
 
     def wait(self) -> None:
         if self.work is None:
             return
+        begin = time.perf_counter()
         try:
             self.work.wait()
         except Exception as e:
-            self.manager.report_error(e)
+            self.comm._collective_failed(e, time.perf_counter() - begin, self.window_s)
+        else:
+            self.comm._collective_done(time.perf_counter() - begin, self.window_s)
         self.work = None
+
+
+def _someone_heals(manager) -> bool:
+    """Whether a replica group of this round's quorum loads a peer's state: fewer replicas are at
+    the quorum's highest step than in the quorum (`make_manager` keeps the last quorum)."""
+    quorum = getattr(manager, "localsgd_quorum", None)
+    return quorum is not None and quorum.max_world_size < quorum.replica_world_size
 
 
 class TorchftCommunicator(Communicator):
@@ -71,6 +84,14 @@ class TorchftCommunicator(Communicator):
     last average included; `size` the number of workers. `device`: where the averaged tensors
     live (the Manager's process group is NCCL's on CUDA, `make_manager(device=...)`), so the
     round's own small all-reduce goes there too.
+
+    `grace`: the timeout of each collective of a round (`GraceWindow`); when it passes, the
+    collective fails (gloo closes its connections: nothing is waited out), the round fails and
+    is rolled back like a round with a dead peer. None: the process group's own timeout
+    (`ft.timeout_s`). A round in which a replica heals waits for the heal with the process
+    group's timeout: a heal takes as long as the state takes to fetch. `timeouts` counts the
+    rounds whose window ran out on this replica, `waited_s` the seconds their collectives
+    waited.
     """
 
     def __init__(
@@ -82,8 +103,16 @@ class TorchftCommunicator(Communicator):
         link: SimulatedLink | None = None,
         replicas: int = 1,
         device: torch.device | str = "cpu",
+        grace: GraceWindow | None = None,
     ):
         self.manager = manager
+        self.grace = grace
+        self.window_s: float | None = None  # this round's per-collective timeout
+        self.longest_s = 0.0  # this round's longest collective (what the window learns from)
+        self.ran_out = False  # a collective of this round waited its whole window
+        self.timeouts = 0  # rounds whose window ran out
+        self.waited_s = 0.0  # seconds their collectives waited
+        self._members_ran_out: int | None = None  # the quorum's size when the window ran out
         self.local = local if local is not None and local.size > 1 else None
         self.group = None
         self.stats = stats if stats is not None else CommStats()
@@ -118,15 +147,24 @@ class TorchftCommunicator(Communicator):
         self.healed = False
         self.in_round = True
         self.lost = False
+        self.longest_s, self.ran_out, self.window_s = 0.0, False, None
         try:
             self.manager.start_quorum()
         except Exception as e:  # the quorum's timeout, or the lighthouse gone
             self.lost = True
             raise QuorumLost(f"no quorum: {type(e).__name__}") from e
+        if self.grace is not None:
+            if self._members_ran_out is not None:
+                same = self.manager.num_participants() == self._members_ran_out
+                self.grace.next_quorum(same_members=same)
+                self._members_ran_out = None
+            self.window_s = self.grace.seconds()
         self.live = not self.healed and self.manager.errored() is None
         self._count[0] = 1.0 if self.live else 0.0
         self._count[1] = 1.0 if stop else 0.0
-        self.manager.allreduce(self._count, reduce_op=dist.ReduceOp.SUM).wait()
+        # the count is the barrier after a heal: it waits for the healer with the group's timeout
+        heal = _someone_heals(self.manager)
+        self._allreduce(self._count, dist.ReduceOp.SUM, whole_timeout=heal).wait()
         if self.manager.errored() is None:
             self.participants = int(round(self._count[0].item()))
             self.healers = max(0, self.manager.num_participants() - self.participants)
@@ -138,8 +176,54 @@ class TorchftCommunicator(Communicator):
         self.in_round = False
         if self.lost:
             return False
-        ok = self.manager.should_commit()
-        return bool(ok and self.participants > 0)
+        ok = bool(self.manager.should_commit() and self.participants > 0)
+        if self.grace is not None:
+            if ok:
+                self.grace.committed(self.longest_s)
+            elif self.ran_out:
+                self.grace.ran_out(self.window_s)
+                self._members_ran_out = self.manager.num_participants()
+                self.timeouts += 1
+        return ok
+
+    def _allreduce(self, tensor: torch.Tensor, op, whole_timeout: bool = False):
+        """One all-reduce of the round through the Manager's process group, with this round's
+        grace window as its timeout (torchft's `Manager.allreduce` takes none: its ops wait
+        `ft.timeout_s`). `whole_timeout`: the process group's own timeout instead."""
+        if self.grace is None:
+            return self.manager.allreduce(tensor, reduce_op=op)
+        from torch.distributed.distributed_c10d import AllreduceOptions
+
+        if self.manager.errored() is not None:
+            return _RoundWork(self, None)  # the round will not commit: nothing more is sent
+        self.manager.wait_quorum()
+        opts = AllreduceOptions()
+        opts.reduceOp = op
+        window = None if whole_timeout else self.window_s
+        if window is not None:
+            opts.timeout = timedelta(seconds=window)
+        try:
+            work = self.manager._pg.allreduce([tensor], opts)
+        except Exception as e:
+            self.manager.report_error(e)
+            work = None
+        return _RoundWork(self, work, window)
+
+    def _collective_done(self, seconds: float, window_s: float | None) -> None:
+        if window_s is not None:  # a heal's wait says nothing of the collectives' time
+            self.longest_s = max(self.longest_s, seconds)
+
+    def _collective_failed(self, error: Exception, seconds: float, window_s: float | None):
+        """A collective failed: the round will not commit. Where it waited out its window (a
+        launched collective's clock started at its launch, so gloo's own word counts too), a
+        peer is frozen or slow: counted in `timeouts`/`waited_s` at the commit."""
+        self.manager.report_error(error)
+        timed_out = "timed out" in str(error).lower() or (
+            window_s is not None and seconds >= 0.95 * window_s
+        )
+        if window_s is not None and timed_out:
+            self.ran_out = True
+            self.waited_s += seconds
 
     def mean_(self, flat: torch.Tensor, through: torch.Tensor | None = None) -> None:
         """Replace `flat` by its mean over the live workers: one SUM all-reduce of the flat
@@ -159,7 +243,7 @@ class TorchftCommunicator(Communicator):
                 wire.zero_()
             if not self.sum_first:
                 wire.div_(n)
-            self.manager.allreduce(wire, reduce_op=dist.ReduceOp.SUM).wait()
+            self._allreduce(wire, dist.ReduceOp.SUM).wait()
             if self.sum_first and self.manager.errored() is None:
                 wire.div_(n)
             if through is not None:
@@ -177,7 +261,7 @@ class TorchftCommunicator(Communicator):
         for t in tensors:
             high, low = t.detach().clone(), t.detach().neg()
             for x in (high, low):
-                self.manager.allreduce(x, reduce_op=dist.ReduceOp.MAX).wait()
+                self._allreduce(x, dist.ReduceOp.MAX).wait()
             if self.manager.errored() is not None:
                 return True
             if not torch.equal(high, low.neg_()):
@@ -193,7 +277,7 @@ class TorchftCommunicator(Communicator):
         start = time.perf_counter()
         members, gathered, mine = self._encode(flat, wire, residual)
         if gathered is not None:
-            _ReportedWork(self.manager, self._all_gather(gathered, mine)).wait()
+            _RoundWork(self, self._all_gather(gathered, mine), self.window_s).wait()
             self._decode_mean(flat, wire, gathered, members)
         self._account(start, wire.nbytes)
 
@@ -206,7 +290,7 @@ class TorchftCommunicator(Communicator):
         for piece, wire, residual in zip(pieces, wires, residuals, strict=True):
             members, gathered, mine = self._encode(piece, wire, residual)
             if gathered is not None:
-                works.append(_ReportedWork(self.manager, self._all_gather(gathered, mine)))
+                works.append(_RoundWork(self, self._all_gather(gathered, mine), self.window_s))
                 todo.append((piece, wire, gathered, members))
         nbytes = sum(w.nbytes for w in wires)
         self.stats.bytes += nbytes
@@ -254,9 +338,11 @@ class TorchftCommunicator(Communicator):
         # that the round does not commit
         from torch.distributed.distributed_c10d import AllgatherOptions
 
-        pg = self.manager._pg
+        pg, opts = self.manager._pg, AllgatherOptions()
+        if self.grace is not None and self.window_s is not None:
+            opts.timeout = timedelta(seconds=self.window_s)
         try:
-            return pg.allgather_into_tensor_coalesced([out], [inp], AllgatherOptions())
+            return pg.allgather_into_tensor_coalesced([out], [inp], opts)
         except Exception as e:
             self.manager.report_error(e)
             return None
@@ -284,7 +370,7 @@ class TorchftCommunicator(Communicator):
             if not self.sum_first:
                 wire.div_(n)
             if not self.lost and self.manager.errored() is None:
-                works.append(self.manager.allreduce(wire, reduce_op=dist.ReduceOp.SUM))
+                works.append(self._allreduce(wire, dist.ReduceOp.SUM))
         nbytes = sum(_nbytes(w) for w in wires)
         self.stats.bytes += nbytes
         self.stats.seconds += time.perf_counter() - start
