@@ -25,7 +25,9 @@ from localsgd.averaging.outer_step import DILOCO, OUTER_DEFAULTS, OuterStep, out
 from localsgd.averaging.periodic import PeriodicAverager
 from localsgd.averaging.quantize import DEFAULT_BLOCK_SIZE, BlockCodec
 from localsgd.averaging.reduce import Reducer
+from localsgd.averaging.robust import Aggregate
 from localsgd.averaging.schedule import ConstantPeriod
+from localsgd.averaging.trust import Judge, TrustedRound
 
 __all__ = ["DILOCO", "OUTER_DEFAULTS", "OuterAverager", "OuterStep", "outer_step"]
 
@@ -40,6 +42,8 @@ class OuterAverager(PeriodicAverager):
     worker's rounding residual to its next pseudo-gradient (checkpointed; see `compress`).
     `outer_warmup_rounds` = R moves the first R outer steps linearly from a plain average to the
     configured step (`outer_step`).
+    `aggregate`/`judge`: the pseudo-gradients gathered and combined robustly, non-finite ones
+    dropped, workers scored and excluded (`localsgd.averaging.trust`); None: the mean.
     The anchor must exist from the start, so `module` is required. The outer step moves the
     anchor by the mean pseudo-gradient, so anchors that differed when built would never meet:
     with `init_sync` (the default) every rank starts from rank 0's parameters and buffers.
@@ -64,10 +68,19 @@ class OuterAverager(PeriodicAverager):
         quant_block_size: int = DEFAULT_BLOCK_SIZE,
         outer_warmup_rounds: int = 0,
         mirror: bool | None = None,
+        aggregate: Aggregate | None = None,
+        judge: Judge | None = None,
     ):
         dtype = comm_dtype_of(comm_dtype, quant_block_size)
         if outer_warmup_rounds < 0:
             raise ValueError(f"outer_warmup_rounds must be >= 0, got {outer_warmup_rounds}")
+
+        if aggregate is None and judge is not None:
+            raise ValueError("judge needs an aggregate (Aggregate('mean') for the gathered mean)")
+        size = dist.get_world_size(process_group)
+
+        def trusted(buffers: list[torch.Tensor], low: list) -> TrustedRound:
+            return TrustedRound(buffers, size, low, aggregate, judge, sign=-1)
 
         def make_reducer(flat: FlatBuffers) -> Reducer:
             return OuterStep(
@@ -79,6 +92,7 @@ class OuterAverager(PeriodicAverager):
                 dtype,
                 error_feedback=error_feedback,
                 warmup_rounds=outer_warmup_rounds,
+                trusted=trusted if aggregate is not None else None,
             )
 
         super().__init__(

@@ -67,6 +67,7 @@ class Synchroniser:
         # ft=torchft: the syncs (and the warmup's gradient averages) as torchft rounds; None:
         # straight through torch.distributed
         self.fault_tolerance: FaultTolerance | None = None
+        self.announced = 0  # trust events announced so far (`_announce_trust`)
 
     @property
     def _driver(self):
@@ -153,6 +154,26 @@ class Synchroniser:
             self.averager.observe_loss(loss)
         self._driver.maybe_average()
         self.in_sync = self.synchronous or self.averager.all_in_sync
+        self._announce_trust()
+
+    def _announce_trust(self) -> None:
+        """One line (rank 0's) for each contribution dropped and each worker excluded since the
+        last call; every rank holds the same events."""
+        trust = self.trust
+        if trust is None or len(trust.events) == self.announced:
+            return
+        fresh, self.announced = trust.events[self.announced :], len(trust.events)
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return
+        what = {
+            "nonfinite": "its contribution held NaN/Inf: dropped from the round",
+            "bad": "its contribution scored bad: dropped from the round",
+            "excluded": "excluded: its contributions are dropped from now on",
+        }
+        for e in fresh:
+            if e["why"] != "bad":  # bad scores are counted in the metrics, not announced
+                notice(f"trust: worker {e['rank']} at round {e['round']} (step {e['step']}): "
+                       f"{what[e['why']]}")
 
     def next_sync(self, step: int) -> int | None:
         """The first step index >= `step` after which the replicas are together again (a warmup
@@ -286,6 +307,8 @@ class Synchroniser:
         }
         if self.verify:
             summary["replica_checks"] = self.checks_done
+        if self.trust is not None:  # each event as [rank, round]
+            summary["trust"] = self.trust.record()
         if self.fault_tolerance is not None:
             rounds = self.fault_tolerance.rounds
             summary.update(
@@ -295,6 +318,25 @@ class Synchroniser:
                 failed_syncs=rounds.failed_syncs,
             )
         return summary
+
+    @property
+    def trust(self):
+        """The rounds over untrusted workers' contributions (`localsgd.averaging.trust.
+        TrustedRound`), or None under the all-reduced mean."""
+        return getattr(self.averager.reducer, "trust", None)
+
+    def trust_record(self) -> dict[str, Any]:
+        """Every log line under a gathered sync: the workers excluded so far (rank: round) and
+        how many contributions were dropped as non-finite or judged bad."""
+        trust = self.trust
+        if trust is None:
+            return {}
+        record = trust.record()
+        return {
+            "excluded": record["excluded"],
+            "dropped_nonfinite": len(record["dropped_nonfinite"]),
+            "judged_bad": len(record["judged_bad"]),
+        }
 
     def fault_record(self) -> dict[str, Any]:
         """Under ft=torchft: how many workers the last average included (every log line)."""
@@ -323,6 +365,7 @@ def build_synchroniser(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     sharding: Sharding | None = None,
+    loss_at: Callable[[int], float] | None = None,
 ) -> Synchroniser:
     """The `sync` config's strategy over the `comm` config's network (a simulated slow link,
     or no communication at all), for `model` trained by `optimizer`; under `ft=torchft` its
@@ -352,6 +395,7 @@ def build_synchroniser(
         link,
         communicate=not comm.disabled,
         process_group=replicas,
+        loss_at=loss_at,
     )
     # the averager gave every rank rank 0's model already
     # sharded: over the replicate group (FSDP averaged inside each group already), so HSDP

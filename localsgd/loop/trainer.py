@@ -84,7 +84,9 @@ class Trainer:
         self.lr_schedule = build_schedule(c.lr_schedule, c.trainer.max_steps)
         # the strategy: warmup, averaging, drift, fault tolerance; every rank starts from rank
         # 0's model
-        self.sync = build_synchroniser(c, info, self.model, self.optimizer, self.sharding)
+        self.sync = build_synchroniser(
+            c, info, self.model, self.optimizer, self.sharding, loss_at=self.held_out_loss
+        )
         # after the averager: its flat-buffer views are what gets compiled
         self.recipe = Recipe.from_config(self.model, device, c.trainer, self.sharding.sharded)
         torch.manual_seed(c.seed + 1000 * info.rank + 1)  # dropout etc. differ per rank
@@ -236,12 +238,28 @@ class Trainer:
         )
         return evaluate(self.model, batches, self.recipe.autocast, task_of(self.data))
 
+    @torch.no_grad()
+    def held_out_loss(self, round_: int) -> float:
+        """The model's loss, as it stands, on `sync.score_batch` test samples drawn from round
+        `round_`'s seed: the same batch on every rank (`sync.score`, localsgd.averaging.trust)."""
+        test = self.data.test
+        gen = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + round_)
+        picks = torch.randint(len(test), (self.cfg.sync.score_batch,), generator=gen).tolist()
+        x, y = torch.utils.data.default_collate([test[i] for i in picks])
+        training = self.model.training
+        self.model.eval()
+        with self.recipe.autocast():
+            logits = self.model(x.to(self.device))
+        self.model.train(training)
+        return float(loss_and_correct(logits.float(), y.to(self.device))[0])
+
     def comm_record(self) -> dict[str, Any]:
         return {
             "comm_rounds": self.comm_stats.rounds,
             "comm_bytes": self.comm_stats.bytes,
             "comm_seconds": round(self.comm_stats.seconds, 6),
             **self.sync.fault_record(),  # ft=torchft: participants
+            **self.sync.trust_record(),  # a gathered sync: excluded workers, drops
         }
 
     def train(self) -> dict[str, Any] | None:
