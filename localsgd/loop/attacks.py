@@ -37,6 +37,8 @@ class Attack:
 
     def __init__(self, kind: str, rank: int = 1, start_step: int = 0, scale: float | None = None,
                  seed: int = 0):
+        if isinstance(kind, float) and math.isnan(kind):
+            kind = "nan"  # Hydra reads an unquoted `kind:nan` as the float NaN
         if kind not in ATTACKS:
             raise ValueError(f"attack kind must be one of {', '.join(ATTACKS)}, got {kind!r}")
         self.kind, self.rank, self.start_step = kind, int(rank), int(start_step)
