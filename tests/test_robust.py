@@ -4,6 +4,8 @@ replica, the same exclusion on every rank, the mean's bits unchanged, and the re
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -14,7 +16,7 @@ from localsgd.averaging.robust import Aggregate
 from localsgd.averaging.trust import Judge, RobustMean
 from localsgd.cli.checks import validate
 from localsgd.config import ConfigError
-from tests.helpers import compose_config, run_distributed
+from tests.helpers import FAST, cli, compose_config, run_distributed
 
 WORLD = 4
 
@@ -75,18 +77,15 @@ def test_bad_values_are_refused_in_one_line():
         (["sync.aggregate=clip", "dist.shard_size=2"], "sync.aggregate=clip"),
         (["sync.aggregate=median", "sync.drop_nonfinite=false"], "sync.drop_nonfinite"),
         (["sync.aggregate=median", "sync.optimizer_state=average"], "optimizer_state"),
+        (["sync.aggregate=median", "sync.overlap=true"], "overlap"),
+        (["sync.aggregate=median", "sync=hierarchical"], "sync.levels"),
+        (["sync.aggregate=median", "sync=adaptive"], "sync.schedule=adaptive"),
+        (["sync.drop_nonfinite=true", "ft=torchft"], "ft=torchft"),
+        (["sync.score=true", "sync.drop_nonfinite=false"], "sync.drop_nonfinite"),
     ):
         with pytest.raises(ConfigError, match=keys) as info:
             validate(compose_config(overrides), 4)
         assert "\n" not in str(info.value)
-
-
-def test_robust_aggregate_under_torchft_is_refused():
-    plan_cfg = compose_config(["sync.aggregate=trimmed_mean"]).sync
-    from localsgd.loop.plan import SyncPlan
-
-    refusal = SyncPlan.of(plan_cfg).trust_refusal(ft=True)
-    assert refusal is not None and "ft=torchft" in refusal and "sync.aggregate" in refusal
 
 
 class _Net(torch.nn.Module):
@@ -146,9 +145,25 @@ def _worker(rank, world_size):
                 p.add_(toward * (-10.0 if rank == 3 else 1.0 + 0.1 * rank))
         avg.maybe_average()
     trust = avg.reducer.trust
+    # the verdicts are checkpointed with the averager
+    again = OuterAverager(1, module=_Net(), aggregate=Aggregate("mean"), judge=judge)
+    again.load_state_dict(avg.state_dict())
     out["verdicts"] = {"excluded": dict(trust.excluded), "events": list(trust.events),
-                       "model": avg.flat.buffers[0].clone()}
-    # 3. the mean, by default: today's reducer, the bits of one all-reduce, its bytes
+                       "model": avg.flat.buffers[0].clone(),
+                       "reloaded": again.reducer.trust.state_dict() == trust.state_dict()}
+    # 3. a low-bit wire with error feedback: each contribution decoded, then the median; rank 2
+    #    sends Inf
+    model = _Net()
+    avg = OuterAverager(1, module=model, aggregate=Aggregate("median"), comm_dtype="int8",
+                        error_feedback=True, quant_block_size=8)
+    _step(model, torch.Generator().manual_seed(20 + rank), rank)
+    if rank == 2:
+        with torch.no_grad():
+            model.fc.bias[0] = float("inf")
+    avg.maybe_average()
+    out["int8"] = {"model": avg.flat.buffers[0].clone(),
+                   "events": list(avg.reducer.trust.events)}
+    # 4. the mean, by default: today's reducer, the bits of one all-reduce, its bytes
     model = _Net()
     avg = PeriodicAverager(1, module=model)
     _step(model, torch.Generator().manual_seed(7 + rank), rank)
@@ -184,6 +199,11 @@ def test_untrusted_workers_across_processes():
     assert all(v["excluded"] == verdicts[0]["excluded"] for v in verdicts)
     assert all(v["events"] == verdicts[0]["events"] for v in verdicts)
     assert all(torch.equal(v["model"], verdicts[0]["model"]) for v in verdicts)
+    assert all(v["reloaded"] for v in verdicts)
+    low = [r["int8"] for r in results]
+    assert all(torch.isfinite(x["model"]).all() for x in low)
+    assert all(torch.equal(x["model"], low[0]["model"]) for x in low)
+    assert low[0]["events"] == [{"round": 0, "step": 0, "rank": 2, "why": "nonfinite"}]
     assert all(r["mean"] == {"plain": True, "same": True, "bytes": True} for r in results)
 
 
@@ -203,3 +223,43 @@ def test_robust_mean_is_built_only_when_asked():
             assert isinstance(avg.reducer, RobustMean) is robust
     finally:
         dist.destroy_process_group()
+
+
+def _attack(kind: str, rank: int = 1) -> str:
+    attack = f"{{_target_:localsgd.loop.attacks.Attack,kind:'{kind}',rank:{rank}}}"
+    return f"trainer.callbacks=[{attack}]"
+
+
+@pytest.mark.slow
+@pytest.mark.long  # ~15 s on 2 cores: `make test-long`
+@pytest.mark.timeout(240)
+def test_cli_drops_nan_and_excludes_an_attacker(tmp_path):
+    """From the command line: DiLoCo over int8 with the mean's non-finite guard survives a NaN
+    attacker (the plain mean stops on the poisoned loss); the scored median excludes a
+    sign-flipping attacker within 2 rounds, named in the metrics and the summary."""
+    common = [*FAST, "dist.world_size=4", "trainer.max_steps=60", "sync.period=10",
+              "trainer.log_every=10"]
+    runs = {
+        "mean": ([*common, _attack("nan")], False),
+        "guarded": ([*common, "sync=diloco", "optim=adamw", "optim.lr=0.003",
+                     "sync.comm_dtype=int8", "sync.drop_nonfinite=true", _attack("nan")], True),
+        "scored": ([*common, "sync.aggregate=median", "sync.score=true",
+                    _attack("sign_flip")], True),
+    }
+    said = {}
+    for name, (args, ok) in runs.items():
+        proc, left = cli([*args, f"hydra.run.dir={tmp_path / name}"])
+        said[name] = proc.stdout + proc.stderr
+        assert not left
+        assert (proc.returncode == 0) is ok, proc.stderr[-2000:]
+        if not ok:
+            assert "non-finite loss" in proc.stderr
+    guarded = json.loads((tmp_path / "guarded" / "summary.json").read_text())
+    assert [rank for rank, _ in guarded["trust"]["dropped_nonfinite"]] == [1] * 7  # 6 + final
+    assert "trust: worker 1 at round 0 (step 0): its contribution held NaN/Inf" in said["guarded"]
+    assert "trust: worker 1 at round 1 (step 10): excluded" in said["scored"]
+    scored = json.loads((tmp_path / "scored" / "summary.json").read_text())
+    assert scored["trust"]["excluded"] == {"1": 1}
+    metrics = (tmp_path / "scored" / "metrics.jsonl").read_text().splitlines()
+    lines = [json.loads(x) for x in metrics]
+    assert any(line.get("excluded") == {"1": 1} for line in lines)

@@ -158,6 +158,30 @@ class TrustedRound:
             "judged_bad": [(e["rank"], e["round"]) for e in self.events if e["why"] == "bad"],
         }
 
+    def metrics(self) -> dict:
+        """A metrics line's share: the workers excluded so far (rank: round) and how many
+        contributions were dropped as non-finite or judged bad."""
+        record = self.record()
+        return {
+            "excluded": record["excluded"],
+            "dropped_nonfinite": len(record["dropped_nonfinite"]),
+            "judged_bad": len(record["judged_bad"]),
+        }
+
+    @staticmethod
+    def lines(events: list[dict]) -> list[str]:
+        """One line for each dropped non-finite contribution and each exclusion (bad scores
+        are counted in the metrics, not announced)."""
+        what = {
+            "nonfinite": "its contribution held NaN/Inf: dropped from the round",
+            "excluded": "excluded: its contributions are dropped from now on",
+        }
+        return [
+            f"trust: worker {e['rank']} at round {e['round']} (step {e['step']}): {what[e['why']]}"
+            for e in events
+            if e["why"] in what
+        ]
+
     def state_dict(self) -> dict:
         return {
             "rounds": self.rounds,

@@ -157,23 +157,15 @@ class Synchroniser:
         self._announce_trust()
 
     def _announce_trust(self) -> None:
-        """One line (rank 0's) for each contribution dropped and each worker excluded since the
-        last call; every rank holds the same events."""
+        """Rank 0 names each dropped contribution and excluded worker, once (every rank holds
+        the same events)."""
         trust = self.trust
         if trust is None or len(trust.events) == self.announced:
             return
         fresh, self.announced = trust.events[self.announced :], len(trust.events)
-        if dist.is_initialized() and dist.get_rank() != 0:
-            return
-        what = {
-            "nonfinite": "its contribution held NaN/Inf: dropped from the round",
-            "bad": "its contribution scored bad: dropped from the round",
-            "excluded": "excluded: its contributions are dropped from now on",
-        }
-        for e in fresh:
-            if e["why"] != "bad":  # bad scores are counted in the metrics, not announced
-                notice(f"trust: worker {e['rank']} at round {e['round']} (step {e['step']}): "
-                       f"{what[e['why']]}")
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            for line in trust.lines(fresh):
+                notice(line)
 
     def next_sync(self, step: int) -> int | None:
         """The first step index >= `step` after which the replicas are together again (a warmup
@@ -326,17 +318,8 @@ class Synchroniser:
         return getattr(self.averager.reducer, "trust", None)
 
     def trust_record(self) -> dict[str, Any]:
-        """Every log line under a gathered sync: the workers excluded so far (rank: round) and
-        how many contributions were dropped as non-finite or judged bad."""
-        trust = self.trust
-        if trust is None:
-            return {}
-        record = trust.record()
-        return {
-            "excluded": record["excluded"],
-            "dropped_nonfinite": len(record["dropped_nonfinite"]),
-            "judged_bad": len(record["judged_bad"]),
-        }
+        """Every log line under a gathered sync: workers excluded, contributions dropped."""
+        return {} if self.trust is None else self.trust.metrics()
 
     def fault_record(self) -> dict[str, Any]:
         """Under ft=torchft: how many workers the last average included (every log line)."""

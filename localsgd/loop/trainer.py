@@ -24,7 +24,7 @@ from localsgd.data import (
 )
 from localsgd.instantiate import build, target_name
 from localsgd.loop import checkpoint, checkpoint_dcp
-from localsgd.loop.evaluation import evaluate, loss_and_correct, text_sample
+from localsgd.loop.evaluation import evaluate, held_out_loss, loss_and_correct, text_sample
 from localsgd.loop.guards import NonFiniteTracker
 from localsgd.loop.loggers import build_loggers
 from localsgd.loop.metrics import notice, progress_bar, rate_record, trim_metrics, write_json
@@ -238,20 +238,17 @@ class Trainer:
         )
         return evaluate(self.model, batches, self.recipe.autocast, task_of(self.data))
 
-    @torch.no_grad()
     def held_out_loss(self, round_: int) -> float:
-        """The model's loss, as it stands, on `sync.score_batch` test samples drawn from round
-        `round_`'s seed: the same batch on every rank (`sync.score`, localsgd.averaging.trust)."""
-        test = self.data.test
-        gen = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + round_)
-        picks = torch.randint(len(test), (self.cfg.sync.score_batch,), generator=gen).tolist()
-        x, y = torch.utils.data.default_collate([test[i] for i in picks])
-        training = self.model.training
-        self.model.eval()
-        with self.recipe.autocast():
-            logits = self.model(x.to(self.device))
-        self.model.train(training)
-        return float(loss_and_correct(logits.float(), y.to(self.device))[0])
+        """The model's loss, as it stands, on round `round_`'s held-out batch (`sync.score`)."""
+        return held_out_loss(
+            self.model,
+            self.data.test,
+            self.cfg.seed,
+            round_,
+            self.cfg.sync.score_batch,
+            self.device,
+            self.recipe.autocast,
+        )
 
     def comm_record(self) -> dict[str, Any]:
         return {
