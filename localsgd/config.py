@@ -134,7 +134,7 @@ class SyncConfig:
     # samples drawn from the round's seed; a bad one is dropped from its round, and
     # exclude_after bad rounds running (0 = never) exclude its worker for good
     score: bool = False
-    score_batch: int = 64
+    score_batch: int = 256
     score_fraction: float = 0.5  # bad: score <= this x the round's median score (when > 0)
     exclude_after: int = 2
 

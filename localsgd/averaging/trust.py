@@ -12,7 +12,9 @@ its flat buffers (`localsgd.averaging.robust` gathers and combines them):
    is positive and its own is at most `score_fraction` times that median (a free rider's zero
    change scores 0; a flipped sign scores below 0), or when it is not finite. A bad contribution
    is dropped from its round; `exclude_after` bad rounds running exclude the worker: its
-   contributions are dropped from every later round. It still takes part in the collectives
+   contributions are dropped from every later round. At most `(size - 1) // 2` workers are
+   ever excluded (one of 4): everything here assumes an honest majority, and a noisy score
+   must not whittle the group down to one worker. It still takes part in the collectives
    and receives the model; its shard's data is skipped (not reassigned): what it learns from
    it never reaches the aggregate. A round whose median score is not positive judges nobody
    (streaks stand): the batch cannot tell help from harm there;
@@ -140,7 +142,9 @@ class TrustedRound:
     def _bad(self, round_: int, step: int, rank: int) -> None:
         self.streaks[rank] += 1
         n = self.judge.exclude_after if self.judge is not None else 0
-        if n and self.streaks[rank] >= n and rank not in self.excluded:
+        # an honest majority is what any of this rests on: never exclude half the workers
+        room = len(self.excluded) < (self.size - 1) // 2
+        if n and room and self.streaks[rank] >= n and rank not in self.excluded:
             self.excluded[rank] = round_
             self._event(round_, step, rank, "excluded")
 
