@@ -294,3 +294,11 @@ def test_never_more_than_a_minority_is_excluded():
     assert trust.excluded == {1: 0}  # worker 2 is as bad, but one of 4 is the most excluded
     assert [e["rank"] for e in trust.events if e["why"] == "bad"] == [1, 2, 2, 2]
     assert torch.allclose(flat, torch.full((3,), 0.95))  # the mean of workers 0 and 3
+
+
+def test_a_checkpoint_with_verdicts_cannot_move_to_another_world_size():
+    from localsgd.loop.plan import SyncPlan
+
+    assert SyncPlan.of(compose_config([]).sync).reshard_refusal() is None
+    refusal = SyncPlan.of(compose_config(["sync.aggregate=median"]).sync).reshard_refusal()
+    assert refusal.startswith("sync.aggregate='median' (the verdicts")
