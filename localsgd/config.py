@@ -132,6 +132,22 @@ class SyncConfig:
     # worker, a slow worker computing fewer of the round's steps instead of holding up the
     # others, and averages weigh each worker by the samples it trained on (localsgd.loop.pacing)
     inner_time_s: float | None = None
+    # Workers you cannot trust (localsgd.averaging.robust, docs/reliability.md): how each sync
+    # combines the workers' contributions (changes since the last sync; DiLoCo's pseudo-
+    # gradients). mean: today's all-reduce; clip | trimmed_mean | median all-gather them
+    aggregate: str = "mean"  # localsgd.averaging.robust.AGGREGATES
+    clip_multiple: float = 2.0  # clip: each contribution's norm <= this x the round's median norm
+    trim_fraction: float = 0.25  # trimmed_mean: cut from each side, per coordinate, in [0, 0.5)
+    # drop a contribution holding NaN/Inf from its round; null: true for clip | trimmed_mean |
+    # median, false for the mean (true there gathers the contributions instead of all-reducing)
+    drop_nonfinite: bool | None = None
+    # score each contribution by the loss change it causes on a batch of score_batch test
+    # samples drawn from the round's seed; a bad one is dropped from its round, and
+    # exclude_after bad rounds running (0 = never) exclude its worker for good
+    score: bool = False
+    score_batch: int = 256
+    score_fraction: float = 0.5  # bad: score <= this x the round's median score (when > 0)
+    exclude_after: int = 2
 
 
 @dataclass

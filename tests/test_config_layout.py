@@ -56,6 +56,7 @@ OLD_EXPERIMENTS = {
         "optim.betas": [0.9, 0.95],
     },  # fmt: skip
     "slowmo": {"sync.period": 16, "sync.warmup_steps": 0, "sync.outer": "slowmo"},
+    "untrusted": {"sync.period": 10, "sync.aggregate": "median", "sync.score": True},
     "adaptive_period": {
         "sync.period": 4,
         "sync.warmup_steps": 0,

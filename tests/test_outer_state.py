@@ -129,6 +129,8 @@ def test_a_device_checkpoint_continues_with_the_state_on_the_host_bit_identicall
          "sync.outer_state must be device with comm.disabled=true (nothing syncs)"),
         (["sync.outer=diloco", "ft=torchft"],
          "sync.outer_state must be device with ft.backend=torchft (not built with ft=torchft"),
+        (["sync.outer=diloco", "sync.aggregate=median"],
+         "sync.outer_state must be device with sync.aggregate=median (gathered"),
     ],
 )  # fmt: skip
 def test_outer_state_cpu_is_refused_in_one_line_where_there_is_nothing_to_move(

@@ -152,6 +152,7 @@ def test_the_cli_paces_a_simulated_slow_worker_and_nobody_late_is_todays_model(t
         (["sync.inner_time_s=1", "sync.comm_dtype=int8"], "with sync.comm_dtype (a weighted"),
         (["sync.inner_time_s=1", "sync.overlap=true"], "with sync.overlap"),
         (["sync.inner_time_s=1", "dist.shard_size=2"], "with dist.shard_size=2"),
+        (["sync.inner_time_s=1", "sync.aggregate=median"], "with sync.aggregate (gathered"),
     ],
 )
 @pytest.mark.timeout(30)

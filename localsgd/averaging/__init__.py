@@ -18,15 +18,19 @@ from localsgd.averaging.overlap import DelayedMean
 from localsgd.averaging.periodic import PeriodicAverager
 from localsgd.averaging.quantize import QUANTIZED_FORMATS, BlockCodec, QuantizedWire
 from localsgd.averaging.reduce import PlainMean, Reducer
+from localsgd.averaging.robust import AGGREGATES, Aggregate
 from localsgd.averaging.schedule import AdaptivePeriod, ConstantPeriod, NeverAverage, StepPeriod
 from localsgd.averaging.streaming import StreamingAverager
+from localsgd.averaging.trust import Judge, RobustMean, TrustedRound
 
 __all__ = [
+    "AGGREGATES",
     "COMM_DTYPES",
     "OPTIMIZER_STATE_MODES",
     "OUTER_DEFAULTS",
     "QUANTIZED_FORMATS",
     "AdaptivePeriod",
+    "Aggregate",
     "Averager",
     "BlockCodec",
     "CommStats",
@@ -36,6 +40,7 @@ __all__ = [
     "FlatBuffers",
     "GradientAverager",
     "HierarchicalAverager",
+    "Judge",
     "LowPrecisionMean",
     "NeverAverage",
     "OptimizerStateSync",
@@ -45,8 +50,10 @@ __all__ = [
     "PlainMean",
     "QuantizedWire",
     "Reducer",
+    "RobustMean",
     "SimulatedLink",
     "StepPeriod",
     "StreamingAverager",
+    "TrustedRound",
     "averaged_tensors",
 ]

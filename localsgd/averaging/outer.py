@@ -26,7 +26,9 @@ from localsgd.averaging.outer_step import DILOCO, OUTER_DEFAULTS, OuterStep, out
 from localsgd.averaging.periodic import PeriodicAverager
 from localsgd.averaging.quantize import DEFAULT_BLOCK_SIZE, BlockCodec
 from localsgd.averaging.reduce import Reducer
+from localsgd.averaging.robust import Aggregate
 from localsgd.averaging.schedule import ConstantPeriod
+from localsgd.averaging.trust import Judge, TrustedRound
 
 __all__ = ["DILOCO", "OUTER_DEFAULTS", "OuterAverager", "OuterStep", "outer_step"]
 
@@ -43,6 +45,8 @@ class OuterAverager(PeriodicAverager):
     configured step (`outer_step`). `outer_state="cpu"` keeps the anchor and the outer momentum
     in host memory (pinned where CUDA is available) and runs the outer step there, with the
     same bits (`localsgd.averaging.offload`).
+    `aggregate`/`judge`: the pseudo-gradients gathered and combined robustly, non-finite ones
+    dropped, workers scored and excluded (`localsgd.averaging.trust`); None: the mean.
     The anchor must exist from the start, so `module` is required. The outer step moves the
     anchor by the mean pseudo-gradient, so anchors that differed when built would never meet:
     with `init_sync` (the default) every rank starts from rank 0's parameters and buffers.
@@ -68,12 +72,21 @@ class OuterAverager(PeriodicAverager):
         outer_warmup_rounds: int = 0,
         mirror: bool | None = None,
         outer_state: str = "device",
+        aggregate: Aggregate | None = None,
+        judge: Judge | None = None,
     ):
         dtype = comm_dtype_of(comm_dtype, quant_block_size)
         host = check_outer_state(outer_state)
         self.outer_state = outer_state
         if outer_warmup_rounds < 0:
             raise ValueError(f"outer_warmup_rounds must be >= 0, got {outer_warmup_rounds}")
+
+        if aggregate is None and judge is not None:
+            raise ValueError("judge needs an aggregate (Aggregate('mean') for the gathered mean)")
+        size = dist.get_world_size(process_group)
+
+        def trusted(buffers: list[torch.Tensor], low: list) -> TrustedRound:
+            return TrustedRound(buffers, size, low, aggregate, judge, sign=-1)
 
         def make_reducer(flat: FlatBuffers) -> Reducer:
             return OuterStep(
@@ -86,6 +99,7 @@ class OuterAverager(PeriodicAverager):
                 error_feedback=error_feedback,
                 warmup_rounds=outer_warmup_rounds,
                 host=host,
+                trusted=trusted if aggregate is not None else None,
             )
 
         super().__init__(

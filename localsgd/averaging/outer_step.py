@@ -6,6 +6,8 @@ the same `outer_step`; this module imports no averager."""
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,6 +23,9 @@ from localsgd.averaging.compress import (
 from localsgd.averaging.flat import FlatBuffers, Relayout
 from localsgd.averaging.offload import host_clone, host_empty_like
 from localsgd.averaging.reduce import Reducer
+
+if TYPE_CHECKING:
+    from localsgd.averaging.trust import TrustedRound
 
 OUTER_DEFAULTS = {  # the papers' settings: the one place they are written
     "diloco": {"lr": 0.7, "momentum": 0.9, "nesterov": True},
@@ -68,6 +73,7 @@ class OuterStep(Reducer):
         error_feedback: bool = False,
         warmup_rounds: int = 0,
         host: bool = False,
+        trusted: Callable[[list[torch.Tensor], list], TrustedRound] | None = None,
     ):
         self.warmup_steps = warmup_steps
         self.host = host
@@ -95,25 +101,35 @@ class OuterStep(Reducer):
         self.low = wire_buffers(flat.buffers, comm_dtype_of(comm_dtype))
         self.residuals = residual_buffers(flat.buffers, self.low, error_feedback)
         self.optimizer = torch.optim.SGD(outer_params, lr=lr, momentum=momentum, nesterov=nesterov)
+        # a robust aggregate over the pseudo-gradients (`trust.TrustedRound`); None: the mean
+        self.trust = trusted(flat.buffers, self.low) if trusted is not None else None
 
     def reduce_(self, buffers: list[torch.Tensor], comm: Communicator, level: int, step: int):
         # the first sync after a warmup (the rule fires at step `warmup_steps`), see the module doc
         plain = self.warmup_steps > 0 and step == self.warmup_steps
         staging = self.staging or [None] * len(buffers)
-        for flat, anchor, low, residual, n, stage in zip(
-            buffers, self.anchors, self.low, self.residuals, self.param_numels, staging,
-            strict=True,
-        ):  # fmt: skip
-            if stage is None:
+        if self.trust is not None:  # (sync.outer_state=cpu with a robust aggregate: refused)
+            for flat, anchor in zip(buffers, self.anchors, strict=True):
                 torch.sub(anchor, flat, out=flat)  # pseudo-gradient
-                lossy_mean_(flat, comm, low, residual)
-                mean = flat
-            else:  # the same arithmetic on the host; the wire stays on the device
-                stage.copy_(flat)
-                torch.sub(anchor, stage, out=stage)
-                flat.copy_(stage)
-                lossy_mean_(flat, comm, low, residual)
-                mean = stage.copy_(flat)
+            self.trust.run_(buffers, self.anchors, comm, self.residuals, step)
+            means = buffers
+        else:
+            means = []
+            for flat, anchor, low, residual, stage in zip(
+                buffers, self.anchors, self.low, self.residuals, staging, strict=True
+            ):
+                if stage is None:
+                    torch.sub(anchor, flat, out=flat)  # pseudo-gradient
+                    lossy_mean_(flat, comm, low, residual)
+                    means.append(flat)
+                else:  # the same arithmetic on the host; the wire stays on the device
+                    stage.copy_(flat)
+                    torch.sub(anchor, stage, out=stage)
+                    flat.copy_(stage)
+                    lossy_mean_(flat, comm, low, residual)
+                    means.append(stage.copy_(flat))
+        # the common pseudo-gradient moves the anchor, which every rank copies
+        for mean, anchor, n in zip(means, self.anchors, self.param_numels, strict=True):
             start = 0 if plain else n  # buffers (or everything) are averaged plainly
             anchor[start:].sub_(mean[start:])
         if not plain:
@@ -141,6 +157,8 @@ class OuterStep(Reducer):
         }
         if self.error_feedback:
             state["residuals"] = [r.clone() if r is not None else None for r in self.residuals]
+        if self.trust is not None:
+            state["trust"] = self.trust.state_dict()
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -150,3 +168,5 @@ class OuterStep(Reducer):
         # `state`, e.g. with the live averager it was taken from
         self.optimizer.load_state_dict(copy.deepcopy(state["outer_optimizer"]))
         load_residuals(self.residuals, state.get("residuals"))
+        if self.trust is not None:
+            self.trust.load_state_dict(state.get("trust", {}))

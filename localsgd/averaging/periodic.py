@@ -11,7 +11,9 @@ from localsgd.averaging.compress import LowPrecisionMean, comm_dtype_of
 from localsgd.averaging.flat import FlatBuffers
 from localsgd.averaging.overlap import DelayedMean
 from localsgd.averaging.quantize import DEFAULT_BLOCK_SIZE
+from localsgd.averaging.robust import Aggregate
 from localsgd.averaging.schedule import ConstantPeriod
+from localsgd.averaging.trust import Judge, RobustMean
 
 
 class PeriodicAverager(Averager):
@@ -41,6 +43,10 @@ class PeriodicAverager(Averager):
     Sharded parameters (DTensors, e.g. FSDP2's) are averaged through copies of their local
     shards (`mirror`; None: exactly when there are DTensors; see `localsgd.averaging.averager`).
 
+    `aggregate` (a `localsgd.averaging.robust.Aggregate`) gathers every worker's change since
+    the last sync and combines them robustly, dropping non-finite ones; `judge` scores and
+    excludes workers (`localsgd.averaging.trust`). None: the plain all-reduced mean.
+
     `init_sync=True` gives every rank rank 0's tensors when they are bound, as DDP does when
     built; None (the default) does so only where replicas that start apart would never meet: a
     reducer that keeps an anchor (low-precision changes, an outer optimizer). torch's averager
@@ -65,6 +71,8 @@ class PeriodicAverager(Averager):
         error_feedback: bool = False,
         quant_block_size: int = DEFAULT_BLOCK_SIZE,
         mirror: bool | None = None,
+        aggregate: Aggregate | None = None,
+        judge: Judge | None = None,
     ):
         if period < 1:
             raise ValueError(f"period must be an integer >= 1, got {period!r}")
@@ -74,7 +82,20 @@ class PeriodicAverager(Averager):
         dtype = comm_dtype_of(comm_dtype, quant_block_size)
         if overlap and (self.schedule.needs_loss or dtype != torch.float32):
             raise ValueError("overlap needs fp32 comm_dtype and a schedule without loss feedback")
-        if reducer is None and overlap:
+        if aggregate is None and judge is not None:
+            raise ValueError("judge needs an aggregate (Aggregate('mean') for the gathered mean)")
+        if aggregate is not None and (overlap or self.schedule.needs_loss):
+            raise ValueError("a robust aggregate needs overlap=False and a schedule without loss "
+                             "feedback")
+        comm = Communicator(process_group, stats, link)
+        if reducer is None and aggregate is not None:
+
+            def reducer(flat: FlatBuffers) -> RobustMean:
+                return RobustMean(
+                    flat.buffers, dtype, comm.size, aggregate, judge, error_feedback=error_feedback
+                )
+
+        elif reducer is None and overlap:
             bucket_bytes = int(bucket_mb * 2**20)
 
             def reducer(flat: FlatBuffers) -> DelayedMean:
@@ -87,7 +108,6 @@ class PeriodicAverager(Averager):
 
         self.comm_dtype = dtype
         self.last_average = warmup_steps - self.schedule.period_at(warmup_steps)
-        comm = Communicator(process_group, stats, link)
         super().__init__(
             [comm],
             process_group,

@@ -13,6 +13,7 @@ from typing import Any
 
 from localsgd.averaging import COMM_DTYPES, OPTIMIZER_STATE_MODES
 from localsgd.averaging.offload import OUTER_STATES
+from localsgd.averaging.robust import AGGREGATES
 from localsgd.averaging.streaming import MERGE_RULES
 from localsgd.cli.fault_tolerance import validate_ft
 from localsgd.cli.pacing import validate_pacing
@@ -233,6 +234,36 @@ def validate_optim(cfg: Any) -> None:
             _require(ok(value), key, allowed, value)
 
 
+def _validate_trust(cfg: Any) -> None:
+    """The keys of untrusted workers' syncs (`localsgd.averaging.trust`) and what they do not
+    compose with (`SyncPlan.trust_refusal`)."""
+    _choice(cfg, "sync.aggregate", AGGREGATES)
+    multiple = _get(cfg, "sync.clip_multiple")
+    _require(_number(multiple) and multiple > 0, "sync.clip_multiple", "a number > 0", multiple)
+    trim = _get(cfg, "sync.trim_fraction")
+    _require(_number(trim) and 0 <= trim < 0.5, "sync.trim_fraction", "in [0, 0.5)", trim)
+    batch = _get(cfg, "sync.score_batch")
+    _require(batch >= 1, "sync.score_batch", "an integer >= 1", batch)
+    fraction = _get(cfg, "sync.score_fraction")
+    _require(0 <= fraction < 1, "sync.score_fraction", "in [0, 1)", fraction)
+    after = _get(cfg, "sync.exclude_after")
+    _require(after >= 0, "sync.exclude_after", "an integer >= 0 (0 = never exclude)", after)
+    aggregate, drop = _get(cfg, "sync.aggregate"), _get(cfg, "sync.drop_nonfinite")
+    if aggregate != "mean" and drop is False:
+        raise ConfigError(
+            f"sync.drop_nonfinite must be true or null with sync.aggregate={aggregate} (a "
+            "robust aggregate always drops NaN/Inf contributions), got False"
+        )
+    if _get(cfg, "sync.score") and drop is False:
+        raise ConfigError(
+            "sync.drop_nonfinite must be true or null with sync.score=true (a NaN/Inf "
+            "contribution scores as bad and is dropped), got False"
+        )
+    refusal = SyncPlan.of(_get(cfg, "sync")).trust_refusal(ft=_get(cfg, "ft.backend") != "none")
+    if refusal is not None:
+        raise ConfigError(refusal)
+
+
 def _validate_streaming(cfg: Any, plan: SyncPlan) -> None:
     """Fragments, a delayed or mixed merge, the eager outer step, an outer optimizer over
     levels (`StreamingAverager`; with levels, the widest level is the streaming one)."""
@@ -298,6 +329,11 @@ def _validate_outer_state(cfg: Any) -> None:
             raise ConfigError(
                 f"sync.outer_state must be device with {key}={shown} ({where}), got cpu"
             )
+    if SyncPlan.of(_get(cfg, "sync")).gathered:
+        raise ConfigError(
+            f"sync.outer_state must be device with sync.aggregate={_get(cfg, 'sync.aggregate')} "
+            "(gathered contributions judged on the device), got cpu"
+        )
 
 
 def validate_sync(cfg: Any, ws: int | None, local_ws: int | None) -> None:
@@ -358,6 +394,7 @@ def validate_sync(cfg: Any, ws: int | None, local_ws: int | None) -> None:
             "false with sync.comm_dtype=float32 (nothing is rounded)",
             True,
         )
+    _validate_trust(cfg)
     levels = list(_get(cfg, "sync.levels") or [])
     plan = SyncPlan.of(_get(cfg, "sync"))
     streaming = plan.streaming

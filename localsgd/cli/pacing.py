@@ -14,6 +14,11 @@ NOT_WEIGHTED = {
     "sync.levels": (lambda p, c: bool(p.levels), "each level's average would need its own weights"),
     "sync.overlap": (lambda p, c: p.overlap, "an average is in flight while workers idle"),
     "sync.fragments": (lambda p, c: p.streaming, "Streaming DiLoCo's fragments and delays"),
+    "sync.aggregate": (
+        lambda p, c: p.gathered,
+        "gathered contributions (robust aggregates, drop_nonfinite, score) are combined "
+        "unweighted",
+    ),
     "sync.comm_dtype": (
         lambda p, c: c != "float32",
         "a weighted sum of rounded values; only float32 weighs exactly",

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from localsgd.config import ConfigError
+from localsgd.loop.plan import SyncPlan
 
 # key: (the value a sharded run needs, what the key would ask of it); the recipe's precision,
 # compile, clipping, accumulation and activation checkpointing are built (localsgd/loop/recipe.py)
@@ -44,6 +45,9 @@ def validate_sharding(
         )
     if size == 1:
         return
+    refusal = SyncPlan.of(get(cfg, "sync")).shard_refusal()
+    if refusal is not None:
+        raise ConfigError(f"{refusal} {NOT_YET}")
     if get(cfg, "ft.backend") != "none":
         _validate_ft(cfg, get, size, ws)
     for key, (needed, what) in SHARD_NEEDS.items():

@@ -9,6 +9,7 @@ from contextlib import AbstractContextManager
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.data import default_collate
 
 from localsgd.data import task_of
 from localsgd.models.generate import generate_text
@@ -46,6 +47,31 @@ def evaluate(
     if task == "lm":
         result["test_perplexity"] = math.exp(min(result["test_loss"], 700.0))  # no overflow
     return result
+
+
+@torch.no_grad()
+def held_out_loss(
+    model: nn.Module,
+    test,
+    seed: int,
+    round_: int,
+    batch_size: int,
+    device: torch.device,
+    autocast: Callable[[], AbstractContextManager],
+) -> float:
+    """The model's loss, as it stands, on `batch_size` samples of `test` drawn from round
+    `round_`'s seed: the same batch on every rank, a different one each round (`sync.score`,
+    localsgd.averaging.trust). Drawn from the test split, which no worker trains on; the final
+    evaluation uses the whole split, so a scored run's verdicts have seen part of it."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + round_)
+    picks = torch.randint(len(test), (batch_size,), generator=gen).tolist()
+    x, y = default_collate([test[i] for i in picks])
+    training = model.training
+    model.eval()
+    with autocast():
+        logits = model(x.to(device))
+    model.train(training)
+    return float(loss_and_correct(logits.float(), y.to(device))[0])
 
 
 def text_sample(model: nn.Module, data, chars: int, seed: int) -> dict[str, str]:

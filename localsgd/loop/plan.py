@@ -24,6 +24,16 @@ RESHARD_REFUSED = {
     "sync.delay_steps": "a fragment's average is in flight",
     "sync.eager": "each worker's pseudo-gradient is carried to the next round",
     "sync.fragments": "fragments sync at different steps",
+    "sync.aggregate": "the verdicts (bad-round streaks, exclusions) name the old world's ranks",
+}
+
+
+# sync key: what a run with dist.shard_size > 1 (sharded replica groups) does not build yet
+# (`SyncPlan.shard_refusal`); every other sync setting runs sharded
+SHARD_REFUSED = {
+    "sync.aggregate": "gathering every worker's contribution (robust aggregates, drop_nonfinite, "
+    "score): a coordinate-wise rule would judge each shard apart, and clip needs the whole "
+    "contribution's norm",
 }
 
 
@@ -51,6 +61,9 @@ class SyncPlan:
     warmup_steps: int
     optimizer_state: str  # local | average | reset
     schedule: str  # constant | step | adaptive
+    aggregate: str  # mean | clip | trimmed_mean | median
+    drop_nonfinite: bool  # resolved: null means true for a robust aggregate, false for the mean
+    score: bool
 
     @classmethod
     def of(cls, sync: Any) -> SyncPlan:
@@ -83,7 +96,48 @@ class SyncPlan:
             warmup_steps=int(_read(sync, "warmup_steps")),
             optimizer_state=_read(sync, "optimizer_state"),
             schedule=_read(sync, "schedule"),
+            aggregate=_read(sync, "aggregate"),
+            drop_nonfinite=(
+                _read(sync, "aggregate") != "mean"
+                if _read(sync, "drop_nonfinite") is None
+                else bool(_read(sync, "drop_nonfinite"))
+            ),
+            score=bool(_read(sync, "score")),
         )
+
+    @property
+    def gathered(self) -> bool:
+        """Whether each sync all-gathers every worker's contribution (`localsgd.averaging.
+        trust`): a robust aggregate, the mean with non-finite contributions dropped, or scoring.
+        False: the mean all-reduced, today's path and bits."""
+        return self.aggregate != "mean" or self.drop_nonfinite or self.score
+
+    def trust_refusal(self, ft: bool = False) -> str | None:
+        """Why a gathered sync cannot hold with the rest of this config, as one line naming
+        the keys, or None. `ft`: under ft=torchft."""
+        if not self.gathered:
+            return None
+        what = f"sync.aggregate={self.aggregate}" + (
+            " with sync.drop_nonfinite/score" if self.aggregate == "mean" else ""
+        )
+        refused = (
+            (ft, "ft=torchft: torchft's Manager offers only an all-reduce, which cannot drop, "
+             "clip, trim or score a contribution"),
+            (self.streaming, "Streaming DiLoCo or overlap (sync.fragments, delay_steps, "
+             "merge_alpha, merge_rule, eager, overlap, or sync.outer over sync.levels): its "
+             "fragments go on the wire as launched all-reduces"),
+            (bool(self.levels), "sync.levels: each level would judge its own group"),
+            (self.warmup_steps > 0, "sync.warmup_steps > 0: the warmup's gradients are "
+             "all-reduced by the plain mean"),
+            (self.optimizer_state == "average", "sync.optimizer_state=average: the optimizer "
+             "state is averaged by the plain mean"),
+            (self.schedule == "adaptive", "sync.schedule=adaptive: its loss rides in the "
+             "averaged buffers"),
+        )
+        for hit, why in refused:
+            if hit:
+                return f"{what} does not compose with {why}"
+        return None
 
     @property
     def period_key(self) -> str:
@@ -136,10 +190,22 @@ class SyncPlan:
             "sync.delay_steps": 0 if self.overlap else self.delay,
             "sync.eager": self.eager,
             "sync.fragments": self.fragments if self.fragments != 1 else 0,
+            "sync.aggregate": self.aggregate if self.gathered else 0,
         }
         for key, why in RESHARD_REFUSED.items():
             if values[key]:
                 return f"{key}={values[key]!r} ({why})"
+        return None
+
+    def shard_refusal(self) -> str | None:
+        """The first sync setting not built with dist.shard_size > 1 yet, as `key=value (what
+        it is)`, or None (see SHARD_REFUSED)."""
+        refused = {  # the value as written where it is refused, else None
+            "sync.aggregate": self.aggregate if self.gathered else None,
+        }
+        for key, why in SHARD_REFUSED.items():
+            if refused[key] is not None:
+                return f"{key}={refused[key]} ({why})"
         return None
 
 

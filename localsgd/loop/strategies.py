@@ -36,6 +36,8 @@ from localsgd.averaging import (
     StepPeriod,
     StreamingAverager,
 )
+from localsgd.averaging.robust import Aggregate
+from localsgd.averaging.trust import Judge
 from localsgd.config import SyncConfig
 from localsgd.loop.plan import SyncPlan, strategy_name  # noqa: F401  (strategy_name re-exported)
 
@@ -73,6 +75,27 @@ def build_schedule(sync: SyncConfig) -> ConstantPeriod:
     return SCHEDULES[sync.schedule](sync)
 
 
+def trust_of(
+    sync: SyncConfig, plan: SyncPlan, loss_at: Callable[[int], float] | None
+) -> dict[str, Any]:
+    """The `aggregate` and `judge` arguments of the averager (`localsgd.averaging.trust`): none
+    for the all-reduced mean."""
+    if not plan.gathered:
+        return {}
+    refusal = plan.trust_refusal()
+    if refusal is not None:  # the config checks refused it before any worker started
+        raise ValueError(refusal)
+    judge = None
+    if plan.score:
+        if loss_at is None:
+            raise ValueError("sync.score needs the held-out loss (loss_at)")
+        judge = Judge(loss_at, sync.exclude_after, sync.score_fraction)
+    return {
+        "aggregate": Aggregate(sync.aggregate, sync.clip_multiple, sync.trim_fraction),
+        "judge": judge,
+    }
+
+
 def build_averager(
     sync: SyncConfig,
     model: torch.nn.Module,
@@ -83,13 +106,16 @@ def build_averager(
     link: SimulatedLink | None = None,
     communicate: bool = True,
     process_group: dist.ProcessGroup | None = None,
+    loss_at: Callable[[int], float] | None = None,
 ) -> Averager:
     """The averager the `sync` config asks for, its optimizer-state hook attached; a simulated
     slow `link` applies to every collective it makes. Every rank starts from rank 0's model.
     `communicate=False`: one that never averages (the no-communication baseline).
     `process_group`: the ranks to average with, `world_size` of them (sharded replica groups:
-    the ranks holding the same shard; None: every rank)."""
+    the ranks holding the same shard; None: every rank). `loss_at(round)`: the model's loss on
+    round `round`'s held-out batch, for `sync.score`."""
     plan = SyncPlan.of(sync)
+    trust = trust_of(sync, plan, loss_at)
     comm_dtype = sync.comm_dtype
     levels = list(sync.levels)
     outer = sync.outer
@@ -164,6 +190,7 @@ def build_averager(
             link=link,
             error_feedback=sync.error_feedback,
             quant_block_size=sync.quant_block_size,
+            **trust,
         )  # anchored: it starts from rank 0's model
     else:
         averager = PeriodicAverager(
@@ -178,6 +205,7 @@ def build_averager(
             init_sync=True,
             error_feedback=sync.error_feedback,
             quant_block_size=sync.quant_block_size,
+            **trust,
         )
     mode = sync.optimizer_state
     if mode != "local":

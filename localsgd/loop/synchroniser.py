@@ -69,6 +69,7 @@ class Synchroniser:
         # ft=torchft: the syncs (and the warmup's gradient averages) as torchft rounds; None:
         # straight through torch.distributed
         self.fault_tolerance: FaultTolerance | None = None
+        self.announced = 0  # trust events announced so far (`_announce_trust`)
 
     @property
     def _driver(self):
@@ -157,6 +158,18 @@ class Synchroniser:
             self.averager.observe_loss(loss if shards is None else shards.group_mean(loss))
         self._driver.maybe_average()
         self.in_sync = self.synchronous or self.averager.all_in_sync
+        self._announce_trust()
+
+    def _announce_trust(self) -> None:
+        """Rank 0 names each dropped contribution and excluded worker, once (every rank holds
+        the same events)."""
+        trust = self.trust
+        if trust is None or len(trust.events) == self.announced:
+            return
+        fresh, self.announced = trust.events[self.announced :], len(trust.events)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            for line in trust.lines(fresh):
+                notice(line)
 
     def next_sync(self, step: int) -> int | None:
         """The first step index >= `step` after which the replicas are together again (a warmup
@@ -288,6 +301,8 @@ class Synchroniser:
         }
         if self.verify:
             summary["replica_checks"] = self.checks_done
+        if self.trust is not None:  # each event as [rank, round]
+            summary["trust"] = self.trust.record()
         if self.fault_tolerance is not None:
             rounds = self.fault_tolerance.rounds
             summary.update(
@@ -301,6 +316,16 @@ class Synchroniser:
                 grace_s=round(rounds.comm.grace.seconds(), 3) if rounds.comm.grace else None,
             )
         return summary
+
+    @property
+    def trust(self):
+        """The rounds over untrusted workers' contributions (`localsgd.averaging.trust.
+        TrustedRound`), or None under the all-reduced mean."""
+        return getattr(self.averager.reducer, "trust", None)
+
+    def trust_record(self) -> dict[str, Any]:
+        """Every log line under a gathered sync: workers excluded, contributions dropped."""
+        return {} if self.trust is None else self.trust.metrics()
 
     def fault_record(self) -> dict[str, Any]:
         """Under ft=torchft: how many workers the last average included (every log line)."""
@@ -329,6 +354,7 @@ def build_synchroniser(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     sharding: Sharding | None = None,
+    loss_at: Callable[[int], float] | None = None,
 ) -> Synchroniser:
     """The `sync` config's strategy over the `comm` config's network (a simulated slow link,
     or no communication at all), for `model` trained by `optimizer`; under `ft=torchft` its
@@ -359,6 +385,7 @@ def build_synchroniser(
         link,
         communicate=not comm.disabled,
         process_group=replicas,
+        loss_at=loss_at,
     )
     buffers = averager.flat.buffers
     if sync.outer_state == "cpu" and info.rank == 0 and buffers and buffers[0].device.type == "cpu":

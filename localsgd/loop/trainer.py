@@ -24,7 +24,7 @@ from localsgd.data import (
 )
 from localsgd.instantiate import build, target_name
 from localsgd.loop import checkpoint, checkpoint_dcp, checkpoint_shared
-from localsgd.loop.evaluation import evaluate, loss_and_correct, text_sample
+from localsgd.loop.evaluation import evaluate, held_out_loss, loss_and_correct, text_sample
 from localsgd.loop.guards import NonFiniteTracker
 from localsgd.loop.loggers import build_loggers
 from localsgd.loop.metrics import (
@@ -93,7 +93,9 @@ class Trainer:
         self.lr_schedule = build_schedule(c.lr_schedule, c.trainer.max_steps)
         # the strategy: warmup, averaging, drift, fault tolerance; every rank starts from rank
         # 0's model
-        self.sync = build_synchroniser(c, info, self.model, self.optimizer, self.sharding)
+        self.sync = build_synchroniser(
+            c, info, self.model, self.optimizer, self.sharding, loss_at=self.held_out_loss
+        )
         # which ticks compute (sync.inner_time_s, comm.simulate.worker_speed; loop/pacing.py),
         # and the averages weighted by the samples each worker trained on
         self.pacer = build_pacer(c, info.rank)
@@ -270,6 +272,18 @@ class Trainer:
         )
         return evaluate(self.model, batches, self.recipe.autocast, task_of(self.data))
 
+    def held_out_loss(self, round_: int) -> float:
+        """The model's loss, as it stands, on round `round_`'s held-out batch (`sync.score`)."""
+        return held_out_loss(
+            self.model,
+            self.data.test,
+            self.cfg.seed,
+            round_,
+            self.cfg.sync.score_batch,
+            self.device,
+            self.recipe.autocast,
+        )
+
     def comm_record(self) -> dict[str, Any]:
         return {
             "comm_rounds": self.comm_stats.rounds,
@@ -277,6 +291,7 @@ class Trainer:
             "comm_seconds": round(self.comm_stats.seconds, 6),
             **self.sync.fault_record(),  # ft=torchft: participants
             **pace_record(self.pacer, self.sync.averager),
+            **self.sync.trust_record(),  # a gathered sync: excluded workers, drops
         }
 
     def train(self) -> dict[str, Any] | None:

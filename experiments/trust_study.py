@@ -1,0 +1,166 @@
+"""Workers you cannot trust: each attack against each aggregator, 4 workers on MNIST-1D.
+
+Each run is `python -m localsgd.train` (4 CPU workers, the MLP, local SGD with k = 10, 400
+steps: 40 rounds), worker 1 running one attack of `localsgd.loop.attacks` from the first step
+(none: the clean run). The aggregators are `sync.aggregate=mean|clip|trimmed_mean|median` at
+their defaults (clip 2x the median norm, trim 0.25), and the mean and the median with
+`sync.score=true` (exclude after 2 bad rounds, score fraction 0.5). Nothing was tuned on these
+runs: every key is at the default it had before the first run. `--setting diloco` repeats it
+under DiLoCo (inner AdamW, H = 10), a setting the defaults were not chosen on either.
+
+Columns: the final test loss (mean over seeds; a run that stopped on a non-finite loss is
+counted as diverged), its ratio to the same aggregator's clean run and to the mean's clean run,
+the round at which worker 1 was excluded (scored runs), and the training wall time.
+Writes experiments/trust_study_SETTING.{json,md}.
+
+    python experiments/trust_study.py                     # 108 runs, ~10 min on 2 cores
+    python experiments/trust_study.py --setting diloco
+    python experiments/trust_study.py --tiny              # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ATTACKS = ["none", "sign_flip", "noise", "stale", "nan", "zeros"]
+AGGREGATORS = {
+    "mean": [],
+    "clip": ["sync.aggregate=clip"],
+    "trimmed_mean": ["sync.aggregate=trimmed_mean"],
+    "median": ["sync.aggregate=median"],
+    "mean+score": ["sync.score=true"],
+    "median+score": ["sync.aggregate=median", "sync.score=true"],
+}
+SETTINGS = {
+    "local_sgd": ["sync.period=10"],
+    "diloco": ["+experiment=diloco", "sync.period=10", "sync.outer_warmup_rounds=0"],
+}
+
+
+def run_one(setting: str, aggregator: str, attack: str, seed: int, args, run_dir: str) -> dict:
+    overrides = [
+        "data=mnist1d",
+        "model=mlp",
+        "dist.world_size=4",
+        f"trainer.max_steps={args.steps}",
+        "trainer.progress=false",
+        "logger.wandb.mode=disabled",
+        "logger.plots=false",
+        f"seed={seed}",
+        *SETTINGS[setting],
+        *AGGREGATORS[aggregator],
+        f"hydra.run.dir={run_dir}",
+    ]
+    if attack != "none":
+        overrides.append(
+            f"trainer.callbacks=[{{_target_:localsgd.loop.attacks.Attack,kind:'{attack}',"
+            f"rank:1,seed:{seed}}}]"
+        )
+    proc = subprocess.run(
+        [sys.executable, "-m", "localsgd.train", *overrides],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    path = os.path.join(run_dir, "summary.json")
+    if proc.returncode != 0 or not os.path.exists(path):
+        last = (proc.stderr.strip().splitlines() or ["?"])[-1]
+        return {"diverged": True, "why": last[:200]}
+    with open(path) as f:
+        summary = json.load(f)
+    trust = summary.get("trust", {})
+    return {
+        "diverged": False,
+        "test_loss": summary["test_loss"],
+        "test_accuracy": summary["test_accuracy"],
+        "wall_time_s": summary["wall_time_s"],
+        "excluded_round": trust.get("excluded", {}).get("1"),
+        "excluded": sorted(int(r) for r in trust.get("excluded", {})),
+        "dropped_nonfinite": len(trust.get("dropped_nonfinite", [])),
+    }
+
+
+def table(results: dict, seeds: list[int]) -> list[str]:
+    def cell(agg, attack):
+        return [results[f"{agg}/{attack}/{s}"] for s in seeds]
+
+    def mean_loss(runs):
+        ok = [r["test_loss"] for r in runs if not r["diverged"]]
+        return statistics.mean(ok) if len(ok) == len(runs) else None
+
+    clean_mean = mean_loss(cell("mean", "none"))
+    lines = [
+        "| aggregator | attack | test loss | / own clean | / mean clean | accuracy | "
+        "worker 1 excluded at round | others excluded | wall s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for agg in AGGREGATORS:
+        clean = mean_loss(cell(agg, "none"))
+        for attack in ATTACKS:
+            runs = cell(agg, attack)
+            loss = mean_loss(runs)
+            if loss is None:
+                bad = sum(r["diverged"] for r in runs)
+                lines.append(f"| {agg} | {attack} | diverged in {bad}/{len(runs)} | | | | | | |")
+                continue
+            acc = statistics.mean(r["test_accuracy"] for r in runs)
+            wall = statistics.mean(r["wall_time_s"] for r in runs)
+            rounds = [r["excluded_round"] for r in runs]
+            others = sorted({w for r in runs for w in r["excluded"] if w != 1})
+            shown = ", ".join("-" if x is None else str(x) for x in rounds)
+            lines.append(
+                f"| {agg} | {attack} | {loss:.4f} | {loss / clean:.3f} | "
+                f"{loss / clean_mean:.3f} | {acc:.3f} | {shown} | "
+                f"{', '.join(map(str, others)) or '-'} | {wall:.2f} |"
+            )
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--setting", choices=list(SETTINGS), default="local_sgd")
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--tiny", action="store_true")
+    args = parser.parse_args()
+    if args.tiny:
+        args.seeds, args.steps = 1, 40
+    seeds = list(range(args.seeds))
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for agg in AGGREGATORS:
+            for attack in ATTACKS:
+                for seed in seeds:
+                    key = f"{agg}/{attack}/{seed}"
+                    run_dir = os.path.join(tmp, key.replace("/", "_").replace("+", "_"))
+                    results[key] = run_one(args.setting, agg, attack, seed, args, run_dir)
+                    print(key, results[key], flush=True)
+    if args.tiny:
+        return
+    out = os.path.join(ROOT, "experiments", f"trust_study_{args.setting}")
+    with open(out + ".json", "w") as f:
+        json.dump({"setting": SETTINGS[args.setting], "steps": args.steps, "seeds": seeds,
+                   "results": results}, f, indent=1)
+    command = f"python experiments/trust_study.py --setting {args.setting}"
+    lines = [
+        f"# Untrusted workers: {args.setting}, 4 workers, MNIST-1D, {args.steps} steps, "
+        f"seeds {seeds}",
+        "",
+        f"`{command}` (means over seeds; worker 1 attacks; docs/reliability.md reads it).",
+        "",
+        *table(results, seeds),
+    ]
+    with open(out + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,180 @@
+"""Aggregating contributions you cannot trust: every rank's contribution gathered, then a
+robust rule over them.
+
+A contribution is what one worker proposes to move the model by in a round, its change since
+the last sync (`local - anchor`; DiLoCo's pseudo-gradient is its negation). The plain mean
+all-reduces them, so one worker's NaN or a change 1000x too large moves every replica. Here
+every rank all-gathers the contributions in rank order instead (decoded to fp32 when a
+low-precision `comm_dtype` carried them), drops those that are not finite, and combines the
+rest with an `Aggregate` rule:
+
+- `mean`: the plain mean, summed in rank order;
+- `clip`: each contribution scaled down to at most `clip_multiple` times the round's median
+  norm (the norm over the whole contribution), then the mean;
+- `trimmed_mean`: per coordinate, the `trim_fraction` largest and smallest values cut, the rest
+  summed in sorted order and divided;
+- `median`: per coordinate, the middle value (the mean of the two middle ones for an even count).
+
+Every rank holds the same gathered bytes and runs the same deterministic operations, so every
+rank reaches the same bits; `combine` is a plain function of the stacked contributions, so a
+one-process reference computes the same bits too (`tests/test_robust.py`). A round with no
+contribution left keeps the anchor.
+
+The gather is counted as what this rank sends (its contribution's bytes in the wire format),
+the rule every collective here follows (`Communicator.all_gather_`). It receives `size - 1`
+times that, where a ring all-reduce moves about twice its buffer: robust aggregation costs
+bandwidth on wide groups.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from localsgd.averaging.comm import Communicator
+from localsgd.averaging.quantize import QuantizedWire
+
+AGGREGATES = ("mean", "clip", "trimmed_mean", "median")
+
+
+@dataclass(frozen=True)
+class Aggregate:
+    """A rule over the contributions of one round (see the module doc)."""
+
+    rule: str = "mean"
+    clip_multiple: float = 2.0  # clip: the bound, in multiples of the round's median norm
+    trim_fraction: float = 0.25  # trimmed_mean: cut from each side, per coordinate
+
+    def __post_init__(self):
+        if self.rule not in AGGREGATES:
+            raise ValueError(f"aggregate must be one of {', '.join(AGGREGATES)}, got {self.rule!r}")
+        if not self.clip_multiple > 0:
+            raise ValueError(f"clip_multiple must be > 0, got {self.clip_multiple!r}")
+        if not 0 <= self.trim_fraction < 0.5:
+            raise ValueError(f"trim_fraction must be in [0, 0.5), got {self.trim_fraction!r}")
+
+    def combine(self, rows: list[torch.Tensor], keep: list[int]) -> list[torch.Tensor] | None:
+        """The aggregate of rows `keep` (rank indices, ascending) of each `[size, n]` tensor in
+        `rows` (one per flat buffer), as new fp32 tensors; None when `keep` is empty."""
+        if not keep:
+            return None
+        if self.rule == "mean":
+            return [_sum_in_order([r[i] for i in keep], len(keep)) for r in rows]
+        if self.rule == "clip":
+            scales = clip_scales(rows, keep, self.clip_multiple)
+            out = []
+            for r in rows:
+                acc = r[keep[0]].mul(scales[0])
+                for i, s in zip(keep[1:], scales[1:], strict=True):
+                    acc.add_(r[i].mul(s))
+                out.append(acc.div_(len(keep)))
+            return out
+        out = []
+        for r in rows:
+            ordered = r[keep].sort(dim=0).values  # per coordinate, ascending
+            k = len(keep)
+            if self.rule == "median":
+                mid = k // 2
+                value = ordered[mid].clone() if k % 2 else ordered[mid - 1].add(ordered[mid])
+                out.append(value if k % 2 else value.div_(2))
+            else:
+                cut = math.floor(self.trim_fraction * k)
+                out.append(_sum_in_order(list(ordered[cut : k - cut]), k - 2 * cut))
+        return out
+
+
+def _sum_in_order(values: list[torch.Tensor], divisor: int) -> torch.Tensor:
+    """`(values[0] + values[1] + ...) / divisor`, added one at a time in that order (the bits a
+    reference reproduces)."""
+    acc = values[0].clone()
+    for v in values[1:]:
+        acc.add_(v)
+    return acc.div_(divisor)
+
+
+def row_norms(rows: list[torch.Tensor], keep: list[int]) -> list[float]:
+    """The norm of each kept contribution over every flat buffer (summed in float64)."""
+    return [
+        math.sqrt(sum(float(r[i].double().square().sum()) for r in rows)) for i in keep
+    ]
+
+
+def median_of(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def clip_scales(rows: list[torch.Tensor], keep: list[int], multiple: float) -> list[float]:
+    """Each kept contribution's factor: `min(1, multiple * median norm / its norm)`."""
+    norms = row_norms(rows, keep)
+    bound = multiple * median_of(norms)
+    return [1.0 if n <= bound else bound / n for n in norms]
+
+
+def finite_rows(rows: list[torch.Tensor]) -> list[bool]:
+    """Whether each rank's contribution is finite in every flat buffer."""
+    size = rows[0].shape[0]
+    ok = torch.ones(size, dtype=torch.bool, device=rows[0].device)
+    for r in rows:
+        ok &= torch.isfinite(r).all(dim=1)
+    return ok.tolist()
+
+
+class GatheredContributions:
+    """Every rank's contribution, gathered in rank order into fp32 rows (`[size, n]` per flat
+    buffer), through the wire buffers `low` (see `compress.wire_buffers`): None sends the
+    buffer as it is, a tensor of another dtype casts it, a `QuantizedWire` block-quantises it
+    and every message is decoded. With `residuals` (error feedback) each receives what this
+    rank failed to send, as `lossy_mean_` does."""
+
+    def __init__(self, buffers: list[torch.Tensor], size: int, low: list):
+        self.size = size
+        self.low = low
+        self.rows = [
+            torch.empty(size, b.numel(), dtype=torch.float32, device=b.device) for b in buffers
+        ]
+        self._cast = [  # the gather buffer of a buffer sent in another dtype
+            torch.empty(size * w.numel(), dtype=w.dtype, device=w.device)
+            if isinstance(w, torch.Tensor)
+            else None
+            for w in low
+        ]
+
+    def gather_(
+        self,
+        flats: list[torch.Tensor],
+        comm: Communicator,
+        residuals: list[torch.Tensor | None],
+    ) -> list[torch.Tensor]:
+        if comm.size != self.size:
+            raise ValueError(f"gathered for {self.size} ranks, the group has {comm.size}")
+        for flat, low, rows, cast, residual in zip(
+            flats, self.low, self.rows, self._cast, residuals, strict=True
+        ):
+            if residual is not None:
+                flat.add_(residual)
+            if isinstance(low, QuantizedWire):
+                low.encode_(flat)
+                if residual is not None:
+                    residual.copy_(flat).sub_(low.decode(low.send))
+                gathered = low.gathered(self.size)
+                comm.all_gather_(gathered, low.send)
+                nb = low.nbytes
+                for rank in range(self.size):
+                    rows[rank].copy_(low.decode(gathered[rank * nb : (rank + 1) * nb]))
+            elif low is not None:
+                low.copy_(flat)
+                if residual is not None:
+                    torch.sub(flat, low, out=residual)
+                comm.all_gather_(cast, low)
+                rows.view(-1).copy_(cast)
+            elif flat.dtype == torch.float32:
+                comm.all_gather_(rows.view(-1), flat)
+            else:  # a buffer of another dtype sent as it is: gathered in it, then widened
+                cast = torch.empty(self.size * flat.numel(), dtype=flat.dtype, device=flat.device)
+                comm.all_gather_(cast, flat)
+                rows.view(-1).copy_(cast)
+        return self.rows

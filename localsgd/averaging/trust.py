@@ -1,0 +1,245 @@
+"""One round over gathered contributions: drop what is not finite, score, exclude, aggregate.
+
+`TrustedRound` is what a reducer calls at each sync once it holds this rank's contribution in
+its flat buffers (`localsgd.averaging.robust` gathers and combines them):
+
+1. every rank's contribution is gathered in rank order;
+2. a contribution that holds NaN or Inf is dropped from the round (an event names the rank and
+   the round); the round goes on with the rest;
+3. with a `Judge`, each remaining contribution is scored: the loss change it causes on a small
+   batch every rank draws from the round's seed (Templar's Gauntlet): `loss(anchor) -
+   loss(anchor + contribution)`, positive when it helps. It is bad when the round's median score
+   is positive and its own is at most `score_fraction` times that median (a free rider's zero
+   change scores 0; a flipped sign scores below 0), or when it is not finite. A bad contribution
+   is dropped from its round; `exclude_after` bad rounds running exclude the worker: its
+   contributions are dropped from every later round. At most `(size - 1) // 2` workers are
+   ever excluded (one of 4): everything here assumes an honest majority, and a noisy score
+   must not whittle the group down to one worker. It still takes part in the collectives
+   and receives the model; its shard's data is skipped (not reassigned): what it learns from
+   it never reaches the aggregate. A round whose median score is not positive judges nobody
+   (streaks stand): the batch cannot tell help from harm there;
+4. the rest is combined by the `Aggregate` rule.
+
+Every rank holds the same gathered bytes, evaluates the same model on the same batch and runs
+the same deterministic operations, so the verdicts (and the events) are identical on every rank.
+`RobustMean` is the reducer for plain local SGD (the contribution is the change since the last
+sync, held against an anchor as `compress.LowPrecisionMean` does); `outer_step.OuterStep` takes
+a `TrustedRound` for DiLoCo/SlowMo (the contribution is the pseudo-gradient).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from localsgd.averaging.comm import Communicator
+from localsgd.averaging.compress import LowPrecisionMean
+from localsgd.averaging.flat import Relayout
+from localsgd.averaging.robust import Aggregate, GatheredContributions, finite_rows, median_of
+
+
+@dataclass(frozen=True)
+class Judge:
+    """Scores contributions and excludes workers (see the module doc). `loss_at(round)`: the
+    loss of the model as it stands now on round `round`'s held-out batch, drawn from the round's
+    seed, the same on every rank. `exclude_after` = 0: score and drop, never exclude."""
+
+    loss_at: Callable[[int], float]
+    exclude_after: int = 2
+    score_fraction: float = 0.5
+
+    def __post_init__(self):
+        if self.exclude_after < 0:
+            raise ValueError(f"exclude_after must be >= 0, got {self.exclude_after!r}")
+        if not 0 <= self.score_fraction < 1:
+            raise ValueError(f"score_fraction must be in [0, 1), got {self.score_fraction!r}")
+
+
+class TrustedRound:
+    """The state and the steps of robust rounds over one group of `size` ranks (see the module
+    doc). `sign`: a contribution is `sign * (local - anchor)` (-1: DiLoCo's pseudo-gradient)."""
+
+    def __init__(
+        self,
+        buffers: list[torch.Tensor],
+        size: int,
+        low: list,
+        aggregate: Aggregate,
+        judge: Judge | None = None,
+        sign: int = 1,
+    ):
+        self.contributions = GatheredContributions(buffers, size, low)
+        self.aggregate = aggregate
+        self.judge = judge
+        self.sign = sign
+        self.size = size
+        self.rounds = 0
+        self.streaks = [0] * size  # bad rounds running, per rank
+        self.excluded: dict[int, int] = {}  # rank: the round it was excluded at
+        self.events: list[dict] = []  # {"round", "step", "rank", "why"}: nonfinite | bad | excluded
+        self.scores: list[float | None] = [None] * size  # the last scored round's
+
+    def run_(
+        self,
+        flats: list[torch.Tensor],
+        anchors: list[torch.Tensor],
+        comm: Communicator,
+        residuals: list[torch.Tensor | None],
+        step: int,
+    ) -> None:
+        """`flats` hold this rank's contribution; they receive the aggregate (zeros when no
+        contribution is left)."""
+        rows = self.contributions.gather_(flats, comm, residuals)
+        finite = finite_rows(rows)
+        round_ = self.rounds
+        keep = []
+        for rank in range(self.size):
+            if not finite[rank]:
+                self._event(round_, step, rank, "nonfinite")
+                self._bad(round_, step, rank)
+            elif rank not in self.excluded:
+                keep.append(rank)
+        if self.judge is not None and keep:
+            keep = self._judged(flats, anchors, rows, keep, round_, step)
+        result = self.aggregate.combine(rows, keep)
+        for i, flat in enumerate(flats):
+            if result is None:
+                flat.zero_()
+            else:
+                flat.copy_(result[i])
+        self.rounds += 1
+
+    def _judged(self, flats, anchors, rows, keep, round_, step) -> list[int]:
+        judge = self.judge
+        for flat, anchor in zip(flats, anchors, strict=True):
+            flat.copy_(anchor)
+        before = judge.loss_at(round_)
+        scores: list[float | None] = [None] * self.size
+        for rank in keep:
+            for flat, anchor, r in zip(flats, anchors, rows, strict=True):
+                flat.copy_(anchor).add_(r[rank], alpha=self.sign)
+            scores[rank] = before - judge.loss_at(round_)
+        self.scores = scores
+        finite = [s for s in (scores[r] for r in keep) if s == s and abs(s) != float("inf")]
+        middle = median_of(finite) if finite else 0.0
+        kept = []
+        for rank in keep:
+            s = scores[rank]
+            bad = not (s == s and abs(s) != float("inf")) or (
+                middle > 0 and s <= judge.score_fraction * middle
+            )
+            if bad:
+                self._event(round_, step, rank, "bad")
+                self._bad(round_, step, rank)
+            elif middle > 0:
+                self.streaks[rank] = 0
+            if not bad and rank not in self.excluded:
+                kept.append(rank)
+        return kept
+
+    def _bad(self, round_: int, step: int, rank: int) -> None:
+        self.streaks[rank] += 1
+        n = self.judge.exclude_after if self.judge is not None else 0
+        # an honest majority is what any of this rests on: never exclude half the workers
+        room = len(self.excluded) < (self.size - 1) // 2
+        if n and room and self.streaks[rank] >= n and rank not in self.excluded:
+            self.excluded[rank] = round_
+            self._event(round_, step, rank, "excluded")
+
+    def _event(self, round_: int, step: int, rank: int, why: str) -> None:
+        self.events.append({"round": round_, "step": step, "rank": rank, "why": why})
+
+    def record(self) -> dict:
+        """What the metrics and the summary say of the rounds so far."""
+        return {
+            "trust_rounds": self.rounds,
+            "excluded": {str(r): at for r, at in sorted(self.excluded.items())},
+            "dropped_nonfinite": [
+                (e["rank"], e["round"]) for e in self.events if e["why"] == "nonfinite"
+            ],
+            "judged_bad": [(e["rank"], e["round"]) for e in self.events if e["why"] == "bad"],
+        }
+
+    def metrics(self) -> dict:
+        """A metrics line's share: the workers excluded so far (rank: round) and how many
+        contributions were dropped as non-finite or judged bad."""
+        record = self.record()
+        return {
+            "excluded": record["excluded"],
+            "dropped_nonfinite": len(record["dropped_nonfinite"]),
+            "judged_bad": len(record["judged_bad"]),
+        }
+
+    @staticmethod
+    def lines(events: list[dict]) -> list[str]:
+        """One line for each dropped non-finite contribution and each exclusion (bad scores
+        are counted in the metrics, not announced)."""
+        what = {
+            "nonfinite": "its contribution held NaN/Inf: dropped from the round",
+            "excluded": "excluded: its contributions are dropped from now on",
+        }
+        return [
+            f"trust: worker {e['rank']} at round {e['round']} (step {e['step']}): {what[e['why']]}"
+            for e in events
+            if e["why"] in what
+        ]
+
+    def state_dict(self) -> dict:
+        return {
+            "rounds": self.rounds,
+            "streaks": list(self.streaks),
+            "excluded": dict(self.excluded),
+            "events": [dict(e) for e in self.events],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if not state:
+            return
+        self.rounds = int(state["rounds"])
+        self.streaks = [int(s) for s in state["streaks"]]
+        self.excluded = {int(r): int(at) for r, at in state["excluded"].items()}
+        self.events = [dict(e) for e in state["events"]]
+
+
+class RobustMean(LowPrecisionMean):
+    """Plain local SGD over untrusted workers: each sync aggregates the changes since the last
+    sync (`local - anchor`; every rank holds the same anchor, the model after the last sync) by
+    a `TrustedRound`, and every rank continues from `anchor + aggregate`. `dtype` carries the
+    changes (float32: as they are; see `compress.comm_dtype_of`); `error_feedback` as in
+    `LowPrecisionMean`."""
+
+    def __init__(
+        self,
+        buffers: list[torch.Tensor],
+        dtype,
+        size: int,
+        aggregate: Aggregate,
+        judge: Judge | None = None,
+        error_feedback: bool = False,
+    ):
+        super().__init__(buffers, dtype, levels=1, error_feedback=error_feedback)
+        self.trust = TrustedRound(buffers, size, self.low, aggregate, judge, sign=1)
+
+    def reduce_(self, buffers: list[torch.Tensor], comm: Communicator, level: int, step: int):
+        anchors = self.anchors[0]
+        for flat, anchor in zip(buffers, anchors, strict=True):
+            flat.sub_(anchor)
+        self.trust.run_(buffers, anchors, comm, self.residuals, step)
+        for flat, anchor in zip(buffers, anchors, strict=True):
+            flat.add_(anchor)
+            anchor.copy_(flat)
+
+    def relayout(self, convert: Relayout) -> None:
+        raise ValueError(
+            "a parameter changed dtype or device under a robust aggregate: move the model "
+            "(model.to(...)) before building the averager"
+        )
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "trust": self.trust.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.trust.load_state_dict(state.get("trust", {}))

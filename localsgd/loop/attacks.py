@@ -1,0 +1,98 @@
+"""Attacks on the average, as trainer callbacks (`trainer.callbacks`): one worker sends a bad
+contribution at every sync, to test and study robust aggregation (docs/reliability.md).
+
+A contribution is a worker's change since the last sync, `local - anchor`; the attacker keeps
+its own copy of the anchor (its model right after each sync, identical on every worker) and,
+just after the optimizer step of a step that syncs over every worker, rewrites its parameters
+so that the averager sends the attack's change instead:
+
+- `sign_flip`: `-scale` times its true change (`scale` 10 by default);
+- `noise`: Gaussian noise of `scale` times the true change's norm (per coordinate, the noise
+  has standard deviation `scale * ||change|| / sqrt(n)`), in place of the change;
+- `stale`: the change it sent at its first round after `start_step`, replayed at every later
+  round;
+- `nan`: its true change with one value made NaN;
+- `zeros`: no change (a free rider that trains nothing into the average).
+
+From the command line, for rank 1 from step 0:
+`'trainer.callbacks=[{_target_:localsgd.loop.attacks.Attack,kind:sign_flip,rank:1}]'`.
+The attacker's own parameters are what it sends; after the sync it holds the common model like
+every worker. Floating-point buffers (BatchNorm statistics) are left alone.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from localsgd.averaging.flat import local_tensor
+
+ATTACKS = ("sign_flip", "noise", "stale", "nan", "zeros")
+
+
+class Attack:
+    """Makes worker `rank` send a `kind` contribution at every sync over every worker after
+    `start_step` (see the module doc)."""
+
+    def __init__(self, kind: str, rank: int = 1, start_step: int = 0, scale: float | None = None,
+                 seed: int = 0):
+        if isinstance(kind, float) and math.isnan(kind):
+            kind = "nan"  # Hydra reads an unquoted `kind:nan` as the float NaN
+        if kind not in ATTACKS:
+            raise ValueError(f"attack kind must be one of {', '.join(ATTACKS)}, got {kind!r}")
+        self.kind, self.rank, self.start_step = kind, int(rank), int(start_step)
+        self.scale = float(scale) if scale is not None else (10.0 if kind == "sign_flip" else 1.0)
+        self.generator = torch.Generator().manual_seed(seed)
+        self.anchor: list[torch.Tensor] | None = None
+        self.replay: list[torch.Tensor] | None = None
+        self.rounds = 0  # contributions rewritten so far
+        self._hook = None
+        self._trainer = None
+
+    def on_step_start(self, trainer, step: int) -> None:
+        if trainer.info.rank != self.rank or self._hook is not None:
+            return
+        self._trainer = trainer
+        self._remember(trainer)  # the model every worker starts from
+        self._hook = trainer.optimizer.register_step_post_hook(lambda *_: self._tamper())
+
+    def on_step_end(self, trainer, step: int) -> None:
+        if trainer.info.rank == self.rank and trainer.in_sync:
+            self._remember(trainer)  # the common model after the sync
+
+    def _params(self, trainer) -> list[torch.Tensor]:
+        return [local_tensor(p) for p in trainer.model.parameters()]
+
+    def _remember(self, trainer) -> None:
+        self.anchor = [p.detach().clone() for p in self._params(trainer)]
+
+    @torch.no_grad()
+    def _tamper(self) -> None:
+        trainer = self._trainer
+        step = trainer.step
+        if step < self.start_step or trainer.sync.in_warmup:
+            return
+        if not trainer.sync.averager.averages_all(step):
+            return
+        params = self._params(trainer)
+        changes = [p - a for p, a in zip(params, self.anchor, strict=True)]
+        if self.kind == "sign_flip":
+            sent = [c.mul(-self.scale) for c in changes]
+        elif self.kind == "noise":
+            n = sum(c.numel() for c in changes)
+            norm = math.sqrt(sum(float(c.double().square().sum()) for c in changes))
+            std = self.scale * norm / math.sqrt(max(n, 1))
+            sent = [torch.randn(c.shape, generator=self.generator).mul_(std).to(c) for c in changes]
+        elif self.kind == "stale":
+            if self.replay is None:
+                self.replay = [c.clone() for c in changes]
+            sent = self.replay
+        elif self.kind == "nan":
+            sent = [c.clone() for c in changes]
+            sent[0].view(-1)[0] = float("nan")
+        else:  # zeros
+            sent = [torch.zeros_like(c) for c in changes]
+        for p, a, s in zip(params, self.anchor, sent, strict=True):
+            p.copy_(a + s)
+        self.rounds += 1

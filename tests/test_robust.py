@@ -1,0 +1,304 @@
+"""Workers you cannot trust (localsgd.averaging.robust, trust; docs/reliability.md): the robust
+rules against a one-process reference to the last bit, a NaN contribution that never reaches a
+replica, the same exclusion on every rank, the mean's bits unchanged, and the refusals."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from localsgd.averaging import OuterAverager, PeriodicAverager, Reducer
+from localsgd.averaging.robust import Aggregate
+from localsgd.averaging.trust import Judge, RobustMean
+from localsgd.cli.checks import validate
+from localsgd.config import ConfigError
+from tests.helpers import FAST, cli, compose_config, run_distributed
+
+WORLD = 4
+
+
+def _reference(rows: np.ndarray, rule: str, trim: float = 0.25) -> np.ndarray:
+    """Per coordinate, in plain numpy float32 one value at a time: the sorted values' median
+    (the two middle ones' mean for an even count) or their trimmed mean, summed in order."""
+    k, n = rows.shape
+    out = np.empty(n, dtype=np.float32)
+    for j in range(n):
+        v = np.sort(rows[:, j].astype(np.float32))
+        if rule == "median":
+            mid = k // 2
+            out[j] = v[mid] if k % 2 else np.float32(v[mid - 1] + v[mid]) / np.float32(2)
+        else:
+            cut = int(np.floor(trim * k))
+            acc = np.float32(v[cut])
+            for x in v[cut + 1 : k - cut]:
+                acc = np.float32(acc + x)
+            out[j] = np.float32(acc / np.float32(k - 2 * cut))
+    return out
+
+
+def _bits(t) -> np.ndarray:
+    return np.asarray(t, dtype=np.float32).view(np.int32)
+
+
+@pytest.mark.parametrize("rule", ["median", "trimmed_mean"])
+@pytest.mark.parametrize("size", [4, 5, 7])
+def test_rules_equal_a_one_process_reference_to_the_bit(rule, size):
+    gen = torch.Generator().manual_seed(size)
+    rows = torch.randn(size, 301, generator=gen) * torch.logspace(-3, 3, 301)
+    keep = [r for r in range(size) if r != 1]  # one contribution dropped (e.g. NaN)
+    out = Aggregate(rule, trim_fraction=0.25).combine([rows], keep)[0]
+    expected = _reference(rows[keep].numpy(), rule)
+    assert np.array_equal(_bits(out.numpy()), _bits(expected))
+
+
+def test_clip_bounds_every_contribution_by_the_median_norm():
+    rows = torch.stack([torch.full((8,), v) for v in (1.0, 1.0, 1.0, 1000.0)])
+    out = Aggregate("clip", clip_multiple=2.0).combine([rows], [0, 1, 2, 3])[0]
+    # the outlier is scaled to 2x the median norm: (1 + 1 + 1 + 2) / 4
+    assert torch.allclose(out, torch.full((8,), 1.25))
+
+
+def test_bad_values_are_refused_in_one_line():
+    for override, key in (
+        ("sync.aggregate=mode", "sync.aggregate"),
+        ("sync.trim_fraction=0.5", "sync.trim_fraction"),
+        ("sync.clip_multiple=0", "sync.clip_multiple"),
+        ("sync.exclude_after=-1", "sync.exclude_after"),
+    ):
+        with pytest.raises(ConfigError, match=key):
+            validate(compose_config([override]), 4)
+    for overrides, keys in (
+        (["sync.aggregate=median", "sync.fragments=2", "sync.period=4"], "Streaming"),
+        (["sync.aggregate=median", "sync.warmup_steps=4"], "sync.warmup_steps"),
+        (["sync.aggregate=clip", "dist.shard_size=2"], "sync.aggregate=clip"),
+        (["sync.aggregate=median", "sync.drop_nonfinite=false"], "sync.drop_nonfinite"),
+        (["sync.aggregate=median", "sync.optimizer_state=average"], "optimizer_state"),
+        (["sync.aggregate=median", "sync.overlap=true"], "overlap"),
+        (["sync.aggregate=median", "sync=hierarchical"], "sync.levels"),
+        (["sync.aggregate=median", "sync=adaptive"], "sync.schedule=adaptive"),
+        (["sync.drop_nonfinite=true", "ft=torchft"], "ft=torchft"),
+        (["sync.score=true", "sync.drop_nonfinite=false"], "sync.drop_nonfinite"),
+    ):
+        with pytest.raises(ConfigError, match=keys) as info:
+            validate(compose_config(overrides), 4)
+        assert "\n" not in str(info.value)
+
+
+class _Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = torch.nn.Linear(6, 3)
+
+
+def _step(model, gen, rank, scale=1.0):  # a local step's change
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.01 * scale)
+
+
+def _held_out(model):
+    """A held-out loss every rank computes alike: the distance to the all-ones model."""
+
+    def loss_at(round_: int) -> float:
+        with torch.no_grad():
+            return float(sum((p - 1.0).square().sum() for p in model.parameters()))
+
+    return loss_at
+
+
+def _worker(rank, world_size):
+    torch.set_num_threads(1)
+    out = {}
+    # 1. robust rules across processes equal the one-process rule over the gathered changes;
+    #    rank 1 sends NaN, which no replica receives
+    for rule in ("median", "trimmed_mean"):
+        model = _Net()
+        avg = PeriodicAverager(1, module=model, aggregate=Aggregate(rule))
+        gen = torch.Generator().manual_seed(100 + rank)
+        anchor = avg.flat.buffers[0].clone()
+        for step in range(2):
+            _step(model, gen, rank)
+            if rank == 1 and step == 1:
+                with torch.no_grad():
+                    model.fc.weight.view(-1)[3] = float("nan")
+            change = avg.flat.buffers[0] - anchor
+            avg.maybe_average()
+            if step == 0:
+                anchor = avg.flat.buffers[0].clone()
+        out[rule] = {"change": change, "anchor": anchor, "result": avg.flat.buffers[0].clone(),
+                     "events": list(avg.reducer.trust.events)}
+    # 2. scoring and exclusion: rank 3 moves away from the held-out optimum, 10x; the others
+    #    towards it. Every rank must reach the same verdicts.
+    model = _Net()
+    judge = Judge(_held_out(model), exclude_after=2, score_fraction=0.5)
+    avg = OuterAverager(1, module=model, aggregate=Aggregate("mean"), judge=judge,
+                        outer_lr=1.0, outer_momentum=0.0, outer_nesterov=False)
+    for _ in range(4):
+        with torch.no_grad():
+            for p in model.parameters():
+                toward = (1.0 - p) * 0.1
+                p.add_(toward * (-10.0 if rank == 3 else 1.0 + 0.1 * rank))
+        avg.maybe_average()
+    trust = avg.reducer.trust
+    # the verdicts are checkpointed with the averager
+    again = OuterAverager(1, module=_Net(), aggregate=Aggregate("mean"), judge=judge)
+    again.load_state_dict(avg.state_dict())
+    out["verdicts"] = {"excluded": dict(trust.excluded), "events": list(trust.events),
+                       "model": avg.flat.buffers[0].clone(),
+                       "reloaded": again.reducer.trust.state_dict() == trust.state_dict()}
+    # 3. a low-bit wire with error feedback: each contribution decoded, then the median; rank 2
+    #    sends Inf
+    model = _Net()
+    avg = OuterAverager(1, module=model, aggregate=Aggregate("median"), comm_dtype="int8",
+                        error_feedback=True, quant_block_size=8)
+    _step(model, torch.Generator().manual_seed(20 + rank), rank)
+    if rank == 2:
+        with torch.no_grad():
+            model.fc.bias[0] = float("inf")
+    avg.maybe_average()
+    out["int8"] = {"model": avg.flat.buffers[0].clone(),
+                   "events": list(avg.reducer.trust.events)}
+    # 4. the mean, by default: today's reducer, the bits of one all-reduce, its bytes
+    model = _Net()
+    avg = PeriodicAverager(1, module=model)
+    _step(model, torch.Generator().manual_seed(7 + rank), rank)
+    expected = avg.flat.buffers[0].clone()
+    dist.all_reduce(expected, op=dist.ReduceOp.AVG)
+    avg.maybe_average()
+    out["mean"] = {
+        "plain": type(avg.reducer) is Reducer,
+        "same": torch.equal(avg.flat.buffers[0], expected),
+        "bytes": avg.stats.bytes == 4 * avg.flat.buffers[0].numel(),
+    }
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_untrusted_workers_across_processes():
+    results = run_distributed(_worker, WORLD)
+    for rule in ("median", "trimmed_mean"):
+        got = [r[rule] for r in results]
+        # every replica holds the same bits, none of them NaN
+        for r in got:
+            assert torch.isfinite(r["result"]).all()
+            assert torch.equal(r["result"], got[0]["result"])
+        # ... and they equal the one-process reference over the finite changes
+        changes = np.stack([r["change"].numpy() for r in got])
+        keep = [0, 2, 3]
+        expected = _reference(changes[keep], rule) + got[0]["anchor"].numpy()
+        assert np.array_equal(_bits(got[0]["result"].numpy()), _bits(expected.astype(np.float32)))
+        assert got[0]["events"] == [{"round": 1, "step": 1, "rank": 1, "why": "nonfinite"}]
+    verdicts = [r["verdicts"] for r in results]
+    assert verdicts[0]["excluded"] == {3: 1}  # two bad rounds running: excluded at round 1
+    assert all(v["excluded"] == verdicts[0]["excluded"] for v in verdicts)
+    assert all(v["events"] == verdicts[0]["events"] for v in verdicts)
+    assert all(torch.equal(v["model"], verdicts[0]["model"]) for v in verdicts)
+    assert all(v["reloaded"] for v in verdicts)
+    low = [r["int8"] for r in results]
+    assert all(torch.isfinite(x["model"]).all() for x in low)
+    assert all(torch.equal(x["model"], low[0]["model"]) for x in low)
+    assert low[0]["events"] == [{"round": 0, "step": 0, "rank": 2, "why": "nonfinite"}]
+    assert all(r["mean"] == {"plain": True, "same": True, "bytes": True} for r in results)
+
+
+def test_robust_mean_is_built_only_when_asked():
+    from localsgd.averaging import CommStats
+    from localsgd.loop.strategies import build_averager
+
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        for overrides, robust in (([], False), (["sync.aggregate=median"], True),
+                                  (["sync.drop_nonfinite=true"], True)):
+            cfg = compose_config(overrides)
+            model = _Net()
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            avg = build_averager(cfg.sync, model, opt, 1, 1, CommStats())
+            assert isinstance(avg.reducer, RobustMean) is robust
+    finally:
+        dist.destroy_process_group()
+
+
+def _attack(kind: str, rank: int = 1) -> str:
+    attack = f"{{_target_:localsgd.loop.attacks.Attack,kind:'{kind}',rank:{rank}}}"
+    return f"trainer.callbacks=[{attack}]"
+
+
+@pytest.mark.slow
+@pytest.mark.long  # ~15 s on 2 cores: `make test-long`
+@pytest.mark.timeout(240)
+def test_cli_drops_nan_and_excludes_an_attacker(tmp_path):
+    """From the command line: DiLoCo over int8 with the mean's non-finite guard survives a NaN
+    attacker (the plain mean stops on the poisoned loss); the scored median excludes a
+    sign-flipping attacker within 2 rounds, named in the metrics and the summary."""
+    common = [*FAST, "dist.world_size=4", "trainer.max_steps=60", "sync.period=10",
+              "trainer.log_every=10"]
+    runs = {
+        "mean": ([*common, _attack("nan")], False),
+        "guarded": ([*common, "sync=diloco", "optim=adamw", "optim.lr=0.003",
+                     "sync.comm_dtype=int8", "sync.drop_nonfinite=true", _attack("nan")], True),
+        "scored": ([*common, "sync.aggregate=median", "sync.score=true",
+                    _attack("sign_flip")], True),
+    }
+    said = {}
+    for name, (args, ok) in runs.items():
+        proc, left = cli([*args, f"hydra.run.dir={tmp_path / name}"])
+        said[name] = proc.stdout + proc.stderr
+        assert not left
+        assert (proc.returncode == 0) is ok, proc.stderr[-2000:]
+        if not ok:
+            assert "non-finite loss" in proc.stderr
+    guarded = json.loads((tmp_path / "guarded" / "summary.json").read_text())
+    # the syncs after steps 0, 10, ..., 50; the final average follows no optimizer step: no attack
+    assert guarded["trust"]["dropped_nonfinite"] == [[1, r] for r in range(6)]
+    assert "trust: worker 1 at round 0 (step 0): its contribution held NaN/Inf" in said["guarded"]
+    assert "trust: worker 1 at round 1 (step 10): excluded" in said["scored"]
+    scored = json.loads((tmp_path / "scored" / "summary.json").read_text())
+    assert scored["trust"]["excluded"] == {"1": 1}
+    metrics = (tmp_path / "scored" / "metrics.jsonl").read_text().splitlines()
+    lines = [json.loads(x) for x in metrics]
+    assert any(line.get("excluded") == {"1": 1} for line in lines)
+
+
+class _Gathers:
+    """A one-process stand-in for a group of `size` ranks whose contributions are `rows`."""
+
+    def __init__(self, rows: torch.Tensor):
+        self.size, self.rows = rows.shape[0], rows
+
+    def all_gather_(self, out, inp):
+        out.copy_(self.rows.reshape(-1))
+
+
+def test_never_more_than_a_minority_is_excluded():
+    from localsgd.averaging.trust import TrustedRound
+
+    flat = torch.zeros(3)
+    # worker 0 helps; workers 1 and 2 change nothing (free riders) and 3 helps: the loss is
+    # the distance to the all-ones model
+    rows = torch.tensor([[1.0] * 3, [0.0] * 3, [0.0] * 3, [0.9] * 3])
+
+    def loss_at(round_):
+        return float((flat - 1).square().sum())
+
+    trust = TrustedRound([flat], 4, [None], Aggregate("mean"), Judge(loss_at, exclude_after=1))
+    for _ in range(3):
+        flat.copy_(rows[0])
+        trust.run_([flat], [torch.zeros(3)], _Gathers(rows), [None], step=0)
+    assert trust.excluded == {1: 0}  # worker 2 is as bad, but one of 4 is the most excluded
+    assert [e["rank"] for e in trust.events if e["why"] == "bad"] == [1, 2, 2, 2]
+    assert torch.allclose(flat, torch.full((3,), 0.95))  # the mean of workers 0 and 3
+
+
+def test_a_checkpoint_with_verdicts_cannot_move_to_another_world_size():
+    from localsgd.loop.plan import SyncPlan
+
+    assert SyncPlan.of(compose_config([]).sync).reshard_refusal() is None
+    refusal = SyncPlan.of(compose_config(["sync.aggregate=median"]).sync).reshard_refusal()
+    assert refusal.startswith("sync.aggregate='median' (the verdicts")
