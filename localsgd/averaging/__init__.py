@@ -19,6 +19,7 @@ from localsgd.averaging.periodic import PeriodicAverager
 from localsgd.averaging.quantize import QUANTIZED_FORMATS, BlockCodec, QuantizedWire
 from localsgd.averaging.reduce import PlainMean, Reducer
 from localsgd.averaging.schedule import AdaptivePeriod, ConstantPeriod, NeverAverage, StepPeriod
+from localsgd.averaging.sparse import SparseWire, TopKCodec
 from localsgd.averaging.streaming import StreamingAverager
 
 __all__ = [
@@ -46,7 +47,9 @@ __all__ = [
     "QuantizedWire",
     "Reducer",
     "SimulatedLink",
+    "SparseWire",
     "StepPeriod",
     "StreamingAverager",
+    "TopKCodec",
     "averaged_tensors",
 ]

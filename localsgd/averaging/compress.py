@@ -33,6 +33,7 @@ from localsgd.averaging.quantize import (
     QuantizedWire,
 )
 from localsgd.averaging.reduce import Reducer
+from localsgd.averaging.sparse import SparseWire, TopKCodec
 
 COMM_DTYPES = {
     "float32": torch.float32,
@@ -42,8 +43,12 @@ COMM_DTYPES = {
     **{name: BlockCodec(name) for name in QUANTIZED_FORMATS},
 }
 
-# What `comm_dtype_of` returns: a dtype to cast to, or a block-quantised format.
-CommFormat = torch.dtype | BlockCodec
+# What `comm_dtype_of` returns: a dtype to cast to, a block-quantised format, or chunked top-k
+# (`localsgd.averaging.sparse`). The last two are exchanged as messages (all-gathered, decoded
+# in rank order): `MESSAGE_FORMATS`, each with its wire (`MESSAGE_WIRES`).
+CommFormat = torch.dtype | BlockCodec | TopKCodec
+MESSAGE_FORMATS = (BlockCodec, TopKCodec)
+MESSAGE_WIRES = (QuantizedWire, SparseWire)
 
 
 def comm_dtype_of(
@@ -51,7 +56,7 @@ def comm_dtype_of(
 ) -> CommFormat:
     """The communication format named `value`: a torch dtype for float32/bfloat16/float16, a
     `BlockCodec` with `block_size` values per scale for int8/float8_e4m3fn/int4/float4_e2m1."""
-    if isinstance(value, torch.dtype | BlockCodec):
+    if isinstance(value, torch.dtype | BlockCodec | TopKCodec):
         return value
     if value not in COMM_DTYPES:
         raise ValueError(f"comm_dtype must be one of {', '.join(COMM_DTYPES)}, got {value!r}")
@@ -62,10 +67,12 @@ def comm_dtype_of(
 
 def wire_buffers(buffers: list[torch.Tensor], dtype: CommFormat) -> list:
     """Preallocated buffers that carry each flat buffer's communication in `dtype`: a tensor of
-    that dtype, a `QuantizedWire` for a block-quantised format, or None (the buffer goes on the
-    wire as it is)."""
+    that dtype, a `QuantizedWire` for a block-quantised format, a `SparseWire` for top-k, or
+    None (the buffer goes on the wire as it is)."""
     if isinstance(dtype, BlockCodec):
         return [QuantizedWire(dtype, b.numel(), b.device) for b in buffers]
+    if isinstance(dtype, TopKCodec):
+        return [dtype.wire(b.numel(), b.device) for b in buffers]
     return [
         None if b.dtype == dtype else torch.empty(b.numel(), dtype=dtype, device=b.device)
         for b in buffers
@@ -87,7 +94,7 @@ def lossy_mean_(flat: torch.Tensor, comm: Communicator, low, residual: torch.Ten
     send."""
     if residual is not None:
         flat.add_(residual)
-    if isinstance(low, QuantizedWire):
+    if isinstance(low, MESSAGE_WIRES):
         comm.quantized_mean_(flat, low, residual)
         return
     if residual is not None:

@@ -15,6 +15,7 @@ from torch import nn
 
 from localsgd.averaging.comm import Communicator, PendingMean
 from localsgd.averaging.compress import (
+    MESSAGE_FORMATS,
     CommFormat,
     load_residuals,
     lossy_mean_,
@@ -24,7 +25,6 @@ from localsgd.averaging.compress import (
 from localsgd.averaging.flat import FlatBuffers, Relayout, averaged_tensors
 from localsgd.averaging.outer_step import outer_step
 from localsgd.averaging.overlap import buckets, keep_progress_
-from localsgd.averaging.quantize import BlockCodec
 from localsgd.averaging.reduce import Reducer
 
 Tensors = list[torch.Tensor]
@@ -117,7 +117,7 @@ class Fragments(Reducer):
         # per piece: None (sent as it is), a 16-bit copy or a `QuantizedWire`; error feedback's
         # residual (None where nothing is rounded)
         self.comm_dtype, self.error_feedback = comm_dtype, error_feedback
-        self.quantized = isinstance(comm_dtype, BlockCodec)
+        self.quantized = isinstance(comm_dtype, MESSAGE_FORMATS)
         self.low = [wire_buffers(pieces, comm_dtype) for pieces in self.sent]
         self.residuals = [
             residual_buffers(pieces, low, error_feedback)

@@ -19,15 +19,16 @@ import torch
 import torch.distributed as dist
 
 from localsgd.averaging.comm import CommStats, SimulatedLink
-from localsgd.averaging.compress import comm_dtype_of
+from localsgd.averaging.compress import CommFormat, comm_dtype_of
 from localsgd.averaging.flat import FlatBuffers
 from localsgd.averaging.outer_step import DILOCO, OUTER_DEFAULTS, OuterStep, outer_step
 from localsgd.averaging.periodic import PeriodicAverager
-from localsgd.averaging.quantize import DEFAULT_BLOCK_SIZE, BlockCodec
+from localsgd.averaging.quantize import DEFAULT_BLOCK_SIZE
 from localsgd.averaging.reduce import Reducer
 from localsgd.averaging.schedule import ConstantPeriod
 
 __all__ = ["DILOCO", "OUTER_DEFAULTS", "OuterAverager", "OuterStep", "outer_step"]
+
 
 class OuterAverager(PeriodicAverager):
     """`PeriodicAverager` whose average feeds the pseudo-gradient to an outer SGD.
@@ -57,7 +58,7 @@ class OuterAverager(PeriodicAverager):
         outer_momentum: float = DILOCO["momentum"],
         outer_nesterov: bool = DILOCO["nesterov"],
         schedule: ConstantPeriod | None = None,
-        comm_dtype: str | torch.dtype | BlockCodec = torch.float32,
+        comm_dtype: str | CommFormat = torch.float32,
         link: SimulatedLink | None = None,
         init_sync: bool = True,
         error_feedback: bool = False,

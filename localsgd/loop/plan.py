@@ -34,11 +34,20 @@ SHARD_REFUSED = {
     "sync.levels": "hierarchical levels",
     "sync.optimizer_state": "averaging or resetting the sharded optimizer state",
     "sync.schedule": "a period adapted to the loss",
+    "sync.compress": "top-k pseudo-gradients of shards",
 }
 
 
 def _read(node: Any, key: str) -> Any:
     return node[key] if isinstance(node, dict) else getattr(node, key)
+
+
+def _read_or(node: Any, key: str, default: Any) -> Any:
+    """A key added after checkpoints were written (their saved config lacks it): its default."""
+    try:
+        return _read(node, key)
+    except (KeyError, AttributeError):
+        return default
 
 
 @dataclass(frozen=True)
@@ -61,6 +70,9 @@ class SyncPlan:
     warmup_steps: int
     optimizer_state: str  # local | average | reset
     schedule: str  # constant | step | adaptive
+    compress: str  # none | topk
+    topk_density: float
+    topk_chunk: int
 
     @classmethod
     def of(cls, sync: Any) -> SyncPlan:
@@ -93,7 +105,19 @@ class SyncPlan:
             warmup_steps=int(_read(sync, "warmup_steps")),
             optimizer_state=_read(sync, "optimizer_state"),
             schedule=_read(sync, "schedule"),
+            compress=_read_or(sync, "compress", "none"),
+            topk_density=float(_read_or(sync, "topk_density", 1 / 64)),
+            topk_chunk=int(_read_or(sync, "topk_chunk", 4096)),
         )
+
+    def comm_format(self, comm_dtype: str) -> Any:
+        """What an average sends: `sync.comm_dtype` (a name), or a `TopKCodec` with
+        `sync.compress=topk`."""
+        if self.compress == "topk":
+            from localsgd.averaging.sparse import TopKCodec
+
+            return TopKCodec(self.topk_density, self.topk_chunk)
+        return comm_dtype
 
     @property
     def period_key(self) -> str:
@@ -160,6 +184,7 @@ class SyncPlan:
             "sync.levels": "[...]" if self.levels else None,
             "sync.optimizer_state": state if state != "local" else None,
             "sync.schedule": self.schedule if self.schedule == "adaptive" else None,
+            "sync.compress": self.compress if self.compress != "none" else None,
         }
         for key, why in SHARD_REFUSED.items():
             if refused[key] is not None:
@@ -171,15 +196,15 @@ def strategy_name(sync: Any) -> str:
     """The averaging strategy the `sync` config runs, named as its conf/sync/ preset (read from
     what the config does, so `sync.outer=diloco` on the command line is labelled diloco too;
     wandb's `job_type`). The most specific feature wins: an outer step over levels, levels,
-    streaming, an outer optimizer, overlap, an adaptive period, a synchronous warmup, then k=1
-    or plain local SGD."""
+    streaming, an outer optimizer (over top-k pseudo-gradients: sparseloco), overlap, an
+    adaptive period, a synchronous warmup, then k=1 or plain local SGD."""
     plan = SyncPlan.of(sync)
     if plan.levels:
         return "hierarchical" if plan.outer == "none" else f"hierarchical_{plan.outer}"
     if plan.streaming and plan.outer != "none":
         return f"streaming_{plan.outer}"
-    if plan.outer != "none":
-        return plan.outer
+    if plan.outer != "none":  # top-k pseudo-gradients under an outer step: SparseLoCo's shape
+        return "sparseloco" if plan.compress == "topk" else plan.outer
     if plan.overlap:
         return "overlap"
     if plan.streaming:

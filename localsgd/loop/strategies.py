@@ -90,7 +90,7 @@ def build_averager(
     `process_group`: the ranks to average with, `world_size` of them (sharded replica groups:
     the ranks holding the same shard; None: every rank)."""
     plan = SyncPlan.of(sync)
-    comm_dtype = sync.comm_dtype
+    comm_dtype = plan.comm_format(sync.comm_dtype)  # a name, or top-k's codec
     levels = list(sync.levels)
     outer = sync.outer
     outer_step = {

@@ -80,7 +80,7 @@ class Trainer:
         ranks = dist.get_world_size() if dist.is_initialized() else info.world_size
         self.sharding = Sharding(c.dist.shard_size, ranks, device)
         self.model = self.sharding.shard(model, c.trainer.precision, c.trainer.compile)
-        self.optimizer = build_optimizer(self.model.parameters(), c.optim)
+        self.optimizer = build_optimizer(self.model.parameters(), c.optim, module=self.model)
         self.lr_schedule = build_schedule(c.lr_schedule, c.trainer.max_steps)
         # the strategy: warmup, averaging, drift, fault tolerance; every rank starts from rank
         # 0's model
