@@ -98,7 +98,12 @@ class SyncConfig:
     # the first R outer steps move linearly from a plain average (lr 1, momentum 0) to the
     # outer_lr/outer_momentum above (0 = off): for runs with few outer steps
     outer_warmup_rounds: int = 0
-    optimizer_state: str = "local"  # local | average | reset, at each sync
+    # OPTIMIZER_STATE_MODES, at each sync: local | average | reset | desloc (DES-LOC: Adam's
+    # first and second moments averaged at their own multiples of the sync period)
+    optimizer_state: str = "local"
+    # desloc: [first, second] moment periods, in parameter averages (the paper's K_u = 3 K_x,
+    # K_v = 6 K_x); a momentum_buffer counts as a first moment
+    moment_periods: list[int] = field(default_factory=lambda: [3, 6])
     # what an average sends (localsgd.averaging.COMM_DTYPES): float32 | bfloat16 | float16, or
     # block-quantised int8 | float8_e4m3fn | int4 | float4_e2m1 (per-block fp32 scales)
     comm_dtype: str = "float32"

@@ -366,6 +366,16 @@ def validate_sync(cfg: Any, ws: int | None, local_ws: int | None) -> None:
             True,
         )
     levels = list(_get(cfg, "sync.levels") or [])
+    if _get(cfg, "sync.optimizer_state") == "desloc":
+        periods = list(_get(cfg, "sync.moment_periods"))
+        _require(
+            len(periods) == 2 and all(isinstance(p, int) and p >= 1 for p in periods),
+            "sync.moment_periods",
+            "two integers >= 1 ([first, second] moment periods, in parameter averages)",
+            periods,
+        )
+        _require(not levels, "sync.optimizer_state", "local, average or reset with sync.levels "
+                 "(desloc counts the averages of one level)", "desloc")  # fmt: skip
     plan = SyncPlan.of(_get(cfg, "sync"))
     streaming = plan.streaming
     if streaming:  # what the plan builds a StreamingAverager for

@@ -68,7 +68,8 @@ class SyncPlan:
     outer_momentum: float | None
     outer_nesterov: bool | None
     warmup_steps: int
-    optimizer_state: str  # local | average | reset
+    optimizer_state: str  # local | average | reset | desloc
+    moment_periods: tuple[int, ...]  # desloc's (first, second) periods, in parameter averages
     schedule: str  # constant | step | adaptive
     compress: str  # none | topk
     topk_density: float
@@ -104,6 +105,7 @@ class SyncPlan:
             outer_nesterov=resolved("outer_nesterov", "nesterov"),
             warmup_steps=int(_read(sync, "warmup_steps")),
             optimizer_state=_read(sync, "optimizer_state"),
+            moment_periods=tuple(_read_or(sync, "moment_periods", [3, 6])),
             schedule=_read(sync, "schedule"),
             compress=_read_or(sync, "compress", "none"),
             topk_density=float(_read_or(sync, "topk_density", 1 / 64)),

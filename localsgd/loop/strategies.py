@@ -180,5 +180,15 @@ def build_averager(
         )
     mode = sync.optimizer_state
     if mode != "local":
-        averager.hooks.append(OptimizerStateSync(optimizer, mode))
+        averager.hooks.append(OptimizerStateSync(optimizer, mode, plan.moment_periods))
     return averager
+
+
+def optimizer_state_bytes(averager: Averager) -> dict[str, int]:
+    """`comm_bytes_<state>`: what this worker sent of each optimizer state (`exp_avg`,
+    `exp_avg_sq`, ...) under sync.optimizer_state=average | desloc; empty otherwise."""
+    out: dict[str, int] = {}
+    for hook in averager.hooks:
+        if isinstance(hook, OptimizerStateSync):
+            out.update({f"comm_bytes_{k}": v for k, v in hook.bytes_by_state.items()})
+    return out

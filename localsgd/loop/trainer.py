@@ -32,6 +32,7 @@ from localsgd.loop.optim import build_optimizer, build_schedule, set_lr
 from localsgd.loop.recipe import Recipe, checkpoint_activations
 from localsgd.loop.sharding import Sharding, state_bytes
 from localsgd.loop.stop import StopAgreement, first_signal
+from localsgd.loop.strategies import optimizer_state_bytes
 from localsgd.loop.synchroniser import build_synchroniser
 from localsgd.loop.worker import WorkerInfo
 from localsgd.models import build_model
@@ -241,6 +242,8 @@ class Trainer:
             "comm_rounds": self.comm_stats.rounds,
             "comm_bytes": self.comm_stats.bytes,
             "comm_seconds": round(self.comm_stats.seconds, 6),
+            # sync.optimizer_state=average | desloc: comm_bytes_exp_avg, comm_bytes_exp_avg_sq
+            **optimizer_state_bytes(self.sync.averager),
             **self.sync.fault_record(),  # ft=torchft: participants
         }
 
