@@ -103,3 +103,12 @@ def test_averaging_the_optimizer_state_reaches_both_optimizers(lone_group):
         v.numel() * 4 for s in opt.state.values() for k, v in s.items() if k != "step"
     )
     assert stats.bytes == state_bytes  # Muon's momentum and Adam's moments, all of them
+
+
+def test_muon_on_sharded_replicas_is_refused_in_one_line():
+    from localsgd.cli.checks import validate
+    from localsgd.config import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        validate(compose_config(["optim=muon", "dist.shard_size=2", "dist.world_size=4"]))
+    assert "optim._target_" in str(e.value) and "\n" not in str(e.value)
