@@ -1,11 +1,14 @@
 """Sparse pseudo-gradients (`sync.compress=topk`, SparseLoCo): chunked top-k with 2-bit values,
 error feedback that conserves the signal, bytes counted exactly, every rank decoding the same
-bits, and the config's refusals. Each test fails without the feature it names."""
+bits (DiLoCo, Streaming DiLoCo's launched fragments, hierarchical levels), resume, and the
+config's refusals. Each test fails without the feature it names. Through torchft:
+tests/test_ft_cli.py (SPARSELOCO, `make test-long`)."""
 
 from __future__ import annotations
 
 import copy
 import math
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -13,6 +16,7 @@ import torch.distributed as dist
 
 from localsgd.averaging import (
     CommStats,
+    HierarchicalAverager,
     OuterAverager,
     PeriodicAverager,
     SparseWire,
@@ -212,11 +216,15 @@ def _same(buffers: list[torch.Tensor]) -> bool:
 def _ranks_worker(rank, world_size):
     torch.set_num_threads(1)
     out = {}
-    for kind in ("diloco", "fragments"):
+    for kind in ("diloco", "fragments", "levels"):
         model = _Net()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         if kind == "diloco":
             averager = OuterAverager(2, module=model, comm_dtype=CODEC, error_feedback=True)
+        elif kind == "levels":  # each rank alone every 2 steps, both every 4
+            averager = HierarchicalAverager(
+                OrderedDict([(2, 1), (4, 2)]), module=model, comm_dtype=CODEC, error_feedback=True
+            )
         else:  # Streaming DiLoCo: 2 fragments, each launched and merged one step late
             averager = StreamingAverager(
                 4, module=model, fragments=2, delay_steps=1, comm_dtype=CODEC, error_feedback=True
@@ -225,8 +233,9 @@ def _ranks_worker(rank, world_size):
         same = []
         for _ in range(8):
             _step(model, opt, gen)
+            global_sync = averager.averages_all(averager.step)
             averaged = averager.maybe_average()
-            if kind == "diloco" and averaged:
+            if (kind == "levels" and global_sync) or (kind == "diloco" and averaged):
                 same.append(_same(averager.flat.buffers))
             elif kind == "fragments" and averager.merged:
                 same.append(_same(averager.common_tensors()))
@@ -240,3 +249,4 @@ def test_every_rank_decodes_the_same_bits():
         assert per_rank["diloco"] == [True] * 4  # the averages after steps 0, 2, 4, 6
         assert per_rank["fragments"] == [True] * len(per_rank["fragments"])
         assert len(per_rank["fragments"]) >= 3
+        assert per_rank["levels"] == [True] * 2  # the global averages after steps 0 and 4
