@@ -14,7 +14,9 @@ outer rounds). Rows, all fixed before any was run (nothing tuned):
   a replacement for outer momentum, or do both help?);
 - `sparseloco_d16` and `sparseloco_h8`: 4x the bytes of `sparseloco` two ways, 4x the density
   (256 of 4096) at H = 32, or the same density every 8 steps (added after the first four rows
-  were seen, with `--rows ... --append`; fixed before they ran, not tuned).
+  were seen, with `--rows ... --append`; fixed before they ran, not tuned);
+- `sparseloco_b95`: the preset with the residual decayed, `e <- 0.95 e + d`
+  (`sync.error_feedback_decay=0.95`; added last, the same way).
 
 The gap of each row is its final test loss against `sync`'s at the same world size and seed.
 Bytes per parameter per step: `comm_bytes` (what one worker sent) / (parameters x steps).
@@ -52,6 +54,8 @@ def rows(steps: int) -> dict[str, list[str]]:
         # the same bytes two ways: 4x the density at H = 32, or the same density 4x as often
         "sparseloco_d16": ["sync=sparseloco", f"sync.period={H}", "sync.topk_density=0.0625"],
         "sparseloco_h8": ["sync=sparseloco", "sync.period=8"],
+        # SparseLoCo's decayed accumulator, e <- 0.95 e + d (the value fixed before it ran)
+        "sparseloco_b95": ["sync=sparseloco", f"sync.period={H}", "sync.error_feedback_decay=0.95"],
     }  # fmt: skip
 
 

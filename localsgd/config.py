@@ -110,6 +110,9 @@ class SyncConfig:
     quant_block_size: int = 128  # values per scale of the block-quantised formats
     # keep each worker's rounding residual and add it to its next sync's change (checkpointed)
     error_feedback: bool = False
+    # beta: the residual is decayed before it is added, e <- beta * e + change (SparseLoCo's
+    # accumulator); 1 keeps every error, so that sum(sent) + residual = sum(changes)
+    error_feedback_decay: float = 1.0
     # COMPRESSIONS: none | topk. topk (SparseLoCo): from each chunk of `topk_chunk` values of the
     # change (pseudo-gradient) only the round(topk_density * topk_chunk) largest go on the wire,
     # as int16 indices, 2-bit values and one fp32 scale per chunk (localsgd/averaging/sparse.py);

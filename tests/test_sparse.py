@@ -137,6 +137,27 @@ def test_error_feedback_conserves_the_signal(lone_group):
     assert (sent_sum + residual - true_sum).abs().max() <= 1e-6
 
 
+def test_a_decayed_residual_follows_sparselocos_accumulator(lone_group):
+    """`sync.error_feedback_decay` = beta: each round the residual becomes beta * residual +
+    pseudo-gradient - sent (e <- beta e + d; send top-k of e; e <- e - sent), to 1e-6."""
+    model = _Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    averager = OuterAverager(1, module=model, comm_dtype=CODEC, error_feedback=True,
+                             error_feedback_decay=0.9)  # fmt: skip
+    reducer = averager.reducer
+    gen = torch.Generator().manual_seed(6)
+    for _ in range(6):
+        _step(model, opt, gen)
+        true = (reducer.anchors[0] - averager.flat.buffers[0]).double()
+        before = reducer.residuals[0].double()
+        averager.maybe_average()
+        wire = reducer.low[0]
+        sent = wire.decode(wire.send).double()
+        expected = 0.9 * before + true - sent
+        assert (reducer.residuals[0].double() - expected).abs().max() <= 1e-6
+    assert reducer.residuals[0].abs().max() > 1e-3
+
+
 def test_resume_continues_bit_identically(lone_group):
     """The residuals are checkpointed: a fresh averager loaded from `state_dict()` continues
     with the same bits."""
@@ -189,6 +210,8 @@ def test_the_config_builds_top_k_and_the_sparseloco_preset(lone_group):
         (["sync.compress=topk"], "sync.error_feedback"),
         (["sync=sparseloco", "sync.comm_dtype=int4"], "sync.comm_dtype"),
         (["sync=sparseloco", "sync.topk_density=0"], "sync.topk_density"),
+        (["sync=sparseloco", "sync.error_feedback_decay=1.5"], "sync.error_feedback_decay"),
+        (["sync.error_feedback_decay=0.9"], "sync.error_feedback_decay"),
         (["sync=sparseloco", "sync.topk_chunk=40000"], "sync.topk_chunk"),
         (["sync=sparseloco", "sync.outer=none", "sync.fragments=2"], "sync.compress"),
         (["sync=sparseloco", "dist.shard_size=2", "dist.world_size=4"], "sync.compress"),

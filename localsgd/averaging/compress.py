@@ -17,7 +17,9 @@ each worker keeps a residual, what it wanted to send minus what its message deco
 it to its next change before sending it, so rounding errors are delayed, never lost: the sum of
 what a worker sent plus its residual is the sum of its true changes. Without it a change that is
 always below a block's resolution (a slow coordinate beside a fast one) is never sent at all. The
-residual is per worker and is checkpointed (`state_dict`).
+residual is per worker and is checkpointed (`state_dict`). `feedback_decay` = beta < 1 decays it
+first, `e <- beta e + change` (SparseLoCo's accumulator; the delayed errors then fade instead of
+all arriving), 1 (the default) keeps every error.
 """
 
 from __future__ import annotations
@@ -88,12 +90,23 @@ def residual_buffers(buffers: list[torch.Tensor], low: list, error_feedback: boo
     ]
 
 
-def lossy_mean_(flat: torch.Tensor, comm: Communicator, low, residual: torch.Tensor | None) -> None:
-    """`flat` (plus `residual`, with error feedback) replaced by its mean over `comm`'s group,
-    sent through `low` (see `wire_buffers`); `residual` then holds what this rank failed to
-    send."""
-    if residual is not None:
+def feed_back_(flat: torch.Tensor, residual: torch.Tensor | None, decay: float = 1.0) -> None:
+    """`flat += decay * residual`: error feedback's carry (nothing without a residual)."""
+    if residual is None:
+        return
+    if decay == 1.0:
         flat.add_(residual)
+    else:
+        flat.add_(residual, alpha=decay)
+
+
+def lossy_mean_(
+    flat: torch.Tensor, comm: Communicator, low, residual: torch.Tensor | None, decay: float = 1.0
+) -> None:
+    """`flat` (plus `decay` times `residual`, with error feedback) replaced by its mean over
+    `comm`'s group, sent through `low` (see `wire_buffers`); `residual` then holds what this
+    rank failed to send."""
+    feed_back_(flat, residual, decay)
     if isinstance(low, MESSAGE_WIRES):
         comm.quantized_mean_(flat, low, residual)
         return
@@ -134,9 +147,11 @@ class LowPrecisionMean(Reducer):
         dtype: str | torch.dtype | BlockCodec,
         levels: int = 1,
         error_feedback: bool = False,
+        feedback_decay: float = 1.0,
     ):
         self.dtype = comm_dtype_of(dtype)
         self.error_feedback = error_feedback
+        self.feedback_decay = feedback_decay
         self.anchors = [[b.detach().clone() for b in buffers] for _ in range(levels)]
         self.low = wire_buffers(buffers, self.dtype)
         self.residuals = residual_buffers(buffers, self.low, error_feedback)
@@ -165,7 +180,7 @@ class LowPrecisionMean(Reducer):
             buffers, self.anchors[level], self.low, self.residuals, strict=True
         ):
             flat.sub_(anchor)  # the change since this group's last sync: small, so bf16 suffices
-            lossy_mean_(flat, comm, low, residual)
+            lossy_mean_(flat, comm, low, residual, self.feedback_decay)
             flat.add_(anchor)
         for anchors in self.anchors[: level + 1]:
             for anchor, flat in zip(anchors, buffers, strict=True):

@@ -17,6 +17,7 @@ from localsgd.averaging.comm import Communicator, PendingMean
 from localsgd.averaging.compress import (
     MESSAGE_FORMATS,
     CommFormat,
+    feed_back_,
     load_residuals,
     lossy_mean_,
     residual_buffers,
@@ -92,7 +93,9 @@ class Fragments(Reducer):
         error_feedback: bool = False,
         progress: bool = False,
         bucket_bytes: int | None = None,
+        feedback_decay: float = 1.0,
     ):
+        self.feedback_decay = feedback_decay  # beta of `e <- beta e + d` (compress)
         self.anchored = outer is not None
         # a delayed merge keeps this rank's progress since the launch (`merge_rule="progress"`)
         self.progress, self.bucket_bytes = progress, bucket_bytes
@@ -155,11 +158,10 @@ class Fragments(Reducer):
         lows, residuals = self.low[p], self.residuals[p]
         if blocking:
             for piece, low, residual in zip(pieces, lows, residuals, strict=True):
-                lossy_mean_(piece, comm, low, residual)
+                lossy_mean_(piece, comm, low, residual, self.feedback_decay)
             return None
         for piece, residual in zip(pieces, residuals, strict=True):
-            if residual is not None:
-                piece.add_(residual)
+            feed_back_(piece, residual, self.feedback_decay)
         if self.quantized:
             return comm.launch_quantized_mean_(pieces, lows, residuals)
         if all(low is None for low in lows):

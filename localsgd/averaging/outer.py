@@ -38,7 +38,8 @@ class OuterAverager(PeriodicAverager):
     With `comm_dtype` bfloat16/float16 the pseudo-gradient is communicated in that precision;
     with int8/float8_e4m3fn/int4/float4_e2m1 it is block-quantised with one fp32 scale per
     `quant_block_size` values (`localsgd.averaging.quantize`). `error_feedback` adds each
-    worker's rounding residual to its next pseudo-gradient (checkpointed; see `compress`).
+    worker's rounding residual to its next pseudo-gradient (checkpointed; see `compress`),
+    times `error_feedback_decay` (1: every error is kept).
     `outer_warmup_rounds` = R moves the first R outer steps linearly from a plain average to the
     configured step (`outer_step`).
     The anchor must exist from the start, so `module` is required. The outer step moves the
@@ -65,6 +66,7 @@ class OuterAverager(PeriodicAverager):
         quant_block_size: int = DEFAULT_BLOCK_SIZE,
         outer_warmup_rounds: int = 0,
         mirror: bool | None = None,
+        error_feedback_decay: float = 1.0,
     ):
         dtype = comm_dtype_of(comm_dtype, quant_block_size)
         if outer_warmup_rounds < 0:
@@ -80,6 +82,7 @@ class OuterAverager(PeriodicAverager):
                 dtype,
                 error_feedback=error_feedback,
                 warmup_rounds=outer_warmup_rounds,
+                feedback_decay=error_feedback_decay,
             )
 
         super().__init__(

@@ -65,10 +65,12 @@ class OuterStep(Reducer):
         comm_dtype: CommFormat,
         error_feedback: bool = False,
         warmup_rounds: int = 0,
+        feedback_decay: float = 1.0,
     ):
         self.warmup_steps = warmup_steps
         self.warmup_rounds = warmup_rounds
         self.error_feedback = error_feedback
+        self.feedback_decay = feedback_decay  # beta of `e <- beta e + d` (compress)
         self.anchors: list[torch.Tensor] = []
         self.param_numels: list[int] = []
         outer_params = []
@@ -96,7 +98,7 @@ class OuterStep(Reducer):
             buffers, self.anchors, self.low, self.residuals, self.param_numels, strict=True
         ):
             torch.sub(anchor, flat, out=flat)  # pseudo-gradient
-            lossy_mean_(flat, comm, low, residual)
+            lossy_mean_(flat, comm, low, residual, self.feedback_decay)
             start = 0 if plain else n  # buffers (or everything) are averaged plainly
             anchor[start:].sub_(flat[start:])
         if not plain:

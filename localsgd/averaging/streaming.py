@@ -135,6 +135,7 @@ class StreamingAverager(Averager):
         merge_rule: str = "mix",
         bucket_mb: float | None = None,
         mirror: bool | None = None,
+        error_feedback_decay: float = 1.0,
     ):
         if period < 1 or warmup_steps < 0 or fragments < 1:
             raise ValueError("period and fragments must be >= 1, warmup_steps >= 0")
@@ -191,6 +192,7 @@ class StreamingAverager(Averager):
                 error_feedback,
                 progress,
                 None if bucket_mb is None else int(bucket_mb * 2**20),
+                error_feedback_decay,
             )
 
         comm = Communicator(process_group, stats, link)

@@ -355,6 +355,10 @@ def validate_sync(cfg: Any, ws: int | None, local_ws: int | None) -> None:
     block = _get(cfg, "sync.quant_block_size")
     _require(block >= 1, "sync.quant_block_size", "an integer >= 1", block)
     topk = _get(cfg, "sync.compress") == "topk"
+    decay = _get(cfg, "sync.error_feedback_decay")
+    _require(0 < decay <= 1, "sync.error_feedback_decay", "in (0, 1]", decay)
+    if decay != 1 and not _get(cfg, "sync.error_feedback"):
+        _require(False, "sync.error_feedback_decay", "1 with sync.error_feedback=false", decay)
     if topk:
         _validate_topk(cfg)
     if _get(cfg, "sync.error_feedback") and not topk:

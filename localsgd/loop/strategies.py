@@ -135,6 +135,7 @@ def build_averager(
             comm_dtype=comm_dtype,
             quant_block_size=sync.quant_block_size,
             error_feedback=sync.error_feedback,
+            error_feedback_decay=sync.error_feedback_decay,
             inner_levels=dict(list(sizes.items())[:-1]),
         )
     elif levels:
@@ -148,6 +149,7 @@ def build_averager(
             link=link,
             init_sync=True,
             error_feedback=sync.error_feedback,
+            error_feedback_decay=sync.error_feedback_decay,
             quant_block_size=sync.quant_block_size,
         )
     elif outer != "none":
@@ -162,6 +164,7 @@ def build_averager(
             comm_dtype=comm_dtype,
             link=link,
             error_feedback=sync.error_feedback,
+            error_feedback_decay=sync.error_feedback_decay,
             quant_block_size=sync.quant_block_size,
         )  # anchored: it starts from rank 0's model
     else:
@@ -176,6 +179,7 @@ def build_averager(
             link=link,
             init_sync=True,
             error_feedback=sync.error_feedback,
+            error_feedback_decay=sync.error_feedback_decay,
             quant_block_size=sync.quant_block_size,
         )
     mode = sync.optimizer_state
