@@ -105,13 +105,28 @@ class SyncConfig:
     # where the outer step's state (anchors, outer momentum) lives: device (beside the model) |
     # cpu (host memory, pinned on CUDA; the outer step runs there, the same bits)
     outer_state: str = "device"
-    optimizer_state: str = "local"  # local | average | reset, at each sync
+    # OPTIMIZER_STATE_MODES, at each sync: local | average | reset | desloc (DES-LOC: Adam's
+    # first and second moments averaged at their own multiples of the sync period)
+    optimizer_state: str = "local"
+    # desloc: [first, second] moment periods, in parameter averages (the paper's K_u = 3 K_x,
+    # K_v = 6 K_x); a momentum_buffer counts as a first moment
+    moment_periods: list[int] = field(default_factory=lambda: [3, 6])
     # what an average sends (localsgd.averaging.COMM_DTYPES): float32 | bfloat16 | float16, or
     # block-quantised int8 | float8_e4m3fn | int4 | float4_e2m1 (per-block fp32 scales)
     comm_dtype: str = "float32"
     quant_block_size: int = 128  # values per scale of the block-quantised formats
     # keep each worker's rounding residual and add it to its next sync's change (checkpointed)
     error_feedback: bool = False
+    # beta: the residual is decayed before it is added, e <- beta * e + change (SparseLoCo's
+    # accumulator); 1 keeps every error, so that sum(sent) + residual = sum(changes)
+    error_feedback_decay: float = 1.0
+    # COMPRESSIONS: none | topk. topk (SparseLoCo): from each chunk of `topk_chunk` values of the
+    # change (pseudo-gradient) only the round(topk_density * topk_chunk) largest go on the wire,
+    # as int16 indices, 2-bit values and one fp32 scale per chunk (localsgd/averaging/sparse.py);
+    # it replaces sync.comm_dtype (leave it float32) and needs sync.error_feedback=true
+    compress: str = "none"
+    topk_density: float = 0.015625  # 1/64: 64 of every 4096 values
+    topk_chunk: int = 4096  # values per chunk, 2..32768 (int16 indices)
     # Streaming DiLoCo (Douillard et al. 2025): P fragments strided by block, fragment p's outer
     # step every `period` steps offset by p*period/P (1 = the whole model at once)
     fragments: int = 1
@@ -193,6 +208,9 @@ class FtConfig:
 
 FT_BACKENDS = ("none", "torchft")
 
+# sync.compress
+COMPRESSIONS = ("none", "topk")
+
 
 # The optimizer and the LR schedule are built with hydra.utils.instantiate from `_target_`
 # (any torch.optim class, or your own, with its keyword arguments beside it). These dataclasses
@@ -214,6 +232,20 @@ class AdamWConfig:  # DiLoCo's inner optimizer (Douillard et al. 2023)
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
     weight_decay: float = 0.1
+
+
+@dataclass
+class MuonConfig:  # MuLoCo's inner optimizer: Muon on the weight matrices, AdamW on the rest
+    _target_: str = "localsgd.loop.muon.MuonAdamW"
+    lr: float = 4e-4  # both optimizers' (Muon's update scaled to AdamW's RMS: adjust_lr_fn)
+    weight_decay: float = 0.1  # both optimizers'
+    momentum: float = 0.95  # Muon's
+    nesterov: bool = True  # Muon's
+    ns_steps: int = 5  # Muon's Newton-Schulz iterations
+    # Muon's: match_rms_adamw (the same lr as AdamW's) | original (Keller Jordan's scaling)
+    adjust_lr_fn: str = "match_rms_adamw"
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW's
+    eps: float = 1e-8  # AdamW's
 
 
 # Schedules: `lr_schedule(step)` is the factor of each parameter group's `lr` at that optimizer
@@ -326,6 +358,7 @@ SCHEMAS = {
     (None, "config_schema"): Config,
     ("optim", "sgd_schema"): SGDConfig,
     ("optim", "adamw_schema"): AdamWConfig,
+    ("optim", "muon_schema"): MuonConfig,
     ("lr_schedule", "warmup_cosine_schema"): WarmupCosineConfig,
     ("lr_schedule", "constant_schema"): ConstantLRConfig,
     ("lr_schedule", "step_schema"): StepLRConfig,

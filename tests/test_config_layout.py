@@ -79,6 +79,12 @@ OLD_EXPERIMENTS = {
     "sweep_lr": {},
     "optuna_lr": {},
     "optuna_outer": {"sync.outer": "diloco", "optimized_metric": "test_loss"},
+    "diloco_muon": {
+        "sync.period": 50,
+        "sync.outer": "diloco",
+        "optim._target_": "localsgd.loop.muon.MuonAdamW",
+        "optim.lr": 0.003,
+    },  # fmt: skip
 }
 JOB_TYPES = {
     "sync_sgd": "sync_sgd",

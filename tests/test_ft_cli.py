@@ -55,6 +55,15 @@ STREAMING = [  # Streaming DiLoCo, 2 fragments, 4-bit pseudo-gradients with erro
 ]
 
 
+SPARSELOCO = [  # top-k 2-bit pseudo-gradients with error feedback, all-gathered through torchft
+    "sync=sparseloco",
+    "sync.topk_chunk=256",
+    "optim=adamw",
+    "optim.lr=0.003",
+    "model.hidden=[64,64]",
+]
+
+
 def _participants(run_dir) -> list[int]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [r["participants"] for r in map(json.loads, lines) if "participants" in r]
@@ -73,6 +82,9 @@ def _collapse(seq: list[int]) -> list[int]:
         ["sync.outer=diloco", "optim=adamw", "optim.lr=0.003"],
         [*STREAMING, "sync.delay_steps=1"],
         [*STREAMING, "sync.eager=true"],
+        pytest.param(SPARSELOCO, marks=pytest.mark.long),
+        pytest.param([*SPARSELOCO, "sync.fragments=2", "sync.delay_steps=1"],
+                     marks=pytest.mark.long),  # fmt: skip
     ],
 )
 def test_no_fault_is_bit_identical_to_the_plain_path(tmp_path, strategy):
@@ -106,6 +118,7 @@ def test_no_fault_is_bit_identical_to_the_plain_path(tmp_path, strategy):
         ([], 0),
         (["sync.outer=diloco", "optim=adamw", "optim.lr=0.003"], 1),
         ([*STREAMING, "sync.merge_alpha=0.5"], 1),
+        pytest.param(SPARSELOCO, 1, marks=pytest.mark.long),
     ],
 )
 def test_a_killed_worker_is_restarted_and_heals_from_a_live_peer(tmp_path, strategy, victim):

@@ -20,6 +20,7 @@ from localsgd.averaging.quantize import QUANTIZED_FORMATS, BlockCodec, Quantized
 from localsgd.averaging.reduce import PlainMean, Reducer
 from localsgd.averaging.robust import AGGREGATES, Aggregate
 from localsgd.averaging.schedule import AdaptivePeriod, ConstantPeriod, NeverAverage, StepPeriod
+from localsgd.averaging.sparse import SparseWire, TopKCodec
 from localsgd.averaging.streaming import StreamingAverager
 from localsgd.averaging.trust import Judge, RobustMean, TrustedRound
 
@@ -52,8 +53,10 @@ __all__ = [
     "Reducer",
     "RobustMean",
     "SimulatedLink",
+    "SparseWire",
     "StepPeriod",
     "StreamingAverager",
     "TrustedRound",
+    "TopKCodec",
     "averaged_tensors",
 ]

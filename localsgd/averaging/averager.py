@@ -411,6 +411,8 @@ class Averager(ModelAverager):
             "step": self.step,
             "levels": [s.state_dict() for s in self.level_stats],
             "reducer": self.reducer.state_dict(),
+            # hooks that keep state (OptimizerStateSync's clock and byte counts), in list order
+            "hooks": [h.state_dict() for h in self.hooks if hasattr(h, "state_dict")],
         }
         if self.weighted:
             state["weighted"] = {
@@ -429,5 +431,8 @@ class Averager(ModelAverager):
             self.wait_s = float(weighted["wait_s"])
         for stats, saved in zip(self.level_stats, state.get("levels", []), strict=False):
             stats.load_state_dict(saved)
+        stateful = [h for h in self.hooks if hasattr(h, "load_state_dict")]
+        for hook, saved in zip(stateful, state.get("hooks", []), strict=False):
+            hook.load_state_dict(saved)
         if self.flat is not None:
             self.reducer.load_state_dict(state.get("reducer", {}))

@@ -17,7 +17,9 @@ each worker keeps a residual, what it wanted to send minus what its message deco
 it to its next change before sending it, so rounding errors are delayed, never lost: the sum of
 what a worker sent plus its residual is the sum of its true changes. Without it a change that is
 always below a block's resolution (a slow coordinate beside a fast one) is never sent at all. The
-residual is per worker and is checkpointed (`state_dict`).
+residual is per worker and is checkpointed (`state_dict`). `feedback_decay` = beta < 1 decays it
+first, `e <- beta e + change` (SparseLoCo's accumulator; the delayed errors then fade instead of
+all arriving), 1 (the default) keeps every error.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from localsgd.averaging.quantize import (
     QuantizedWire,
 )
 from localsgd.averaging.reduce import Reducer
+from localsgd.averaging.sparse import SparseWire, TopKCodec
 
 COMM_DTYPES = {
     "float32": torch.float32,
@@ -42,8 +45,12 @@ COMM_DTYPES = {
     **{name: BlockCodec(name) for name in QUANTIZED_FORMATS},
 }
 
-# What `comm_dtype_of` returns: a dtype to cast to, or a block-quantised format.
-CommFormat = torch.dtype | BlockCodec
+# What `comm_dtype_of` returns: a dtype to cast to, a block-quantised format, or chunked top-k
+# (`localsgd.averaging.sparse`). The last two are exchanged as messages (all-gathered, decoded
+# in rank order): `MESSAGE_FORMATS`, each with its wire (`MESSAGE_WIRES`).
+CommFormat = torch.dtype | BlockCodec | TopKCodec
+MESSAGE_FORMATS = (BlockCodec, TopKCodec)
+MESSAGE_WIRES = (QuantizedWire, SparseWire)
 
 
 def comm_dtype_of(
@@ -51,7 +58,7 @@ def comm_dtype_of(
 ) -> CommFormat:
     """The communication format named `value`: a torch dtype for float32/bfloat16/float16, a
     `BlockCodec` with `block_size` values per scale for int8/float8_e4m3fn/int4/float4_e2m1."""
-    if isinstance(value, torch.dtype | BlockCodec):
+    if isinstance(value, torch.dtype | BlockCodec | TopKCodec):
         return value
     if value not in COMM_DTYPES:
         raise ValueError(f"comm_dtype must be one of {', '.join(COMM_DTYPES)}, got {value!r}")
@@ -62,10 +69,12 @@ def comm_dtype_of(
 
 def wire_buffers(buffers: list[torch.Tensor], dtype: CommFormat) -> list:
     """Preallocated buffers that carry each flat buffer's communication in `dtype`: a tensor of
-    that dtype, a `QuantizedWire` for a block-quantised format, or None (the buffer goes on the
-    wire as it is)."""
+    that dtype, a `QuantizedWire` for a block-quantised format, a `SparseWire` for top-k, or
+    None (the buffer goes on the wire as it is)."""
     if isinstance(dtype, BlockCodec):
         return [QuantizedWire(dtype, b.numel(), b.device) for b in buffers]
+    if isinstance(dtype, TopKCodec):
+        return [dtype.wire(b.numel(), b.device) for b in buffers]
     return [
         None if b.dtype == dtype else torch.empty(b.numel(), dtype=dtype, device=b.device)
         for b in buffers
@@ -81,13 +90,24 @@ def residual_buffers(buffers: list[torch.Tensor], low: list, error_feedback: boo
     ]
 
 
-def lossy_mean_(flat: torch.Tensor, comm: Communicator, low, residual: torch.Tensor | None) -> None:
-    """`flat` (plus `residual`, with error feedback) replaced by its mean over `comm`'s group,
-    sent through `low` (see `wire_buffers`); `residual` then holds what this rank failed to
-    send."""
-    if residual is not None:
+def feed_back_(flat: torch.Tensor, residual: torch.Tensor | None, decay: float = 1.0) -> None:
+    """`flat += decay * residual`: error feedback's carry (nothing without a residual)."""
+    if residual is None:
+        return
+    if decay == 1.0:
         flat.add_(residual)
-    if isinstance(low, QuantizedWire):
+    else:
+        flat.add_(residual, alpha=decay)
+
+
+def lossy_mean_(
+    flat: torch.Tensor, comm: Communicator, low, residual: torch.Tensor | None, decay: float = 1.0
+) -> None:
+    """`flat` (plus `decay` times `residual`, with error feedback) replaced by its mean over
+    `comm`'s group, sent through `low` (see `wire_buffers`); `residual` then holds what this
+    rank failed to send."""
+    feed_back_(flat, residual, decay)
+    if isinstance(low, MESSAGE_WIRES):
         comm.quantized_mean_(flat, low, residual)
         return
     if residual is not None:
@@ -127,9 +147,11 @@ class LowPrecisionMean(Reducer):
         dtype: str | torch.dtype | BlockCodec,
         levels: int = 1,
         error_feedback: bool = False,
+        feedback_decay: float = 1.0,
     ):
         self.dtype = comm_dtype_of(dtype)
         self.error_feedback = error_feedback
+        self.feedback_decay = feedback_decay
         self.anchors = [[b.detach().clone() for b in buffers] for _ in range(levels)]
         self.low = wire_buffers(buffers, self.dtype)
         self.residuals = residual_buffers(buffers, self.low, error_feedback)
@@ -158,7 +180,7 @@ class LowPrecisionMean(Reducer):
             buffers, self.anchors[level], self.low, self.residuals, strict=True
         ):
             flat.sub_(anchor)  # the change since this group's last sync: small, so bf16 suffices
-            lossy_mean_(flat, comm, low, residual)
+            lossy_mean_(flat, comm, low, residual, self.feedback_decay)
             flat.add_(anchor)
         for anchors in self.anchors[: level + 1]:
             for anchor, flat in zip(anchors, buffers, strict=True):

@@ -15,7 +15,9 @@ from torch import nn
 
 from localsgd.averaging.comm import Communicator, PendingMean
 from localsgd.averaging.compress import (
+    MESSAGE_FORMATS,
     CommFormat,
+    feed_back_,
     load_residuals,
     lossy_mean_,
     residual_buffers,
@@ -25,7 +27,6 @@ from localsgd.averaging.flat import FlatBuffers, Relayout, averaged_tensors
 from localsgd.averaging.offload import host_clone, host_empty_like
 from localsgd.averaging.outer_step import outer_step
 from localsgd.averaging.overlap import buckets, keep_progress_
-from localsgd.averaging.quantize import BlockCodec
 from localsgd.averaging.reduce import Reducer
 
 Tensors = list[torch.Tensor]
@@ -114,7 +115,9 @@ class Fragments(Reducer):
         progress: bool = False,
         bucket_bytes: int | None = None,
         host: bool = False,
+        feedback_decay: float = 1.0,
     ):
+        self.feedback_decay = feedback_decay  # beta of `e <- beta e + d` (compress)
         self.anchored = outer is not None
         self.host = host and self.anchored
         # a delayed merge keeps this rank's progress since the launch (`merge_rule="progress"`)
@@ -143,7 +146,7 @@ class Fragments(Reducer):
         # per piece: None (sent as it is), a 16-bit copy or a `QuantizedWire`; error feedback's
         # residual (None where nothing is rounded)
         self.comm_dtype, self.error_feedback = comm_dtype, error_feedback
-        self.quantized = isinstance(comm_dtype, BlockCodec)
+        self.quantized = isinstance(comm_dtype, MESSAGE_FORMATS)
         self.low = [wire_buffers(pieces, comm_dtype) for pieces in self.sent]
         self.residuals = [
             residual_buffers(pieces, low, error_feedback)
@@ -181,11 +184,10 @@ class Fragments(Reducer):
         lows, residuals = self.low[p], self.residuals[p]
         if blocking:
             for piece, low, residual in zip(pieces, lows, residuals, strict=True):
-                lossy_mean_(piece, comm, low, residual)
+                lossy_mean_(piece, comm, low, residual, self.feedback_decay)
             return None
         for piece, residual in zip(pieces, residuals, strict=True):
-            if residual is not None:
-                piece.add_(residual)
+            feed_back_(piece, residual, self.feedback_decay)
         if self.quantized:
             return comm.launch_quantized_mean_(pieces, lows, residuals)
         if all(low is None for low in lows):

@@ -72,6 +72,7 @@ class HierarchicalAverager(Averager):
         init_sync: bool | None = None,
         error_feedback: bool = False,
         quant_block_size: int = DEFAULT_BLOCK_SIZE,
+        error_feedback_decay: float = 1.0,
     ):
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
@@ -98,7 +99,11 @@ class HierarchicalAverager(Averager):
 
             def reducer(flat: FlatBuffers) -> LowPrecisionMean:
                 return LowPrecisionMean(
-                    flat.buffers, dtype, levels=n, error_feedback=error_feedback
+                    flat.buffers,
+                    dtype,
+                    levels=n,
+                    error_feedback=error_feedback,
+                    feedback_decay=error_feedback_decay,
                 )
 
         super().__init__(

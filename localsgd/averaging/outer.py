@@ -19,18 +19,19 @@ import torch
 import torch.distributed as dist
 
 from localsgd.averaging.comm import CommStats, SimulatedLink
-from localsgd.averaging.compress import comm_dtype_of
+from localsgd.averaging.compress import CommFormat, comm_dtype_of
 from localsgd.averaging.flat import FlatBuffers
 from localsgd.averaging.offload import check_outer_state
 from localsgd.averaging.outer_step import DILOCO, OUTER_DEFAULTS, OuterStep, outer_step
 from localsgd.averaging.periodic import PeriodicAverager
-from localsgd.averaging.quantize import DEFAULT_BLOCK_SIZE, BlockCodec
+from localsgd.averaging.quantize import DEFAULT_BLOCK_SIZE
 from localsgd.averaging.reduce import Reducer
 from localsgd.averaging.robust import Aggregate
 from localsgd.averaging.schedule import ConstantPeriod
 from localsgd.averaging.trust import Judge, TrustedRound
 
 __all__ = ["DILOCO", "OUTER_DEFAULTS", "OuterAverager", "OuterStep", "outer_step"]
+
 
 class OuterAverager(PeriodicAverager):
     """`PeriodicAverager` whose average feeds the pseudo-gradient to an outer SGD.
@@ -40,7 +41,8 @@ class OuterAverager(PeriodicAverager):
     With `comm_dtype` bfloat16/float16 the pseudo-gradient is communicated in that precision;
     with int8/float8_e4m3fn/int4/float4_e2m1 it is block-quantised with one fp32 scale per
     `quant_block_size` values (`localsgd.averaging.quantize`). `error_feedback` adds each
-    worker's rounding residual to its next pseudo-gradient (checkpointed; see `compress`).
+    worker's rounding residual to its next pseudo-gradient (checkpointed; see `compress`),
+    times `error_feedback_decay` (1: every error is kept).
     `outer_warmup_rounds` = R moves the first R outer steps linearly from a plain average to the
     configured step (`outer_step`). `outer_state="cpu"` keeps the anchor and the outer momentum
     in host memory (pinned where CUDA is available) and runs the outer step there, with the
@@ -64,7 +66,7 @@ class OuterAverager(PeriodicAverager):
         outer_momentum: float = DILOCO["momentum"],
         outer_nesterov: bool = DILOCO["nesterov"],
         schedule: ConstantPeriod | None = None,
-        comm_dtype: str | torch.dtype | BlockCodec = torch.float32,
+        comm_dtype: str | CommFormat = torch.float32,
         link: SimulatedLink | None = None,
         init_sync: bool = True,
         error_feedback: bool = False,
@@ -74,6 +76,7 @@ class OuterAverager(PeriodicAverager):
         outer_state: str = "device",
         aggregate: Aggregate | None = None,
         judge: Judge | None = None,
+        error_feedback_decay: float = 1.0,
     ):
         dtype = comm_dtype_of(comm_dtype, quant_block_size)
         host = check_outer_state(outer_state)
@@ -100,6 +103,7 @@ class OuterAverager(PeriodicAverager):
                 warmup_rounds=outer_warmup_rounds,
                 host=host,
                 trusted=trusted if aggregate is not None else None,
+                feedback_decay=error_feedback_decay,
             )
 
         super().__init__(

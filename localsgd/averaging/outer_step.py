@@ -74,11 +74,13 @@ class OuterStep(Reducer):
         warmup_rounds: int = 0,
         host: bool = False,
         trusted: Callable[[list[torch.Tensor], list], TrustedRound] | None = None,
+        feedback_decay: float = 1.0,
     ):
         self.warmup_steps = warmup_steps
         self.host = host
         self.warmup_rounds = warmup_rounds
         self.error_feedback = error_feedback
+        self.feedback_decay = feedback_decay  # beta of `e <- beta e + d` (compress)
         self.anchors: list[torch.Tensor] = []
         self.param_numels: list[int] = []
         outer_params = []
@@ -120,13 +122,13 @@ class OuterStep(Reducer):
             ):
                 if stage is None:
                     torch.sub(anchor, flat, out=flat)  # pseudo-gradient
-                    lossy_mean_(flat, comm, low, residual)
+                    lossy_mean_(flat, comm, low, residual, self.feedback_decay)
                     means.append(flat)
                 else:  # the same arithmetic on the host; the wire stays on the device
                     stage.copy_(flat)
                     torch.sub(anchor, stage, out=stage)
                     flat.copy_(stage)
-                    lossy_mean_(flat, comm, low, residual)
+                    lossy_mean_(flat, comm, low, residual, self.feedback_decay)
                     means.append(stage.copy_(flat))
         # the common pseudo-gradient moves the anchor, which every rank copies
         for mean, anchor, n in zip(means, self.anchors, self.param_numels, strict=True):

@@ -73,6 +73,7 @@ class PeriodicAverager(Averager):
         mirror: bool | None = None,
         aggregate: Aggregate | None = None,
         judge: Judge | None = None,
+        error_feedback_decay: float = 1.0,
     ):
         if period < 1:
             raise ValueError(f"period must be an integer >= 1, got {period!r}")
@@ -104,7 +105,12 @@ class PeriodicAverager(Averager):
         elif reducer is None and dtype != torch.float32:
 
             def reducer(flat: FlatBuffers) -> LowPrecisionMean:
-                return LowPrecisionMean(flat.buffers, dtype, error_feedback=error_feedback)
+                return LowPrecisionMean(
+                    flat.buffers,
+                    dtype,
+                    error_feedback=error_feedback,
+                    feedback_decay=error_feedback_decay,
+                )
 
         self.comm_dtype = dtype
         self.last_average = warmup_steps - self.schedule.period_at(warmup_steps)

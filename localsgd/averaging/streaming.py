@@ -89,15 +89,13 @@ from torch import nn
 
 from localsgd.averaging.averager import Averager, mirrored
 from localsgd.averaging.comm import CommStats, Communicator, SimulatedLink
-from localsgd.averaging.compress import (
-    comm_dtype_of,
-)
+from localsgd.averaging.compress import CommFormat, comm_dtype_of
 from localsgd.averaging.flat import FlatBuffers, averaged_tensors
 from localsgd.averaging.fragments import Fragments, Tensors, fragment_ids
 from localsgd.averaging.hierarchical import level_by_period
 from localsgd.averaging.offload import check_outer_state
 from localsgd.averaging.outer_step import DILOCO
-from localsgd.averaging.quantize import DEFAULT_BLOCK_SIZE, BlockCodec
+from localsgd.averaging.quantize import DEFAULT_BLOCK_SIZE
 
 # how a delayed merge combines the global value with the local one (see the module docstring)
 MERGE_RULES = ("mix", "progress")
@@ -133,7 +131,7 @@ class StreamingAverager(Averager):
         stats: CommStats | None = None,
         link: SimulatedLink | None = None,
         init_sync: bool | None = None,
-        comm_dtype: str | torch.dtype | BlockCodec = torch.float32,
+        comm_dtype: str | CommFormat = torch.float32,
         quant_block_size: int = DEFAULT_BLOCK_SIZE,
         error_feedback: bool = False,
         inner_levels: dict[int, int] | None = None,
@@ -141,6 +139,7 @@ class StreamingAverager(Averager):
         bucket_mb: float | None = None,
         mirror: bool | None = None,
         outer_state: str = "device",
+        error_feedback_decay: float = 1.0,
     ):
         if period < 1 or warmup_steps < 0 or fragments < 1:
             raise ValueError("period and fragments must be >= 1, warmup_steps >= 0")
@@ -202,6 +201,7 @@ class StreamingAverager(Averager):
                 progress,
                 None if bucket_mb is None else int(bucket_mb * 2**20),
                 host,
+                error_feedback_decay,
             )
 
         comm = Communicator(process_group, stats, link)

@@ -14,11 +14,12 @@ from typing import Any
 from localsgd.averaging import COMM_DTYPES, OPTIMIZER_STATE_MODES
 from localsgd.averaging.offload import OUTER_STATES
 from localsgd.averaging.robust import AGGREGATES
+from localsgd.averaging.sparse import MAX_CHUNK
 from localsgd.averaging.streaming import MERGE_RULES
 from localsgd.cli.fault_tolerance import validate_ft
 from localsgd.cli.pacing import validate_pacing
 from localsgd.cli.sharding import validate_sharding
-from localsgd.config import BACKENDS, DEVICES, ConfigError, data_options
+from localsgd.config import BACKENDS, COMPRESSIONS, DEVICES, ConfigError, data_options
 from localsgd.data.loader import LOADERS
 from localsgd.data.partition import PARTITIONS
 from localsgd.loop.guards import NAN_POLICIES
@@ -262,6 +263,24 @@ def _validate_trust(cfg: Any) -> None:
     refusal = SyncPlan.of(_get(cfg, "sync")).trust_refusal(ft=_get(cfg, "ft.backend") != "none")
     if refusal is not None:
         raise ConfigError(refusal)
+def _validate_topk(cfg: Any) -> None:
+    """sync.compress=topk: its density and chunk, and what it replaces or needs."""
+    density, chunk = _get(cfg, "sync.topk_density"), _get(cfg, "sync.topk_chunk")
+    _require(0 < density <= 1, "sync.topk_density", "in (0, 1]", density)
+    _require(2 <= chunk <= MAX_CHUNK, "sync.topk_chunk", f"an integer in [2, {MAX_CHUNK}]", chunk)
+    dtype = _get(cfg, "sync.comm_dtype")
+    _require(
+        dtype == "float32",
+        "sync.comm_dtype",
+        "float32 with sync.compress=topk (top-k sends its own 2-bit values)",
+        dtype,
+    )
+    _require(
+        bool(_get(cfg, "sync.error_feedback")),
+        "sync.error_feedback",
+        "true with sync.compress=topk (without it the values not sent are lost)",
+        False,
+    )
 
 
 def _validate_streaming(cfg: Any, plan: SyncPlan) -> None:
@@ -306,6 +325,9 @@ def _validate_streaming(cfg: Any, plan: SyncPlan) -> None:
     if outer == "none":  # plain streaming would round the values themselves, not a change
         _require(dtype == "float32", "sync.comm_dtype", f"float32 with sync.outer=none {what}",
                  dtype)  # fmt: skip
+        compress = _get(cfg, "sync.compress")
+        _require(compress == "none", "sync.compress", f"none with sync.outer=none {what}",
+                 compress)  # fmt: skip
     for key, default in (
         ("sync.schedule", "constant"),
         ("sync.optimizer_state", "local"),
@@ -339,6 +361,7 @@ def _validate_outer_state(cfg: Any) -> None:
 def validate_sync(cfg: Any, ws: int | None, local_ws: int | None) -> None:
     """The averaging strategy's keys and their combinations. `ws` None: not known yet."""
     for key, choices in (
+        ("sync.compress", COMPRESSIONS),
         ("sync.schedule", SCHEDULES),
         ("sync.outer", OUTERS),
         ("sync.optimizer_state", OPTIMIZER_STATE_MODES),
@@ -386,16 +409,33 @@ def validate_sync(cfg: Any, ws: int | None, local_ws: int | None) -> None:
 
     block = _get(cfg, "sync.quant_block_size")
     _require(block >= 1, "sync.quant_block_size", "an integer >= 1", block)
-    if _get(cfg, "sync.error_feedback"):
+    topk = _get(cfg, "sync.compress") == "topk"
+    decay = _get(cfg, "sync.error_feedback_decay")
+    _require(0 < decay <= 1, "sync.error_feedback_decay", "in (0, 1]", decay)
+    if decay != 1 and not _get(cfg, "sync.error_feedback"):
+        _require(False, "sync.error_feedback_decay", "1 with sync.error_feedback=false", decay)
+    if topk:
+        _validate_topk(cfg)
+    if _get(cfg, "sync.error_feedback") and not topk:
         dtype = _get(cfg, "sync.comm_dtype")
         _require(
             dtype != "float32",
             "sync.error_feedback",
-            "false with sync.comm_dtype=float32 (nothing is rounded)",
+            "false with sync.comm_dtype=float32 and sync.compress=none (nothing is rounded)",
             True,
         )
     _validate_trust(cfg)
     levels = list(_get(cfg, "sync.levels") or [])
+    if _get(cfg, "sync.optimizer_state") == "desloc":
+        periods = list(_get(cfg, "sync.moment_periods"))
+        _require(
+            len(periods) == 2 and all(isinstance(p, int) and p >= 1 for p in periods),
+            "sync.moment_periods",
+            "two integers >= 1 ([first, second] moment periods, in parameter averages)",
+            periods,
+        )
+        _require(not levels, "sync.optimizer_state", "local, average or reset with sync.levels "
+                 "(desloc counts the averages of one level)", "desloc")  # fmt: skip
     plan = SyncPlan.of(_get(cfg, "sync"))
     streaming = plan.streaming
     if streaming:  # what the plan builds a StreamingAverager for
@@ -427,11 +467,13 @@ def validate_sync(cfg: Any, ws: int | None, local_ws: int | None) -> None:
             periods[i],
         )
         grows = sizes[i] is None or sizes[i - 1] is None or sizes[i] >= sizes[i - 1]
-        if _get(cfg, "sync.comm_dtype") != "float32" and not streaming:  # streaming: inner fp32
+        lossy = _get(cfg, "sync.comm_dtype") != "float32" or _get(cfg, "sync.compress") != "none"
+        if lossy and not streaming:  # streaming: inner levels in fp32
             _require(
                 grows,
                 f"sync.levels[{i}].group_size",
-                f">= the previous level's {sizes[i - 1]} with sync.comm_dtype other than float32",
+                f">= the previous level's {sizes[i - 1]} with sync.comm_dtype other than float32 "
+                "or sync.compress=topk",
                 sizes[i],
             )
     if ws is not None:

@@ -22,6 +22,9 @@ def _shown(value: Any) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
+MUON_TARGET = "localsgd.loop.muon.MuonAdamW"  # optim=muon
+
+
 def validate_sharding(
     cfg: Any, get: Callable[[Any, str], Any], ws: int | None, local: int | None = None
 ) -> None:
@@ -48,6 +51,9 @@ def validate_sharding(
     refusal = SyncPlan.of(get(cfg, "sync")).shard_refusal()
     if refusal is not None:
         raise ConfigError(f"{refusal} {NOT_YET}")
+    target = get(cfg, "optim._target_")
+    if target == MUON_TARGET:  # Newton-Schulz orthogonalises a whole matrix, not a shard
+        raise ConfigError(f"optim._target_={target} (Muon on matrices FSDP2 shards) {NOT_YET}")
     if get(cfg, "ft.backend") != "none":
         _validate_ft(cfg, get, size, ws)
     for key, (needed, what) in SHARD_NEEDS.items():

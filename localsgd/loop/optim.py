@@ -15,16 +15,29 @@ from typing import Any
 import torch
 
 
-def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: Any) -> torch.optim.Optimizer:
-    """`cfg._target_` (e.g. torch.optim.AdamW) called with `params` and the config's other keys.
-    Each parameter group remembers its peak `lr` as `initial_lr`, which the schedule scales."""
-    from hydra.utils import instantiate
+def build_optimizer(
+    params: Iterable[torch.nn.Parameter], cfg: Any, module: torch.nn.Module | None = None
+) -> torch.optim.Optimizer:
+    """`cfg._target_` (e.g. torch.optim.AdamW) called with `params` and the config's other keys,
+    and with `module` too when the target says it `takes_module` (`localsgd.loop.muon.MuonAdamW`
+    splits the parameters by the modules they belong to). Each parameter group remembers its
+    peak `lr` as `initial_lr`, which the schedule scales."""
+    from hydra.utils import get_object, instantiate
 
+    extra = {}
+    if getattr(get_object(_read(cfg, "_target_")), "takes_module", False):
+        if module is None:
+            raise ValueError(f"{_read(cfg, '_target_')} needs the model (module=...)")
+        extra["module"] = module
     # _convert_="all": plain lists, not ListConfig (AdamW's betas)
-    optimizer = instantiate(cfg, params=params, _convert_="all")
+    optimizer = instantiate(cfg, params=params, _convert_="all", **extra)
     for group in optimizer.param_groups:
         group.setdefault("initial_lr", group["lr"])
     return optimizer
+
+
+def _read(cfg: Any, key: str) -> Any:
+    return cfg[key] if isinstance(cfg, dict) else getattr(cfg, key)
 
 
 def build_schedule(cfg: Any, max_steps: int):

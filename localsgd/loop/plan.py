@@ -34,11 +34,20 @@ SHARD_REFUSED = {
     "sync.aggregate": "gathering every worker's contribution (robust aggregates, drop_nonfinite, "
     "score): a coordinate-wise rule would judge each shard apart, and clip needs the whole "
     "contribution's norm",
+    "sync.compress": "top-k pseudo-gradients of shards",
 }
 
 
 def _read(node: Any, key: str) -> Any:
     return node[key] if isinstance(node, dict) else getattr(node, key)
+
+
+def _read_or(node: Any, key: str, default: Any) -> Any:
+    """A key added after checkpoints were written (their saved config lacks it): its default."""
+    try:
+        return _read(node, key)
+    except (KeyError, AttributeError):
+        return default
 
 
 @dataclass(frozen=True)
@@ -59,11 +68,15 @@ class SyncPlan:
     outer_momentum: float | None
     outer_nesterov: bool | None
     warmup_steps: int
-    optimizer_state: str  # local | average | reset
+    optimizer_state: str  # local | average | reset | desloc
+    moment_periods: tuple[int, ...]  # desloc's (first, second) periods, in parameter averages
     schedule: str  # constant | step | adaptive
     aggregate: str  # mean | clip | trimmed_mean | median
     drop_nonfinite: bool  # resolved: null means true for a robust aggregate, false for the mean
     score: bool
+    compress: str  # none | topk
+    topk_density: float
+    topk_chunk: int
 
     @classmethod
     def of(cls, sync: Any) -> SyncPlan:
@@ -95,6 +108,7 @@ class SyncPlan:
             outer_nesterov=resolved("outer_nesterov", "nesterov"),
             warmup_steps=int(_read(sync, "warmup_steps")),
             optimizer_state=_read(sync, "optimizer_state"),
+            moment_periods=tuple(_read_or(sync, "moment_periods", [3, 6])),
             schedule=_read(sync, "schedule"),
             aggregate=_read(sync, "aggregate"),
             drop_nonfinite=(
@@ -103,7 +117,19 @@ class SyncPlan:
                 else bool(_read(sync, "drop_nonfinite"))
             ),
             score=bool(_read(sync, "score")),
+            compress=_read_or(sync, "compress", "none"),
+            topk_density=float(_read_or(sync, "topk_density", 1 / 64)),
+            topk_chunk=int(_read_or(sync, "topk_chunk", 4096)),
         )
+
+    def comm_format(self, comm_dtype: str) -> Any:
+        """What an average sends: `sync.comm_dtype` (a name), or a `TopKCodec` with
+        `sync.compress=topk`."""
+        if self.compress == "topk":
+            from localsgd.averaging.sparse import TopKCodec
+
+            return TopKCodec(self.topk_density, self.topk_chunk)
+        return comm_dtype
 
     @property
     def gathered(self) -> bool:
@@ -129,8 +155,10 @@ class SyncPlan:
             (bool(self.levels), "sync.levels: each level would judge its own group"),
             (self.warmup_steps > 0, "sync.warmup_steps > 0: the warmup's gradients are "
              "all-reduced by the plain mean"),
-            (self.optimizer_state == "average", "sync.optimizer_state=average: the optimizer "
-             "state is averaged by the plain mean"),
+            (self.optimizer_state in ("average", "desloc"), f"sync.optimizer_state="
+             f"{self.optimizer_state}: the optimizer state is averaged by the plain mean"),
+            (self.compress != "none", f"sync.compress={self.compress}: its sparse all-gather "
+             "sums what it receives"),
             (self.schedule == "adaptive", "sync.schedule=adaptive: its loss rides in the "
              "averaged buffers"),
         )
@@ -202,6 +230,7 @@ class SyncPlan:
         it is)`, or None (see SHARD_REFUSED)."""
         refused = {  # the value as written where it is refused, else None
             "sync.aggregate": self.aggregate if self.gathered else None,
+            "sync.compress": self.compress if self.compress != "none" else None,
         }
         for key, why in SHARD_REFUSED.items():
             if refused[key] is not None:
@@ -213,15 +242,15 @@ def strategy_name(sync: Any) -> str:
     """The averaging strategy the `sync` config runs, named as its conf/sync/ preset (read from
     what the config does, so `sync.outer=diloco` on the command line is labelled diloco too;
     wandb's `job_type`). The most specific feature wins: an outer step over levels, levels,
-    streaming, an outer optimizer, overlap, an adaptive period, a synchronous warmup, then k=1
-    or plain local SGD."""
+    streaming, an outer optimizer (over top-k pseudo-gradients: sparseloco), overlap, an
+    adaptive period, a synchronous warmup, then k=1 or plain local SGD."""
     plan = SyncPlan.of(sync)
     if plan.levels:
         return "hierarchical" if plan.outer == "none" else f"hierarchical_{plan.outer}"
     if plan.streaming and plan.outer != "none":
         return f"streaming_{plan.outer}"
-    if plan.outer != "none":
-        return plan.outer
+    if plan.outer != "none":  # top-k pseudo-gradients under an outer step: SparseLoCo's shape
+        return "sparseloco" if plan.compress == "topk" else plan.outer
     if plan.overlap:
         return "overlap"
     if plan.streaming:

@@ -116,7 +116,7 @@ def build_averager(
     round `round`'s held-out batch, for `sync.score`."""
     plan = SyncPlan.of(sync)
     trust = trust_of(sync, plan, loss_at)
-    comm_dtype = sync.comm_dtype
+    comm_dtype = plan.comm_format(sync.comm_dtype)  # a name, or top-k's codec
     levels = list(sync.levels)
     outer = sync.outer
     outer_step = {
@@ -162,6 +162,7 @@ def build_averager(
             comm_dtype=comm_dtype,
             quant_block_size=sync.quant_block_size,
             error_feedback=sync.error_feedback,
+            error_feedback_decay=sync.error_feedback_decay,
             inner_levels=dict(list(sizes.items())[:-1]),
         )
     elif levels:
@@ -175,6 +176,7 @@ def build_averager(
             link=link,
             init_sync=True,
             error_feedback=sync.error_feedback,
+            error_feedback_decay=sync.error_feedback_decay,
             quant_block_size=sync.quant_block_size,
         )
     elif outer != "none":
@@ -189,6 +191,7 @@ def build_averager(
             comm_dtype=comm_dtype,
             link=link,
             error_feedback=sync.error_feedback,
+            error_feedback_decay=sync.error_feedback_decay,
             quant_block_size=sync.quant_block_size,
             **trust,
         )  # anchored: it starts from rank 0's model
@@ -204,10 +207,21 @@ def build_averager(
             link=link,
             init_sync=True,
             error_feedback=sync.error_feedback,
+            error_feedback_decay=sync.error_feedback_decay,
             quant_block_size=sync.quant_block_size,
             **trust,
         )
     mode = sync.optimizer_state
     if mode != "local":
-        averager.hooks.append(OptimizerStateSync(optimizer, mode))
+        averager.hooks.append(OptimizerStateSync(optimizer, mode, plan.moment_periods))
     return averager
+
+
+def optimizer_state_bytes(averager: Averager) -> dict[str, int]:
+    """`comm_bytes_<state>`: what this worker sent of each optimizer state (`exp_avg`,
+    `exp_avg_sq`, ...) under sync.optimizer_state=average | desloc; empty otherwise."""
+    out: dict[str, int] = {}
+    for hook in averager.hooks:
+        if isinstance(hook, OptimizerStateSync):
+            out.update({f"comm_bytes_{k}": v for k, v in hook.bytes_by_state.items()})
+    return out

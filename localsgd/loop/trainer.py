@@ -41,6 +41,7 @@ from localsgd.loop.recipe import Recipe, checkpoint_activations
 from localsgd.loop.resume import resume_run
 from localsgd.loop.sharding import Sharding, state_bytes
 from localsgd.loop.stop import StopAgreement, first_signal
+from localsgd.loop.strategies import optimizer_state_bytes
 from localsgd.loop.synchroniser import build_synchroniser
 from localsgd.loop.worker import WorkerInfo
 from localsgd.models import build_model
@@ -89,7 +90,7 @@ class Trainer:
         ranks = dist.get_world_size() if dist.is_initialized() else info.world_size
         self.sharding = Sharding(c.dist.shard_size, ranks, device, c.dist.shard_blocks)
         self.model = self.sharding.shard(model, c.trainer.precision, c.trainer.compile)
-        self.optimizer = build_optimizer(self.model.parameters(), c.optim)
+        self.optimizer = build_optimizer(self.model.parameters(), c.optim, module=self.model)
         self.lr_schedule = build_schedule(c.lr_schedule, c.trainer.max_steps)
         # the strategy: warmup, averaging, drift, fault tolerance; every rank starts from rank
         # 0's model
@@ -289,6 +290,8 @@ class Trainer:
             "comm_rounds": self.comm_stats.rounds,
             "comm_bytes": self.comm_stats.bytes,
             "comm_seconds": round(self.comm_stats.seconds, 6),
+            # sync.optimizer_state=average | desloc: comm_bytes_exp_avg, comm_bytes_exp_avg_sq
+            **optimizer_state_bytes(self.sync.averager),
             **self.sync.fault_record(),  # ft=torchft: participants
             **pace_record(self.pacer, self.sync.averager),
             **self.sync.trust_record(),  # a gathered sync: excluded workers, drops

@@ -1,0 +1,176 @@
+"""Chunked top-k with 2-bit values: the sparse pseudo-gradients of SparseLoCo (Sarfi et al. 2025).
+
+A flat fp32 vector of `n` values is cut into chunks of `chunk` consecutive values (the last one
+zero-padded). From each chunk the `k = max(1, round(density * chunk))` values of largest
+magnitude are sent (`torch.topk` of the absolute values; ties go as torch breaks them), as
+
+    what       per chunk                                bytes
+    scale      fp32, the largest |value| sent            4 per chunk
+    indices    int16, the positions inside the chunk     2 k per chunk
+    values     2-bit codes, four to a byte               ceil(C k / 4) for all C chunks
+
+A code `c` in 0..3 decodes to `(2c - 3) / 3 * scale`: the four levels -1, -1/3, 1/3, 1 times
+the scale, each value rounded to the nearest level (`|error| <= scale / 3` for the values
+sent; the others are not sent at all). Every other position of the chunk decodes to zero.
+
+One message is `[scales | indices | codes]`, uint8, `4 C + 2 C k + ceil(C k / 4)` bytes for
+`C = ceil(n / chunk)` chunks: the default chunk of 4096 at density 1/64 (k = 64) is 148 bytes
+per 4096 values, 0.036 bytes per value, 111x less than fp32. Indices are int16, so a chunk
+holds at most 32768 values. A chunk of zeros has scale 0 and decodes to zeros.
+
+The exchange is the block-quantised formats' (`localsgd.averaging.quantize`): every rank
+encodes its own message, the messages are all-gathered (`Communicator.quantized_mean_`), and
+every rank decodes every rank's message and sums them in fp32 in rank order, so every rank gets
+the same bits. Without error feedback the values not sent are lost; with it (`compress`'s
+residual) each worker keeps them and adds them to its next pseudo-gradient, which is what makes
+top-k work (the checks require it). Pure torch: CPU and CUDA.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+DEFAULT_CHUNK = 4096
+DEFAULT_DENSITY = 1 / 64
+MAX_CHUNK = 32768  # int16 indices
+_LEVELS = 3  # codes 0..3 sit at (2c - 3) / 3 of the scale
+
+
+class TopKCodec:
+    """Chunked top-k with 2-bit values and one fp32 scale per chunk (see the module doc).
+    Stateless; the buffers live in `SparseWire`."""
+
+    name = "topk"
+
+    def __init__(self, density: float = DEFAULT_DENSITY, chunk: int = DEFAULT_CHUNK):
+        if not isinstance(chunk, int) or not 2 <= chunk <= MAX_CHUNK:
+            raise ValueError(f"top-k chunk must be an integer in [2, {MAX_CHUNK}], got {chunk!r}")
+        if not 0 < density <= 1:
+            raise ValueError(f"top-k density must be in (0, 1], got {density!r}")
+        self.density, self.chunk = float(density), chunk
+        self.k = min(chunk, max(1, round(density * chunk)))
+
+    def __repr__(self) -> str:
+        return f"TopKCodec(density={self.density!r}, chunk={self.chunk})"
+
+    def __str__(self) -> str:
+        return f"topk({self.k}/{self.chunk})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, TopKCodec):
+            return NotImplemented
+        return (self.k, self.chunk) == (other.k, other.chunk)
+
+    def __hash__(self) -> int:
+        return hash((self.k, self.chunk))
+
+    # --- sizes ---------------------------------------------------------------------------------
+
+    def num_chunks(self, numel: int) -> int:
+        return math.ceil(numel / self.chunk)
+
+    def wire_bytes(self, numel: int) -> int:
+        """Bytes one worker sends for `numel` values: scales, indices and codes."""
+        sent = self.num_chunks(numel) * self.k
+        return 4 * self.num_chunks(numel) + 2 * sent + math.ceil(sent / 4)
+
+    def wire(self, numel: int, device: torch.device | str) -> SparseWire:
+        return SparseWire(self, numel, device)
+
+    # --- allocating conveniences ---------------------------------------------------------------
+
+    def quantize(self, x: torch.Tensor) -> torch.Tensor:
+        """The message (uint8, `wire_bytes(x.numel())`) encoding `x`."""
+        wire = SparseWire(self, x.numel(), x.device)
+        wire.encode_(x.reshape(-1))
+        return wire.send.clone()
+
+    def dequantize(self, message: torch.Tensor, numel: int) -> torch.Tensor:
+        wire = SparseWire(self, numel, message.device)
+        return wire.decode(message).clone()
+
+
+class SparseWire:
+    """The preallocated buffers that send one flat buffer of `numel` values as top-k messages:
+    `send`, a gather buffer per group size and the fp32 work space. The interface of
+    `quantize.QuantizedWire`, so every path that exchanges quantised messages (plain, outer,
+    fragments, launched, torchft) exchanges these."""
+
+    def __init__(self, codec: TopKCodec, numel: int, device: torch.device | str):
+        self.codec, self.numel = codec, numel
+        chunks, k = codec.num_chunks(numel), codec.k
+        self.chunks, self.sent = chunks, chunks * k
+        self.nbytes = codec.wire_bytes(numel)
+        self.index_start = 4 * chunks
+        self.code_start = self.index_start + 2 * self.sent
+        self.work = torch.zeros(chunks * codec.chunk, dtype=torch.float32, device=device)
+        self.magnitude = torch.empty_like(self.work)
+        self.top = torch.empty(chunks, k, dtype=torch.float32, device=device)
+        self.index = torch.empty(chunks, k, dtype=torch.int64, device=device)
+        # a gathered message may start at an odd byte: its indices are copied out as bytes
+        self.index16 = torch.empty(self.sent, dtype=torch.int16, device=device)
+        self.scales = torch.empty(chunks, dtype=torch.float32, device=device)
+        self.codes = torch.zeros(math.ceil(self.sent / 4) * 4, dtype=torch.uint8, device=device)
+        self.send = torch.zeros(self.nbytes, dtype=torch.uint8, device=device)
+        self._gathered: dict[int, torch.Tensor] = {}
+        self.acc: torch.Tensor | None = None
+
+    def gathered(self, size: int) -> torch.Tensor:
+        """The buffer a group of `size` ranks gathers its messages into (one per size)."""
+        if size not in self._gathered:
+            self._gathered[size] = torch.empty(
+                size * self.nbytes, dtype=torch.uint8, device=self.send.device
+            )
+        return self._gathered[size]
+
+    def accumulator(self, flat: torch.Tensor) -> torch.Tensor:
+        """Where the fp32 average of `flat` is summed: `flat` itself when it is fp32."""
+        if flat.dtype == torch.float32:
+            return flat
+        if self.acc is None:
+            self.acc = torch.empty(self.numel, dtype=torch.float32, device=flat.device)
+        return self.acc
+
+    def encode_(self, x: torch.Tensor) -> None:
+        """Encode the flat tensor `x` (`numel` values, any float dtype) into `send`."""
+        n, work, codec = self.numel, self.work, self.codec
+        work[:n].copy_(x)
+        work[n:].zero_()
+        chunks = work.view(self.chunks, codec.chunk)
+        torch.abs(work, out=self.magnitude)
+        _, index = torch.topk(self.magnitude.view(self.chunks, codec.chunk), codec.k, dim=1)
+        self.index.copy_(index)
+        torch.gather(chunks, 1, self.index, out=self.top)
+        scales = self.send[: self.index_start].view(torch.float32)
+        torch.amax(self.top.abs(), dim=1, out=scales)  # NaN propagates
+        divisor = self.scales.copy_(scales).masked_fill_(scales == 0, 1.0)
+        # nearest of the levels (2c - 3) / 3: c = round((3 v / s + 3) / 2), in 0..3
+        level = self.top.div_(divisor.unsqueeze(1)).mul_(1.5).add_(1.5).round_().clamp_(0, 3)
+        self.send[self.index_start : self.code_start].view(torch.int16).copy_(self.index.view(-1))
+        self.codes[: self.sent].copy_(level.view(-1))
+        self.codes[self.sent :].zero_()
+        quads = self.codes.view(-1, 4)
+        payload = self.send[self.code_start :]
+        torch.mul(quads[:, 3], 64, out=payload)
+        payload.add_(quads[:, 2] * 16).add_(quads[:, 1] * 4).add_(quads[:, 0])
+
+    def decode(self, message: torch.Tensor) -> torch.Tensor:
+        """The fp32 values `message` (`nbytes` uint8, anywhere in memory) decodes to: a view of
+        this wire's work space, overwritten by the next `encode_`/`decode`."""
+        n, codec = self.numel, self.codec
+        self.scales.view(torch.uint8).copy_(message[: self.index_start])
+        self.index16.view(torch.uint8).copy_(message[self.index_start : self.code_start])
+        self.index.view(-1).copy_(self.index16)
+        payload = message[self.code_start :]
+        quads = self.codes.view(-1, 4)
+        for j in range(4):
+            torch.bitwise_right_shift(payload, 2 * j, out=quads[:, j])
+        self.codes.bitwise_and_(3)
+        level = self.top.view(-1)
+        level.copy_(self.codes[: self.sent]).mul_(2).sub_(_LEVELS).div_(_LEVELS)
+        self.top.mul_(self.scales.unsqueeze(1))
+        self.work.zero_()
+        self.work.view(self.chunks, codec.chunk).scatter_(1, self.index, self.top)
+        return self.work[:n]

@@ -1,0 +1,275 @@
+"""Sparse pseudo-gradients (`sync.compress=topk`, SparseLoCo): chunked top-k with 2-bit values,
+error feedback that conserves the signal, bytes counted exactly, every rank decoding the same
+bits (DiLoCo, Streaming DiLoCo's launched fragments, hierarchical levels), resume, and the
+config's refusals. Each test fails without the feature it names. Through torchft:
+tests/test_ft_cli.py (SPARSELOCO, `make test-long`)."""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections import OrderedDict
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from localsgd.averaging import (
+    CommStats,
+    HierarchicalAverager,
+    OuterAverager,
+    PeriodicAverager,
+    SparseWire,
+    StreamingAverager,
+    TopKCodec,
+)
+from localsgd.cli.checks import validate
+from localsgd.cli.launch import run_on_workers
+from localsgd.config import ConfigError
+from localsgd.loop.plan import SyncPlan
+from localsgd.loop.strategies import build_averager
+from tests.helpers import compose_config
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def lone_group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+class _Net(torch.nn.Module):
+    """6 * 40 + 40 + 2 * (40 * 40 + 40) + 40 * 3 = 3680 fp32 values: 15 chunks of 256 values,
+    the last one padded."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = torch.nn.Linear(6, 40)
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(40, 40) for _ in range(2)])
+        self.out = torch.nn.Linear(40, 3, bias=False)
+
+    def forward(self, x):
+        x = torch.tanh(self.inp(x))
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return self.out(x)
+
+
+def _step(model, opt, gen):
+    x, y = torch.randn(16, 6, generator=gen), torch.randint(0, 3, (16,), generator=gen)
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+
+
+CODEC = TopKCodec(density=1 / 16, chunk=256)  # k = 16 of every 256
+
+
+# --- the codec ------------------------------------------------------------------------------------
+
+
+def test_the_message_holds_the_top_k_of_each_chunk_in_2_bits():
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(1000, generator=gen)
+    codec = TopKCodec(density=0.05, chunk=100)  # k = 5
+    message = codec.quantize(x)
+    assert message.dtype == torch.uint8 and message.numel() == codec.wire_bytes(1000)
+    y = codec.dequantize(message, 1000)
+    for c in range(10):
+        xs, ys = x[c * 100 : (c + 1) * 100], y[c * 100 : (c + 1) * 100]
+        top = set(xs.abs().topk(5).indices.tolist())
+        assert set(ys.nonzero().flatten().tolist()) <= top  # only the top-k are sent
+        scale = xs.abs().max()
+        levels = torch.tensor([-1, -1 / 3, 1 / 3, 1]) * scale
+        sent = ys[ys != 0]
+        assert all(torch.isclose(levels, v).any() for v in sent)  # 2 bits: four levels
+        err = (ys - xs)[list(top)].abs()
+        assert (err <= scale / 3 * (1 + 1e-6)).all()
+    assert torch.equal(codec.dequantize(codec.quantize(torch.zeros(10)), 10), torch.zeros(10))
+
+
+def test_byte_counts_are_exact(lone_group):
+    """4 bytes of scale and 2 of index per chunk and k, 2 bits per value sent: the message is
+    that long, and `comm_bytes` grows by exactly the messages of every flat buffer."""
+    n, codec = 3680, CODEC
+    chunks = math.ceil(n / 256)
+    expected = 4 * chunks + 2 * 16 * chunks + math.ceil(16 * chunks / 4)
+    assert codec.wire_bytes(n) == expected == 15 * 4 + 2 * 16 * 15 + 60
+    assert codec.quantize(torch.randn(n)).numel() == expected
+    model = _Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    stats = CommStats()
+    averager = OuterAverager(1, module=model, comm_dtype=codec, error_feedback=True, stats=stats)
+    per_round = sum(codec.wire_bytes(b.numel()) for b in averager.flat.buffers)
+    assert per_round == expected  # one fp32 buffer
+    gen = torch.Generator().manual_seed(2)
+    for r in range(1, 4):
+        _step(model, opt, gen)
+        averager.maybe_average()
+        assert stats.bytes == r * per_round
+
+
+def test_error_feedback_conserves_the_signal(lone_group):
+    """Over 20 rounds, what was sent plus the residual left is the sum of the true
+    pseudo-gradients, to 1e-6: top-k delays what it does not send, it never loses it."""
+    model = _Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    averager = OuterAverager(
+        1, module=model, comm_dtype=CODEC, error_feedback=True, outer_lr=1.0,
+        outer_momentum=0.0, outer_nesterov=False,
+    )  # fmt: skip
+    reducer = averager.reducer
+    gen = torch.Generator().manual_seed(3)
+    true_sum = torch.zeros(averager.flat.buffers[0].numel(), dtype=torch.float64)
+    sent_sum = torch.zeros_like(true_sum)
+    for _ in range(20):
+        _step(model, opt, gen)
+        true_sum += (reducer.anchors[0] - averager.flat.buffers[0]).double()
+        averager.maybe_average()
+        wire = reducer.low[0]
+        assert isinstance(wire, SparseWire)
+        sent_sum += wire.decode(wire.send).double()
+    residual = reducer.residuals[0].double()
+    assert residual.abs().max() > 1e-3  # most of the signal waits in the residual
+    assert (sent_sum + residual - true_sum).abs().max() <= 1e-6
+
+
+def test_a_decayed_residual_follows_sparselocos_accumulator(lone_group):
+    """`sync.error_feedback_decay` = beta: each round the residual becomes beta * residual +
+    pseudo-gradient - sent (e <- beta e + d; send top-k of e; e <- e - sent), to 1e-6."""
+    model = _Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    averager = OuterAverager(1, module=model, comm_dtype=CODEC, error_feedback=True,
+                             error_feedback_decay=0.9)  # fmt: skip
+    reducer = averager.reducer
+    gen = torch.Generator().manual_seed(6)
+    for _ in range(6):
+        _step(model, opt, gen)
+        true = (reducer.anchors[0] - averager.flat.buffers[0]).double()
+        before = reducer.residuals[0].double()
+        averager.maybe_average()
+        wire = reducer.low[0]
+        sent = wire.decode(wire.send).double()
+        expected = 0.9 * before + true - sent
+        assert (reducer.residuals[0].double() - expected).abs().max() <= 1e-6
+    assert reducer.residuals[0].abs().max() > 1e-3
+
+
+def test_resume_continues_bit_identically(lone_group):
+    """The residuals are checkpointed: a fresh averager loaded from `state_dict()` continues
+    with the same bits."""
+    model = _Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    averager = OuterAverager(2, module=model, comm_dtype=CODEC, error_feedback=True)
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(5):
+        _step(model, opt, gen)
+        averager.maybe_average()
+    state, params = copy.deepcopy(averager.state_dict()), copy.deepcopy(model.state_dict())
+    assert state["reducer"]["residuals"][0].abs().max() > 0
+    twin = _Net()
+    twin_averager = OuterAverager(2, module=twin, comm_dtype=CODEC, error_feedback=True)
+    twin.load_state_dict(params)
+    twin_averager.load_state_dict(state)
+    for m, a in ((model, averager), (twin, twin_averager)):
+        o = torch.optim.SGD(m.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(5)
+        for _ in range(4):
+            _step(m, o, g)
+            a.maybe_average()
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+               twin.state_dict().values(), strict=True))  # fmt: skip
+
+
+# --- the config -----------------------------------------------------------------------------------
+
+
+def test_the_config_builds_top_k_and_the_sparseloco_preset(lone_group):
+    cfg = compose_config(["sync=sparseloco", "sync.topk_chunk=256", "sync.period=2"])
+    validate(cfg)
+    plan = SyncPlan.of(cfg.sync)
+    assert (plan.compress, plan.outer_lr, plan.outer_momentum) == ("topk", 1.0, 0.0)
+    model = _Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    averager = build_averager(cfg.sync, model, opt, 1, 1, CommStats())
+    assert averager.comm_dtype == TopKCodec(1 / 64, 256)
+    assert isinstance(averager.reducer.low[0], SparseWire)
+    plain = compose_config(["sync.compress=topk", "sync.error_feedback=true", "sync.period=2"])
+    averager = build_averager(plain.sync, model, opt, 1, 1, CommStats())
+    assert isinstance(averager, PeriodicAverager)
+    assert isinstance(averager.reducer.low[0], SparseWire)  # plain local SGD sends the change
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["sync.compress=gzip"], "sync.compress"),
+        (["sync.compress=topk"], "sync.error_feedback"),
+        (["sync=sparseloco", "sync.comm_dtype=int4"], "sync.comm_dtype"),
+        (["sync=sparseloco", "sync.topk_density=0"], "sync.topk_density"),
+        (["sync=sparseloco", "sync.error_feedback_decay=1.5"], "sync.error_feedback_decay"),
+        (["sync.error_feedback_decay=0.9"], "sync.error_feedback_decay"),
+        (["sync=sparseloco", "sync.topk_chunk=40000"], "sync.topk_chunk"),
+        (["sync=sparseloco", "sync.outer=none", "sync.fragments=2"], "sync.compress"),
+        (["sync=sparseloco", "dist.shard_size=2", "dist.world_size=4"], "sync.compress"),
+    ],
+)
+def test_what_cannot_hold_is_refused_in_one_line(overrides, key):
+    with pytest.raises(ConfigError) as e:
+        validate(compose_config(overrides))
+    line = str(e.value)
+    assert "\n" not in line and key in line, line
+
+
+# --- every rank decodes the same bits (2 processes) ---------------------------------------------
+
+
+def _same(buffers: list[torch.Tensor]) -> bool:
+    for flat in buffers:
+        out = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+        dist.all_gather(out, flat)
+        if not all(torch.equal(out[0], o) for o in out[1:]):
+            return False
+    return True
+
+
+def _ranks_worker(rank, world_size):
+    torch.set_num_threads(1)
+    out = {}
+    for kind in ("diloco", "fragments", "levels"):
+        model = _Net()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        if kind == "diloco":
+            averager = OuterAverager(2, module=model, comm_dtype=CODEC, error_feedback=True)
+        elif kind == "levels":  # each rank alone every 2 steps, both every 4
+            averager = HierarchicalAverager(
+                OrderedDict([(2, 1), (4, 2)]), module=model, comm_dtype=CODEC, error_feedback=True
+            )
+        else:  # Streaming DiLoCo: 2 fragments, each launched and merged one step late
+            averager = StreamingAverager(
+                4, module=model, fragments=2, delay_steps=1, comm_dtype=CODEC, error_feedback=True
+            )
+        gen = torch.Generator().manual_seed(10 + rank)  # each rank its own data
+        same = []
+        for _ in range(8):
+            _step(model, opt, gen)
+            global_sync = averager.averages_all(averager.step)
+            averaged = averager.maybe_average()
+            if (kind == "levels" and global_sync) or (kind == "diloco" and averaged):
+                same.append(_same(averager.flat.buffers))
+            elif kind == "fragments" and averager.merged:
+                same.append(_same(averager.common_tensors()))
+        out[kind] = same
+    return out
+
+
+@pytest.mark.slow
+def test_every_rank_decodes_the_same_bits():
+    for per_rank in run_on_workers(_ranks_worker, 2, timeout_s=60):
+        assert per_rank["diloco"] == [True] * 4  # the averages after steps 0, 2, 4, 6
+        assert per_rank["fragments"] == [True] * len(per_rank["fragments"])
+        assert len(per_rank["fragments"]) >= 3
+        assert per_rank["levels"] == [True] * 2  # the global averages after steps 0 and 4
