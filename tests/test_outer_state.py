@@ -104,9 +104,7 @@ def test_the_outer_state_on_the_host_gives_the_device_bits(lone_group, case):
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("case", ["diloco_warmup", "streaming_mix"])
-def test_a_device_checkpoint_continues_with_the_state_on_the_host_bit_identically(
-    lone_group, case
-):
+def test_a_device_checkpoint_continues_with_the_state_on_the_host_bit_identically(lone_group, case):
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     averager = CASES[case](model, "device")
@@ -133,9 +131,7 @@ def test_a_device_checkpoint_continues_with_the_state_on_the_host_bit_identicall
          "sync.outer_state must be device with sync.aggregate=median (gathered"),
     ],
 )  # fmt: skip
-def test_outer_state_cpu_is_refused_in_one_line_where_there_is_nothing_to_move(
-    overrides, named
-):
+def test_outer_state_cpu_is_refused_in_one_line_where_there_is_nothing_to_move(overrides, named):
     cfg = compose_config(["sync.outer_state=cpu", *overrides])
     with pytest.raises(ConfigError) as refused:
         validate(cfg)
