@@ -1,5 +1,6 @@
 """The communication frontier from the command line: Streaming DiLoCo's fragments with a delayed,
-mixed merge, and 4-bit pseudo-gradients with error feedback, each killed and resumed exactly."""
+mixed merge, 4-bit pseudo-gradients with error feedback, and SparseLoCo's top-k with Muon inner
+steps and DES-LOC, each killed and resumed exactly."""
 
 from __future__ import annotations
 
@@ -68,3 +69,25 @@ def test_streaming_diloco_over_hierarchical_levels_from_the_cli(tmp_path):
     # 5 launches of one fragment each, then the final blocking step of both fragments
     assert (widest["group_size"], widest["period"], widest["rounds"]) == (4, 8, 6)
     assert summary["comm_rounds"] == 5 + inner["rounds"] + widest["rounds"]
+
+
+@pytest.mark.long  # ~15 s on 2 cores: `make test-long`
+@pytest.mark.timeout(240)
+def test_sparseloco_with_muon_and_desloc_resumes_bit_identical(tmp_path):
+    """Top-k residuals, both optimizers' states (Muon's momentum, AdamW's moments) and DES-LOC's
+    clock all go through the checkpoint: a SIGKILL after step 13 and a resume from the step-10
+    checkpoint (between syncs) end on the uninterrupted run's model, bit for bit."""
+    args = BASE + [
+        "sync=sparseloco",
+        "sync.period=5",
+        "sync.topk_chunk=64",
+        "sync.optimizer_state=desloc",
+        "sync.moment_periods=[1,2]",
+        "optim=muon",
+        "optim.lr=0.003",
+        "sync.check_replicas=true",
+    ]
+    _, run_dir = killed_and_resumed(args, tmp_path)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["comm_bytes_exp_avg"] > summary["comm_bytes_exp_avg_sq"] > 0
+    assert summary["comm_bytes_momentum_buffer"] > 0

@@ -263,24 +263,25 @@ def _validate_trust(cfg: Any) -> None:
     refusal = SyncPlan.of(_get(cfg, "sync")).trust_refusal(ft=_get(cfg, "ft.backend") != "none")
     if refusal is not None:
         raise ConfigError(refusal)
-def _validate_topk(cfg: Any) -> None:
-    """sync.compress=topk: its density and chunk, and what it replaces or needs."""
+
+
+def _validate_wire(cfg: Any) -> None:
+    """Error feedback (and its decay) and sync.compress=topk: what each needs or replaces."""
+    ef, dtype = bool(_get(cfg, "sync.error_feedback")), _get(cfg, "sync.comm_dtype")
+    decay = _get(cfg, "sync.error_feedback_decay")
+    allowed = "in (0, 1], and 1 with sync.error_feedback=false"
+    _require(0 < decay <= 1 and (ef or decay == 1), "sync.error_feedback_decay", allowed, decay)
+    if _get(cfg, "sync.compress") != "topk":
+        allowed = "false with sync.comm_dtype=float32 and sync.compress=none (nothing is rounded)"
+        _require(not ef or dtype != "float32", "sync.error_feedback", allowed, ef)
+        return
     density, chunk = _get(cfg, "sync.topk_density"), _get(cfg, "sync.topk_chunk")
     _require(0 < density <= 1, "sync.topk_density", "in (0, 1]", density)
     _require(2 <= chunk <= MAX_CHUNK, "sync.topk_chunk", f"an integer in [2, {MAX_CHUNK}]", chunk)
-    dtype = _get(cfg, "sync.comm_dtype")
-    _require(
-        dtype == "float32",
-        "sync.comm_dtype",
-        "float32 with sync.compress=topk (top-k sends its own 2-bit values)",
-        dtype,
-    )
-    _require(
-        bool(_get(cfg, "sync.error_feedback")),
-        "sync.error_feedback",
-        "true with sync.compress=topk (without it the values not sent are lost)",
-        False,
-    )
+    allowed = "float32 with sync.compress=topk (top-k sends its own 2-bit values)"
+    _require(dtype == "float32", "sync.comm_dtype", allowed, dtype)
+    allowed = "true with sync.compress=topk (without it the values not sent are lost)"
+    _require(ef, "sync.error_feedback", allowed, ef)
 
 
 def _validate_streaming(cfg: Any, plan: SyncPlan) -> None:
@@ -409,31 +410,14 @@ def validate_sync(cfg: Any, ws: int | None, local_ws: int | None) -> None:
 
     block = _get(cfg, "sync.quant_block_size")
     _require(block >= 1, "sync.quant_block_size", "an integer >= 1", block)
-    topk = _get(cfg, "sync.compress") == "topk"
-    decay = _get(cfg, "sync.error_feedback_decay")
-    _require(0 < decay <= 1, "sync.error_feedback_decay", "in (0, 1]", decay)
-    if decay != 1 and not _get(cfg, "sync.error_feedback"):
-        _require(False, "sync.error_feedback_decay", "1 with sync.error_feedback=false", decay)
-    if topk:
-        _validate_topk(cfg)
-    if _get(cfg, "sync.error_feedback") and not topk:
-        dtype = _get(cfg, "sync.comm_dtype")
-        _require(
-            dtype != "float32",
-            "sync.error_feedback",
-            "false with sync.comm_dtype=float32 and sync.compress=none (nothing is rounded)",
-            True,
-        )
+    _validate_wire(cfg)
     _validate_trust(cfg)
     levels = list(_get(cfg, "sync.levels") or [])
     if _get(cfg, "sync.optimizer_state") == "desloc":
-        periods = list(_get(cfg, "sync.moment_periods"))
-        _require(
-            len(periods) == 2 and all(isinstance(p, int) and p >= 1 for p in periods),
-            "sync.moment_periods",
-            "two integers >= 1 ([first, second] moment periods, in parameter averages)",
-            periods,
-        )
+        mp = list(_get(cfg, "sync.moment_periods"))
+        _require(len(mp) == 2 and all(isinstance(p, int) and p >= 1 for p in mp),
+                 "sync.moment_periods", "two integers >= 1 ([first, second] moment periods, in "
+                 "parameter averages)", mp)  # fmt: skip
         _require(not levels, "sync.optimizer_state", "local, average or reset with sync.levels "
                  "(desloc counts the averages of one level)", "desloc")  # fmt: skip
     plan = SyncPlan.of(_get(cfg, "sync"))
@@ -469,13 +453,9 @@ def validate_sync(cfg: Any, ws: int | None, local_ws: int | None) -> None:
         grows = sizes[i] is None or sizes[i - 1] is None or sizes[i] >= sizes[i - 1]
         lossy = _get(cfg, "sync.comm_dtype") != "float32" or _get(cfg, "sync.compress") != "none"
         if lossy and not streaming:  # streaming: inner levels in fp32
-            _require(
-                grows,
-                f"sync.levels[{i}].group_size",
-                f">= the previous level's {sizes[i - 1]} with sync.comm_dtype other than float32 "
-                "or sync.compress=topk",
-                sizes[i],
-            )
+            _require(grows, f"sync.levels[{i}].group_size", f">= the previous level's "
+                     f"{sizes[i - 1]} with sync.comm_dtype below float32 or sync.compress=topk",
+                     sizes[i])  # fmt: skip
     if ws is not None:
         _require(
             sizes[-1] == ws,
