@@ -16,7 +16,7 @@ from localsgd.averaging.robust import Aggregate
 from localsgd.averaging.trust import Judge, RobustMean
 from localsgd.cli.checks import validate
 from localsgd.config import ConfigError
-from tests.helpers import FAST, cli, compose_config, run_distributed
+from tests.helpers import FAST, cli, compose_config, run_distributed, same_model
 
 WORLD = 4
 
@@ -302,3 +302,27 @@ def test_a_checkpoint_with_verdicts_cannot_move_to_another_world_size():
     assert SyncPlan.of(compose_config([]).sync).reshard_refusal() is None
     refusal = SyncPlan.of(compose_config(["sync.aggregate=median"]).sync).reshard_refusal()
     assert refusal.startswith("sync.aggregate='median' (the verdicts")
+
+
+@pytest.mark.slow
+@pytest.mark.long  # ~10 s on 2 cores: `make test-long`
+@pytest.mark.timeout(240)
+def test_a_killed_scored_run_resumes_with_the_same_verdicts(tmp_path):
+    """The rounds, bad-round streaks, exclusions and events are checkpointed with the averager:
+    killed between syncs and resumed, a scored median run ends with the bits and the verdicts of
+    an uninterrupted one."""
+    args = [*FAST, "dist.world_size=4", "trainer.max_steps=60", "sync.period=5",
+            "trainer.checkpoint_every=25", "sync.aggregate=median", "sync.score=true",
+            "sync.score_batch=8", "sync.exclude_after=1"]
+    proc, _ = cli([*args, f"hydra.run.dir={tmp_path / 'ref'}"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    run = [*args, f"hydra.run.dir={tmp_path / 'run'}"]
+    proc, left = cli(run, fault="kill:2:33")
+    assert proc.returncode == 1 and not left
+    proc, _ = cli(run)
+    assert proc.returncode == 0 and "step-25" in proc.stderr, proc.stderr[-2000:]
+    ref = json.loads((tmp_path / "ref" / "summary.json").read_text())
+    ours = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert ref["trust"]["judged_bad"], "no verdict to carry: make the scoring stricter"
+    assert ours["trust"] == ref["trust"]
+    assert same_model(tmp_path / "run" / "model.pt", tmp_path / "ref" / "model.pt")

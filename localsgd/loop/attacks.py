@@ -17,7 +17,9 @@ so that the averager sends the attack's change instead:
 From the command line, for rank 1 from step 0:
 `'trainer.callbacks=[{_target_:localsgd.loop.attacks.Attack,kind:sign_flip,rank:1}]'`.
 The attacker's own parameters are what it sends; after the sync it holds the common model like
-every worker. Floating-point buffers (BatchNorm statistics) are left alone.
+every worker. Floating-point buffers (BatchNorm statistics) are left alone. An attack is a test
+tool and keeps its state in memory only: a resumed attacker takes its model at its first step
+as the anchor (right after a sync, the true one) and starts a stale replay afresh.
 """
 
 from __future__ import annotations
