@@ -290,3 +290,28 @@ def test_with_the_outer_state_on_the_host_a_killed_run_resumes_to_the_device_run
     marker = json.loads((run_dir / "checkpoints/step-16" / checkpoint.MARKER).read_text())
     assert ("dcp/.metadata" in marker.get("dcp_files", [])) == (layout == "dcp")
     assert same_model(run_dir / "model.pt", reference / "model.pt")
+
+
+@pytest.mark.timeout(30)
+def test_a_shared_checkpoint_gives_each_rank_its_own_residuals_or_its_shards_over_the_groups(
+    tmp_path,
+):
+    """Under ft a shared checkpoint holds the writing group's state; every rank of every group
+    saved its own error-feedback residuals beside it. With the same groups each rank takes its
+    own; as one group, shard s takes the old groups' shard-s residuals summed over 2."""
+    from localsgd.loop.checkpoint_shared import _own_residuals
+
+    folder = checkpoint.step_dir(str(tmp_path), 8)
+    os.makedirs(folder)
+    marker = {"step": 8, "world_size": 4, "shard_size": 2, "shared": True, "files": {}}
+    with open(os.path.join(folder, checkpoint.MARKER), "w") as f:
+        json.dump(marker, f)
+    own = {r: [torch.full((3,), float(r + 1)), None] for r in range(4)}  # global rank r's
+    for r, residuals in own.items():
+        checkpoint.save_own(str(tmp_path), 8, r, {"residuals": residuals})
+    for r in range(4):  # 2 groups of 2 again: each rank its own
+        got = _own_residuals(folder, r, 4, 2, "cpu")
+        assert torch.equal(got[0], own[r][0]) and got[1] is None
+    for s in range(2):  # 1 group of 2: rank s holds shard s of both old groups
+        got = _own_residuals(folder, s, 2, 2, "cpu")
+        assert torch.equal(got[0], (own[s][0] + own[2 + s][0]) / 2), (s, got)

@@ -95,7 +95,7 @@ def test_a_sharded_group_killed_and_restarted_heals_each_shard_from_the_live_gro
     """Rank 2 (group 1's first) is SIGKILLed at step 10; torchrun restarts group 1, whose two
     ranks each take their own shard of the model and optimizer state from group 0's rank of the
     same index, and train on: participants 2 -> 1 -> 2, one heal, every sync's shards checked
-    bit-identical across the groups."""
+    bit-identical across the groups; checkpoints every 40 steps, written by group 0."""
     once = tmp_path / "killed-once"
     outputs = _two_machines(
         tmp_path,
@@ -104,6 +104,7 @@ def test_a_sharded_group_killed_and_restarted_heals_each_shard_from_the_live_gro
             # a slow link keeps group 0 training while torchrun restarts group 1
             "trainer.max_steps=120",
             "comm.simulate.latency_ms=250",
+            "trainer.checkpoint_every=40",
             faults.override(f"kill:2:10:{once}"),
         ],
     )
@@ -117,6 +118,15 @@ def test_a_sharded_group_killed_and_restarted_heals_each_shard_from_the_live_gro
     assert summary["replica_checks"] > 0
     assert _participants(run_dir) == [2, 1, 2]
     assert not (tmp_path / "group_1" / "summary.json").exists()
+    # the checkpoints (the first round at or after 40 and 80, and the end) are the leading
+    # group's, written by its 2 ranks into its own run directory
+    from localsgd.loop import checkpoint
+
+    steps = checkpoint.listed_steps(str(run_dir))
+    assert len(steps) == 2 and steps[0] == 120, steps
+    for step in steps:
+        assert _shared_marker(run_dir, step)["group"] == 0
+    assert not checkpoint.listed_steps(str(tmp_path / "group_1"))
 
 
 # Checkpoints every 8 steps, plain SGD without momentum and no dropout: a shared checkpoint

@@ -71,8 +71,9 @@ def save_shared(
     rank = dist.get_rank()  # in the replica group
     root = checkpoint_root(run_dir)
     os.makedirs(root, exist_ok=True)
-    # one temporary folder for the group (not a listed step), named by its rank 0
-    name = [f".{_PREFIX}{step}.tmp{os.getpid()}"]
+    # one temporary folder for the group (not a listed step), named by its rank 0: the group's
+    # index keeps groups on other machines (whose pids may be the same) apart
+    name = [f".{_PREFIX}{step}.group{group}.tmp{os.getpid()}"]
     dist.broadcast_object_list(name, src=0)
     tmp = os.path.join(root, name[0])
     os.makedirs(tmp, exist_ok=True)
