@@ -1,6 +1,8 @@
 """Workers you cannot trust (localsgd.averaging.robust, trust; docs/reliability.md): the robust
 rules against a one-process reference to the last bit, a NaN contribution that never reaches a
-replica, the same exclusion on every rank, the mean's bits unchanged, and the refusals."""
+replica, the same exclusion on every rank, the mean's bits and bytes unchanged, the bytes of an
+all-gather, the honest-majority cap, checkpointed verdicts, and the refusals. The CLI runs are
+`long` (`make test-long`)."""
 
 from __future__ import annotations
 
@@ -131,7 +133,9 @@ def _worker(rank, world_size):
             if step == 0:
                 anchor = avg.flat.buffers[0].clone()
         out[rule] = {"change": change, "anchor": anchor, "result": avg.flat.buffers[0].clone(),
-                     "events": list(avg.reducer.trust.events)}
+                     "events": list(avg.reducer.trust.events),
+                     # the all-gather counted as what this rank sends: fp32, 2 rounds
+                     "bytes": avg.stats.bytes == 2 * 4 * avg.flat.buffers[0].numel()}
     # 2. scoring and exclusion: rank 3 moves away from the held-out optimum, 10x; the others
     #    towards it. Every rank must reach the same verdicts.
     model = _Net()
@@ -162,7 +166,8 @@ def _worker(rank, world_size):
             model.fc.bias[0] = float("inf")
     avg.maybe_average()
     out["int8"] = {"model": avg.flat.buffers[0].clone(),
-                   "events": list(avg.reducer.trust.events)}
+                   "events": list(avg.reducer.trust.events),
+                   "bytes": avg.stats.bytes == sum(w.nbytes for w in avg.reducer.low)}
     # 4. the mean, by default: today's reducer, the bits of one all-reduce, its bytes
     model = _Net()
     avg = PeriodicAverager(1, module=model)
@@ -194,6 +199,7 @@ def test_untrusted_workers_across_processes():
         expected = _reference(changes[keep], rule) + got[0]["anchor"].numpy()
         assert np.array_equal(_bits(got[0]["result"].numpy()), _bits(expected.astype(np.float32)))
         assert got[0]["events"] == [{"round": 1, "step": 1, "rank": 1, "why": "nonfinite"}]
+        assert all(r["bytes"] for r in got)
     verdicts = [r["verdicts"] for r in results]
     assert verdicts[0]["excluded"] == {3: 1}  # two bad rounds running: excluded at round 1
     assert all(v["excluded"] == verdicts[0]["excluded"] for v in verdicts)
@@ -204,6 +210,7 @@ def test_untrusted_workers_across_processes():
     assert all(torch.isfinite(x["model"]).all() for x in low)
     assert all(torch.equal(x["model"], low[0]["model"]) for x in low)
     assert low[0]["events"] == [{"round": 0, "step": 0, "rank": 2, "why": "nonfinite"}]
+    assert all(x["bytes"] for x in low)  # each rank's int8 message, scales included
     assert all(r["mean"] == {"plain": True, "same": True, "bytes": True} for r in results)
 
 

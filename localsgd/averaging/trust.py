@@ -29,6 +29,7 @@ a `TrustedRound` for DiLoCo/SlowMo (the contribution is the pseudo-gradient).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -122,14 +123,12 @@ class TrustedRound:
                 flat.copy_(anchor).add_(r[rank], alpha=self.sign)
             scores[rank] = before - judge.loss_at(round_)
         self.scores = scores
-        finite = [s for s in (scores[r] for r in keep) if s == s and abs(s) != float("inf")]
+        finite = [scores[r] for r in keep if math.isfinite(scores[r])]
         middle = median_of(finite) if finite else 0.0
         kept = []
         for rank in keep:
             s = scores[rank]
-            bad = not (s == s and abs(s) != float("inf")) or (
-                middle > 0 and s <= judge.score_fraction * middle
-            )
+            bad = not math.isfinite(s) or (middle > 0 and s <= judge.score_fraction * middle)
             if bad:
                 self._event(round_, step, rank, "bad")
                 self._bad(round_, step, rank)
