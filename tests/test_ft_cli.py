@@ -329,6 +329,7 @@ def test_a_run_without_ft_never_imports_torchft():
     assert out.stdout.strip() == "False", out.stderr
 
 
+@pytest.mark.long  # ~45 s: tests/test_sharded_ft.py runs two loopback machines in make test
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_two_machines_each_a_replica_group_of_two_one_killed_and_restarted(tmp_path):

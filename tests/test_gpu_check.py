@@ -37,6 +37,7 @@ def test_without_cuda_it_says_so_in_one_line_and_fails(capsys):
     assert "no CUDA device here" in line
 
 
+@pytest.mark.long  # ~25 s: the whole GPU check at CPU size (the GPU's own run is make gpu-check)
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_checks_pass_on_cpu_one_line_each():
