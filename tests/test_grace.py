@@ -166,10 +166,11 @@ def test_a_worker_frozen_inside_a_round_costs_the_others_one_window_then_heals(t
     assert summary["grace_waited_s"] <= summary["grace_timeouts"] * (grace_s + 1.0), summary
     assert summary["heals"] >= 1 and summary["participants"] == 3
     assert summary["participants_min"] == 2
-    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    clock = [r["wall_time_s"] for r in records if "participants" in r]
-    pairs = [r["participants"] for r in records if "participants" in r]
-    assert 2 in pairs and pairs[-1] == 3
+    lines = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    seen = [(r["step"], r["wall_time_s"], r["participants"]) for r in lines if "participants" in r]
+    # 3, then the other two in pairs while it is frozen, then 3 again from its heal on
+    pairs = [p for _, _, p in seen]
+    assert [p for i, p in enumerate(pairs) if i == 0 or pairs[i - 1] != p] == [3, 2, 3], seen
     # worker 0 was never held for the freeze: no gap between its log lines near 6 s
-    gaps = [b - a for a, b in zip(clock, clock[1:], strict=False)]
-    assert max(gaps) < freeze_s - 1.0, max(gaps)
+    gaps = [b[1] - a[1] for a, b in zip(seen, seen[1:], strict=False)]
+    assert max(gaps) < freeze_s - 1.0, seen
