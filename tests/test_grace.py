@@ -4,9 +4,10 @@ then the round fails, is rolled back and is retried without it.
 
 - the window's arithmetic, in one process;
 - two replica groups in one process, one of them late in a round by longer than the window:
-  the other's collective fails after about one window (not ft.timeout_s), and the next round,
-  with the same members, commits on a rebuilt process group (gloo closes a timed-out op's
-  connections, and torchft rebuilds only when the members change);
+  the other's collective fails after about one window (not ft.timeout_s), the late one fails at
+  once on waking (its peer closed the connections), and the next round, with the same members,
+  commits on a new process group (gloo's timed-out group is dead; torchft's lighthouse gives a
+  new quorum id after a failed commit, so the group is rebuilt);
 - end to end (`-m long`): one of three workers SIGSTOPped inside a round for 6 s, then
   SIGCONTed: the others wait about one window, it heals from a live peer, the job exits 0.
 """
@@ -95,8 +96,8 @@ def _replica(index: int, lighthouse: str, late_s: float, out: dict) -> None:
 def test_a_late_peer_costs_one_window_and_the_next_round_commits_on_a_rebuilt_group():
     """Replica 1 is 4 s late inside round 1; the window is 1 s (ft.timeout_s 20 s). Replica 0's
     average fails after about 1 s and its round is not committed; replica 1, on waking, finds
-    the connections closed and fails at once. Round 2 has the same two members: torchft would
-    keep the dead process group (every later round would fail); it is rebuilt and commits."""
+    the connections closed and fails at once. Round 2 has the same two members and commits:
+    the timed-out group is not reused."""
     from localsgd.averaging.torchft import start_lighthouse
 
     server, lighthouse = start_lighthouse(2, heartbeat_timeout_ms=10_000)
