@@ -77,11 +77,12 @@ class Fault:
         def frozen_first(*args, **kwargs):
             comm._allreduce = real  # once
             pid, seconds = os.getpid(), self.freeze_s
-            subprocess.Popen(
+            helper = subprocess.Popen(
                 ["sh", "-c", f"kill -STOP {pid}; sleep {seconds}; kill -CONT {pid}"],
                 start_new_session=True,
             )
-            time.sleep(seconds)  # stopped in here; its deadline has passed on waking
+            # stopped in here (or just before): the helper exits right after it wakes us
+            helper.wait(timeout=seconds + 60)
             return real(*args, **kwargs)
 
         comm._allreduce = frozen_first

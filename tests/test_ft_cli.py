@@ -236,6 +236,10 @@ def test_below_min_replicas_the_job_stops_with_a_checkpoint_and_resumes_at_anoth
         ("ft.min_replicas=0", "ft.min_replicas"),
         ("ft.max_restarts=-1", "ft.max_restarts"),
         ("ft.timeout_s=0", "ft.timeout_s"),
+        ("ft.grace_s=0", "ft.grace_s"),
+        ("ft.grace_s=31", "ft.grace_s"),  # above ft.timeout_s=30
+        ("ft.grace_factor=0.5", "ft.grace_factor"),
+        ("ft.grace_min_s=0", "ft.grace_min_s"),
         ("ft.replica_id=a", "ft.replica_id"),
         ("sync.levels=[{group_size:1,period:2},{group_size:world,period:4}]", "sync.levels"),
         (

@@ -44,12 +44,13 @@ class GraceWindow:
     ):
         if fixed_s is not None and fixed_s <= 0:
             raise ValueError(f"a grace window must be > 0 s, got {fixed_s}")
-        if factor < 1 or min_s <= 0 or max_s < min_s or history < 1:
+        if factor < 1 or min_s <= 0 or max_s <= 0 or history < 1:
             raise ValueError(
-                f"GraceWindow needs factor >= 1, 0 < min_s <= max_s and history >= 1, got "
+                f"GraceWindow needs factor >= 1, min_s > 0, max_s > 0 and history >= 1, got "
                 f"factor={factor}, min_s={min_s}, max_s={max_s}, history={history}"
             )
-        self.fixed_s, self.factor, self.min_s, self.max_s = fixed_s, factor, min_s, max_s
+        self.fixed_s, self.factor, self.max_s = fixed_s, factor, max_s
+        self.min_s = min(min_s, max_s)  # a short ft.timeout_s bounds the floor too
         self.recent: deque[float] = deque(maxlen=history)  # longest collective per round
         self._pending: float | None = None  # a window that ran out, not yet judged
 

@@ -139,52 +139,23 @@ def _quiet_peer_loss() -> None:
 
 
 class _QuorumRecorder:
-    """torchft's ManagerClient, keeping each quorum on the manager (`manager.localsgd_quorum`:
-    who heals in it) and rebuilding the process group after a failed round.
-
-    gloo closes an op's connections when it times out (a round that ran out of its grace
-    window), so the process group is dead after it; torchft rebuilds it only when the quorum's
-    members change (a frozen peer dropped), not when they stay (a slow one). With the same
-    members, the round before failed everywhere when the highest step did not move, and on some
-    member when one is behind: every member sees the same two quorums, so all of them rebuild,
-    each time under store keys of their own (`_fresh_store_prefix`)."""
+    """torchft's ManagerClient, keeping each quorum on the manager (`manager.localsgd_quorum`):
+    whether a replica heals in this round (`TorchftCommunicator` waits for a heal with the
+    process group's whole timeout, not the grace window). No rebuild of the process group is
+    needed here after a round whose window ran out (gloo closes a timed-out op's connections):
+    the lighthouse gives a new quorum id after any failed commit, and torchft reconfigures the
+    group on a new id."""
 
     def __init__(self, manager):
         self._manager, self._client = manager, manager._client
-        self._last: tuple[int, int] | None = None  # the last quorum's (id, highest step)
-        self._rebuilds = 0  # forced rebuilds under the current quorum id
 
     def _quorum(self, *args, **kwargs):
         quorum = self._client._quorum(*args, **kwargs)
-        manager = self._manager
-        manager.localsgd_quorum = quorum
-        last, self._last = self._last, (quorum.quorum_id, quorum.max_step)
-        if last is None or last[0] != quorum.quorum_id:
-            self._rebuilds = 0  # torchft rebuilds on a new id, under keys of that id
-            manager._pg.store_suffix = ""
-        elif last[1] == quorum.max_step or quorum.max_world_size < quorum.replica_world_size:
-            self._rebuilds += 1
-            manager._pg.store_suffix = f"rebuild_{self._rebuilds}"
-            manager._quorum_id = -1  # torchft reconfigures when the id differs from its own
+        self._manager.localsgd_quorum = quorum
         return quorum
 
     def __getattr__(self, name):
         return getattr(self._client, name)
-
-
-def _fresh_store_prefix(pg_class):
-    """`pg_class` whose rendezvous after a failed round uses keys of its own: the quorum id is
-    unchanged, so torchft's prefix would hold the dead group's addresses."""
-
-    class _FreshStorePrefix(pg_class):
-        store_suffix = ""
-
-        def configure(self, store_addr: str, *args, **kwargs) -> None:
-            if self.store_suffix:
-                store_addr = f"{store_addr}/{self.store_suffix}"
-            super().configure(store_addr, *args, **kwargs)
-
-    return _FreshStorePrefix
 
 
 def make_manager(
@@ -217,8 +188,7 @@ def make_manager(
     trailing digits. `init_sync=False`: replicas start identical (seeded) and nobody heals at
     step 0. `device_type` "cuda": the replicas' tensors live on GPUs and average through
     torchft's NCCL process group (gloo otherwise). Extra `kwargs` go to `Manager`. The Manager
-    is built with `use_async_quorum=False`. Its process group is rebuilt after every failed
-    round (`_QuorumRecorder`), so that a round whose grace window ran out leaves no dead group.
+    is built with `use_async_quorum=False`; it keeps each quorum (`_QuorumRecorder`).
     """
     import torchft.manager as ft_manager
     from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
@@ -244,9 +214,8 @@ def make_manager(
     with _patched(ft_manager, "ManagerServer", bound_server):
         manager = ft_manager.Manager(
             # NCCL for tensors on a GPU (torchft's own group, reconfigured at every quorum)
-            pg=_fresh_store_prefix(ProcessGroupNCCL)(timeout=timeout)
-            if device_type == "cuda"
-            else _fresh_store_prefix(ProcessGroupGloo)(timeout=timeout),
+            pg=ProcessGroupNCCL(timeout=timeout) if device_type == "cuda" else ProcessGroupGloo(
+                timeout=timeout),  # fmt: skip
             load_state_dict=None,
             state_dict=None,
             min_replica_size=min_replicas,
