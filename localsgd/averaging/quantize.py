@@ -119,7 +119,35 @@ class BlockCodec:
         return wire.decode(message).clone()
 
 
-class QuantizedWire:
+class GatheredWire:
+    """What a wire whose messages are all-gathered holds besides its codec's arrays: the
+    gather buffers (one per group size), the fp32 sum for buffers of another dtype. A subclass
+    sets `send` (this rank's message), `nbytes`, `numel`, `_gathered = {}` and `acc = None`."""
+
+    send: torch.Tensor
+    nbytes: int
+    numel: int
+    _gathered: dict[int, torch.Tensor]
+    acc: torch.Tensor | None
+
+    def gathered(self, size: int) -> torch.Tensor:
+        """The buffer a group of `size` ranks gathers its messages into (one per size)."""
+        if size not in self._gathered:
+            self._gathered[size] = torch.empty(
+                size * self.nbytes, dtype=torch.uint8, device=self.send.device
+            )
+        return self._gathered[size]
+
+    def accumulator(self, flat: torch.Tensor) -> torch.Tensor:
+        """Where the fp32 average of `flat` is summed: `flat` itself when it is fp32."""
+        if flat.dtype == torch.float32:
+            return flat
+        if self.acc is None:
+            self.acc = torch.empty(self.numel, dtype=torch.float32, device=flat.device)
+        return self.acc
+
+
+class QuantizedWire(GatheredWire):
     """The preallocated buffers that send one flat buffer of `numel` values in `codec`'s format:
     `send` (this rank's message), a gather buffer per group size, and the fp32 work space."""
 
@@ -148,22 +176,6 @@ class QuantizedWire:
             self.index = torch.zeros(padded, dtype=torch.int32, device=device)
         self._gathered: dict[int, torch.Tensor] = {}
         self.acc: torch.Tensor | None = None  # fp32 sum for buffers of another dtype
-
-    def gathered(self, size: int) -> torch.Tensor:
-        """The buffer a group of `size` ranks gathers its messages into (one per size)."""
-        if size not in self._gathered:
-            self._gathered[size] = torch.empty(
-                size * self.nbytes, dtype=torch.uint8, device=self.send.device
-            )
-        return self._gathered[size]
-
-    def accumulator(self, flat: torch.Tensor) -> torch.Tensor:
-        """Where the fp32 average of `flat` is summed: `flat` itself when it is fp32."""
-        if flat.dtype == torch.float32:
-            return flat
-        if self.acc is None:
-            self.acc = torch.empty(self.numel, dtype=torch.float32, device=flat.device)
-        return self.acc
 
     def encode_(self, x: torch.Tensor) -> None:
         """Quantise the flat tensor `x` (`numel` values, any float dtype) into `send`."""

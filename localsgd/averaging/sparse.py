@@ -32,6 +32,8 @@ import math
 
 import torch
 
+from localsgd.averaging.quantize import GatheredWire
+
 DEFAULT_CHUNK = 4096
 DEFAULT_DENSITY = 1 / 64
 MAX_CHUNK = 32768  # int16 indices
@@ -92,7 +94,7 @@ class TopKCodec:
         return wire.decode(message).clone()
 
 
-class SparseWire:
+class SparseWire(GatheredWire):
     """The preallocated buffers that send one flat buffer of `numel` values as top-k messages:
     `send`, a gather buffer per group size and the fp32 work space. The interface of
     `quantize.QuantizedWire`, so every path that exchanges quantised messages (plain, outer,
@@ -116,22 +118,6 @@ class SparseWire:
         self.send = torch.zeros(self.nbytes, dtype=torch.uint8, device=device)
         self._gathered: dict[int, torch.Tensor] = {}
         self.acc: torch.Tensor | None = None
-
-    def gathered(self, size: int) -> torch.Tensor:
-        """The buffer a group of `size` ranks gathers its messages into (one per size)."""
-        if size not in self._gathered:
-            self._gathered[size] = torch.empty(
-                size * self.nbytes, dtype=torch.uint8, device=self.send.device
-            )
-        return self._gathered[size]
-
-    def accumulator(self, flat: torch.Tensor) -> torch.Tensor:
-        """Where the fp32 average of `flat` is summed: `flat` itself when it is fp32."""
-        if flat.dtype == torch.float32:
-            return flat
-        if self.acc is None:
-            self.acc = torch.empty(self.numel, dtype=torch.float32, device=flat.device)
-        return self.acc
 
     def encode_(self, x: torch.Tensor) -> None:
         """Encode the flat tensor `x` (`numel` values, any float dtype) into `send`."""

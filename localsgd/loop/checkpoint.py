@@ -158,15 +158,22 @@ def save_shared(
         "shared": True,
         "config": config,
     }
+    return publish(tmp, folder, marker, run_dir, keep)
+
+
+def publish(tmp: str, folder: str, marker: dict, run_dir: str, keep: int) -> str:
+    """Mark the complete shared checkpoint written in `tmp` and rename it to `folder`,
+    atomically: a rename fails if the folder exists, so of several writers (workers, or replica
+    groups after a lost quorum) one wins whole. Returns `folder`."""
     _write_atomic(os.path.join(tmp, MARKER), lambda f: f.write(json.dumps(marker).encode()))
     if os.path.isdir(folder) and _marker(folder) is None:
         shutil.rmtree(folder, ignore_errors=True)  # a partial folder of an earlier life
     try:
-        os.rename(tmp, folder)  # fails if the folder exists: another worker won
+        os.rename(tmp, folder)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
         return folder
-    _fsync_dir(root)
+    _fsync_dir(checkpoint_root(run_dir))
     prune(run_dir, keep)
     return folder
 

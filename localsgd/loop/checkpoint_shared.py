@@ -28,9 +28,7 @@ an unsharded shared checkpoint). Any number of groups continues it; the shard si
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 from collections.abc import Mapping
 
 import torch
@@ -38,14 +36,11 @@ import torch.distributed as dist
 
 from localsgd.loop.checkpoint import (
     _PREFIX,
-    MARKER,
     Stateful,
-    _fsync_dir,
     _marker,
-    _write_atomic,
     checkpoint_root,
     load_own,
-    prune,
+    publish,
     rank_file,
     restore,
     step_dir,
@@ -84,17 +79,7 @@ def save_shared(
         return folder
     marker = marker_of(tmp, step, world_size, shard_size, shard_size, components, config)
     marker.update(shared=True, group=group)
-    _write_atomic(os.path.join(tmp, MARKER), lambda f: f.write(json.dumps(marker).encode()))
-    if os.path.isdir(folder) and _marker(folder) is None:
-        shutil.rmtree(folder, ignore_errors=True)  # a partial folder of an earlier life
-    try:
-        os.rename(tmp, folder)  # fails if the folder exists: another group won
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        return folder
-    _fsync_dir(root)
-    prune(run_dir, keep)
-    return folder
+    return publish(tmp, folder, marker, run_dir, keep)  # another group's may win whole
 
 
 def _own_residuals(folder: str, rank: int, world_size: int, shard_size: int, device):
