@@ -15,7 +15,7 @@ Throughput is rank 0's (a fast worker's) computed samples over its training seco
 less the periodic evaluations); the ratio is against `free` of the same seed. Writes
 experiments/straggler_study.{md,json}.
 
-    python experiments/straggler_study.py --steps 600 --step-s 0.015   # as committed: 24 runs, ~8 min
+    python experiments/straggler_study.py --steps 600 --step-s 0.015  # as committed, ~8 min
     python experiments/straggler_study.py --tiny     # smoke test: 1 seed, a few steps
 """
 
