@@ -141,6 +141,30 @@ def test_the_cli_paces_a_simulated_slow_worker_and_nobody_late_is_todays_model(t
     assert same_model(tmp_path / "paced" / "model.pt", tmp_path / "first_half" / "model.pt")
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_a_paced_run_resumed_at_another_world_size_starts_a_new_round(tmp_path):
+    """Stopped 3 ticks after the sync at step 16 (rank 0 trained 3 steps, rank 3 2), then
+    continued by 2 workers: they start from the 4 models' mean, so each starts a round of its
+    own. Its 4 ticks: worker 0 trains 4 steps, worker 1 (three times slower) 2; inheriting the
+    old round would make them [224, 128]."""
+    run = tmp_path / "run"
+    args = JOB + ["sync.inner_time_s=0.016", "comm.simulate.step_s=0.002", f"hydra.run.dir={run}"]
+    first = [a for a in args if a != "trainer.checkpoint_every=0"]
+    proc, _ = cli(
+        first + ["comm.simulate.worker_speed=[1,1,1,3]", "trainer.max_steps=20",
+                 "trainer.checkpoint_every=20"]
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc, _ = cli(
+        args + ["dist.world_size=2", "comm.simulate.worker_speed=[1,3]", "trainer.max_steps=24"]
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resuming at another world size" in proc.stderr
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["round_weights"] == [4 * 32, 2 * 32]
+
+
 @pytest.mark.parametrize(
     "extra, named",
     [

@@ -114,6 +114,12 @@ class Pacer:
         self.round_start = time.perf_counter() - (0.0 if self.modelled else self.round_seconds)
 
 
+def new_round(state: dict[str, Any]) -> dict[str, Any]:
+    """A pacer's checkpointed `state` with its round started afresh (a resume at another world
+    size puts every worker on one model, which is where a round starts); its counts kept."""
+    return {**state, "round_seconds": 0.0, "round_samples": 0}
+
+
 def build_pacer(cfg: Any, rank: int) -> Pacer:
     """The `sync.inner_time_s` / `comm.simulate.worker_speed` pacing of worker `rank`."""
     sim = cfg.comm.simulate

@@ -39,6 +39,7 @@ from collections.abc import Mapping
 import torch
 
 from localsgd.loop.checkpoint import Stateful, _marker, load, load_own, rank_file, restore
+from localsgd.loop.pacing import new_round
 
 
 def written_by(folder: str) -> int:
@@ -256,6 +257,8 @@ def load_resharded(
         merged["sampler"] = _rescaled_position(
             states[0]["sampler"], components["sampler"].state_dict()
         )
+    if "pacer" in merged:  # the workers start from one model: a new round of their own
+        merged["pacer"] = new_round(states[min(rank, old - 1)]["pacer"])
     carry_rng(merged, states, rank)
     restore(merged, components, (*optional, "rng"), folder)
     if between and _outer(states[0]):
