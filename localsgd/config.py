@@ -153,8 +153,8 @@ class SyncConfig:
     aggregate: str = "mean"  # localsgd.averaging.robust.AGGREGATES
     clip_multiple: float = 2.0  # clip: each contribution's norm <= this x the round's median norm
     trim_fraction: float = 0.25  # trimmed_mean: cut from each side, per coordinate, in [0, 0.5)
-    # drop a contribution holding NaN/Inf from its round; null: true for clip | trimmed_mean |
-    # median, false for the mean (true there gathers the contributions instead of all-reducing)
+    # drop a contribution holding NaN/Inf from its round (null: true). The mean checks in band
+    # (localsgd.averaging.finite: no byte more in a clean round); false: the unguarded all-reduce
     drop_nonfinite: bool | None = None
     # score each contribution by the loss change it causes on a batch of score_batch test
     # samples drawn from the round's seed; a bad one is dropped from its round, and
@@ -162,6 +162,9 @@ class SyncConfig:
     score: bool = False
     score_batch: int = 256
     score_fraction: float = 0.5  # bad: score <= this x the round's median score (when > 0)
+    # ... and its per-sample losses worse than the median contribution's by more than score_z
+    # standard errors (a paired test over the batch; 0: the fraction alone)
+    score_z: float = 3.0
     exclude_after: int = 2
 
 

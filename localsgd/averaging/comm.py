@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.torch_version import TorchVersion
 
+from localsgd.averaging.finite import NonFiniteGuard, all_finite
+
 if TYPE_CHECKING:
     from localsgd.averaging.quantize import QuantizedWire
 
@@ -129,6 +131,7 @@ class Communicator:
         group: dist.ProcessGroup | None = None,
         stats: CommStats | None = None,
         link: SimulatedLink | None = None,
+        guard: bool = True,
     ):
         self.group = group
         self.size = dist.get_world_size(group)
@@ -138,6 +141,10 @@ class Communicator:
         # a weighted round (`weigh`): this rank's share w_r / sum(w) of the next means; None:
         # the plain mean
         self.share: float | None = None
+        # drop a contribution holding NaN/Inf from each mean (`finite.NonFiniteGuard`); the
+        # ranks dropped so far are appended to `dropped`, shared with `subgroups`' levels
+        self.guard = guard
+        self.dropped: list[int] = []
 
     def weigh(self, weight: float, device: torch.device | None = None) -> list[float]:
         """Every rank's `weight` for the next means (one all-reduce of a vector of one slot per
@@ -179,7 +186,9 @@ class Communicator:
             list(ranks[i : i + size]) for ranks in parallel for i in range(0, len(ranks), size)
         ]
         group, _ = dist.new_subgroups_by_enumeration(chunks)
-        return Communicator(group, self.stats, self.link)
+        level = Communicator(group, self.stats, self.link, self.guard)
+        level.dropped = self.dropped
+        return level
 
     def mean_(self, flat: torch.Tensor, through: torch.Tensor | None = None) -> None:
         """Replace `flat` in place by its mean over the group, with one all-reduce.
@@ -191,6 +200,7 @@ class Communicator:
         """
         start = time.perf_counter()
         wire = flat if through is None else through.copy_(flat)
+        guard = NonFiniteGuard([wire]) if self.guard else None
         if self.share is not None:  # a weighted round: each rank's share, summed
             wire.mul_(self.share)
             dist.all_reduce(wire, group=self.group)
@@ -199,9 +209,29 @@ class Communicator:
         else:
             wire.div_(self.size)
             dist.all_reduce(wire, group=self.group)
+        if guard is not None:
+            self._settle(guard)
         if through is not None:
             flat.copy_(wire)
         self._account(start, _nbytes(wire))
+
+    def _settle(self, guard: NonFiniteGuard) -> None:
+        """After a guarded reduction: the mean of the finite contributions (see finite.py)."""
+
+        def all_reduce(slots: torch.Tensor) -> None:
+            begin = time.perf_counter()
+            dist.all_reduce(slots, group=self.group)
+            self._account(begin, _nbytes(slots))
+
+        scale = self.share if self.share is not None else 1.0 / self.size
+        rank = dist.get_rank(self.group)
+        self._drop(guard.settle(scale, rank, self.size, all_reduce))
+
+    def _drop(self, ranks: list[int]) -> None:
+        """Name the dropped ranks by their global rank."""
+        if self.group is not None:
+            ranks = [dist.get_global_rank(self.group, r) for r in ranks]
+        self.dropped.extend(ranks)
 
     def launch_mean_(
         self, pieces: list[torch.Tensor], through: list[torch.Tensor] | None = None
@@ -215,6 +245,8 @@ class Communicator:
         wires = pieces if through is None else [
             t.copy_(p) for t, p in zip(through, pieces, strict=True)
         ]  # fmt: skip
+        # one verdict for the whole set: a contribution is dropped from every piece or none
+        guard = NonFiniteGuard(wires) if self.guard else None
         works = []
         for wire in wires:
             if not self.use_avg:
@@ -224,11 +256,14 @@ class Communicator:
         self.stats.bytes += nbytes
         self.stats.seconds += time.perf_counter() - start
 
-        def copy_back() -> None:
-            for piece, wire in zip(pieces, wires, strict=True):
-                piece.copy_(wire)
+        def finish() -> None:
+            if guard is not None:
+                self._settle(guard)
+            if through is not None:
+                for piece, wire in zip(pieces, wires, strict=True):
+                    piece.copy_(wire)
 
-        return PendingMean(self, works, nbytes, start, None if through is None else copy_back)
+        return PendingMean(self, works, nbytes, start, finish)
 
     def launch_quantized_mean_(
         self,
@@ -305,24 +340,45 @@ class Communicator:
         self._account(start, wire.nbytes)
 
     def _average_gathered(self, flat: torch.Tensor, wire: QuantizedWire) -> None:
-        decode_mean_(flat, wire, wire.gathered(self.size), self.size, self.size)
+        self._drop(
+            decode_mean_(flat, wire, wire.gathered(self.size), self.size, self.size, self.guard)
+        )
 
 
 def decode_mean_(
-    flat: torch.Tensor, wire: QuantizedWire, gathered: torch.Tensor, members: int, divisor: int
-) -> None:
+    flat: torch.Tensor,
+    wire: QuantizedWire,
+    gathered: torch.Tensor,
+    members: int,
+    divisor: int,
+    guard: bool = False,
+) -> list[int]:
     """`flat` <- the fp32 sum of the first `members` messages in `gathered`, decoded and summed
-    in rank order (the same bits on every rank), divided by `divisor`."""
+    in rank order (the same bits on every rank), divided by `divisor`. With `guard`, a message
+    that decodes to NaN/Inf is left out and the divisor shrinks by one for each: every rank
+    decodes the same messages, so they all drop the same ones, with no communication. Returns
+    the ranks left out."""
     acc = wire.accumulator(flat)
+    dropped, summed = [], 0
     for rank in range(members):
         value = wire.decode(gathered[rank * wire.nbytes : (rank + 1) * wire.nbytes])
-        if rank == 0:
+        if guard and not bool(all_finite([value])):
+            dropped.append(rank)
+            continue
+        if summed == 0:
             acc.copy_(value)
         else:
             acc.add_(value)
-    acc.div_(max(divisor, 1))
+        summed += 1
+    if summed == 0 and members:
+        raise RuntimeError(
+            "every worker's contribution to this average held NaN or Inf: there is nothing "
+            "finite to average (sync.drop_nonfinite)"
+        )
+    acc.div_(max(divisor - len(dropped), 1))
     if acc is not flat:
         flat.copy_(acc)
+    return dropped
 
 
 def _gather_into(

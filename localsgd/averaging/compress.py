@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from localsgd.averaging.comm import Communicator
+from localsgd.averaging.finite import all_finite
 from localsgd.averaging.flat import Relayout
 from localsgd.averaging.quantize import (
     DEFAULT_BLOCK_SIZE,
@@ -109,11 +110,19 @@ def lossy_mean_(
     feed_back_(flat, residual, decay)
     if isinstance(low, MESSAGE_WIRES):
         comm.quantized_mean_(flat, low, residual)
-        return
-    if residual is not None:
-        low.copy_(flat)
-        torch.sub(flat, low, out=residual)  # wanted - sent
-    comm.mean_(flat, through=low)
+    else:
+        if residual is not None:
+            low.copy_(flat)
+            torch.sub(flat, low, out=residual)  # wanted - sent
+        comm.mean_(flat, through=low)
+    forget_nonfinite_(residual, comm)
+
+
+def forget_nonfinite_(residual: torch.Tensor | None, comm: Communicator) -> None:
+    """A contribution that held NaN/Inf was dropped from the round; its residual would carry
+    the NaN into every later one, and is zeroed (with `comm.guard`)."""
+    if residual is not None and comm.guard:
+        residual.masked_fill_(~all_finite([residual]), 0)
 
 
 def load_residuals(residuals: list, saved: list | None) -> None:

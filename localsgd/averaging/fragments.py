@@ -18,6 +18,7 @@ from localsgd.averaging.compress import (
     MESSAGE_FORMATS,
     CommFormat,
     feed_back_,
+    forget_nonfinite_,
     load_residuals,
     lossy_mean_,
     residual_buffers,
@@ -189,17 +190,21 @@ class Fragments(Reducer):
         for piece, residual in zip(pieces, residuals, strict=True):
             feed_back_(piece, residual, self.feedback_decay)
         if self.quantized:
-            return comm.launch_quantized_mean_(pieces, lows, residuals)
-        if all(low is None for low in lows):
+            pending = comm.launch_quantized_mean_(pieces, lows, residuals)
+        elif all(low is None for low in lows):
             return comm.launch_mean_(buckets(pieces, self.bucket_bytes))
-        through = []
-        for piece, low, residual in zip(pieces, lows, residuals, strict=True):
-            if low is not None:
-                low.copy_(piece)
-                if residual is not None:
-                    torch.sub(piece, low, out=residual)  # wanted - sent
-            through.append(piece if low is None else low)
-        return comm.launch_mean_(pieces, through=through)
+        else:
+            through = []
+            for piece, low, residual in zip(pieces, lows, residuals, strict=True):
+                if low is not None:
+                    low.copy_(piece)
+                    if residual is not None:
+                        torch.sub(piece, low, out=residual)  # wanted - sent
+                through.append(piece if low is None else low)
+            pending = comm.launch_mean_(pieces, through=through)
+        for residual in residuals:
+            forget_nonfinite_(residual, comm)
+        return pending
 
     def wait(self, p: int) -> None:
         if self.flight[p] is not None:

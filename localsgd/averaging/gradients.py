@@ -36,9 +36,10 @@ class GradientAverager:
         stats: CommStats | None = None,
         link: SimulatedLink | None = None,
         init_sync: bool = True,
+        drop_nonfinite: bool = True,
     ):
         self.params = [p for p in module.parameters() if p.requires_grad]
-        self.comm = Communicator(process_group, stats, link)
+        self.comm = Communicator(process_group, stats, link, guard=drop_nonfinite)
         if init_sync:
             for tensor in averaged_tensors(module):
                 self.comm.broadcast_(tensor.data, src=0)

@@ -73,10 +73,11 @@ class HierarchicalAverager(Averager):
         error_feedback: bool = False,
         quant_block_size: int = DEFAULT_BLOCK_SIZE,
         error_feedback_decay: float = 1.0,
+        drop_nonfinite: bool = True,
     ):
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
-        world = Communicator(process_group, stats, link)
+        world = Communicator(process_group, stats, link, guard=drop_nonfinite)
         check_levels(period_group_size_dict or {}, world.size)
         by_size: dict[int, Communicator] = {}  # one set of subgroups per distinct size
         levels = []

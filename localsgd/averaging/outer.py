@@ -77,6 +77,7 @@ class OuterAverager(PeriodicAverager):
         aggregate: Aggregate | None = None,
         judge: Judge | None = None,
         error_feedback_decay: float = 1.0,
+        drop_nonfinite: bool = True,
     ):
         dtype = comm_dtype_of(comm_dtype, quant_block_size)
         host = check_outer_state(outer_state)
@@ -117,6 +118,7 @@ class OuterAverager(PeriodicAverager):
             reducer=make_reducer,
             init_sync=init_sync,
             mirror=mirror,
+            drop_nonfinite=drop_nonfinite,
         )
         self.comm_dtype = dtype  # what goes on the wire (PeriodicAverager set float32)
 

@@ -74,6 +74,7 @@ class PeriodicAverager(Averager):
         aggregate: Aggregate | None = None,
         judge: Judge | None = None,
         error_feedback_decay: float = 1.0,
+        drop_nonfinite: bool = True,
     ):
         if period < 1:
             raise ValueError(f"period must be an integer >= 1, got {period!r}")
@@ -88,7 +89,7 @@ class PeriodicAverager(Averager):
         if aggregate is not None and (overlap or self.schedule.needs_loss):
             raise ValueError("a robust aggregate needs overlap=False and a schedule without loss "
                              "feedback")
-        comm = Communicator(process_group, stats, link)
+        comm = Communicator(process_group, stats, link, guard=drop_nonfinite)
         if reducer is None and aggregate is not None:
 
             def reducer(flat: FlatBuffers) -> RobustMean:

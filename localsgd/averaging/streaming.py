@@ -140,6 +140,7 @@ class StreamingAverager(Averager):
         mirror: bool | None = None,
         outer_state: str = "device",
         error_feedback_decay: float = 1.0,
+        drop_nonfinite: bool = True,
     ):
         if period < 1 or warmup_steps < 0 or fragments < 1:
             raise ValueError("period and fragments must be >= 1, warmup_steps >= 0")
@@ -204,7 +205,7 @@ class StreamingAverager(Averager):
                 error_feedback_decay,
             )
 
-        comm = Communicator(process_group, stats, link)
+        comm = Communicator(process_group, stats, link, guard=drop_nonfinite)
         inner = dict(inner_levels or {})
         for p, size in inner.items():
             if p < 1 or size < 1 or comm.size % size:

@@ -8,9 +8,12 @@ its flat buffers (`localsgd.averaging.robust` gathers and combines them):
    the round); the round goes on with the rest;
 3. with a `Judge`, each remaining contribution is scored: the loss change it causes on a small
    batch every rank draws from the round's seed (Templar's Gauntlet): `loss(anchor) -
-   loss(anchor + contribution)`, positive when it helps. It is bad when the round's median score
-   is positive and its own is at most `score_fraction` times that median (a free rider's zero
-   change scores 0; a flipped sign scores below 0), or when it is not finite. A bad contribution
+   loss(anchor + contribution)`, positive when it helps. It is bad when it is not finite, or
+   when the round's median score is positive, its own is at most `score_fraction` times that
+   median (a free rider's zero change scores 0; a flipped sign scores below 0), and its
+   per-sample losses are worse than the median contribution's by more than `score_z` standard
+   errors (a paired test over the batch): an honest contribution that is merely unlucky on a
+   small batch, late in training when every change is small, is not condemned. A bad contribution
    is dropped from its round; `exclude_after` bad rounds running exclude the worker: its
    contributions are dropped from every later round. At most `(size - 1) // 2` workers are
    ever excluded (one of 4): everything here assumes an honest majority, and a noisy score
@@ -45,17 +48,36 @@ from localsgd.averaging.robust import Aggregate, GatheredContributions, finite_r
 class Judge:
     """Scores contributions and excludes workers (see the module doc). `loss_at(round)`: the
     loss of the model as it stands now on round `round`'s held-out batch, drawn from the round's
-    seed, the same on every rank. `exclude_after` = 0: score and drop, never exclude."""
+    seed, the same on every rank: per sample (a 1-D tensor), or one float (then no paired test
+    can be made, and `score_z` is not used). `exclude_after` = 0: score and drop, never
+    exclude."""
 
-    loss_at: Callable[[int], float]
+    loss_at: Callable[[int], float | torch.Tensor]
     exclude_after: int = 2
     score_fraction: float = 0.5
+    score_z: float = 3.0
 
     def __post_init__(self):
+        if not self.score_z >= 0:
+            raise ValueError(f"score_z must be >= 0, got {self.score_z!r}")
         if self.exclude_after < 0:
             raise ValueError(f"exclude_after must be >= 0, got {self.exclude_after!r}")
         if not 0 <= self.score_fraction < 1:
             raise ValueError(f"score_fraction must be in [0, 1), got {self.score_fraction!r}")
+
+
+def _per_sample(loss: float | torch.Tensor) -> torch.Tensor:
+    return torch.as_tensor(loss, dtype=torch.float64).reshape(-1)
+
+
+def _worse(losses: torch.Tensor, reference: torch.Tensor, z: float) -> bool:
+    """Whether `losses` exceed `reference` by more than `z` standard errors of their paired
+    differences (one sample: by anything at all)."""
+    diff = losses - reference
+    gap = float(diff.mean())
+    if diff.numel() < 2:
+        return gap > 0
+    return gap > z * float(diff.std()) / math.sqrt(diff.numel())
 
 
 class TrustedRound:
@@ -116,19 +138,29 @@ class TrustedRound:
         judge = self.judge
         for flat, anchor in zip(flats, anchors, strict=True):
             flat.copy_(anchor)
-        before = judge.loss_at(round_)
+        before = _per_sample(judge.loss_at(round_))
         scores: list[float | None] = [None] * self.size
+        losses: dict[int, torch.Tensor] = {}
         for rank in keep:
             for flat, anchor, r in zip(flats, anchors, rows, strict=True):
                 flat.copy_(anchor).add_(r[rank], alpha=self.sign)
-            scores[rank] = before - judge.loss_at(round_)
+            losses[rank] = _per_sample(judge.loss_at(round_))
+            scores[rank] = float((before - losses[rank]).mean())
         self.scores = scores
-        finite = [scores[r] for r in keep if math.isfinite(scores[r])]
-        middle = median_of(finite) if finite else 0.0
+        finite = sorted((scores[r], r) for r in keep if math.isfinite(scores[r]))
+        middle = median_of([s for s, _ in finite]) if finite else 0.0
+        # the median contribution's per-sample losses (the two middle ones' mean, for an even
+        # count): what each contribution is held against, sample by sample
+        mid = [r for _, r in finite[(len(finite) - 1) // 2 : len(finite) // 2 + 1]]
+        reference = torch.stack([losses[r] for r in mid]).mean(0) if mid else None
         kept = []
         for rank in keep:
             s = scores[rank]
-            bad = not math.isfinite(s) or (middle > 0 and s <= judge.score_fraction * middle)
+            bad = not math.isfinite(s) or (
+                middle > 0
+                and s <= judge.score_fraction * middle
+                and _worse(losses[rank], reference, judge.score_z)
+            )
             if bad:
                 self._event(round_, step, rank, "bad")
                 self._bad(round_, step, rank)

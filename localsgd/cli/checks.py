@@ -30,6 +30,10 @@ from localsgd.loop.strategies import GROUP_SIZE_WORDS, OUTERS, SCHEDULES, resolv
 
 __all__ = ["ConfigError", "validate", "validate_optim", "validate_sync"]
 
+# sync.comm_dtype values all-reduced, not gathered: under ft=torchft nothing can leave a
+# non-finite contribution out of them (`localsgd.averaging.finite` guards the others)
+_UNGUARDED = ("float32", "bfloat16", "float16")
+
 
 def _require(ok: bool, key: str, allowed: str, value: Any) -> None:
     if not ok:
@@ -247,6 +251,8 @@ def _validate_trust(cfg: Any) -> None:
     _require(batch >= 1, "sync.score_batch", "an integer >= 1", batch)
     fraction = _get(cfg, "sync.score_fraction")
     _require(0 <= fraction < 1, "sync.score_fraction", "in [0, 1)", fraction)
+    z = _get(cfg, "sync.score_z")
+    _require(_number(z) and z >= 0, "sync.score_z", "a number >= 0", z)
     after = _get(cfg, "sync.exclude_after")
     _require(after >= 0, "sync.exclude_after", "an integer >= 0 (0 = never exclude)", after)
     aggregate, drop = _get(cfg, "sync.aggregate"), _get(cfg, "sync.drop_nonfinite")
@@ -260,7 +266,16 @@ def _validate_trust(cfg: Any) -> None:
             "sync.drop_nonfinite must be true or null with sync.score=true (a NaN/Inf "
             "contribution scores as bad and is dropped), got False"
         )
-    refusal = SyncPlan.of(_get(cfg, "sync")).trust_refusal(ft=_get(cfg, "ft.backend") != "none")
+    ft = _get(cfg, "ft.backend") != "none"
+    plan = SyncPlan.of(_get(cfg, "sync"))
+    if ft and drop is True and plan.comm_format(_get(cfg, "sync.comm_dtype")) in _UNGUARDED:
+        raise ConfigError(
+            "sync.drop_nonfinite=true cannot hold with ft=torchft and a 16/32-bit "
+            "sync.comm_dtype: torchft's Manager all-reduces the mean across replica groups, "
+            "which cannot leave a contribution out; use a low-bit sync.comm_dtype (int8, int4: "
+            "gathered and checked) or null"
+        )
+    refusal = plan.trust_refusal(ft=ft)
     if refusal is not None:
         raise ConfigError(refusal)
 

@@ -16,7 +16,7 @@ NOT_WEIGHTED = {
     "sync.fragments": (lambda p, c: p.streaming, "Streaming DiLoCo's fragments and delays"),
     "sync.aggregate": (
         lambda p, c: p.gathered,
-        "gathered contributions (robust aggregates, drop_nonfinite, score) are combined "
+        "gathered contributions (robust aggregates, sync.score) are combined "
         "unweighted",
     ),
     "sync.compress": (lambda p, c: p.compress != "none", "its sparse all-gather sums unweighted"),

@@ -58,11 +58,12 @@ def held_out_loss(
     batch_size: int,
     device: torch.device,
     autocast: Callable[[], AbstractContextManager],
-) -> float:
-    """The model's loss, as it stands, on `batch_size` samples of `test` drawn from round
-    `round_`'s seed: the same batch on every rank, a different one each round (`sync.score`,
-    localsgd.averaging.trust). Drawn from the test split, which no worker trains on; the final
-    evaluation uses the whole split, so a scored run's verdicts have seen part of it."""
+) -> torch.Tensor:
+    """The model's loss per sample (float64, on the CPU; a sequence's mean over its tokens),
+    as it stands, on `batch_size` samples of `test` drawn from round `round_`'s seed: the same
+    batch on every rank, a different one each round (`sync.score`, localsgd.averaging.trust).
+    Drawn from the test split, which no worker trains on; the final evaluation uses the whole
+    split, so a scored run's verdicts have seen part of it."""
     gen = torch.Generator().manual_seed(seed * 1_000_003 + round_)
     picks = torch.randint(len(test), (batch_size,), generator=gen).tolist()
     x, y = default_collate([test[i] for i in picks])
@@ -71,7 +72,9 @@ def held_out_loss(
     with autocast():
         logits = model(x.to(device))
     model.train(training)
-    return float(loss_and_correct(logits.float(), y.to(device))[0])
+    y = y.to(device)
+    losses = F.cross_entropy(logits.float().flatten(0, -2), y.flatten(), reduction="none")
+    return losses.view(len(picks), -1).mean(1).double().cpu()
 
 
 def text_sample(model: nn.Module, data, chars: int, seed: int) -> dict[str, str]:

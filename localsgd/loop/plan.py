@@ -31,8 +31,8 @@ RESHARD_REFUSED = {
 # sync key: what a run with dist.shard_size > 1 (sharded replica groups) does not build yet
 # (`SyncPlan.shard_refusal`); every other sync setting runs sharded
 SHARD_REFUSED = {
-    "sync.aggregate": "gathering every worker's contribution (robust aggregates, drop_nonfinite, "
-    "score): a coordinate-wise rule would judge each shard apart, and clip needs the whole "
+    "sync.aggregate": "gathering every worker's contribution (robust aggregates, "
+    "sync.score): a coordinate-wise rule would judge each shard apart, and clip needs the whole "
     "contribution's norm",
     "sync.compress": "top-k pseudo-gradients of shards",
 }
@@ -72,7 +72,7 @@ class SyncPlan:
     moment_periods: tuple[int, ...]  # desloc's (first, second) periods, in parameter averages
     schedule: str  # constant | step | adaptive
     aggregate: str  # mean | clip | trimmed_mean | median
-    drop_nonfinite: bool  # resolved: null means true for a robust aggregate, false for the mean
+    drop_nonfinite: bool  # resolved: null means true
     score: bool
     compress: str  # none | topk
     topk_density: float
@@ -111,11 +111,9 @@ class SyncPlan:
             moment_periods=tuple(_read_or(sync, "moment_periods", [3, 6])),
             schedule=_read(sync, "schedule"),
             aggregate=_read(sync, "aggregate"),
-            drop_nonfinite=(
-                _read(sync, "aggregate") != "mean"
-                if _read(sync, "drop_nonfinite") is None
-                else bool(_read(sync, "drop_nonfinite"))
-            ),
+            # null: true, whatever the aggregate (false: today's unguarded all-reduce)
+            drop_nonfinite=_read(sync, "drop_nonfinite") is None
+            or bool(_read(sync, "drop_nonfinite")),
             score=bool(_read(sync, "score")),
             compress=_read_or(sync, "compress", "none"),
             topk_density=float(_read_or(sync, "topk_density", 1 / 64)),
@@ -134,9 +132,9 @@ class SyncPlan:
     @property
     def gathered(self) -> bool:
         """Whether each sync all-gathers every worker's contribution (`localsgd.averaging.
-        trust`): a robust aggregate, the mean with non-finite contributions dropped, or scoring.
-        False: the mean all-reduced, today's path and bits."""
-        return self.aggregate != "mean" or self.drop_nonfinite or self.score
+        trust`): a robust aggregate or scoring. False: the mean all-reduced, today's path and
+        bits (a NaN/Inf contribution dropped in band: `localsgd.averaging.finite`)."""
+        return self.aggregate != "mean" or self.score
 
     def trust_refusal(self, ft: bool = False) -> str | None:
         """Why a gathered sync cannot hold with the rest of this config, as one line naming
@@ -144,7 +142,7 @@ class SyncPlan:
         if not self.gathered:
             return None
         what = f"sync.aggregate={self.aggregate}" + (
-            " with sync.drop_nonfinite/score" if self.aggregate == "mean" else ""
+            " with sync.score" if self.aggregate == "mean" else ""
         )
         refused = (
             (ft, "ft=torchft: torchft's Manager offers only an all-reduce, which cannot drop, "

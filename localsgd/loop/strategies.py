@@ -89,7 +89,7 @@ def trust_of(
     if plan.score:
         if loss_at is None:
             raise ValueError("sync.score needs the held-out loss (loss_at)")
-        judge = Judge(loss_at, sync.exclude_after, sync.score_fraction)
+        judge = Judge(loss_at, sync.exclude_after, sync.score_fraction, sync.score_z)
     return {
         "aggregate": Aggregate(sync.aggregate, sync.clip_multiple, sync.trim_fraction),
         "judge": judge,
@@ -164,6 +164,7 @@ def build_averager(
             error_feedback=sync.error_feedback,
             error_feedback_decay=sync.error_feedback_decay,
             inner_levels=dict(list(sizes.items())[:-1]),
+            drop_nonfinite=plan.drop_nonfinite,
         )
     elif levels:
         averager = HierarchicalAverager(
@@ -178,6 +179,7 @@ def build_averager(
             error_feedback=sync.error_feedback,
             error_feedback_decay=sync.error_feedback_decay,
             quant_block_size=sync.quant_block_size,
+            drop_nonfinite=plan.drop_nonfinite,
         )
     elif outer != "none":
         averager = OuterAverager(
@@ -193,6 +195,7 @@ def build_averager(
             error_feedback=sync.error_feedback,
             error_feedback_decay=sync.error_feedback_decay,
             quant_block_size=sync.quant_block_size,
+            drop_nonfinite=plan.drop_nonfinite,
             **trust,
         )  # anchored: it starts from rank 0's model
     else:
@@ -209,6 +212,7 @@ def build_averager(
             error_feedback=sync.error_feedback,
             error_feedback_decay=sync.error_feedback_decay,
             quant_block_size=sync.quant_block_size,
+            drop_nonfinite=plan.drop_nonfinite,
             **trust,
         )
     mode = sync.optimizer_state

@@ -70,6 +70,9 @@ class Synchroniser:
         # straight through torch.distributed
         self.fault_tolerance: FaultTolerance | None = None
         self.announced = 0  # trust events announced so far (`_announce_trust`)
+        # (rank, step) of each contribution an all-reduce left out for holding NaN/Inf
+        # (`localsgd.averaging.finite`): the same list on every rank of the group
+        self.dropped_nonfinite: list[tuple[int, int]] = []
 
     @property
     def _driver(self):
@@ -147,6 +150,7 @@ class Synchroniser:
         if self.fault_tolerance is not None:
             return self.fault_tolerance.rounds.all_reduce_gradients()
         self.grad_averager.all_reduce()
+        self._collect_dropped(self.averager.step)
         return True
 
     def after_step(self, loss: torch.Tensor | None) -> None:
@@ -158,7 +162,31 @@ class Synchroniser:
             self.averager.observe_loss(loss if shards is None else shards.group_mean(loss))
         self._driver.maybe_average()
         self.in_sync = self.synchronous or self.averager.all_in_sync
+        self._collect_dropped(self.averager.step - 1)
         self._announce_trust()
+
+    def _collect_dropped(self, step: int) -> None:
+        """Record (and, on rank 0, name) the contributions this step's averages left out for
+        holding NaN/Inf; every rank of a group drops the same ones."""
+        lists = {}
+        comms = [*self.averager.levels]
+        if self.grad_averager is not None:
+            comms.append(self.grad_averager.comm)
+        if self.fault_tolerance is not None:
+            comms.append(self.fault_tolerance.rounds.comm)
+        for comm in comms:
+            dropped = getattr(comm, "dropped", None)
+            if dropped:
+                lists[id(dropped)] = dropped
+        for dropped in lists.values():
+            for rank in dropped:
+                self.dropped_nonfinite.append((rank, step))
+                if not dist.is_initialized() or dist.get_rank() == 0:
+                    notice(
+                        f"nonfinite: worker {rank}'s contribution at step {step} held NaN/Inf: "
+                        "dropped from the average (sync.drop_nonfinite)"
+                    )
+            dropped.clear()
 
     def _announce_trust(self) -> None:
         """Rank 0 names each dropped contribution and excluded worker, once (every rank holds
@@ -303,6 +331,8 @@ class Synchroniser:
             summary["replica_checks"] = self.checks_done
         if self.trust is not None:  # each event as [rank, round]
             summary["trust"] = self.trust.record()
+        if self.dropped_nonfinite:  # dropped from all-reduced averages, each as [rank, step]
+            summary["dropped_nonfinite"] = [list(d) for d in self.dropped_nonfinite]
         if self.fault_tolerance is not None:
             rounds = self.fault_tolerance.rounds
             summary.update(
@@ -325,7 +355,12 @@ class Synchroniser:
 
     def trust_record(self) -> dict[str, Any]:
         """Every log line under a gathered sync: workers excluded, contributions dropped."""
-        return {} if self.trust is None else self.trust.metrics()
+        record = {} if self.trust is None else self.trust.metrics()
+        if self.dropped_nonfinite:
+            record["dropped_nonfinite"] = record.get("dropped_nonfinite", 0) + len(
+                self.dropped_nonfinite
+            )
+        return record
 
     def fault_record(self) -> dict[str, Any]:
         """Under ft=torchft: how many workers the last average included (every log line)."""

@@ -104,8 +104,13 @@ class TorchftCommunicator(Communicator):
         replicas: int = 1,
         device: torch.device | str = "cpu",
         grace: GraceWindow | None = None,
+        guard: bool = True,
     ):
         self.manager = manager
+        # low-bit messages that decode to NaN/Inf are left out of the mean (`decode_mean_`);
+        # the Manager's all-reduce of a full-precision mean has no such guard (see mean_)
+        self.guard = guard
+        self.dropped: list[int] = []
         self.grace = grace
         self.window_s: float | None = None  # this round's per-collective timeout
         self.longest_s = 0.0  # this round's longest collective (what the window learns from)
@@ -331,7 +336,7 @@ class TorchftCommunicator(Communicator):
         if self.manager.errored() is not None:
             return  # the round will not commit
         # healers' messages decode to zeros: summed, but the live workers divide
-        decode_mean_(flat, wire, gathered, members, self.size)
+        self.dropped.extend(decode_mean_(flat, wire, gathered, members, self.size, self.guard))
 
     def _all_gather(self, out: torch.Tensor, inp: torch.Tensor):
         # the Manager has no all-gather: its process group's, with errors reported to it so
