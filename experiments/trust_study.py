@@ -93,8 +93,7 @@ def run_one(setting: str, aggregator: str, attack: str, seed: int, args, run_dir
         "wall_time_s": summary["wall_time_s"],
         "excluded_round": trust.get("excluded", {}).get("1"),
         "excluded": sorted(int(r) for r in trust.get("excluded", {})),
-        "dropped_nonfinite": len(trust.get("dropped_nonfinite", []))
-        + len(summary.get("dropped_nonfinite", [])),
+        "dropped_nonfinite": summary.get("dropped_nonfinite", 0),
     }
 
 

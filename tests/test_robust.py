@@ -352,7 +352,8 @@ def test_cli_drops_nan_and_excludes_an_attacker(tmp_path):
     # the syncs after steps 0, 10, ..., 50; the final average follows no optimizer step: no attack
     for name in ("mean", "diloco"):
         summary = json.loads((tmp_path / name / "summary.json").read_text())
-        assert summary["dropped_nonfinite"] == [[1, s] for s in range(0, 60, 10)], name
+        assert summary["dropped_nonfinite_at"] == [[1, s] for s in range(0, 60, 10)], name
+        assert summary["dropped_nonfinite"] == 6
         assert "nonfinite: worker 1's contribution at step 0 held NaN/Inf" in said[name]
         lines = [json.loads(x) for x in
                  (tmp_path / name / "metrics.jsonl").read_text().splitlines()]

@@ -331,8 +331,8 @@ class Synchroniser:
             summary["replica_checks"] = self.checks_done
         if self.trust is not None:  # each event as [rank, round]
             summary["trust"] = self.trust.record()
-        if self.dropped_nonfinite:  # dropped from all-reduced averages, each as [rank, step]
-            summary["dropped_nonfinite"] = [list(d) for d in self.dropped_nonfinite]
+        if self.dropped_nonfinite:  # left out of all-reduced averages: [rank, step] each
+            summary["dropped_nonfinite_at"] = [list(d) for d in self.dropped_nonfinite]
         if self.fault_tolerance is not None:
             rounds = self.fault_tolerance.rounds
             summary.update(
