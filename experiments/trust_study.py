@@ -149,7 +149,7 @@ def main() -> None:
             for attack in attacks:
                 for seed in seeds:
                     key = f"{agg}/{attack}/{seed}"
-                    run_dir = os.path.join(tmp, key.replace("/", "_").replace("+", "_"))
+                    run_dir = os.path.join(tmp, "".join(c if c.isalnum() else "_" for c in key))
                     results[key] = run_one(args.setting, agg, attack, seed, args, run_dir)
                     print(key, results[key], flush=True)
     if args.tiny:
