@@ -45,17 +45,25 @@ EXTRA = {
     "mean, unguarded": (["sync.drop_nonfinite=false"], ["none", "nan"]),
     "mean, 3 workers": (["dist.world_size=3"], ["none"]),
 }
+MNIST1D = ["data=mnist1d", "model=mlp"]
+# the Shakespeare LM of experiments/lm_shakespeare (a 215k-parameter GPT, inner AdamW) under
+# DiLoCo, scored on 64-character windows of the validation text (a sample's loss: its mean
+# over the characters)
+SHAKESPEARE = [
+    "data=shakespeare", "model=transformer", "model.n_layers=4", "model.n_heads=4",
+    "model.d_model=64", "optim=adamw", "optim.lr=0.002", "lr_schedule.warmup_steps=40",
+    "trainer.batch_size=16", "trainer.eval_samples=1024", "trainer.eval_batch_size=256",
+]
 SETTINGS = {
-    "local_sgd": ["sync.period=10"],
-    "diloco": ["+experiment=diloco", "sync.period=10", "sync.outer_warmup_rounds=0"],
+    "local_sgd": [*MNIST1D, "sync.period=10"],
+    "diloco": [*MNIST1D, "+experiment=diloco", "sync.period=10", "sync.outer_warmup_rounds=0"],
+    "lm_diloco": [*SHAKESPEARE, "sync=diloco", "sync.period=10", "sync.outer_warmup_rounds=0"],
 }
 ROWS = {**{k: (v, ATTACKS) for k, v in AGGREGATORS.items()}, **EXTRA}
 
 
 def run_one(setting: str, aggregator: str, attack: str, seed: int, args, run_dir: str) -> dict:
     overrides = [
-        "data=mnist1d",
-        "model=mlp",
         f"trainer.max_steps={args.steps}",
         "trainer.progress=false",
         "logger.wandb.mode=disabled",
@@ -98,23 +106,25 @@ def run_one(setting: str, aggregator: str, attack: str, seed: int, args, run_dir
 
 
 def table(results: dict, seeds: list[int]) -> list[str]:
-    def cell(agg, attack):
-        return [results[f"{agg}/{attack}/{s}"] for s in seeds]
+    def cell(agg, attack):  # empty where --rows/--attacks left it out
+        return [results[k] for s in seeds if (k := f"{agg}/{attack}/{s}") in results]
 
     def mean_loss(runs):
         ok = [r["test_loss"] for r in runs if not r["diverged"]]
         return statistics.mean(ok) if len(ok) == len(runs) else None
 
-    clean_mean = mean_loss(cell("mean", "none"))
+    clean_mean = mean_loss(cell("mean", "none")) or float("nan")
     lines = [
         "| aggregator | attack | test loss | / own clean | / mean clean | accuracy | "
         "worker 1 excluded at round | others excluded | wall s |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for agg, (_, attacks) in ROWS.items():
-        clean = mean_loss(cell(agg, "none"))
+        clean = mean_loss(cell(agg, "none")) or float("nan")
         for attack in attacks:
             runs = cell(agg, attack)
+            if not runs:
+                continue
             loss = mean_loss(runs)
             if loss is None:
                 bad = sum(r["diverged"] for r in runs)
@@ -139,6 +149,8 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--rows", nargs="+", choices=list(ROWS), help="these rows only")
+    parser.add_argument("--attacks", nargs="+", choices=ATTACKS, help="these attacks only")
     args = parser.parse_args()
     if args.tiny:
         args.seeds, args.steps = 1, 40
@@ -146,7 +158,11 @@ def main() -> None:
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for agg, (_, attacks) in ROWS.items():
+            if args.rows and agg not in args.rows:
+                continue
             for attack in attacks:
+                if args.attacks and attack not in args.attacks:
+                    continue
                 for seed in seeds:
                     key = f"{agg}/{attack}/{seed}"
                     run_dir = os.path.join(tmp, "".join(c if c.isalnum() else "_" for c in key))
@@ -158,9 +174,10 @@ def main() -> None:
     with open(out + ".json", "w") as f:
         json.dump({"setting": SETTINGS[args.setting], "steps": args.steps, "seeds": seeds,
                    "results": results}, f, indent=1)
-    command = f"python experiments/trust_study.py --setting {args.setting}"
+    command = " ".join(["python experiments/trust_study.py", *sys.argv[1:]])
+    data = "the Shakespeare LM" if args.setting.startswith("lm") else "MNIST-1D"
     lines = [
-        f"# Untrusted workers: {args.setting}, 4 workers, MNIST-1D, {args.steps} steps, "
+        f"# Untrusted workers: {args.setting}, 4 workers, {data}, {args.steps} steps, "
         f"seeds {seeds}",
         "",
         f"`{command}` (means over seeds; worker 1 attacks; docs/reliability.md reads it).",

@@ -8,7 +8,9 @@ fp32 (item 1)
   raw         one `dist.all_reduce` (SUM) of a preallocated flat fp32 buffer of the same size
               (the limit)
   ours        `PeriodicAverager(1, module=model).average()`: in place over a persistent flat
-              buffer, `div_` then one all-reduce (on gloo)
+              buffer, `div_` then one all-reduce (on gloo), with the default NaN/Inf guard
+              (`localsgd.averaging.finite`: a finiteness pass before, a canary read after)
+  unguarded   the same with `drop_nonfinite=False`: what the guard costs is ours / unguarded
   gloo-avg    one `dist.all_reduce(op=ReduceOp.AVG)` of the raw fp32 buffer: gloo's own average,
               which runs a division pass itself (what separates any average from a raw sum)
   bucketed    the same flat buffer divided and all-reduced in ~4 MB buckets, all in flight
@@ -54,7 +56,7 @@ from experiments.bench.common import fmt_params, median, rotated, run_world, tra
 from localsgd.averaging import HierarchicalAverager, PeriodicAverager
 
 BUCKET_ELEMENTS = 1 << 20  # 4 MB of fp32
-FP32_METHODS = ("raw", "ours", "gloo-avg", "bucketed", "torch", "per-tensor")
+FP32_METHODS = ("raw", "ours", "unguarded", "gloo-avg", "bucketed", "torch", "per-tensor")
 LOW_METHODS = ("raw-bf16", "ours-bf16", "raw-fp16", "ours-fp16")
 HIER_METHODS = ("hier-world", "torch-hier-world", "hier-pair", "torch-hier-pair")
 METHODS = FP32_METHODS + LOW_METHODS + HIER_METHODS
@@ -134,6 +136,7 @@ def _bench_size(target: int, reps: int, world_size: int) -> dict:
     numel = sum(p.numel() for p in model_ours.parameters())
     n_tensors = len(list(model_ours.parameters()))
     averager = PeriodicAverager(1, process_group=group, module=model_ours)
+    unguarded = PeriodicAverager(1, process_group=group, module=Blob(target), drop_nonfinite=False)
     low_averagers = {
         dt: PeriodicAverager(1, process_group=group, module=Blob(target), comm_dtype=dt)
         for dt in (torch.bfloat16, torch.float16)
@@ -157,6 +160,7 @@ def _bench_size(target: int, reps: int, world_size: int) -> dict:
     calls = {
         "raw": lambda: dist.all_reduce(raw[torch.float32], group=group),
         "ours": averager.average,
+        "unguarded": unguarded.average,
         "gloo-avg": lambda: dist.all_reduce(raw[torch.float32], op=dist.ReduceOp.AVG, group=group),
         "bucketed": bucketed_average,
         "torch": lambda: average_parameters(torch_params, group),

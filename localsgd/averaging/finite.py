@@ -32,8 +32,7 @@ _CHUNK = 1 << 24  # checked a chunk at a time: the flags take at most 16 MiB
 
 
 def all_finite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """A 0-dim bool tensor on the tensors' device: every value of every tensor is finite. It
-    stays on the device (no host synchronisation)."""
+    """A 0-dim bool tensor on the tensors' device: every value of every tensor is finite."""
     ok: torch.Tensor | None = None
     for t in tensors:
         flat = t.reshape(-1)
@@ -57,10 +56,11 @@ class NonFiniteGuard:
             if self.wires
             else None
         )
-        bad = ~self.ok
-        for w in self.wires:
-            w.masked_fill_(bad, 0)
-            w.reshape(-1)[:1].masked_fill_(bad, math.inf)
+        # one host read a round (as the reduced canary's, after): a clean round writes nothing
+        if not bool(self.ok):
+            for w in self.wires:
+                w.zero_()
+                w.reshape(-1)[0] = math.inf
 
     def settle(
         self,
@@ -80,8 +80,7 @@ class NonFiniteGuard:
             return []
         slots = torch.zeros(size + 1 + len(self.wires), dtype=torch.float64,
                             device=self.first.device)  # fmt: skip
-        ok = bool(self.ok)
-        if ok:
+        if bool(self.ok):
             slots[rank] = 1.0
             slots[size] = scale
             slots[size + 1 :] = self.first * scale

@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from localsgd.loop.metrics import notice
+
 # ----------------------------------------------------------------------------------------------
 # NaN / inf losses.
 # ----------------------------------------------------------------------------------------------
@@ -83,3 +85,25 @@ def check_replicas(
             f"replicas differ after the sync at step {step}: rank(s) {differ} do not match "
             f"rank 0 (checked on rank {rank}; sync.check_replicas=true)"
         )
+
+
+class DroppedContributions:
+    """The contributions the all-reduced averages left out for holding NaN/Inf
+    (`localsgd.averaging.finite`), as (rank, step): the same on every rank of a group. Rank 0
+    names each once."""
+
+    def __init__(self):
+        self.at: list[tuple[int, int]] = []
+
+    def collect(self, comms, step: int) -> None:
+        """Take the ranks each communicator dropped since the last call (levels share a list)."""
+        lists = {id(c.dropped): c.dropped for c in comms if getattr(c, "dropped", None)}
+        for dropped in lists.values():
+            for rank in dropped:
+                self.at.append((rank, step))
+                if not dist.is_initialized() or dist.get_rank() == 0:
+                    notice(
+                        f"nonfinite: worker {rank}'s contribution at step {step} held NaN/Inf: "
+                        "dropped from the average (sync.drop_nonfinite)"
+                    )
+            dropped.clear()

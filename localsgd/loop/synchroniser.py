@@ -19,7 +19,7 @@ from localsgd.averaging import Averager, CommStats, GradientAverager, SimulatedL
 from localsgd.averaging.flat import local_tensor
 from localsgd.config import Config
 from localsgd.loop.drift import DriftMeter
-from localsgd.loop.guards import check_replicas
+from localsgd.loop.guards import DroppedContributions, check_replicas
 from localsgd.loop.metrics import notice
 from localsgd.loop.stop import StopAgreement
 from localsgd.loop.strategies import build_averager
@@ -70,9 +70,8 @@ class Synchroniser:
         # straight through torch.distributed
         self.fault_tolerance: FaultTolerance | None = None
         self.announced = 0  # trust events announced so far (`_announce_trust`)
-        # (rank, step) of each contribution an all-reduce left out for holding NaN/Inf
-        # (`localsgd.averaging.finite`): the same list on every rank of the group
-        self.dropped_nonfinite: list[tuple[int, int]] = []
+        # contributions an all-reduce left out for holding NaN/Inf (`averaging.finite`)
+        self.dropped_nonfinite = DroppedContributions()
 
     @property
     def _driver(self):
@@ -166,27 +165,12 @@ class Synchroniser:
         self._announce_trust()
 
     def _collect_dropped(self, step: int) -> None:
-        """Record (and, on rank 0, name) the contributions this step's averages left out for
-        holding NaN/Inf; every rank of a group drops the same ones."""
-        lists = {}
         comms = [*self.averager.levels]
         if self.grad_averager is not None:
             comms.append(self.grad_averager.comm)
         if self.fault_tolerance is not None:
             comms.append(self.fault_tolerance.rounds.comm)
-        for comm in comms:
-            dropped = getattr(comm, "dropped", None)
-            if dropped:
-                lists[id(dropped)] = dropped
-        for dropped in lists.values():
-            for rank in dropped:
-                self.dropped_nonfinite.append((rank, step))
-                if not dist.is_initialized() or dist.get_rank() == 0:
-                    notice(
-                        f"nonfinite: worker {rank}'s contribution at step {step} held NaN/Inf: "
-                        "dropped from the average (sync.drop_nonfinite)"
-                    )
-            dropped.clear()
+        self.dropped_nonfinite.collect(comms, step)
 
     def _announce_trust(self) -> None:
         """Rank 0 names each dropped contribution and excluded worker, once (every rank holds
@@ -331,8 +315,8 @@ class Synchroniser:
             summary["replica_checks"] = self.checks_done
         if self.trust is not None:  # each event as [rank, round]
             summary["trust"] = self.trust.record()
-        if self.dropped_nonfinite:  # left out of all-reduced averages: [rank, step] each
-            summary["dropped_nonfinite_at"] = [list(d) for d in self.dropped_nonfinite]
+        if self.dropped_nonfinite.at:  # left out of all-reduced averages: [rank, step] each
+            summary["dropped_nonfinite_at"] = [list(d) for d in self.dropped_nonfinite.at]
         if self.fault_tolerance is not None:
             rounds = self.fault_tolerance.rounds
             summary.update(
@@ -356,10 +340,9 @@ class Synchroniser:
     def trust_record(self) -> dict[str, Any]:
         """Every log line under a gathered sync: workers excluded, contributions dropped."""
         record = {} if self.trust is None else self.trust.metrics()
-        if self.dropped_nonfinite:
-            record["dropped_nonfinite"] = record.get("dropped_nonfinite", 0) + len(
-                self.dropped_nonfinite
-            )
+        if self.dropped_nonfinite.at:
+            dropped = len(self.dropped_nonfinite.at)
+            record["dropped_nonfinite"] = record.get("dropped_nonfinite", 0) + dropped
         return record
 
     def fault_record(self) -> dict[str, Any]:
