@@ -440,16 +440,18 @@ def test_a_killed_scored_run_resumes_with_the_same_verdicts(tmp_path):
     an uninterrupted one."""
     args = [*FAST, "dist.world_size=4", "trainer.max_steps=60", "sync.period=5",
             "trainer.checkpoint_every=25", "sync.aggregate=median", "sync.score=true",
-            "sync.score_batch=8", "sync.exclude_after=1"]
-    proc, _ = cli([*args, f"hydra.run.dir={tmp_path / 'ref'}"])
+            "sync.score_batch=32", "sync.exclude_after=2"]
+    attack = "{_target_:localsgd.loop.attacks.Attack,kind:'zeros',rank:3}"
+    kill = "{_target_:tests.faults.Fault,spec:'kill:2:33'}"
+    proc, _ = cli([*args, f"trainer.callbacks=[{attack}]", f"hydra.run.dir={tmp_path / 'ref'}"])
     assert proc.returncode == 0, proc.stderr[-2000:]
     run = [*args, f"hydra.run.dir={tmp_path / 'run'}"]
-    proc, left = cli(run, fault="kill:2:33")
+    proc, left = cli([*run, f"trainer.callbacks=[{attack},{kill}]"])
     assert proc.returncode == 1 and not left
-    proc, _ = cli(run)
+    proc, _ = cli([*run, f"trainer.callbacks=[{attack}]"])
     assert proc.returncode == 0 and "step-25" in proc.stderr, proc.stderr[-2000:]
     ref = json.loads((tmp_path / "ref" / "summary.json").read_text())
     ours = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert ref["trust"]["judged_bad"], "no verdict to carry: make the scoring stricter"
+    assert ref["trust"]["judged_bad"] and ref["trust"]["excluded"], "no verdict to carry"
     assert ours["trust"] == ref["trust"]
     assert same_model(tmp_path / "run" / "model.pt", tmp_path / "ref" / "model.pt")
