@@ -111,7 +111,7 @@ def table(results: dict, seeds: list[int]) -> list[str]:
 
     def mean_loss(runs):
         ok = [r["test_loss"] for r in runs if not r["diverged"]]
-        return statistics.mean(ok) if len(ok) == len(runs) else None
+        return statistics.mean(ok) if ok and len(ok) == len(runs) else None
 
     clean_mean = mean_loss(cell("mean", "none")) or float("nan")
     lines = [
