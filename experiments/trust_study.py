@@ -151,11 +151,19 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--rows", nargs="+", choices=list(ROWS), help="these rows only")
     parser.add_argument("--attacks", nargs="+", choices=ATTACKS, help="these attacks only")
+    parser.add_argument(
+        "--merge", action="store_true",
+        help="keep the setting's committed runs and replace only those run now",
+    )
     args = parser.parse_args()
     if args.tiny:
         args.seeds, args.steps = 1, 40
     seeds = list(range(args.seeds))
+    out = os.path.join(ROOT, "experiments", f"trust_study_{args.setting}")
     results = {}
+    if args.merge and os.path.exists(out + ".json"):
+        with open(out + ".json") as f:
+            results = json.load(f)["results"]
     with tempfile.TemporaryDirectory() as tmp:
         for agg, (_, attacks) in ROWS.items():
             if args.rows and agg not in args.rows:
@@ -170,7 +178,6 @@ def main() -> None:
                     print(key, results[key], flush=True)
     if args.tiny:
         return
-    out = os.path.join(ROOT, "experiments", f"trust_study_{args.setting}")
     with open(out + ".json", "w") as f:
         json.dump({"setting": SETTINGS[args.setting], "steps": args.steps, "seeds": seeds,
                    "results": results}, f, indent=1)

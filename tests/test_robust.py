@@ -423,6 +423,33 @@ def test_an_unlucky_honest_contribution_is_not_judged_bad():
         assert trust.excluded == excluded
 
 
+def test_a_harmful_contribution_is_caught_when_the_median_does_not_help():
+    """A round whose median score is negative (every honest change hurts the batch a little):
+    the flipped sign (worker 3) raises the loss on every sample and is dropped, and excluded
+    after 2 such rounds; the honest ones, spread around the median, are not judged bad."""
+    from localsgd.averaging.trust import TrustedRound
+
+    flat = torch.zeros(1)
+    gen = torch.Generator().manual_seed(1)
+    gains = {}  # each step's gain per sample: honest ones -0.1 on average, spread 1
+    for v, mean, sd in ((0.1, -0.1, 1.0), (0.12, -0.1, 1.0), (0.11, -0.1, 1.0), (-1.0, 1.0, 0.1)):
+        noise = torch.randn(256, generator=gen, dtype=torch.float64)
+        gains[v] = mean + sd * (noise - noise.mean())
+
+    def loss_at(round_):
+        v = round(float(flat[0]), 3)
+        return torch.full((256,), 10.0, dtype=torch.float64) - v * gains.get(v, 0.0)
+
+    rows = torch.tensor([[0.1], [0.12], [0.11], [-1.0]])
+    trust = TrustedRound([flat], 4, [None], Aggregate("mean"), Judge(loss_at, 2, 0.5, 3.0))
+    for _ in range(2):
+        flat.zero_()
+        trust.run_([flat], [torch.zeros(1)], _Gathers(rows), [None], step=0)
+    assert max(s for s in trust.scores if s is not None) < 0  # the median does not help
+    assert [e["rank"] for e in trust.events if e["why"] == "bad"] == [3, 3]
+    assert trust.excluded == {3: 1}
+
+
 def test_a_checkpoint_with_verdicts_cannot_move_to_another_world_size():
     from localsgd.loop.plan import SyncPlan
 

@@ -141,6 +141,7 @@ class Communicator:
         # a weighted round (`weigh`): this rank's share w_r / sum(w) of the next means; None:
         # the plain mean
         self.share: float | None = None
+        self.weights: list[float] | None = None  # every rank's weight, in a weighted round
         # drop a contribution holding NaN/Inf from each mean (`finite.NonFiniteGuard`); the
         # ranks dropped so far are appended to `dropped`, shared with `subgroups`' levels
         self.guard = guard
@@ -160,10 +161,11 @@ class Communicator:
         total = sum(weights)
         unequal = total > 0 and any(w != weights[0] for w in weights)
         self.share = weight / total if unequal else None
+        self.weights = weights if unequal else None
         return weights
 
     def unweigh(self) -> None:
-        self.share = None
+        self.share = self.weights = None
 
     def subgroups(self, size: int) -> Communicator:
         """This rank's group of `size` contiguous ranks of this group (as torch's
@@ -340,8 +342,9 @@ class Communicator:
         self._account(start, wire.nbytes)
 
     def _average_gathered(self, flat: torch.Tensor, wire: QuantizedWire) -> None:
+        gathered = wire.gathered(self.size)
         self._drop(
-            decode_mean_(flat, wire, wire.gathered(self.size), self.size, self.size, self.guard)
+            decode_mean_(flat, wire, gathered, self.size, self.size, self.guard, self.weights)
         )
 
 
@@ -352,19 +355,24 @@ def decode_mean_(
     members: int,
     divisor: int,
     guard: bool = False,
+    weights: list[float] | None = None,
 ) -> list[int]:
     """`flat` <- the fp32 sum of the first `members` messages in `gathered`, decoded and summed
     in rank order (the same bits on every rank), divided by `divisor`. With `guard`, a message
     that decodes to NaN/Inf is left out and the divisor shrinks by one for each: every rank
-    decodes the same messages, so they all drop the same ones, with no communication. Returns
-    the ranks left out."""
+    decodes the same messages, so they all drop the same ones, with no communication. With
+    `weights` (one per member: a weighted round), each message is scaled by its weight and the
+    sum divided by the weights' sum over the messages kept. Returns the ranks left out."""
     acc = wire.accumulator(flat)
-    dropped, summed = [], 0
+    dropped, summed, total = [], 0, 0.0
     for rank in range(members):
         value = wire.decode(gathered[rank * wire.nbytes : (rank + 1) * wire.nbytes])
         if guard and not bool(all_finite([value])):
             dropped.append(rank)
             continue
+        if weights is not None:
+            value = value * weights[rank]
+            total += weights[rank]
         if summed == 0:
             acc.copy_(value)
         else:
@@ -375,7 +383,12 @@ def decode_mean_(
             "every worker's contribution to this average held NaN or Inf: there is nothing "
             "finite to average (sync.drop_nonfinite)"
         )
-    acc.div_(max(divisor - len(dropped), 1))
+    if weights is not None:
+        if total == 0:
+            raise RuntimeError("every finite contribution to this average weighed nothing")
+        acc.div_(total)
+    else:
+        acc.div_(max(divisor - len(dropped), 1))
     if acc is not flat:
         flat.copy_(acc)
     return dropped

@@ -13,14 +13,17 @@ its flat buffers (`localsgd.averaging.robust` gathers and combines them):
    median (a free rider's zero change scores 0; a flipped sign scores below 0), and its
    per-sample losses are worse than the median contribution's by more than `score_z` standard
    errors (a paired test over the batch): an honest contribution that is merely unlucky on a
-   small batch, late in training when every change is small, is not condemned. A bad contribution
+   small batch, late in training when every change is small, is not condemned. In a round whose
+   median score is not positive (the batch cannot tell who helps), a contribution is bad only
+   when it raises the loss (score < 0) and the paired test says it is worse than the median's:
+   a flipped sign in the first rounds. A bad contribution
    is dropped from its round; `exclude_after` bad rounds running exclude the worker: its
    contributions are dropped from every later round. At most `(size - 1) // 2` workers are
    ever excluded (one of 4): everything here assumes an honest majority, and a noisy score
    must not whittle the group down to one worker. It still takes part in the collectives
    and receives the model; its shard's data is skipped (not reassigned): what it learns from
-   it never reaches the aggregate. A round whose median score is not positive judges nobody
-   (streaks stand): the batch cannot tell help from harm there;
+   it never reaches the aggregate. In a round whose median score is not positive, a
+   contribution that is not judged bad keeps its streak (the batch cannot tell help there);
 4. the rest is combined by the `Aggregate` rule.
 
 Every rank holds the same gathered bytes, evaluates the same model on the same batch and runs
@@ -156,11 +159,15 @@ class TrustedRound:
         kept = []
         for rank in keep:
             s = scores[rank]
-            bad = not math.isfinite(s) or (
-                middle > 0
-                and s <= judge.score_fraction * middle
-                and _worse(losses[rank], reference, judge.score_z)
-            )
+            if not math.isfinite(s):
+                bad = True
+            elif middle > 0:  # it helps less than a fraction of what the median helps
+                bad = s <= judge.score_fraction * middle and _worse(
+                    losses[rank], reference, judge.score_z
+                )
+            else:  # the median does not help: only a harm the samples can see counts
+                paired = losses[rank].numel() > 1
+                bad = paired and s < 0 and _worse(losses[rank], reference, judge.score_z)
             if bad:
                 self._event(round_, step, rank, "bad")
                 self._bad(round_, step, rank)

@@ -19,11 +19,6 @@ NOT_WEIGHTED = {
         "gathered contributions (robust aggregates, sync.score) are combined "
         "unweighted",
     ),
-    "sync.compress": (lambda p, c: p.compress != "none", "its sparse all-gather sums unweighted"),
-    "sync.comm_dtype": (
-        lambda p, c: c != "float32",
-        "a weighted sum of rounded values; only float32 weighs exactly",
-    ),
 }
 
 
