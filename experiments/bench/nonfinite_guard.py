@@ -14,9 +14,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import sys
 
-from experiments.bench import averaging
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if ROOT not in sys.path:  # run as a script: make `experiments.bench` importable (and in workers)
+    sys.path.insert(0, ROOT)
+
+from experiments.bench import averaging  # noqa: E402
 
 
 def main() -> None:
