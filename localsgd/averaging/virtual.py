@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
-VIRTUAL_BACKEND = "virtual"
+from localsgd.averaging.comm import VIRTUAL_BACKEND
 
 
 class VirtualWorkerAborted(RuntimeError):

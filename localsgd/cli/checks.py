@@ -19,6 +19,7 @@ from localsgd.averaging.streaming import MERGE_RULES
 from localsgd.cli.fault_tolerance import validate_ft
 from localsgd.cli.pacing import validate_pacing
 from localsgd.cli.sharding import validate_sharding
+from localsgd.cli.virtual import validate_virtual
 from localsgd.config import BACKENDS, COMPRESSIONS, DEVICES, ConfigError, data_options
 from localsgd.data.loader import LOADERS
 from localsgd.data.partition import PARTITIONS
@@ -114,6 +115,7 @@ def validate(cfg: Any, world_size: int | None = None, local_world_size: int | No
         warmup,
     )
 
+    validate_virtual(cfg, _get)
     validate_sync(cfg, ws, local_world_size)
     validate_sharding(cfg, _get, ws, local_world_size)
     validate_pacing(cfg, _get, ws)
