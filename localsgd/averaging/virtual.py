@@ -27,6 +27,7 @@ member has joined by the time its caller runs again), which no caller can tell f
 
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
 import time
@@ -49,11 +50,15 @@ class VirtualWorkerAborted(RuntimeError):
 # segments, numSegments the smallest multiple of the size >= max(2 * size, bytes /
 # maxSegmentSize); torch's gloo backend leaves maxSegmentSize at gloo's default, which is large
 # enough that the count is 2 * size at the sizes measured here (up to 64 MiB, tests/test_virtual).
+def _ceil_div(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
 def ring_chunks(numel: int, element_size: int, size: int) -> list[tuple[int, int]]:
     """The element ranges [start, stop) of chunk 0..size-1 of gloo's ring all-reduce."""
     segments = 2 * size
-    total = numel * element_size
-    segment_bytes = -(-(-(-total // segments)) // element_size) * element_size
+    segment_bytes = _ceil_div(numel * element_size, segments)
+    segment_bytes = _ceil_div(segment_bytes, element_size) * element_size  # whole values
     per_chunk = (segments // size) * segment_bytes // element_size
     return [(min(c * per_chunk, numel), min((c + 1) * per_chunk, numel)) for c in range(size)]
 
@@ -282,30 +287,35 @@ def _create_group(store, rank: int, size: int, timeout) -> VirtualGroup:
     return VirtualGroup(rank, size)
 
 
-_installed = False
+_registered = False
 
 
-def install() -> None:
-    """Register the `virtual` backend and give each thread its own torch.distributed world
-    (once per process; a process that runs virtual workers uses no other backend meanwhile)."""
-    global _installed
-    if _installed:
-        return
+@contextlib.contextmanager
+def thread_worlds():
+    """While inside: the `virtual` backend is registered and each thread has its own view of
+    torch.distributed's world (groups, ranks, group names); the process's own view is restored
+    on the way out, so that gloo groups made afterwards in this process are unaffected."""
+    global _registered
     from torch.testing._internal.distributed.multi_threaded_pg import ThreadLocalWorld
 
-    dist.Backend.register_backend(VIRTUAL_BACKEND, _create_group, devices=["cpu"])
+    if not _registered:
+        dist.Backend.register_backend(VIRTUAL_BACKEND, _create_group, devices=["cpu"])
+        _registered = True
+    c10d = dist.distributed_c10d
+    previous = c10d._world
+    c10d._world = ThreadLocalWorld()
     torch._C._distributed_c10d._set_thread_isolation_mode(True)  # group names per thread
-    dist.distributed_c10d._world = ThreadLocalWorld()
-    _installed = True
+    try:
+        yield
+    finally:
+        torch._C._distributed_c10d._set_thread_isolation_mode(False)
+        c10d._world = previous
 
 
-def run_virtual(
-    fn: Callable[..., Any], size: int, timeout_s: float, args: tuple = ()
-) -> list[Any]:
+def run_virtual(fn: Callable[..., Any], size: int, timeout_s: float, args: tuple = ()) -> list[Any]:
     """`fn(rank, baton, *args)` in `size` threads that take turns (`Baton`); returns what each
     returned, in rank order. Raises the first failing worker's error, with its rank in
     `error.virtual_rank`; the others stop at their next collective."""
-    install()
     baton = Baton(size, timeout_s)
     results: list[Any] = [None] * size
 
@@ -324,10 +334,11 @@ def run_virtual(
         threading.Thread(target=body, args=(r,), name=f"virtual-worker-{r}", daemon=True)
         for r in range(size)
     ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    with thread_worlds():
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
     if baton.failure is not None:
         rank, error = baton.failure
         error.virtual_rank = rank  # type: ignore[attr-defined]

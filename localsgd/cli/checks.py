@@ -60,6 +60,7 @@ def validate(cfg: Any, world_size: int | None = None, local_world_size: int | No
 
     `world_size` is the real one under torchrun; otherwise `dist.world_size` will be spawned.
     """
+    validate_virtual(cfg, _get)  # first: it decides the world size
     ws = world_size if world_size is not None else _get(cfg, "dist.world_size")
     _require(ws is None or ws >= 1, "dist.world_size", "an integer >= 1 (or null for auto)", ws)
     _choice(cfg, "dist.backend", BACKENDS)
@@ -115,7 +116,6 @@ def validate(cfg: Any, world_size: int | None = None, local_world_size: int | No
         warmup,
     )
 
-    validate_virtual(cfg, _get)
     validate_sync(cfg, ws, local_world_size)
     validate_sharding(cfg, _get, ws, local_world_size)
     validate_pacing(cfg, _get, ws)
