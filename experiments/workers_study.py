@@ -35,6 +35,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GLOBAL_BATCH = 256
 H = 32
+_OUT = os.path.join(ROOT, "experiments", "workers_study")
 
 
 def rows(steps: int) -> dict[str, list[str]]:
@@ -48,9 +49,12 @@ def rows(steps: int) -> dict[str, list[str]]:
     }
 
 
-def run_one(row: list[str], workers: int, seed: int, steps: int, run_dir: str) -> dict:
+def run_one(
+    row: list[str], workers: int, seed: int, steps: int, samples: int, run_dir: str
+) -> dict:
     overrides = [
         "data=mnist1d",
+        f"data.num_samples={samples}",
         "model=mlp",
         *row,
         "optim.lr=0.003",
@@ -76,7 +80,10 @@ def run_one(row: list[str], workers: int, seed: int, steps: int, run_dir: str) -
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr[-3000:])
     with open(os.path.join(run_dir, "summary.json")) as f:
-        return json.load(f)
+        summary = json.load(f)
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:  # the last logged training loss
+        losses = [r["loss"] for r in map(json.loads, f) if "loss" in r]
+    return {**summary, "train_loss": losses[-1]}
 
 
 def _gaps(results: list[dict], name: str, workers: int, against: str) -> list[float]:
@@ -88,15 +95,35 @@ def _gaps(results: list[dict], name: str, workers: int, against: str) -> list[fl
     return out
 
 
+def _points(results: list[dict], name: str, workers: int, against: str) -> str:
+    """Test accuracy minus the sync row's, in points, per seed ("-" for a sync row)."""
+    if not name.startswith("diloco"):
+        return "-"
+    by = {(r["row"], r["workers"], r["seed"]): r for r in results}
+    out = [
+        100 * (r["test_accuracy"] - by[against, workers, r["seed"]]["test_accuracy"])
+        for r in results
+        if r["row"] == name and r["workers"] == workers and (against, workers, r["seed"]) in by
+    ]
+    return ", ".join(f"{p:+.1f}" for p in out) or "-"
+
+
+def _train(runs: list[dict]) -> str:
+    """The mean training loss (recorded from the second study on; "-" where not)."""
+    losses = [r["train_loss"] for r in runs if "train_loss" in r]
+    return f"{statistics.mean(losses):.4f}" if losses else "-"
+
+
 def _pct(values: list[float]) -> str:
     return ", ".join(f"{v:+.1%}" for v in values) or "-"
 
 
 def table(results: list[dict]) -> list[str]:
     lines = [
-        "| M | batch / worker | row | seeds | test loss | test accuracy | gap to sync, same "
-        "optimizer (per seed) | gap to sync_adamw (per seed) | wall s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| M | batch / worker | row | seeds | test loss | test accuracy | loss gap to sync, "
+        "same optimizer (per seed) | loss gap to sync_adamw (per seed) | accuracy vs sync, "
+        "same optimizer (points, per seed) | train loss (rank 0, last 25 steps) | wall s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     names = list(rows(1))
     for workers in sorted({r["workers"] for r in results}):
@@ -113,7 +140,8 @@ def table(results: list[dict]) -> list[str]:
                 f"| {workers} | {GLOBAL_BATCH // workers} | {name} | {len(runs)} "
                 f"| {statistics.mean(loss):.4f} ± {spread:.4f} "
                 f"| {statistics.mean(r['test_accuracy'] for r in runs):.3f} "
-                f"| {_pct(same)} | {_pct(adamw)} "
+                f"| {_pct(same)} | {_pct(adamw)} | {_points(results, name, workers, own)} "
+                f"| {_train(runs)} "
                 f"| {statistics.mean(r['wall_time_s'] for r in runs):.1f} |"
             )
     return lines
@@ -140,18 +168,27 @@ def ratio_lines(results: list[dict]) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--samples", type=int, default=10000, help="data.num_samples (4/5 train)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--rows", nargs="+", default=None, help="row names (default: all)")
     parser.add_argument("--append", action="store_true", help="add to the results in --out")
-    parser.add_argument("--out", default=os.path.join(ROOT, "experiments", "workers_study"))
+    parser.add_argument("--out", default=_OUT)
+    parser.add_argument("--render", action="store_true", help="rewrite the .md from the .json")
     args = parser.parse_args()
+    if args.render:
+        with open(args.out + ".json") as f:
+            saved = json.load(f)
+        write(args.out, saved["commands"], saved["results"])
+        return
     results, commands = [], []
     if args.append:
         with open(args.out + ".json") as f:
             saved = json.load(f)
         results, commands = saved["results"], saved["commands"]
     given = [("steps", args.steps), ("seeds", args.seeds), ("workers", args.workers)]
+    given += [("samples", args.samples)] if args.samples != 10000 else []
+    given += [("out", os.path.relpath(args.out, ROOT))] if args.out != _OUT else []
     given += [("rows", args.rows)] if args.rows else []
     command = (
         "python experiments/workers_study.py "
@@ -166,11 +203,12 @@ def main() -> None:
                     if args.rows is not None and name not in args.rows:
                         continue
                     run_dir = os.path.join(tmp, f"{name}_m{workers}_s{seed}")
-                    s = run_one(row, workers, seed, args.steps, run_dir)
+                    s = run_one(row, workers, seed, args.steps, args.samples, run_dir)
                     results.append({
                         "row": name, "workers": workers, "seed": seed,
-                        "batch_per_worker": GLOBAL_BATCH // workers,
+                        "batch_per_worker": GLOBAL_BATCH // workers, "samples": args.samples,
                         "test_loss": s["test_loss"], "test_accuracy": s["test_accuracy"],
+                        "train_loss": s["train_loss"],
                         "comm_rounds": s["comm_rounds"], "comm_bytes": s["comm_bytes"],
                         "steps": s["steps"], "wall_time_s": s["wall_time_s"],
                     })  # fmt: skip
