@@ -216,20 +216,31 @@ def main() -> None:
                     write(args.out, commands, results)  # a partial study is kept as it grows
 
 
+READING = "\n## Reading\n"
+
+
 def write(out: str, commands: list[str], results: list[dict]) -> None:
+    """The .json and the .md; a `## Reading` section already in the .md is kept."""
     with open(out + ".json", "w") as f:
         json.dump({"commands": commands, "results": results}, f, indent=1)
+    reading = ""
+    if os.path.exists(out + ".md"):
+        with open(out + ".md") as f:
+            text = f.read()
+        reading = text[text.index(READING) :] if READING in text else ""
+    samples = " and ".join(sorted({str(r.get("samples", 10000)) for r in results}))
     with open(out + ".md", "w") as f:
         f.write(
-            "# DiLoCo against sync as the workers grow, AdamW and Muon inner steps (MNIST-1D)\n\n"
+            "# DiLoCo against sync as the workers grow, AdamW and Muon inner steps (MNIST-1D, "
+            f"data.num_samples={samples})\n\n"
             "Made by (2 shared CPU cores, virtual workers; the script's docstring gives the "
-            "setting; raw runs: workers_study.json):\n\n"
+            f"setting; raw runs: {os.path.basename(out)}.json):\n\n"
             + "".join(f"    {c}\n" for c in commands)
             + "\n"
             + "\n".join(table(results))
             + "\n\n"
             "Muon DiLoCo's gap to `sync_muon` over AdamW DiLoCo's gap to `sync_adamw`, per seed:"
-            "\n\n" + "\n".join(ratio_lines(results)) + "\n"
+            "\n\n" + "\n".join(ratio_lines(results)) + "\n" + reading
         )
 
 
