@@ -11,11 +11,11 @@ reducers and codecs) in a thread of its own, with `torch.distributed` calls goin
 - **Each worker keeps its own random state**: at every hand-off the process's torch, Python and
   NumPy generators are saved for the worker that stops and restored for the one that resumes, so
   `torch.manual_seed` in one worker never moves another's draws.
-- **The reductions add in gloo's order** (`gloo_ring_sum_`): gloo's ring all-reduce (the only
-  algorithm torch's gloo backend uses on CPU) cuts the buffer into one chunk per rank and sums
-  chunk c as rank c-1's values, plus rank c-2's, ..., plus rank c's; AVG divides that sum by
-  the size. Reproducing the order gives gloo's bits at every world size (tests/test_virtual.py
-  checks it against gloo at 2, 3 and 4 ranks), not only where the order cannot matter.
+- **The reductions add in gloo's order** (`gloo_ring_sum_`): gloo's ring all-reduce (gloo's
+  `allreduce.cc`; what torch's gloo backend returned at every size measured) cuts the buffer into
+  one chunk per rank and sums chunk c as rank c-1's values, plus rank c-2's, ..., plus rank c's;
+  AVG divides that sum by the size. Reproducing the order gives gloo's bits where the order
+  matters too, from 3 ranks on (tests/test_virtual.py checks 2 to 5 ranks against gloo).
   All-gathers and broadcasts copy bytes, and the gathered wires decode in rank order anyway.
 
 The group is a Python `ProcessGroup`, registered as the `virtual` backend; each thread has its

@@ -70,7 +70,7 @@ def spawn_virtual(fn: Callable, world_size: int, timeout_s: float, args: tuple =
     import torch
     import torch.distributed as dist
 
-    from localsgd.averaging.virtual import VirtualWorkerAborted, run_virtual
+    from localsgd.averaging.virtual import run_virtual
     from localsgd.cli.launch import WorkerFailed
     from localsgd.loop.stop import first_signal, install_sigterm_handler
     from localsgd.loop.worker import WorkerInfo
@@ -84,7 +84,7 @@ def spawn_virtual(fn: Callable, world_size: int, timeout_s: float, args: tuple =
 
     try:
         run_virtual(worker, world_size, timeout_s, args)
-    except (Exception, VirtualWorkerAborted) as e:
+    except Exception as e:  # the first failed worker's error (the others were aborted)
         rank = getattr(e, "virtual_rank", "?")
         last = (str(e).strip().splitlines() or [""])[-1]
         raise WorkerFailed(f"worker rank {rank} failed: {type(e).__name__}: {last}") from e
