@@ -75,6 +75,13 @@ def test_ring_sum_has_gloos_bits(dtype):
     assert differs
 
 
+def test_ring_sum_has_gloos_bits_past_the_segment_size():
+    """8M fp32 values (32 MB) over 3 ranks: gloo cuts the ring into segments of at most 1 MiB,
+    which moves the chunks' boundaries; the virtual sum follows them."""
+    values = _values(3, 8_000_000, torch.float32)
+    assert all(torch.equal(t, gloo_ring_sum_(values)) for t in _gloo(values, dist.ReduceOp.SUM))
+
+
 def _draws(rank: int, baton) -> list[float]:
     dist.init_process_group("virtual", store=_STORE, rank=rank, world_size=3)
     try:

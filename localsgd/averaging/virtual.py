@@ -48,16 +48,22 @@ class VirtualWorkerAborted(RuntimeError):
 
 # gloo's ring all-reduce (gloo/allreduce.cc, `ring`): the buffer is cut into numSegments
 # segments, numSegments the smallest multiple of the size >= max(2 * size, bytes /
-# maxSegmentSize); torch's gloo backend leaves maxSegmentSize at gloo's default, which is large
-# enough that the count is 2 * size at the sizes measured here (up to 64 MiB, tests/test_virtual).
+# maxSegmentSize), rank c owning the c-th run of numSegments / size of them. torch's gloo
+# backend runs it with segments of at most 1 MiB: of 256 KiB to 16 MiB, only 1 MiB gave gloo's
+# bits at 3-5 ranks and 8M-20M fp32 values (measured 2026-12-05; tests/test_virtual.py).
+MAX_SEGMENT_BYTES = 1 << 20
+
+
 def _ceil_div(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
 def ring_chunks(numel: int, element_size: int, size: int) -> list[tuple[int, int]]:
     """The element ranges [start, stop) of chunk 0..size-1 of gloo's ring all-reduce."""
-    segments = 2 * size
-    segment_bytes = _ceil_div(numel * element_size, segments)
+    total = numel * element_size
+    max_segment = element_size * max(1, MAX_SEGMENT_BYTES // element_size)
+    segments = _ceil_div(max(_ceil_div(total, max_segment), 2 * size), size) * size
+    segment_bytes = _ceil_div(total, segments)
     segment_bytes = _ceil_div(segment_bytes, element_size) * element_size  # whole values
     per_chunk = (segments // size) * segment_bytes // element_size
     return [(min(c * per_chunk, numel), min((c + 1) * per_chunk, numel)) for c in range(size)]
