@@ -32,6 +32,10 @@ class DistConfig:
     # trainer.activation_checkpointing / trainer.compile treat one by one), e.g. "transformer.h";
     # null: the automatic rule, the longest ModuleList/Sequential (localsgd.averaging.fragments)
     shard_blocks: str | None = None
+    # M: run the M workers as threads of this one process (virtual workers, taking turns) instead
+    # of M processes: the same training, with gloo's bits, on one core (localsgd/cli/virtual.py;
+    # docs/performance.md#virtual-workers). null: processes
+    virtual_workers: int | None = None
 
 
 # dist.backend and dist.device (localsgd.cli.launch picks them: auto = nccl on CUDA, else gloo)

@@ -19,6 +19,9 @@ from torch.torch_version import TorchVersion
 
 from localsgd.averaging.finite import NonFiniteGuard, all_finite
 
+# the backend name of `localsgd.averaging.virtual`'s thread group (defined here, where it is read)
+VIRTUAL_BACKEND = "virtual"
+
 if TYPE_CHECKING:
     from localsgd.averaging.quantize import QuantizedWire
 
@@ -78,11 +81,13 @@ class SimulatedLink:
 
 def supports_avg(group: dist.ProcessGroup | None) -> bool:
     """Whether the backend averages inside the reduction: NCCL always, gloo from torch 2.13 on
-    (every rank receives the same bits, as with dividing first)."""
+    (every rank receives the same bits, as with dividing first), and virtual workers as gloo
+    does (`localsgd.averaging.virtual`)."""
     backend = dist.get_backend(group)
     if backend == dist.Backend.NCCL:
         return True
-    return backend == dist.Backend.GLOO and TorchVersion(torch.__version__) >= (2, 13)
+    gloo_like = backend in (dist.Backend.GLOO, VIRTUAL_BACKEND)
+    return gloo_like and TorchVersion(torch.__version__) >= (2, 13)
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -19,6 +19,7 @@ from localsgd.averaging.streaming import MERGE_RULES
 from localsgd.cli.fault_tolerance import validate_ft
 from localsgd.cli.pacing import validate_pacing
 from localsgd.cli.sharding import validate_sharding
+from localsgd.cli.virtual import validate_virtual
 from localsgd.config import BACKENDS, COMPRESSIONS, DEVICES, ConfigError, data_options
 from localsgd.data.loader import LOADERS
 from localsgd.data.partition import PARTITIONS
@@ -63,6 +64,7 @@ def validate(cfg: Any, world_size: int | None = None, local_world_size: int | No
 
     `world_size` is the real one under torchrun; otherwise `dist.world_size` will be spawned.
     """
+    validate_virtual(cfg, _get)  # first: it decides the world size
     ws = world_size if world_size is not None else _get(cfg, "dist.world_size")
     _require(ws is None or ws >= 1, "dist.world_size", "an integer >= 1 (or null for auto)", ws)
     _choice(cfg, "dist.backend", BACKENDS)

@@ -14,6 +14,7 @@ import os
 import shlex
 import shutil
 import sys
+import threading
 
 import hydra
 import torch.distributed as dist
@@ -21,6 +22,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from localsgd.averaging.virtual import VIRTUAL_BACKEND
 from localsgd.cli.checks import _get, validate
 from localsgd.cli.fault_tolerance import (
     ReplicasFailed,
@@ -48,6 +50,7 @@ from localsgd.cli.overrides import (
 )
 from localsgd.cli.preflight import check_data, resolve_resume
 from localsgd.cli.proctitle import launcher_title, set_title
+from localsgd.cli.virtual import spawn_virtual
 from localsgd.config import Config, ConfigError, register_schemas, typed
 from localsgd.loop.fault_tolerance import NoLivePeer
 from localsgd.loop.loggers import offline_runs, resolve_wandb_settings
@@ -68,13 +71,15 @@ def run_worker(
     from localsgd.loop.stop import install_sigterm_handler
     from localsgd.loop.trainer import Trainer  # workers import the heavy parts, the CLI stays quick
 
-    install_sigterm_handler()  # SIGTERM: checkpoint at an agreed step, then exit cleanly
+    if threading.current_thread() is threading.main_thread():  # virtual workers: the launcher's
+        install_sigterm_handler()  # SIGTERM: checkpoint at an agreed step, then exit cleanly
     if cfg.trainer.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS starts
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.benchmark = False
-    device = pick_device(cfg.dist.device, info.local_rank)
-    backend = pick_backend(cfg.dist.backend, device)
+    virtual = cfg.dist.virtual_workers is not None
+    device = pick_device("cpu" if virtual else cfg.dist.device, info.local_rank)
+    backend = VIRTUAL_BACKEND if virtual else pick_backend(cfg.dist.backend, device)
     if cfg.ft.backend == "none":
         store = init_process_group(info, backend, cfg.dist.timeout_s, store)
     elif under_torchrun():  # this machine's ranks are one replica group
@@ -144,6 +149,8 @@ def fail(message: str, code: int = 2) -> None:
 
 
 def world_size_of(cfg) -> int:
+    if _get(cfg, "dist.virtual_workers") is not None:
+        return _get(cfg, "dist.virtual_workers")
     if under_torchrun():
         return int(os.environ["WORLD_SIZE"])
     return resolve_world_size(cfg.dist.world_size, cfg.dist.device)
@@ -236,14 +243,18 @@ def main(cfg: DictConfig) -> float | None:
                 sys.exit(stopped_exit_code(stopped_by))  # torchrun's exit follows its ranks'
             return None
     else:
-        world_size = resolve_world_size(run_cfg.dist.world_size, run_cfg.dist.device)
+        world_size = world_size_of(run_cfg)
         run_cfg.dist.world_size = world_size
         try:
             # By module name: under hydra/launcher=local|slurm, submitit runs this function in a
             # process whose `__main__` is not this file, where `__main__.run_worker` is no name.
             from localsgd.cli.train import run_worker as worker
 
-            if run_cfg.ft.backend == "none":
+            if run_cfg.dist.virtual_workers is not None:  # threads of this process
+                stopped_by = spawn_virtual(
+                    worker, world_size, run_cfg.dist.timeout_s, args=(run_cfg, run_dir, resume)
+                )
+            elif run_cfg.ft.backend == "none":
                 stopped_by = spawn(
                     worker, world_size, run_cfg.dist.timeout_s, args=(run_cfg, run_dir, resume)
                 )
