@@ -423,6 +423,20 @@ def test_an_unlucky_honest_contribution_is_not_judged_bad():
         assert trust.excluded == excluded
 
 
+def test_the_finiteness_check_is_exact():
+    """`all_finite` sums first: a NaN or Inf anywhere is found, and finite values whose sum
+    overflows (float32, float16) are not taken for bad ones."""
+    from localsgd.averaging.finite import all_finite
+
+    x = torch.randn(3_000_000)
+    assert all_finite([x])
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        x[2_500_123] = bad
+        assert not all_finite([torch.zeros(4), x])
+    assert all_finite([torch.full((10,), 3e38)])
+    assert all_finite([torch.full((100_000,), 60000.0, dtype=torch.float16)])
+
+
 def test_a_harmful_contribution_is_caught_when_the_median_does_not_help():
     """A round whose median score is negative (every honest change hurts the batch a little):
     the flipped sign (worker 3) raises the loss on every sample and is dropped, and excluded

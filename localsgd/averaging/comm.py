@@ -372,7 +372,7 @@ def decode_mean_(
     dropped, summed, total = [], 0, 0.0
     for rank in range(members):
         value = wire.decode(gathered[rank * wire.nbytes : (rank + 1) * wire.nbytes])
-        if guard and not bool(all_finite([value])):
+        if guard and not all_finite([value]):
             dropped.append(rank)
             continue
         if weights is not None:

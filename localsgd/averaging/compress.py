@@ -121,8 +121,8 @@ def lossy_mean_(
 def forget_nonfinite_(residual: torch.Tensor | None, comm: Communicator) -> None:
     """A contribution that held NaN/Inf was dropped from the round; its residual would carry
     the NaN into every later one, and is zeroed (with `comm.guard`)."""
-    if residual is not None and comm.guard:
-        residual.masked_fill_(~all_finite([residual]), 0)
+    if residual is not None and comm.guard and not all_finite([residual]):
+        residual.zero_()
 
 
 def load_residuals(residuals: list, saved: list | None) -> None:
