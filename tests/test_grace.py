@@ -142,7 +142,7 @@ def _replica(index: int, lighthouse: str, late_s: float, out: dict) -> None:
     results = []
     try:
         for round_ in range(3):
-            comm.begin()
+            comm.begin(samples=10 * (index + 1))  # what each trained on since its last round
             if index == 1 and round_ == 1:
                 time.sleep(late_s)  # late inside the round, as a frozen worker is
             flat = torch.full((1000,), float(index + 1))
@@ -150,7 +150,7 @@ def _replica(index: int, lighthouse: str, late_s: float, out: dict) -> None:
             comm.mean_(flat)
             waited = time.perf_counter() - start
             results.append((comm.commit(), waited, flat[0].item()))
-        out[index] = (results, comm.timeouts, comm.waited_s)
+        out[index] = (results, comm.timeouts, comm.waited_s, comm.merged_samples)
     finally:
         manager.shutdown(wait=False)
 
@@ -178,13 +178,15 @@ def test_a_late_peer_costs_one_window_and_the_next_round_commits_on_a_rebuilt_gr
     finally:
         server.shutdown()
     assert set(out) == {0, 1}, out
-    (on_time, timeouts, waited), (late, _, _) = out[0], out[1]
+    (on_time, timeouts, waited, merged), (late, _, _, late_merged) = out[0], out[1]
     assert [r[0] for r in on_time] == [True, False, True]
     assert [r[0] for r in late] == [True, False, True]
     assert 0.9 <= on_time[1][1] < 2.5, on_time  # one window, not the 4 s nor ft.timeout_s
     assert late[1][1] < 1.0, late  # its peer had closed the connections: no second wait
     assert timeouts == 1 and 0.9 <= waited < 2.5
     assert on_time[2][2] == late[2][2] == 1.5  # the mean of 1 and 2, on the rebuilt group
+    # the samples of the two committed rounds count, the rolled-back round's do not
+    assert merged == late_merged == 2 * (10 + 20)
 
 
 @pytest.mark.slow
