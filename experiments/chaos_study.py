@@ -3,11 +3,12 @@ partitions among 4 workers, and the goodput the job keeps against the fault-free
 
 The job: MNIST-1D, the CNN, 4 workers, post-local SGD (300 synchronous steps, then k = 16),
 3000 steps, `ft=torchft` (every worker a replica group, restarts on). Per seed, side by side in
-this one invocation, the fault-free run and the chaos run (same seed, same settings), in two
-settings: the job as `make train` runs it (~7 ms a step here, a sync every ~0.12 s), and the
-same job with every step padded to 50 ms (`comm.simulate.step_s`, a compute-heavier job: a
-sync every 0.8 s), so that a fault every ~20 syncs is every ~2.5 s in the first and every
-~16 s in the second.
+this one invocation, the fault-free run and the chaos run (same seed, same settings), in three
+settings: the job as `make train` runs it (7-12 ms a step here, a sync every 0.1-0.2 s); the
+same with the grace window fixed at the adaptive one's floor (`ft.grace_s=3`); and the job with
+every step padded to 50 ms (`comm.simulate.step_s`, a compute-heavier job: a sync every 0.8 s).
+A fault every ~20 syncs is then one every ~3-5 s of fault-free training in the first two and
+every ~16 s in the third.
 
 The schedule (`schedule()`, from the seed, written into the json): a fault every `--every`
 syncs on average (gaps drawn uniformly in [0.5, 1.5] x every x 16 steps), each on a worker
@@ -29,8 +30,9 @@ global state, all workers') per second of training (`wall_time_s - eval_seconds`
 writer's clock), as a ratio to the fault-free run of the same seed and setting. Loss: the final
 test loss against the fault-free run's. Writes experiments/chaos_study.{md,json,png}.
 
-    python experiments/chaos_study.py            # 3 seeds x 2 settings x 2 runs, ~30 min
-    python experiments/chaos_study.py --tiny     # smoke test: 1 seed, 900 steps, not written
+    python experiments/chaos_study.py            # 3 seeds x 3 settings x 2 runs, ~30 min
+    python experiments/chaos_study.py --tiny     # smoke test: 1 seed, 900 steps, in /tmp
+    python experiments/chaos_study.py --report   # the .md and .png again from the .json
 """
 
 from __future__ import annotations
@@ -252,49 +254,33 @@ def plot(runs: list[dict], rows: list[dict], out: str, seeds: list[int]) -> None
     fig.savefig(out + ".png", dpi=110)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--steps", type=int, default=3000)
-    parser.add_argument("--every", type=float, default=20, help="syncs between faults")
-    parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
-    parser.add_argument("--tiny", action="store_true")
-    args = parser.parse_args()
-    if args.tiny:
-        args.seeds, args.steps, args.every, args.settings = [0], 900, 10, ["make train"]
-    started = time.perf_counter()
-    runs, rows = [], []
-    with tempfile.TemporaryDirectory() as tmp:
-        for seed in args.seeds:
-            faults = schedule(seed, args.steps, args.every)
-            for setting in args.settings:
-                pair = []
-                for chaos in (False, True):
-                    label = "".join(c if c.isalnum() else "_" for c in setting)
-                    name = f"{label}-{seed}-{'chaos' if chaos else 'free'}"
-                    run = run_one(setting, seed, args, os.path.join(tmp, name),
-                                  faults if chaos else None)  # fmt: skip
-                    runs.append(run)
-                    pair.append(run)
-                    brief = {k: v for k, v in run.items() if k not in ("progress", "faults")}
-                    print(json.dumps(brief), flush=True)
-                rows.append({"setting": setting, "seed": seed, **compare(*pair)})
-                print(json.dumps(rows[-1]), flush=True)
-    elapsed = time.perf_counter() - started
-    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+def write_report(data: dict, out: str) -> None:
+    """experiments/chaos_study.{md,png} from the study's json (`data`)."""
+    args, runs, rows = argparse.Namespace(**data["args"]), data["runs"], data["rows"]
     lines = [
         "# Chaos on `make train`'s job through torchft: goodput against fault-free",
         "",
         f"    python experiments/chaos_study.py{' --tiny' if args.tiny else ''}",
         "",
-        f"Run {stamp}, {elapsed:.0f} s on {os.cpu_count()} CPUs (shared with other jobs): "
+        f"Run {data['stamp']}, {data['elapsed_s']:.0f} s on 2 CPUs shared with other jobs: "
         f"MNIST-1D, the CNN, {WORKERS} workers, {args.steps} steps ({WARMUP} synchronous, then "
         f"k = {PERIOD}), `ft=torchft`, a fault every ~{args.every:g} syncs (x {PERIOD} steps) "
-        "among the 4 workers, seeds "
-        f"{', '.join(map(str, args.seeds))}. Every ratio is against the fault-free run of the "
-        "same seed and setting, run just before it in this invocation. Goodput: merged samples "
-        "(summary.json's `merged_samples`: whose training reached a committed global state) "
-        "per training second.",
+        "among the 4 workers, the schedule drawn from the seed (seeds "
+        f"{', '.join(map(str, args.seeds))}; the same schedule in every setting of a seed; "
+        "`chaos_study.json` lists it, with the step each fault fired at). Every ratio is against "
+        "the fault-free run of the same seed and setting, run just before it in this "
+        "invocation. Goodput: merged samples (summary.json's `merged_samples`: whose training "
+        "reached a committed global state) per training second. Seconds lost per fault: the "
+        "chaos run's training seconds less the seconds its merged samples take at the "
+        "fault-free run's rate, per fault; `1 - goodput` is about that over the seconds "
+        "between faults.",
+        "",
+        "Faults: `kill` (SIGKILL; restarted, it heals from a live peer), `freeze` (SIGSTOP "
+        "inside a round, SIGCONT 2-6 s later) and `partition` (the worker's collectives send "
+        "nothing for 2-6 s while its process and heartbeats run on). The partition is not cut "
+        "at the network level: that needs firewall rules on the loopback this shared machine's "
+        "other jobs use; it is the worker's data plane held, its control plane up, which is "
+        "what its peers and the lighthouse see of such a cut.",
         "",
         "| setting | seed | faults fired (kill/freeze/partition) | goodput | test loss vs "
         "fault-free | seconds lost per fault | seconds between faults | samples lost | "
@@ -330,15 +316,58 @@ def main() -> None:
             got = sorted(x for r in rows if r["setting"] == setting for x in r["stall_s"][kind])
             cells.append(", ".join(f"{x:.1f}" for x in got) or "-")
         lines.append(f"| {setting} | {' | '.join(cells)} |")
-    out = os.path.join(ROOT, "experiments", "chaos_study")
-    if args.tiny:
-        out = os.path.join(tempfile.gettempdir(), "chaos_study_tiny")
+    lines += ["", "Reading: [docs/reliability.md](../docs/reliability.md#a-chaos-study)."]
     with open(out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
-    with open(out + ".json", "w") as f:
-        json.dump({"args": vars(args), "rows": rows, "runs": runs}, f, indent=1)
     plot(runs, rows, out, args.seeds)
     print("\n".join(lines))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--steps", type=int, default=3000)
+    parser.add_argument("--every", type=float, default=20, help="syncs between faults")
+    parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--report", action="store_true", help="rewrite the .md/.png from the json")
+    args = parser.parse_args()
+    out = os.path.join(ROOT, "experiments", "chaos_study")
+    if args.tiny:
+        args.seeds, args.steps, args.every, args.settings = [0], 900, 10, ["make train"]
+        out = os.path.join(tempfile.gettempdir(), "chaos_study_tiny")
+    if args.report:
+        with open(out + ".json") as f:
+            write_report(json.load(f), out)
+        return
+    started = time.perf_counter()
+    runs, rows = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for seed in args.seeds:
+            faults = schedule(seed, args.steps, args.every)
+            for setting in args.settings:
+                pair = []
+                for chaos in (False, True):
+                    label = "".join(c if c.isalnum() else "_" for c in setting)
+                    name = f"{label}-{seed}-{'chaos' if chaos else 'free'}"
+                    run = run_one(setting, seed, args, os.path.join(tmp, name),
+                                  faults if chaos else None)  # fmt: skip
+                    runs.append(run)
+                    pair.append(run)
+                    brief = {k: v for k, v in run.items() if k not in ("progress", "faults")}
+                    print(json.dumps(brief), flush=True)
+                rows.append({"setting": setting, "seed": seed, **compare(*pair)})
+                print(json.dumps(rows[-1]), flush=True)
+    data = {
+        "args": {k: v for k, v in vars(args).items() if k != "report"},
+        "stamp": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "elapsed_s": round(time.perf_counter() - started, 1),
+        "rows": rows,
+        "runs": runs,
+    }
+    with open(out + ".json", "w") as f:
+        json.dump(data, f, indent=1)
+    write_report(data, out)
 
 
 if __name__ == "__main__":
