@@ -116,6 +116,43 @@ class Chaos:
         pass
 
 
+class RoundLog:
+    """A trainer callback that appends one line per torchft round of this worker to
+    `DIR/rank-R.log` (its step, how long the quorum and count took, the window, the commit and
+    whether the window ran out): how the 16-s stall in docs/reliability.md was traced."""
+
+    def __init__(self, dir: str):
+        self.dir, self.ready = dir, False
+
+    def on_step_start(self, trainer, step: int) -> None:
+        if self.ready:
+            return
+        self.ready = True
+        comm = trainer.sync.fault_tolerance.rounds.comm
+        path = os.path.join(self.dir, f"rank-{trainer.info.rank}.log")
+        begin, commit = comm.begin, comm.commit
+
+        def write(line: str) -> None:
+            with open(path, "a") as f:
+                f.write(f"{time.time():.3f} step {trainer.step} {line}\n")
+
+        def logged_begin(*args, **kwargs):
+            start = time.perf_counter()
+            healed = begin(*args, **kwargs)
+            write(f"begin {time.perf_counter() - start:.2f} s window {comm.window_s}")
+            return healed
+
+        def logged_commit():
+            ok = commit()
+            write(f"commit {ok} ran_out {comm.ran_out}")
+            return ok
+
+        comm.begin, comm.commit = logged_begin, logged_commit
+
+    def on_step_end(self, trainer, step: int) -> None:
+        pass
+
+
 def run_one(setting: str, seed: int, args, run_dir: str, faults: list[dict] | None) -> dict:
     command = [
         sys.executable, "-m", "localsgd.train", "+experiment=post_local_sgd", "ft=torchft",
