@@ -9,6 +9,13 @@ creates it), so a restarted worker does not fail again.
 STEP on: at the round's first collective a helper process sends it SIGSTOP, then SIGCONT
 SECONDS later, as a swapping host or a hung link would (a process cannot stop and wake itself).
 
+`partition:RANK:STEP:SECONDS` (ft=torchft) cuts rank RANK's data plane from step STEP on: its
+next round's collectives send nothing for SECONDS (the training thread holds them back) while
+the process, its torchft manager and their heartbeats to the lighthouse run on, as a worker
+whose collective traffic is blocked but whose control traffic is not. It is not a cut at the
+network level (that needs rules on the shared loopback); its peers see the same thing: no
+bytes from it, and a lighthouse that still hears it.
+
 From the command line: `trainer.callbacks=[{_target_:tests.faults.Fault,spec:'kill:1:7'}]`
 (`override(spec)` writes that), run from the repository root so that `tests` is importable.
 """
@@ -35,7 +42,7 @@ class Fault:
         kind, rank, step, *once = spec.split(":", 3)
         self.kind, self.rank, self.step = kind, int(rank), int(step)
         self.once = once[0] if once else None
-        if kind == "freeze":
+        if kind in ("freeze", "partition"):
             self.freeze_s, self.once = float(once[0]), None
         self._poison = None
 
@@ -64,19 +71,22 @@ class Fault:
             deadline = time.monotonic() + 10.0
             while not stop.signalled() and time.monotonic() < deadline:
                 time.sleep(0.001)
-        if self.kind == "freeze":
-            self._freeze_in_next_round(trainer.sync.fault_tolerance.rounds.comm)
+        if self.kind in ("freeze", "partition"):
+            self._hold_next_round(trainer.sync.fault_tolerance.rounds.comm)
         if self.kind == "nan":
             self._poison = trainer.model.register_forward_hook(lambda m, i, out: out * float("nan"))
         if self.kind == "desync":
             self._poison = True
 
-    def _freeze_in_next_round(self, comm) -> None:
+    def _hold_next_round(self, comm) -> None:
         real = comm._allreduce
 
         def frozen_first(*args, **kwargs):
             comm._allreduce = real  # once
             pid, seconds = os.getpid(), self.freeze_s
+            if self.kind == "partition":  # sleeping releases the GIL: the heartbeats go on
+                time.sleep(seconds)
+                return real(*args, **kwargs)
             helper = subprocess.Popen(
                 ["sh", "-c", f"kill -STOP {pid}; sleep {seconds}; kill -CONT {pid}"],
                 start_new_session=True,

@@ -108,6 +108,8 @@ def test_no_fault_is_bit_identical_to_the_plain_path(tmp_path, strategy):
     assert summary["participants"] == summary["participants_min"] == 3
     assert summary["heals"] == summary["failed_syncs"] == 0
     assert set(_participants(ft)) == {3}
+    # every sample of every worker reached a committed global state (the final average too)
+    assert summary["merged_samples"] == 60 * 16 * 3
 
 
 @pytest.mark.slow
@@ -142,6 +144,8 @@ def test_a_killed_worker_is_restarted_and_heals_from_a_live_peer(tmp_path, strat
     assert summary["heals"] == 1 and summary["failed_syncs"] == 0
     assert summary["participants_min"] == 2 and summary["participants"] == 3
     assert summary["steps"] == 60
+    # the victim's steps from its last round to its heal never reached the global model
+    assert 60 * 16 * 2 < summary["merged_samples"] < 60 * 16 * 3
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     clock = [r["wall_time_s"] for r in map(json.loads, lines) if "wall_time_s" in r]
     assert clock == sorted(clock) and summary["wall_time_s"] >= clock[-1], clock

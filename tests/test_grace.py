@@ -9,7 +9,9 @@ then the round fails, is rolled back and is retried without it.
   commits on a new process group (gloo's timed-out group is dead; torchft's lighthouse gives a
   new quorum id after a failed commit, so the group is rebuilt);
 - end to end (`-m long`): one of three workers SIGSTOPped inside a round for 6 s, then
-  SIGCONTed: the others wait about one window, it heals from a live peer, the job exits 0.
+  SIGCONTed: the others wait about one window, it heals from a live peer, the job exits 0;
+  and one whose collectives are held 5 s while its heartbeats go on (a partition of its data
+  plane): it stays in the quorum, so the others wait out the whole partition, not one window.
 """
 
 from __future__ import annotations
@@ -142,7 +144,7 @@ def _replica(index: int, lighthouse: str, late_s: float, out: dict) -> None:
     results = []
     try:
         for round_ in range(3):
-            comm.begin()
+            comm.begin(samples=10 * (index + 1))  # what each trained on since its last round
             if index == 1 and round_ == 1:
                 time.sleep(late_s)  # late inside the round, as a frozen worker is
             flat = torch.full((1000,), float(index + 1))
@@ -150,7 +152,7 @@ def _replica(index: int, lighthouse: str, late_s: float, out: dict) -> None:
             comm.mean_(flat)
             waited = time.perf_counter() - start
             results.append((comm.commit(), waited, flat[0].item()))
-        out[index] = (results, comm.timeouts, comm.waited_s)
+        out[index] = (results, comm.timeouts, comm.waited_s, comm.merged_samples)
     finally:
         manager.shutdown(wait=False)
 
@@ -178,13 +180,15 @@ def test_a_late_peer_costs_one_window_and_the_next_round_commits_on_a_rebuilt_gr
     finally:
         server.shutdown()
     assert set(out) == {0, 1}, out
-    (on_time, timeouts, waited), (late, _, _) = out[0], out[1]
+    (on_time, timeouts, waited, merged), (late, _, _, late_merged) = out[0], out[1]
     assert [r[0] for r in on_time] == [True, False, True]
     assert [r[0] for r in late] == [True, False, True]
     assert 0.9 <= on_time[1][1] < 2.5, on_time  # one window, not the 4 s nor ft.timeout_s
     assert late[1][1] < 1.0, late  # its peer had closed the connections: no second wait
     assert timeouts == 1 and 0.9 <= waited < 2.5
     assert on_time[2][2] == late[2][2] == 1.5  # the mean of 1 and 2, on the rebuilt group
+    # the samples of the two committed rounds count, the rolled-back round's do not
+    assert merged == late_merged == 2 * (10 + 20)
 
 
 @pytest.mark.slow
@@ -239,3 +243,53 @@ def test_a_worker_frozen_inside_a_round_costs_the_others_one_window_then_heals(t
     assert summary["grace_waited_s"] <= summary["grace_timeouts"] * (grace_s + 1.0), summary
     assert summary["heals"] >= 1 and summary["participants"] == 3
     assert summary["participants_min"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.long
+@pytest.mark.timeout(240)
+def test_a_partitioned_worker_stays_in_the_quorum_and_costs_the_whole_partition(tmp_path):
+    """Worker 2's collectives send nothing for 5 s from its round after step 40 (a partition
+    of its data plane: `tests/faults.py`), its process and heartbeats running on; the window is
+    2 s. The others' round fails after one window, but the lighthouse still hears worker 2, so
+    the next quorum waits for it: nobody is dropped or heals, the others stand still for about
+    the whole partition (what experiments/chaos_study.py measured), and the job exits 0 with
+    the failed round's samples not merged."""
+    run_dir = tmp_path / "run"
+    cut_s, grace_s = 5.0, 2.0
+    proc, left = cli(
+        FAST
+        + [
+            "data.num_samples=900",
+            "dist.world_size=3",
+            "trainer.max_steps=160",
+            "trainer.batch_size=16",
+            "trainer.log_every=4",
+            "trainer.eval_every=1000",
+            "trainer.checkpoint_every=0",
+            "sync.warmup_steps=4",
+            "sync.period=4",
+            "logger=jsonl",
+            "ft=torchft",
+            f"ft.grace_s={grace_s}",
+            "comm.simulate.worker_speed=[1,1,1]",
+            "comm.simulate.step_s=0.05",
+            f"hydra.run.dir={run_dir}",
+        ],
+        fault=f"partition:2:40:{cut_s}",
+        timeout=200,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not left
+    lines = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    seen = [(r["step"], r["wall_time_s"], r["participants"]) for r in lines if "participants" in r]
+    assert {p for _, _, p in seen} == {3}, seen  # never dropped
+    # worker 0 from its line at step 40 (the failed round: one window) to step 48 (the next
+    # quorum waited for worker 2 to come back): the whole partition, not one window
+    at = {step: t for step, t, _ in seen}
+    assert cut_s - 0.5 < at[48] - at[36] < cut_s + grace_s + 2.0, seen
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 160 and summary["participants_min"] == 3
+    assert summary["heals"] == 0 and summary["failed_syncs"] >= 1
+    assert summary["grace_timeouts"] >= 1
+    assert summary["merged_samples"] < 160 * 16 * 3

@@ -103,7 +103,10 @@ class FaultTolerance:
         gradients,
         verify: bool,
         sharded: bool = False,
+        batch: int = 0,
     ) -> FaultTolerance:
+        """`batch`: the samples one worker's optimizer step trains on (each replica group's
+        step trains on `batch` x its ranks: `merged_samples` counts them)."""
         group: dict[str, Any] = {}
         if ft.replica_groups is not None:  # torchrun: this machine's ranks are the replica group
             group = {**_group_store(), "rank": dist.get_rank(), "world_size": dist.get_world_size()}
@@ -127,8 +130,14 @@ class FaultTolerance:
             device=device,
             grace=grace_window(ft),
         )
+        group_size = info.world_size // replica_groups(ft, info)
         rounds = FaultTolerantRounds(
-            averager, comm, gradients=gradients, check_replicas=verify, stop_requested=signalled
+            averager,
+            comm,
+            gradients=gradients,
+            check_replicas=verify,
+            stop_requested=signalled,
+            samples_per_step=batch * group_size,
         )
         return cls(ft, info, rounds, seed, sharded)
 

@@ -144,6 +144,8 @@ class Synchroniser:
         skipping rank still steps in the warmup (on the others' gradients), or replicas split.
         Under torchft a failed round returns False: every replica skips the step."""
         self.synchronous = self.in_warmup
+        if self.fault_tolerance is not None and not skip:  # counted into the next round
+            self.fault_tolerance.rounds.stepped()
         if not self.synchronous:
             return not skip
         if self.fault_tolerance is not None:
@@ -328,6 +330,8 @@ class Synchroniser:
                 grace_timeouts=rounds.comm.timeouts,
                 grace_waited_s=round(rounds.comm.waited_s, 3),
                 grace_s=round(rounds.comm.grace.seconds(), 3) if rounds.comm.grace else None,
+                # samples whose training reached a committed global state, all workers'
+                merged_samples=rounds.merged_samples,
             )
         return summary
 
@@ -442,5 +446,6 @@ def build_synchroniser(
             grad_averager,
             sync.check_replicas,
             sharded=sharding is not None and sharding.sharded,
+            batch=cfg.trainer.batch_size * cfg.trainer.accumulate_grad_batches,
         )
     return synchroniser

@@ -131,8 +131,11 @@ class TorchftCommunicator(Communicator):
         self.in_round = False
         self.lost = False  # no quorum formed this round: nothing goes on the wire
         self.stop_requested = False  # a replica of the last round asked to stop
-        # live (1 or 0) and stop (1 or 0): one all-reduce per round, on the wire's device
-        self._count = torch.zeros(2, device=device)
+        self.round_samples = 0  # samples the live replicas trained on since their last round
+        self.merged_samples = 0  # their sum over the committed rounds (goodput's numerator)
+        # live (1 or 0), stop (1 or 0) and samples: one all-reduce per round, on the wire's
+        # device (a round's samples stay far below float32's 2**24 exact integers)
+        self._count = torch.zeros(3, device=device)
 
     @property
     def size(self) -> int:
@@ -144,10 +147,12 @@ class TorchftCommunicator(Communicator):
             "replica group's own torch.distributed communicator"
         )
 
-    def begin(self, stop: bool = False) -> bool:
+    def begin(self, stop: bool = False, samples: int = 0) -> bool:
         """Start a round: the quorum (and a heal, if this replica is behind), then the count of
         live participants, which also carries `stop` (this replica was asked to stop:
-        `stop_requested` then says, on every replica of the round, that one was). Returns
+        `stop_requested` then says, on every replica of the round, that one was) and `samples`,
+        what this replica trained on since its last round (a healed one's count is 0: its own
+        work was replaced); a committed round adds their sum to `merged_samples`. Returns
         whether this replica healed."""
         self.healed = False
         self.in_round = True
@@ -167,6 +172,8 @@ class TorchftCommunicator(Communicator):
         self.live = not self.healed and self.manager.errored() is None
         self._count[0] = 1.0 if self.live else 0.0
         self._count[1] = 1.0 if stop else 0.0
+        self._count[2] = float(samples) if self.live else 0.0
+        self.round_samples = 0
         # the count is the barrier after a heal: it waits for the healer with the group's timeout
         heal = _someone_heals(self.manager)
         self._allreduce(self._count, dist.ReduceOp.SUM, whole_timeout=heal).wait()
@@ -174,6 +181,7 @@ class TorchftCommunicator(Communicator):
             self.participants = int(round(self._count[0].item()))
             self.healers = max(0, self.manager.num_participants() - self.participants)
             self.stop_requested = self._count[1].item() > 0
+            self.round_samples = int(round(self._count[2].item()))
         return self.healed
 
     def commit(self) -> bool:
@@ -182,6 +190,8 @@ class TorchftCommunicator(Communicator):
         if self.lost:
             return False
         ok = bool(self.manager.should_commit() and self.participants > 0)
+        if ok:
+            self.merged_samples += self.round_samples
         if self.grace is not None:
             if ok:
                 self.grace.committed(self.longest_s)

@@ -113,6 +113,7 @@ class FaultTolerantRounds:
         gradients=None,
         check_replicas: bool = False,
         stop_requested: Callable[[], bool] | None = None,
+        samples_per_step: int = 0,
     ):
         if averager.reducer.delays:
             raise ValueError("overlap (delayed averaging) cannot run through torchft")
@@ -131,6 +132,10 @@ class FaultTolerantRounds:
             gradients.stats = comm.stats
         self.stop_requested = stop_requested or (lambda: False)
         self.stop_agreed = False  # a replica asked to stop: every replica stops after this round
+        # what one optimizer step of this replica group trains on; `stepped()` counts them into
+        # the next round, whose commit adds every live replica's to `merged_samples`
+        self.samples_per_step = samples_per_step
+        self.pending_samples = 0
         self.failed_syncs = 0  # rounds rolled back (the same on every replica)
         self.heals = 0  # times this replica loaded a live peer's state
         self.heals_seen = 0  # heals of any replica, counted alike by every replica
@@ -154,6 +159,17 @@ class FaultTolerantRounds:
     @property
     def participants(self) -> int:
         return self.comm.participants
+
+    @property
+    def merged_samples(self) -> int:
+        """Samples whose training reached a committed global state, over every replica group:
+        a rolled-back round's, a dead or frozen replica's since its last round, a healed one's
+        own are not (the goodput a chaos run keeps; `experiments/chaos_study.py`)."""
+        return self.comm.merged_samples
+
+    def stepped(self) -> None:
+        """The owner took (or, in the warmup, is about to take) one optimizer step."""
+        self.pending_samples += self.samples_per_step
 
     def register_state(
         self, key: str, state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None]
@@ -191,6 +207,7 @@ class FaultTolerantRounds:
             "participants_min": self.participants_min,
             "heals_seen": self.heals_seen,
             "checkpoint_mark": self.checkpoint_mark,
+            "merged_samples": self.comm.merged_samples,
         }
 
     def _load_ft_state(self, state: dict) -> None:
@@ -207,6 +224,7 @@ class FaultTolerantRounds:
         self.participants_min = min(self.participants_min, int(state["participants_min"]))
         self.heals_seen = int(state["heals_seen"])
         self.checkpoint_mark = int(state["checkpoint_mark"])
+        self.comm.merged_samples = int(state.get("merged_samples", 0))
         self._peer = {"phase": state["phase"]}
         self.comm.healed = True
 
@@ -217,6 +235,7 @@ class FaultTolerantRounds:
             "heals": self.heals,
             "heals_seen": self.heals_seen,
             "participants_min": self.participants_min,
+            "merged_samples": self.comm.merged_samples,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -224,6 +243,7 @@ class FaultTolerantRounds:
         self.heals = int(state["heals"])
         self.heals_seen = int(state.get("heals_seen", 0))
         self.participants_min = int(state["participants_min"])
+        self.comm.merged_samples = int(state.get("merged_samples", 0))
 
     # --- the replica check ---------------------------------------------------------------------
 
@@ -253,7 +273,8 @@ class FaultTolerantRounds:
         carries this replica's stop request. Returns whether this replica healed."""
         self.phase = phase
         try:
-            healed = self.comm.begin(stop=self.stop_requested())
+            samples, self.pending_samples = self.pending_samples, 0  # kept only if committed
+            healed = self.comm.begin(stop=self.stop_requested(), samples=samples)
         except QuorumLost as e:
             self.quorum_lost = str(e)
             return False
