@@ -217,7 +217,7 @@ def test_benchmark_suite_runs_at_tiny_size(tmp_path):
         assert heading in text
     rows = [line for line in text.splitlines() if line.startswith("| 2 | 9.7k | 52 |")]
     assert len(rows) == 1  # the fp32 averaging table's one tiny row, every method timed
-    assert len(rows[0].split("|")) == 2 + 4 + 5 and "n/a" not in rows[0]
+    assert len(rows[0].split("|")) == 2 + 4 + 6 and "n/a" not in rows[0]
     for method in ("gloo-avg", "ours-bf16", "ours-fp16", "torch-hier-world"):
         assert any(line.startswith(f"| {method} |") for line in text.splitlines())
     for variant in ("k=1", "k=4", "k=16", "k=64", "off"):

@@ -445,6 +445,7 @@ def test_every_rank_enumerates_the_same_subgroups_of_the_replicate_groups(monkey
         monkeypatch.setattr(comm_module, "supports_avg", lambda group: False)
         comm = object.__new__(comm_module.Communicator)
         comm.group, comm.size, comm.stats, comm.link = object(), 4, None, None
+        comm.guard, comm.dropped = True, []
         comm.subgroups(2)
     assert all(chunks == seen[0] for chunks in seen.values()), seen
     assert seen[0] == [[0, 2], [4, 6], [1, 3], [5, 7]]

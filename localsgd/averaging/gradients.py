@@ -36,7 +36,9 @@ class GradientAverager:
         stats: CommStats | None = None,
         link: SimulatedLink | None = None,
         init_sync: bool = True,
-        drop_nonfinite: bool = True,
+        # False, as DDP: an overflowed gradient is fp16 loss scaling's signal, and every rank
+        # must see it to skip the step together (`localsgd.averaging.finite` would drop it)
+        drop_nonfinite: bool = False,
     ):
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.comm = Communicator(process_group, stats, link, guard=drop_nonfinite)
