@@ -423,6 +423,20 @@ def test_an_unlucky_honest_contribution_is_not_judged_bad():
         assert trust.excluded == excluded
 
 
+def test_the_dropped_contributions_are_checkpointed():
+    """A resumed run still names the contributions dropped before its checkpoint."""
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        avg = PeriodicAverager(1, module=_Net())
+        avg.dropped_at.extend([(1, 0), (1, 10)])
+        again = PeriodicAverager(1, module=_Net())
+        again.load_state_dict(avg.state_dict())
+        assert again.dropped_at == [(1, 0), (1, 10)]
+    finally:
+        dist.destroy_process_group()
+
+
 def test_the_finiteness_check_is_exact():
     """`all_finite` sums first: a NaN or Inf anywhere is found, and finite values whose sum
     overflows (float32, float16) are not taken for bad ones."""

@@ -130,6 +130,9 @@ class Averager(ModelAverager):
         self.round_weights: list[float] | None = None
         self.wait_s = 0.0
         self.contributed = 0.0
+        # (rank, step) of each contribution an all-reduce left out for holding NaN/Inf
+        # (`finite.NonFiniteGuard`), as the loop records them: checkpointed with the rest
+        self.dropped_at: list[tuple[int, int]] = []
         self.hooks: list[AverageHook] = []
         self.global_hooks: list[GlobalSyncHook] = []
         self.all_in_sync = True  # every rank holds the same tensors (right after a full average)
@@ -414,6 +417,8 @@ class Averager(ModelAverager):
             # hooks that keep state (OptimizerStateSync's clock and byte counts), in list order
             "hooks": [h.state_dict() for h in self.hooks if hasattr(h, "state_dict")],
         }
+        if self.dropped_at:
+            state["dropped_nonfinite"] = [list(d) for d in self.dropped_at]
         if self.weighted:
             state["weighted"] = {
                 "contributed": self.contributed,
@@ -424,6 +429,7 @@ class Averager(ModelAverager):
 
     def load_state_dict(self, state: dict) -> None:
         self.step = int(state["step"])
+        self.dropped_at[:] = [(int(r), int(s)) for r, s in state.get("dropped_nonfinite", [])]
         weighted = state.get("weighted")
         if weighted is not None:
             self.contributed = float(weighted["contributed"])

@@ -92,8 +92,8 @@ class DroppedContributions:
     (`localsgd.averaging.finite`), as (rank, step): the same on every rank of a group. Rank 0
     names each once."""
 
-    def __init__(self):
-        self.at: list[tuple[int, int]] = []
+    def __init__(self, at: list[tuple[int, int]] | None = None):
+        self.at = at if at is not None else []  # the averager's list: checkpointed with it
 
     def collect(self, comms, step: int) -> None:
         """Take the ranks each communicator dropped since the last call (levels share a list)."""

@@ -71,7 +71,7 @@ class Synchroniser:
         self.fault_tolerance: FaultTolerance | None = None
         self.announced = 0  # trust events announced so far (`_announce_trust`)
         # contributions an all-reduce left out for holding NaN/Inf (`averaging.finite`)
-        self.dropped_nonfinite = DroppedContributions()
+        self.dropped_nonfinite = DroppedContributions(averager.dropped_at)
 
     @property
     def _driver(self):
