@@ -151,7 +151,6 @@ class Synchroniser:
         if self.fault_tolerance is not None:
             return self.fault_tolerance.rounds.all_reduce_gradients()
         self.grad_averager.all_reduce()
-        self._collect_dropped(self.averager.step)
         return True
 
     def after_step(self, loss: torch.Tensor | None) -> None:
@@ -167,9 +166,7 @@ class Synchroniser:
         self._announce_trust()
 
     def _collect_dropped(self, step: int) -> None:
-        comms = [*self.averager.levels]
-        if self.grad_averager is not None:
-            comms.append(self.grad_averager.comm)
+        comms = [*self.averager.levels]  # (the warmup's gradient all-reduce is not guarded)
         if self.fault_tolerance is not None:
             comms.append(self.fault_tolerance.rounds.comm)
         self.dropped_nonfinite.collect(comms, step)
@@ -415,6 +412,12 @@ def build_synchroniser(
             "sync.outer_state=cpu on a CPU run saves nothing: the anchors and outer momentum "
             "were in host memory already (the outer step still runs through its host staging)"
         )
+    if fault_tolerant and info.rank == 0 and averager.comm.guard and not _gathered_wire(sync):
+        notice(
+            "sync.drop_nonfinite: under ft=torchft the full-precision mean across replica groups "
+            "is torchft's all-reduce, which leaves no NaN/Inf contribution out (a low-bit "
+            "sync.comm_dtype is gathered and checked)"
+        )
     # the averager gave every rank rank 0's model already
     # sharded: over the replicate group (FSDP averaged inside each group already), so HSDP
     grad_averager = (
@@ -449,3 +452,11 @@ def build_synchroniser(
             batch=cfg.trainer.batch_size * cfg.trainer.accumulate_grad_batches,
         )
     return synchroniser
+
+
+def _gathered_wire(sync) -> bool:
+    """Whether the averages go on the wire as gathered messages (int8/int4, top-k), which every
+    rank decodes and checks, under torchft too."""
+    return sync.comm_dtype not in ("float32", "bfloat16", "float16") or (
+        getattr(sync, "compress", "none") != "none"
+    )
