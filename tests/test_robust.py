@@ -70,6 +70,7 @@ def test_bad_values_are_refused_in_one_line():
         ("sync.trim_fraction=0.5", "sync.trim_fraction"),
         ("sync.clip_multiple=0", "sync.clip_multiple"),
         ("sync.exclude_after=-1", "sync.exclude_after"),
+        ("sync.score_z=-1", "sync.score_z"),
     ):
         with pytest.raises(ConfigError, match=key):
             validate(compose_config([override]), 4)
@@ -82,12 +83,14 @@ def test_bad_values_are_refused_in_one_line():
         (["sync.aggregate=median", "sync.overlap=true"], "overlap"),
         (["sync.aggregate=median", "sync=hierarchical"], "sync.levels"),
         (["sync.aggregate=median", "sync=adaptive"], "sync.schedule=adaptive"),
-        (["sync.drop_nonfinite=true", "ft=torchft"], "ft=torchft"),
+        (["sync.drop_nonfinite=true", "ft=torchft"], "ft=torchft and a 16/32-bit"),
         (["sync.score=true", "sync.drop_nonfinite=false"], "sync.drop_nonfinite"),
     ):
         with pytest.raises(ConfigError, match=keys) as info:
             validate(compose_config(overrides), 4)
         assert "\n" not in str(info.value)
+    # a low-bit wire is gathered and checked under torchft too: not refused
+    validate(compose_config(["sync.drop_nonfinite=true", "ft=torchft", "sync.comm_dtype=int4"]), 4)
 
 
 class _Net(torch.nn.Module):
