@@ -34,7 +34,7 @@ def main() -> None:
     rows = averaging.run(args.worlds, args.sizes, args.reps, timeout_s=1200)
     for row in rows:
         times = row["max"]
-        med = {m: statistics.median(times[m]) for m in ("raw", "ours", "unguarded")}
+        med = {m: statistics.median(times[m]) for m in ("raw", "ours", "unguarded", "gloo-avg")}
         per_rep = [a / b for a, b in zip(times["ours"], times["unguarded"], strict=True)]
         print(json.dumps({
             "world": row["world"],
@@ -43,6 +43,8 @@ def main() -> None:
             "guarded_vs_raw": round(med["ours"] / med["raw"], 3),
             "unguarded_vs_raw": round(med["unguarded"] / med["raw"], 3),
             "guarded_vs_unguarded": round(med["ours"] / med["unguarded"], 3),
+            "guarded_vs_gloo_avg": round(med["ours"] / med["gloo-avg"], 3),
+            "unguarded_vs_gloo_avg": round(med["unguarded"] / med["gloo-avg"], 3),
             "per_rep_ratio_median": round(statistics.median(per_rep), 3),
         }), flush=True)
 
