@@ -31,10 +31,6 @@ from localsgd.loop.strategies import GROUP_SIZE_WORDS, OUTERS, SCHEDULES, resolv
 
 __all__ = ["ConfigError", "validate", "validate_optim", "validate_sync"]
 
-# sync.comm_dtype values all-reduced, not gathered: under ft=torchft nothing can leave a
-# non-finite contribution out of them (`localsgd.averaging.finite` guards the others)
-_UNGUARDED = ("float32", "bfloat16", "float16")
-
 
 def _require(ok: bool, key: str, allowed: str, value: Any) -> None:
     if not ok:
@@ -270,7 +266,7 @@ def _validate_trust(cfg: Any) -> None:
         )
     ft = _get(cfg, "ft.backend") != "none"
     plan = SyncPlan.of(_get(cfg, "sync"))
-    if ft and drop is True and plan.comm_format(_get(cfg, "sync.comm_dtype")) in _UNGUARDED:
+    if ft and drop is True and not plan.gathered_wire(_get(cfg, "sync.comm_dtype")):
         raise ConfigError(
             "sync.drop_nonfinite=true cannot hold with ft=torchft and a 16/32-bit "
             "sync.comm_dtype: torchft's Manager all-reduces the mean across replica groups, "

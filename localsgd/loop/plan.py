@@ -129,6 +129,12 @@ class SyncPlan:
             return TopKCodec(self.topk_density, self.topk_chunk)
         return comm_dtype
 
+    def gathered_wire(self, comm_dtype: str) -> bool:
+        """Whether the averages go on the wire as messages every rank gathers and decodes
+        (int8/int4, top-k), so that each rank can check them all (NaN/Inf left out), under
+        torchft too; False: all-reduced in 16 or 32 bits."""
+        return self.compress != "none" or comm_dtype not in ("float32", "bfloat16", "float16")
+
     @property
     def gathered(self) -> bool:
         """Whether each sync all-gathers every worker's contribution (`localsgd.averaging.

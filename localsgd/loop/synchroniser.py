@@ -21,6 +21,7 @@ from localsgd.config import Config
 from localsgd.loop.drift import DriftMeter
 from localsgd.loop.guards import DroppedContributions, check_replicas
 from localsgd.loop.metrics import notice
+from localsgd.loop.plan import SyncPlan
 from localsgd.loop.stop import StopAgreement
 from localsgd.loop.strategies import build_averager
 from localsgd.loop.worker import WorkerInfo
@@ -412,7 +413,8 @@ def build_synchroniser(
             "sync.outer_state=cpu on a CPU run saves nothing: the anchors and outer momentum "
             "were in host memory already (the outer step still runs through its host staging)"
         )
-    if fault_tolerant and info.rank == 0 and averager.comm.guard and not _gathered_wire(sync):
+    gathered_wire = SyncPlan.of(sync).gathered_wire(sync.comm_dtype)
+    if fault_tolerant and info.rank == 0 and averager.comm.guard and not gathered_wire:
         notice(
             "sync.drop_nonfinite: under ft=torchft the full-precision mean across replica groups "
             "is torchft's all-reduce, which leaves no NaN/Inf contribution out (a low-bit "
@@ -452,11 +454,3 @@ def build_synchroniser(
             batch=cfg.trainer.batch_size * cfg.trainer.accumulate_grad_batches,
         )
     return synchroniser
-
-
-def _gathered_wire(sync) -> bool:
-    """Whether the averages go on the wire as gathered messages (int8/int4, top-k), which every
-    rank decodes and checks, under torchft too."""
-    return sync.comm_dtype not in ("float32", "bfloat16", "float16") or (
-        getattr(sync, "compress", "none") != "none"
-    )
