@@ -440,6 +440,21 @@ def test_the_dropped_contributions_are_checkpointed():
         dist.destroy_process_group()
 
 
+def test_nothing_finite_to_average_is_an_error():
+    """Every contribution non-finite: there is no average to form, and the averager says so
+    (the same verdict on every rank: it is read from the reduced canary)."""
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        model = _Net()
+        avg = PeriodicAverager(1, module=model)
+        _poison(model)
+        with pytest.raises(RuntimeError, match="nothing finite to average"):
+            avg.maybe_average()
+    finally:
+        dist.destroy_process_group()
+
+
 def test_the_finiteness_check_is_exact():
     """`all_finite` sums first: a NaN or Inf anywhere is found, and finite values whose sum
     overflows (float32, float16) are not taken for bad ones."""
