@@ -100,44 +100,77 @@ def run_one(setting: str, aggregator: str, attack: str, seed: int, args, run_dir
         "test_accuracy": summary["test_accuracy"],
         "wall_time_s": summary["wall_time_s"],
         "excluded_round": trust.get("excluded", {}).get("1"),
+        # worker 1's contributions that reached an aggregate: scored rounds in which it was
+        # neither dropped (non-finite, judged bad) nor excluded
+        "attacker_kept": _kept(trust) if "sync.score=true" in ROWS[aggregator][0] else None,
         "excluded": sorted(int(r) for r in trust.get("excluded", {})),
         "dropped_nonfinite": summary.get("dropped_nonfinite", 0),
     }
 
 
+def _kept(trust: dict) -> int:
+    rounds = trust["trust_rounds"]
+    until = trust.get("excluded", {}).get("1", rounds)
+    dropped = {r for w, r in trust.get("judged_bad", []) + trust.get("dropped_nonfinite", [])
+               if w == 1 and r < until}
+    return until - len(dropped)
+
+
 def table(results: dict, seeds: list[int]) -> list[str]:
-    def cell(agg, attack):  # empty where --rows/--attacks left it out
-        return [results[k] for s in seeds if (k := f"{agg}/{attack}/{s}") in results]
+    """Means over the seeds a row ran; each ratio is taken against the clean runs of the same
+    seeds, so a row run on fewer seeds is not held against another seed's luck."""
+
+    def cell(agg, attack, only=None):  # empty where --rows/--attacks left it out
+        return [
+            results[k]
+            for s in (only if only is not None else seeds)
+            if (k := f"{agg}/{attack}/{s}") in results
+        ]
 
     def mean_loss(runs):
         ok = [r["test_loss"] for r in runs if not r["diverged"]]
         return statistics.mean(ok) if ok and len(ok) == len(runs) else None
 
-    clean_mean = mean_loss(cell("mean", "none")) or float("nan")
+    def ran(agg, attack):
+        return [s for s in seeds if f"{agg}/{attack}/{s}" in results]
+
     lines = [
-        "| aggregator | attack | test loss | / own clean | / mean clean | accuracy | "
-        "worker 1 excluded at round | others excluded | wall s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| aggregator | attack | seeds | test loss | / own clean | / mean clean | accuracy | "
+        "worker 1 excluded at round | worker 1's rounds kept | others excluded | wall s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for agg, (_, attacks) in ROWS.items():
-        clean = mean_loss(cell(agg, "none")) or float("nan")
         for attack in attacks:
             runs = cell(agg, attack)
             if not runs:
                 continue
+            those = ran(agg, attack)
+            shown_seeds = ",".join(map(str, those))
             loss = mean_loss(runs)
             if loss is None:
                 bad = sum(r["diverged"] for r in runs)
-                lines.append(f"| {agg} | {attack} | diverged in {bad}/{len(runs)} | | | | | | |")
+                lines.append(
+                    f"| {agg} | {attack} | {shown_seeds} | diverged in {bad}/{len(runs)} "
+                    "| | | | | | | |"
+                )
                 continue
+            clean = mean_loss(cell(agg, "none", those)) or float("nan")
+            clean_mean = mean_loss(cell("mean", "none", those)) or float("nan")
+            if len(cell(agg, "none", those)) < len(those):
+                clean = float("nan")
+            if len(cell("mean", "none", those)) < len(those):
+                clean_mean = float("nan")
             acc = statistics.mean(r["test_accuracy"] for r in runs)
             wall = statistics.mean(r["wall_time_s"] for r in runs)
             rounds = [r["excluded_round"] for r in runs]
             others = sorted({w for r in runs for w in r["excluded"] if w != 1})
             shown = ", ".join("-" if x is None else str(x) for x in rounds)
+            kept = ", ".join(
+                "-" if r.get("attacker_kept") is None else str(r["attacker_kept"]) for r in runs
+            )
             lines.append(
-                f"| {agg} | {attack} | {loss:.4f} | {loss / clean:.3f} | "
-                f"{loss / clean_mean:.3f} | {acc:.3f} | {shown} | "
+                f"| {agg} | {attack} | {shown_seeds} | {loss:.4f} | {loss / clean:.3f} | "
+                f"{loss / clean_mean:.3f} | {acc:.3f} | {shown} | {kept} | "
                 f"{', '.join(map(str, others)) or '-'} | {wall:.2f} |"
             )
     return lines
@@ -147,6 +180,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--setting", choices=list(SETTINGS), default="local_sgd")
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--only-seeds", type=int, nargs="+", help="run these seeds of --seeds")
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--rows", nargs="+", choices=list(ROWS), help="these rows only")
@@ -159,6 +193,7 @@ def main() -> None:
     if args.tiny:
         args.seeds, args.steps = 1, 40
     seeds = list(range(args.seeds))
+    run_seeds = args.only_seeds if args.only_seeds is not None else seeds
     out = os.path.join(ROOT, "experiments", f"trust_study_{args.setting}")
     results = {}
     if args.merge and os.path.exists(out + ".json"):
@@ -171,7 +206,7 @@ def main() -> None:
             for attack in attacks:
                 if args.attacks and attack not in args.attacks:
                     continue
-                for seed in seeds:
+                for seed in run_seeds:
                     key = f"{agg}/{attack}/{seed}"
                     run_dir = os.path.join(tmp, "".join(c if c.isalnum() else "_" for c in key))
                     results[key] = run_one(args.setting, agg, attack, seed, args, run_dir)

@@ -141,23 +141,35 @@ def _worker(rank, world_size):
                      "bytes": avg.stats.bytes == 2 * 4 * avg.flat.buffers[0].numel()}
     # 2. scoring and exclusion: rank 3 moves away from the held-out optimum, 10x; the others
     #    towards it. Every rank must reach the same verdicts.
-    model = _Net()
-    judge = Judge(_held_out(model), exclude_after=2, score_fraction=0.5)
-    avg = OuterAverager(1, module=model, aggregate=Aggregate("mean"), judge=judge,
-                        outer_lr=1.0, outer_momentum=0.0, outer_nesterov=False)
-    for _ in range(4):
-        with torch.no_grad():
-            for p in model.parameters():
-                toward = (1.0 - p) * 0.1
-                p.add_(toward * (-10.0 if rank == 3 else 1.0 + 0.1 * rank))
-        avg.maybe_average()
-    trust = avg.reducer.trust
-    # the verdicts are checkpointed with the averager
-    again = OuterAverager(1, module=_Net(), aggregate=Aggregate("mean"), judge=judge)
-    again.load_state_dict(avg.state_dict())
-    out["verdicts"] = {"excluded": dict(trust.excluded), "events": list(trust.events),
-                       "model": avg.flat.buffers[0].clone(),
-                       "reloaded": again.reducer.trust.state_dict() == trust.state_dict()}
+    #    Each contribution's losses evaluated by one rank and shared (the default) or by every
+    #    rank: the same verdicts and bits, in fewer forward passes on each rank.
+    for split in (True, False):
+        model = _Net()
+        calls = [0]
+        held_out = _held_out(model)
+
+        def loss_at(round_, held_out=held_out, calls=calls):
+            calls[0] += 1
+            return held_out(round_)
+
+        judge = Judge(loss_at, exclude_after=2, score_fraction=0.5, split_evaluation=split)
+        avg = OuterAverager(1, module=model, aggregate=Aggregate("mean"), judge=judge,
+                            outer_lr=1.0, outer_momentum=0.0, outer_nesterov=False)
+        for _ in range(4):
+            with torch.no_grad():
+                for p in model.parameters():
+                    toward = (1.0 - p) * 0.1
+                    p.add_(toward * (-10.0 if rank == 3 else 1.0 + 0.1 * rank))
+            avg.maybe_average()
+        trust = avg.reducer.trust
+        # the verdicts are checkpointed with the averager
+        again = OuterAverager(1, module=_Net(), aggregate=Aggregate("mean"), judge=judge)
+        again.load_state_dict(avg.state_dict())
+        out["verdicts" if split else "verdicts_unsplit"] = {
+            "excluded": dict(trust.excluded), "events": list(trust.events),
+            "model": avg.flat.buffers[0].clone(), "calls": calls[0],
+            "reloaded": again.reducer.trust.state_dict() == trust.state_dict(),
+        }
     # 3. a low-bit wire with error feedback: each contribution decoded, then the median; rank 2
     #    sends Inf
     model = _Net()
@@ -263,6 +275,13 @@ def test_untrusted_workers_across_processes():
     assert all(v["events"] == verdicts[0]["events"] for v in verdicts)
     assert all(torch.equal(v["model"], verdicts[0]["model"]) for v in verdicts)
     assert all(v["reloaded"] for v in verdicts)
+    unsplit = [r["verdicts_unsplit"] for r in results]
+    for v, u in zip(verdicts, unsplit, strict=True):
+        assert v["events"] == u["events"] and torch.equal(v["model"], u["model"])
+        # a round: the anchor, each contribution (4, then 3 after the exclusion) and the
+        # aggregate on every rank (22 passes in 4 rounds), against the anchor, at most one
+        # contribution and the aggregate (12 at most)
+        assert u["calls"] == 22 and v["calls"] <= 12, (v["calls"], u["calls"])
     low = [r["int8"] for r in results]
     assert all(torch.isfinite(x["model"]).all() for x in low)
     assert all(torch.equal(x["model"], low[0]["model"]) for x in low)
@@ -332,8 +351,9 @@ def test_cli_drops_nan_and_excludes_an_attacker(tmp_path):
     """From the command line: by default the mean leaves a NaN attacker's contribution out of
     every sync and trains on, plain and as DiLoCo over int8, naming it in the log and the
     summary; `sync.drop_nonfinite=false` (the unguarded all-reduce) stops on the poisoned
-    loss; the scored median excludes a sign-flipping attacker within 2 rounds, named in the
-    metrics and the summary."""
+    loss; the scored median excludes a sign-flipping attacker, named in the metrics and the
+    summary: every one of its contributions dropped, and excluded at its third
+    bad round (`sync.exclude_after`, 3)."""
     common = [*FAST, "dist.world_size=4", "trainer.max_steps=60", "sync.period=10",
               "trainer.log_every=10"]
     runs = {
@@ -361,12 +381,13 @@ def test_cli_drops_nan_and_excludes_an_attacker(tmp_path):
         lines = [json.loads(x) for x in
                  (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
         assert [x["dropped_nonfinite"] for x in lines if "loss" in x][-1] == 6
-    assert "trust: worker 1 at round 1 (step 10): excluded" in said["scored"]
+    assert "trust: worker 1 at round 2 (step 20): excluded" in said["scored"]
     scored = json.loads((tmp_path / "scored" / "summary.json").read_text())
-    assert scored["trust"]["excluded"] == {"1": 1}
+    assert scored["trust"]["excluded"] == {"1": 2}
+    assert [r for w, r in scored["trust"]["judged_bad"] if w == 1] == [0, 1, 2]
     metrics = (tmp_path / "scored" / "metrics.jsonl").read_text().splitlines()
     lines = [json.loads(x) for x in metrics]
-    assert any(line.get("excluded") == {"1": 1} for line in lines)
+    assert any(line.get("excluded") == {"1": 2} for line in lines)
 
 
 class _Gathers:
@@ -390,7 +411,8 @@ def test_never_more_than_a_minority_is_excluded():
     def loss_at(round_):
         return float((flat - 1).square().sum())
 
-    trust = TrustedRound([flat], 4, [None], Aggregate("mean"), Judge(loss_at, exclude_after=1))
+    judge = Judge(loss_at, exclude_after=1, split_evaluation=False)
+    trust = TrustedRound([flat], 4, [None], Aggregate("mean"), judge)
     for _ in range(3):
         flat.copy_(rows[0])
         trust.run_([flat], [torch.zeros(3)], _Gathers(rows), [None], step=0)
@@ -419,7 +441,7 @@ def test_an_unlucky_honest_contribution_is_not_judged_bad():
 
     rows = torch.tensor([[1.0], [0.0], [1.1], [0.3], [0.9]])
     for z, excluded in ((3.0, {1: 1}), (0.0, {1: 1, 3: 1})):
-        trust = TrustedRound([flat], 5, [None], Aggregate("mean"), Judge(loss_at, 2, 0.5, z))
+        trust = TrustedRound([flat], 5, [None], Aggregate("mean"), Judge(loss_at, 2, 0.5, z, False))
         for _ in range(2):
             flat.zero_()
             trust.run_([flat], [torch.zeros(1)], _Gathers(rows), [None], step=0)
@@ -487,13 +509,42 @@ def test_a_harmful_contribution_is_caught_when_the_median_does_not_help():
         return torch.full((256,), 10.0, dtype=torch.float64) - v * gains.get(v, 0.0)
 
     rows = torch.tensor([[0.1], [0.12], [0.11], [-1.0]])
-    trust = TrustedRound([flat], 4, [None], Aggregate("mean"), Judge(loss_at, 2, 0.5, 3.0))
+    trust = TrustedRound([flat], 4, [None], Aggregate("mean"), Judge(loss_at, 2, 0.5, 3.0, False))
     for _ in range(2):
         flat.zero_()
         trust.run_([flat], [torch.zeros(1)], _Gathers(rows), [None], step=0)
     assert max(s for s in trust.scores if s is not None) < 0  # the median does not help
     assert [e["rank"] for e in trust.events if e["why"] == "bad"] == [3, 3]
     assert trust.excluded == {3: 1}
+
+
+def test_a_contribution_that_helps_alone_but_spoils_the_mean_is_caught():
+    """The Shakespeare LM's second round, in one dimension: worker 1's flipped change (-10x)
+    lowers the loss applied alone, more than the honest ones do, so it scores above the median;
+    but the mean with it moves backwards and raises the loss on every sample. Left out, the
+    others' mean gains; put back, it undoes more than half that gain: judged bad every round,
+    excluded after 2, and the round's aggregate is the honest workers' mean. Scored alone only,
+    it would never be judged bad."""
+    from localsgd.averaging.trust import TrustedRound
+
+    flat = torch.zeros(1)
+    gen = torch.Generator().manual_seed(2)
+    noise = torch.randn(256, generator=gen, dtype=torch.float64)
+    # the loss factor at each point the round evaluates (others: 1.5)
+    at = {0.0: 1.0, 1.0: 0.5, 1.1: 0.5, 0.9: 0.5, -10.0: 0.3, -1.75: 2.0}
+
+    def loss_at(round_):
+        return at.get(round(float(flat[0]), 3), 1.5) * (1 + 0.1 * noise)
+
+    rows = torch.tensor([[1.0], [-10.0], [1.1], [0.9]])
+    trust = TrustedRound([flat], 4, [None], Aggregate("mean"), Judge(loss_at, 2, 0.5, 3.0, False))
+    for _ in range(2):
+        flat.zero_()
+        trust.run_([flat], [torch.zeros(1)], _Gathers(rows), [None], step=0)
+        assert abs(float(flat[0]) - 1.0) < 1e-6  # the honest workers' mean
+    assert trust.scores[1] > sorted(s for s in trust.scores if s is not None)[1]
+    assert [e["rank"] for e in trust.events if e["why"] == "bad"] == [1, 1]
+    assert trust.excluded == {1: 1}
 
 
 def test_a_checkpoint_with_verdicts_cannot_move_to_another_world_size():

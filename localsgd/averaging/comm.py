@@ -152,6 +152,11 @@ class Communicator:
         self.guard = guard
         self.dropped: list[int] = []
 
+    @property
+    def rank(self) -> int:
+        """This rank's index in the group."""
+        return dist.get_rank(self.group)
+
     def weigh(self, weight: float, device: torch.device | None = None) -> list[float]:
         """Every rank's `weight` for the next means (one all-reduce of a vector of one slot per
         rank, in rank order; counted). Unequal weights make `mean_` the weighted mean,

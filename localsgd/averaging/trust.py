@@ -16,7 +16,12 @@ its flat buffers (`localsgd.averaging.robust` gathers and combines them):
    small batch, late in training when every change is small, is not condemned. In a round whose
    median score is not positive (the batch cannot tell who helps), a contribution is bad only
    when it raises the loss (score < 0) and the paired test says it is worse than the median's:
-   a flipped sign in the first rounds. A bad contribution
+   a flipped sign in the first rounds. When the round's aggregate of what passed gains less
+   than `score_fraction` of the median's own gain, each contribution is also held against the
+   aggregate without it: it is bad when putting it back undoes at least `score_fraction` of the
+   rest's gain (the same paired test). A flipped sign can lower the loss applied alone, on the
+   LM's first rounds more than an honest change does, and still drag the mean backwards;
+   only the leave-one-out test sees that. A bad contribution
    is dropped from its round; `exclude_after` bad rounds running exclude the worker: its
    contributions are dropped from every later round. At most `(size - 1) // 2` workers are
    ever excluded (one of 4): everything here assumes an honest majority, and a noisy score
@@ -53,12 +58,15 @@ class Judge:
     loss of the model as it stands now on round `round`'s held-out batch, drawn from the round's
     seed, the same on every rank: per sample (a 1-D tensor), or one float (then no paired test
     can be made, and `score_z` is not used). `exclude_after` = 0: score and drop, never
-    exclude."""
+    exclude. `split_evaluation`: each contribution's losses are evaluated by one rank of the
+    group and all-gathered (about 1/size of the forward passes each, one small collective
+    more); False: every rank evaluates every contribution, with no communication."""
 
     loss_at: Callable[[int], float | torch.Tensor]
-    exclude_after: int = 2
+    exclude_after: int = 3
     score_fraction: float = 0.5
     score_z: float = 3.0
+    split_evaluation: bool = True
 
     def __post_init__(self):
         if not self.score_z >= 0:
@@ -128,7 +136,7 @@ class TrustedRound:
             elif rank not in self.excluded:
                 keep.append(rank)
         if self.judge is not None and keep:
-            keep = self._judged(flats, anchors, rows, keep, round_, step)
+            keep = self._judged(flats, anchors, rows, keep, round_, step, comm)
         result = self.aggregate.combine(rows, keep)
         for i, flat in enumerate(flats):
             if result is None:
@@ -137,17 +145,15 @@ class TrustedRound:
                 flat.copy_(result[i])
         self.rounds += 1
 
-    def _judged(self, flats, anchors, rows, keep, round_, step) -> list[int]:
+    def _judged(self, flats, anchors, rows, keep, round_, step, comm) -> list[int]:
         judge = self.judge
-        for flat, anchor in zip(flats, anchors, strict=True):
-            flat.copy_(anchor)
-        before = _per_sample(judge.loss_at(round_))
+        before = self._loss_of(flats, anchors, None, round_)
+        evaluated = self._losses(
+            flats, anchors, [[r[rank] for r in rows] for rank in keep], round_, comm, before
+        )
+        losses: dict[int, torch.Tensor] = dict(zip(keep, evaluated, strict=True))
         scores: list[float | None] = [None] * self.size
-        losses: dict[int, torch.Tensor] = {}
         for rank in keep:
-            for flat, anchor, r in zip(flats, anchors, rows, strict=True):
-                flat.copy_(anchor).add_(r[rank], alpha=self.sign)
-            losses[rank] = _per_sample(judge.loss_at(round_))
             scores[rank] = float((before - losses[rank]).mean())
         self.scores = scores
         finite = sorted((scores[r], r) for r in keep if math.isfinite(scores[r]))
@@ -156,26 +162,87 @@ class TrustedRound:
         # count): what each contribution is held against, sample by sample
         mid = [r for _, r in finite[(len(finite) - 1) // 2 : len(finite) // 2 + 1]]
         reference = torch.stack([losses[r] for r in mid]).mean(0) if mid else None
-        kept = []
+        bad = {}
         for rank in keep:
             s = scores[rank]
             if not math.isfinite(s):
-                bad = True
+                bad[rank] = True
             elif middle > 0:  # it helps less than a fraction of what the median helps
-                bad = s <= judge.score_fraction * middle and _worse(
+                bad[rank] = s <= judge.score_fraction * middle and _worse(
                     losses[rank], reference, judge.score_z
                 )
             else:  # the median does not help: only a harm the samples can see counts
                 paired = losses[rank].numel() > 1
-                bad = paired and s < 0 and _worse(losses[rank], reference, judge.score_z)
-            if bad:
+                bad[rank] = paired and s < 0 and _worse(losses[rank], reference, judge.score_z)
+        alone = [rank for rank in keep if not bad[rank]]
+        for rank in self._harmful(flats, anchors, rows, alone, before, middle, round_, comm):
+            bad[rank] = True
+        kept = []
+        for rank in keep:
+            if bad[rank]:
                 self._event(round_, step, rank, "bad")
                 self._bad(round_, step, rank)
             elif middle > 0:
                 self.streaks[rank] = 0
-            if not bad and rank not in self.excluded:
+            if not bad[rank] and rank not in self.excluded:
                 kept.append(rank)
         return kept
+
+    def _harmful(self, flats, anchors, rows, keep, before, middle, round_, comm) -> list[int]:
+        """The contributions of `keep` that spoil the aggregate, looked for only in a round whose
+        aggregate gains less than `score_fraction` of what the median contribution gains on its
+        own (or raises the loss, when the median does not help). A contribution can help on its
+        own and still spoil the mean: a flipped sign that happens to lower the loss applied
+        alone drags the others' common change backwards. It spoils the aggregate when leaving
+        it out gains something, and putting it back loses at least `score_fraction` of that
+        gain, by more than `score_z` standard errors of the paired differences."""
+        judge = self.judge
+        if len(keep) < 2:
+            return []
+        together = self._loss_of(flats, anchors, self.aggregate.combine(rows, keep), round_)
+        if float((before - together).mean()) >= judge.score_fraction * max(middle, 0.0):
+            return []
+        rests = [[r for r in keep if r != rank] for rank in keep]
+        evaluated = self._losses(
+            flats, anchors, [self.aggregate.combine(rows, rest) for rest in rests], round_,
+            comm, before,
+        )
+        harmful = []
+        for rank, without in zip(keep, evaluated, strict=True):
+            gain = float((before - without).mean())
+            harm = float((together - without).mean())
+            if gain > 0 and harm >= judge.score_fraction * gain and _worse(
+                together, without, judge.score_z
+            ):
+                harmful.append(rank)
+        return harmful
+
+    def _losses(self, flats, anchors, changes, round_, comm, before) -> list[torch.Tensor]:
+        """`_loss_of` each of `changes`, evaluated once in the group: change j by rank
+        j % size, the results all-gathered (float64, counted in `comm_bytes`): each rank runs
+        about 1/size of the forward passes. `before` (the anchor's losses, which every rank
+        evaluates) gives the batch's length."""
+        size = comm.size
+        if size == 1 or not self.judge.split_evaluation:
+            return [self._loss_of(flats, anchors, change, round_) for change in changes]
+        slots = -(-len(changes) // size)
+        mine = torch.zeros(slots, before.numel(), dtype=torch.float64)
+        for slot, change in enumerate(changes[comm.rank :: size]):
+            mine[slot] = self._loss_of(flats, anchors, change, round_)
+        device = flats[0].device
+        everyone = torch.empty(size * mine.numel(), dtype=torch.float64, device=device)
+        comm.all_gather_(everyone, mine.view(-1).to(device))
+        everyone = everyone.cpu().view(size, slots, -1)
+        return [everyone[j % size, j // size] for j in range(len(changes))]
+
+    def _loss_of(self, flats, anchors, change, round_) -> torch.Tensor:
+        """The held-out losses of the model moved from the anchor by `change` (one tensor per
+        flat buffer, in the contribution's sign; None: the anchor itself)."""
+        for i, (flat, anchor) in enumerate(zip(flats, anchors, strict=True)):
+            flat.copy_(anchor)
+            if change is not None:
+                flat.add_(change[i], alpha=self.sign)
+        return _per_sample(self.judge.loss_at(round_))
 
     def _bad(self, round_: int, step: int, rank: int) -> None:
         self.streaks[rank] += 1
