@@ -172,6 +172,8 @@ class SyncConfig:
     # 3, not 2: an honest worker's change is worse than the others' on the batch in some
     # rounds (really, not by noise), and two such rounds running happened on the Shakespeare LM
     exclude_after: int = 3
+    # an excluded worker's shard: skip (lost to the run) | reassign (split among the others)
+    excluded_shard: str = "skip"
 
 
 @dataclass

@@ -253,6 +253,12 @@ def _validate_trust(cfg: Any) -> None:
     _require(_number(z) and z >= 0, "sync.score_z", "a number >= 0", z)
     after = _get(cfg, "sync.exclude_after")
     _require(after >= 0, "sync.exclude_after", "an integer >= 0 (0 = never exclude)", after)
+    _choice(cfg, "sync.excluded_shard", ("skip", "reassign"))
+    if _get(cfg, "sync.excluded_shard") == "reassign" and not (_get(cfg, "sync.score") and after):
+        raise ConfigError(
+            "sync.excluded_shard=reassign needs sync.score=true and sync.exclude_after >= 1: "
+            "only scoring excludes a worker"
+        )
     aggregate, drop = _get(cfg, "sync.aggregate"), _get(cfg, "sync.drop_nonfinite")
     if aggregate != "mean" and drop is False:
         raise ConfigError(

@@ -126,6 +126,9 @@ class MemoryBatches:
     def load_state_dict(self, state: dict) -> None:
         self.sampler.load_state_dict(state)
 
+    def reassign(self, extra: torch.Tensor, sources: list[int]) -> None:
+        self.sampler.reassign(extra, sources)
+
     def close(self) -> None:
         pass
 
@@ -200,6 +203,10 @@ class StreamBatches:
     def load_state_dict(self, state: dict) -> None:
         self.sampler.load_state_dict(state)
         self.close()  # the next batch comes from a loader started at the restored position
+
+    def reassign(self, extra: torch.Tensor, sources: list[int]) -> None:
+        self.sampler.reassign(extra, sources)
+        self.close()  # the loader ran ahead on the old shard
 
     def close(self) -> None:
         self._iter = None  # the iterator's finaliser stops its worker processes

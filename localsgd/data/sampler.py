@@ -17,7 +17,11 @@ class ShardSampler:
     """
 
     def __init__(self, indices: torch.Tensor, batch_size: int, seed: int, rank: int):
-        self.indices = torch.as_tensor(indices, dtype=torch.int64).cpu().flatten()
+        self.own = torch.as_tensor(indices, dtype=torch.int64).cpu().flatten()
+        self.indices = self.own
+        # parts of excluded workers' shards this worker took over (`reassign`), and theirs
+        self.extra = torch.zeros(0, dtype=torch.int64)
+        self.sources: list[int] = []
         n = len(self.indices)
         if batch_size < 1:
             raise ValueError(f"trainer.batch_size must be an integer >= 1, got {batch_size}")
@@ -56,17 +60,33 @@ class ShardSampler:
         self.position += self.batch_size
         return self.indices[chosen]
 
+    def reassign(self, extra: torch.Tensor, sources: list[int]) -> None:
+        """Train on this worker's shard plus `extra` (its parts of the shards of the excluded
+        workers `sources`, replacing any taken over before), from a new epoch that starts now."""
+        self.extra = torch.as_tensor(extra, dtype=torch.int64).cpu().flatten()
+        self.sources = sorted(int(s) for s in sources)
+        self.indices = torch.cat([self.own, self.extra])
+        self.epoch += 1
+        self.position = 0
+        self._perm = None
+
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position, "num_indices": len(self.indices)}
+        state = {"epoch": self.epoch, "position": self.position, "num_indices": len(self.own)}
+        if self.sources:
+            state.update(extra=self.extra.clone(), sources=list(self.sources))
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         n = int(state["num_indices"])
-        if n != len(self.indices):
+        if n != len(self.own):
             raise ValueError(
                 f"sampler state is for a shard of {n} samples but this worker's shard "
-                f"has {len(self.indices)}; the data or dist settings changed since "
+                f"has {len(self.own)}; the data or dist settings changed since "
                 f"the checkpoint"
             )
+        self.extra = torch.as_tensor(state.get("extra", []), dtype=torch.int64)
+        self.sources = [int(s) for s in state.get("sources", [])]
+        self.indices = torch.cat([self.own, self.extra]) if self.sources else self.own
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])
         self._perm = None

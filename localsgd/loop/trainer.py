@@ -37,6 +37,7 @@ from localsgd.loop.metrics import (
 )
 from localsgd.loop.optim import build_optimizer, build_schedule, set_lr
 from localsgd.loop.pacing import build_pacer, pace_record
+from localsgd.loop.reassign import ShardReassignment
 from localsgd.loop.recipe import Recipe, checkpoint_activations
 from localsgd.loop.resume import resume_run
 from localsgd.loop.sharding import Sharding, state_bytes
@@ -65,18 +66,23 @@ class Trainer:
         self.is_main = info.rank == 0
 
         self.data = load_data(c.data, seed=c.seed)
-        shard = shard_indices(
+        shard_of = partial(
+            shard_indices,
             labels_of(self.data.train),
             info.world_size,
-            info.rank,
-            c.data.partition,
+            partition=c.data.partition,
             seed=c.seed,
             classes_per_worker=c.data.classes_per_worker,
             alpha=c.data.alpha,
         )
-        self.sampler = ShardSampler(shard, c.trainer.batch_size, seed=c.seed, rank=info.rank)
+        self.sampler = ShardSampler(
+            shard_of(info.rank), c.trainer.batch_size, seed=c.seed, rank=info.rank
+        )
         # in memory for tensor sets, else a DataLoader over the shard (localsgd/data/loader.py)
         self.batches = make_batches(self.data, c.data, self.sampler, device)
+        self.reassign = ShardReassignment(
+            shard_of, info.rank, info.world_size, self.batches, self.is_main
+        ) if c.sync.excluded_shard == "reassign" else None
 
         torch.manual_seed(c.seed)  # the same initial model on every rank
         model = build_model(
@@ -263,6 +269,8 @@ class Trainer:
     def after_sync(self, step: int) -> None:
         self.sync.check_replicas(step, self.info.rank)
         self.stop.after_sync()
+        if self.reassign is not None:  # an excluded worker's shard, to the others
+            self.reassign.after_sync(self.sync.trust, step)
 
     def evaluate(self, full: bool = False) -> dict[str, float]:
         """This rank's model on `trainer.eval_samples` of the test set (all of it if `full`)."""

@@ -1,0 +1,50 @@
+"""An excluded worker's shard, taken over by the others (`sync.excluded_shard=reassign`).
+
+Scoring (`sync.score`, `localsgd.averaging.trust`) excludes a worker for good: it still trains
+and takes part in the collectives, but its contributions never reach the aggregate, and neither
+does what it learns from its shard. With `sync.excluded_shard=skip` (the default) that part of
+the data is lost to the run; with `reassign`, after the sync that excluded it, the workers that
+remain split its shard between them: the i-th of the `h` remaining workers (in rank order) adds
+every h-th index of it, starting at the i-th, to its own shard, from a new epoch of its
+sampler. The verdicts are identical on every rank, and so is this split. The sampler's
+checkpoint carries the indices taken over, so a resumed run trains on the same ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from localsgd.loop.metrics import notice
+
+
+class ShardReassignment:
+    """Watches the trust rounds' exclusions after every sync and hands the excluded workers'
+    shards to the rest. `shard_of(rank)`: worker `rank`'s shard (sorted train-set indices)."""
+
+    def __init__(self, shard_of: Callable[[int], torch.Tensor], rank: int, world_size: int,
+                 batches, announce: bool):
+        self.shard_of = shard_of
+        self.rank = rank
+        self.world_size = world_size
+        self.batches = batches
+        self.announce = announce
+
+    def after_sync(self, trust, step: int) -> None:
+        if trust is None:
+            return
+        excluded = sorted(trust.excluded)
+        if excluded == self.batches.sampler.sources or self.rank in trust.excluded:
+            return
+        remaining = [r for r in range(self.world_size) if r not in trust.excluded]
+        mine = remaining.index(self.rank)
+        parts = [self.shard_of(x)[mine :: len(remaining)] for x in excluded]
+        self.batches.reassign(torch.cat(parts), excluded)
+        if self.announce:
+            names = ", ".join(map(str, excluded))
+            notice(
+                f"trust: worker(s) {names}'s shard is split among workers "
+                f"{', '.join(map(str, remaining))} from step {step + 1} (sync.excluded_shard="
+                "reassign)"
+            )

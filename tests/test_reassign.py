@@ -1,0 +1,103 @@
+"""`sync.excluded_shard=reassign`: an excluded worker's shard split among the others."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from localsgd.cli.checks import validate
+from localsgd.config import ConfigError
+from localsgd.data.loader import MemoryBatches
+from localsgd.data.partition import shard_indices
+from localsgd.data.sampler import ShardSampler
+from localsgd.loop.reassign import ShardReassignment
+from tests.helpers import FAST, cli, compose_config
+
+WORLD, N = 4, 103
+
+
+def _shard_of(rank: int) -> torch.Tensor:
+    return shard_indices(torch.zeros(N, dtype=torch.int64), WORLD, rank, "iid", seed=5)
+
+
+def _batches(rank: int) -> MemoryBatches:
+    data = torch.utils.data.TensorDataset(torch.arange(N).float(), torch.arange(N))
+    return MemoryBatches(data, ShardSampler(_shard_of(rank), 4, seed=5, rank=rank), "cpu")
+
+
+def test_the_excluded_shard_is_split_among_the_rest_exactly_once():
+    """Worker 1 excluded: workers 0, 2 and 3 each add a third of its shard, the thirds are
+    disjoint and make up the whole shard; worker 1 changes nothing; a second call with the same
+    verdicts changes nothing either (the sampler does not restart its epoch)."""
+    trust = SimpleNamespace(excluded={1: 2})
+    taken = {}
+    for rank in range(WORLD):
+        batches = _batches(rank)
+        reassign = ShardReassignment(_shard_of, rank, WORLD, batches, announce=False)
+        reassign.after_sync(SimpleNamespace(excluded={}), step=9)
+        assert batches.sampler.sources == []
+        reassign.after_sync(trust, step=19)
+        sampler = batches.sampler
+        if rank == 1:
+            assert sampler.sources == [] and len(sampler.indices) == len(_shard_of(1))
+            continue
+        assert sampler.sources == [1] and sampler.epoch == 1
+        taken[rank] = sampler.extra
+        assert torch.equal(sampler.indices, torch.cat([_shard_of(rank), sampler.extra]))
+        reassign.after_sync(trust, step=29)
+        assert sampler.epoch == 1
+    together = torch.cat(list(taken.values())).sort().values
+    assert torch.equal(together, _shard_of(1))
+
+
+def test_a_resumed_sampler_trains_on_the_indices_taken_over():
+    """The sampler's state carries the indices taken over: loaded into a fresh sampler of the
+    same worker, the next batches are the same; a state from before the reassignment loads
+    into the plain shard."""
+    batches = _batches(2)
+    ShardReassignment(_shard_of, 2, WORLD, batches, False).after_sync(
+        SimpleNamespace(excluded={1: 0}), step=0
+    )
+    for _ in range(7):
+        batches.next()
+    state = batches.state_dict()
+    again = _batches(2)
+    again.load_state_dict(state)
+    for _ in range(12):  # past the end of the (larger) epoch
+        assert torch.equal(again.next()[1], batches.next()[1])
+    plain = _batches(2)
+    plain.load_state_dict(_batches(2).state_dict())
+    assert plain.sampler.sources == [] and torch.equal(plain.sampler.indices, _shard_of(2))
+
+
+def test_bad_values_are_refused_in_one_line():
+    for overrides, said in (
+        (["sync.excluded_shard=give"], "sync.excluded_shard"),
+        (["sync.excluded_shard=reassign"], "sync.excluded_shard=reassign needs sync.score=true"),
+        (["sync.excluded_shard=reassign", "sync.score=true", "sync.exclude_after=0"],
+         "sync.exclude_after >= 1"),
+    ):
+        with pytest.raises(ConfigError, match=said):
+            validate(compose_config(overrides), 4)
+    validate(compose_config(["sync.excluded_shard=reassign", "sync.score=true"]), 4)
+
+
+@pytest.mark.slow
+@pytest.mark.long  # ~20 s on 2 cores: `make test-long`
+@pytest.mark.timeout(240)
+def test_cli_reassigns_the_shard_of_an_excluded_attacker(tmp_path):
+    """From the command line: the free rider is excluded at round 2 and rank 0 says that its
+    shard goes to the others from the next step; the run trains on and ends."""
+    attack = "{_target_:localsgd.loop.attacks.Attack,kind:'zeros',rank:1}"
+    args = [*FAST, "dist.world_size=4", "trainer.max_steps=60", "sync.period=10",
+            "sync.score=true", "sync.excluded_shard=reassign", f"trainer.callbacks=[{attack}]",
+            f"hydra.run.dir={tmp_path}"]
+    proc, left = cli(args)
+    assert proc.returncode == 0 and not left, proc.stderr[-2000:]
+    said = proc.stdout + proc.stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["trust"]["excluded"] == {"1": 2}
+    assert "trust: worker(s) 1's shard is split among workers 0, 2, 3 from step 21" in said
