@@ -44,6 +44,8 @@ AGGREGATORS = {
 EXTRA = {
     "mean, unguarded": (["sync.drop_nonfinite=false"], ["none", "nan"]),
     "mean, 3 workers": (["dist.world_size=3"], ["none"]),
+    # scoring with the excluded worker's shard split among the others (sync.excluded_shard)
+    "mean+score, reassigned": (["sync.score=true", "sync.excluded_shard=reassign"], ATTACKS),
 }
 MNIST1D = ["data=mnist1d", "model=mlp"]
 # the Shakespeare LM of experiments/lm_shakespeare (a 215k-parameter GPT, inner AdamW) under

@@ -13,7 +13,7 @@ from localsgd.config import ConfigError
 from localsgd.data.loader import MemoryBatches
 from localsgd.data.partition import shard_indices
 from localsgd.data.sampler import ShardSampler
-from localsgd.loop.reassign import ShardReassignment
+from localsgd.loop.shard import ShardReassignment
 from tests.helpers import FAST, cli, compose_config
 
 WORLD, N = 4, 103

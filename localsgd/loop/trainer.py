@@ -12,16 +12,7 @@ import torch
 import torch.distributed as dist
 
 from localsgd.config import Config, plain
-from localsgd.data import (
-    ShardSampler,
-    eval_batches,
-    input_shape_of,
-    labels_of,
-    load_data,
-    make_batches,
-    shard_indices,
-    task_of,
-)
+from localsgd.data import eval_batches, input_shape_of, load_data, task_of
 from localsgd.instantiate import build, target_name
 from localsgd.loop import checkpoint, checkpoint_dcp, checkpoint_shared
 from localsgd.loop.evaluation import evaluate, held_out_loss, loss_and_correct, text_sample
@@ -37,9 +28,9 @@ from localsgd.loop.metrics import (
 )
 from localsgd.loop.optim import build_optimizer, build_schedule, set_lr
 from localsgd.loop.pacing import build_pacer, pace_record
-from localsgd.loop.reassign import ShardReassignment
 from localsgd.loop.recipe import Recipe, checkpoint_activations
 from localsgd.loop.resume import resume_run
+from localsgd.loop.shard import worker_batches
 from localsgd.loop.sharding import Sharding, state_bytes
 from localsgd.loop.stop import StopAgreement, first_signal
 from localsgd.loop.strategies import optimizer_state_bytes
@@ -66,23 +57,10 @@ class Trainer:
         self.is_main = info.rank == 0
 
         self.data = load_data(c.data, seed=c.seed)
-        shard_of = partial(
-            shard_indices,
-            labels_of(self.data.train),
-            info.world_size,
-            partition=c.data.partition,
-            seed=c.seed,
-            classes_per_worker=c.data.classes_per_worker,
-            alpha=c.data.alpha,
-        )
-        self.sampler = ShardSampler(
-            shard_of(info.rank), c.trainer.batch_size, seed=c.seed, rank=info.rank
-        )
         # in memory for tensor sets, else a DataLoader over the shard (localsgd/data/loader.py)
-        self.batches = make_batches(self.data, c.data, self.sampler, device)
-        self.reassign = ShardReassignment(
-            shard_of, info.rank, info.world_size, self.batches, self.is_main
-        ) if c.sync.excluded_shard == "reassign" else None
+        ws = info.world_size
+        self.batches, self.reassign = worker_batches(c, self.data, info.rank, ws, device)
+        self.sampler = self.batches.sampler
 
         torch.manual_seed(c.seed)  # the same initial model on every rank
         model = build_model(

@@ -1,4 +1,8 @@
-"""An excluded worker's shard, taken over by the others (`sync.excluded_shard=reassign`).
+"""A worker's data: its shard of the train set, its batch stream, and an excluded worker's
+shard taken over from the others (`sync.excluded_shard=reassign`).
+
+`worker_batches` cuts this worker's shard (`data.partition`) and streams it (`ShardSampler`,
+exactly resumable).
 
 Scoring (`sync.score`, `localsgd.averaging.trust`) excludes a worker for good: it still trains
 and takes part in the collectives, but its contributions never reach the aggregate, and neither
@@ -13,10 +17,33 @@ checkpoint carries the indices taken over, so a resumed run trains on the same o
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
+from typing import Any
 
 import torch
 
+from localsgd.data import ShardSampler, labels_of, make_batches, shard_indices
 from localsgd.loop.metrics import notice
+
+
+def worker_batches(cfg: Any, data: Any, rank: int, world_size: int, device: torch.device):
+    """This worker's batch stream over its shard (in memory for tensor sets, else a DataLoader:
+    localsgd/data/loader.py), and its `ShardReassignment` (None with
+    `sync.excluded_shard=skip`)."""
+    shard_of = partial(
+        shard_indices,
+        labels_of(data.train),
+        world_size,
+        partition=cfg.data.partition,
+        seed=cfg.seed,
+        classes_per_worker=cfg.data.classes_per_worker,
+        alpha=cfg.data.alpha,
+    )
+    sampler = ShardSampler(shard_of(rank), cfg.trainer.batch_size, seed=cfg.seed, rank=rank)
+    batches = make_batches(data, cfg.data, sampler, device)
+    if cfg.sync.excluded_shard != "reassign":
+        return batches, None
+    return batches, ShardReassignment(shard_of, rank, world_size, batches, rank == 0)
 
 
 class ShardReassignment:
