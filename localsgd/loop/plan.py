@@ -151,8 +151,8 @@ class SyncPlan:
             " with sync.score" if self.aggregate == "mean" else ""
         )
         refused = (
-            (ft, "ft=torchft: torchft's Manager offers only an all-reduce, which cannot drop, "
-             "clip, trim or score a contribution"),
+            (ft, "ft=torchft: replica groups come and go, and the verdicts (bad-round "
+             "streaks, exclusions) name a fixed set of ranks (not built)"),
             (self.streaming, "Streaming DiLoCo or overlap (sync.fragments, delay_steps, "
              "merge_alpha, merge_rule, eager, overlap, or sync.outer over sync.levels): its "
              "fragments go on the wire as launched all-reduces"),
