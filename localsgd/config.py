@@ -210,7 +210,8 @@ class FtConfig:
     # how long a round's collectives wait for a peer that stopped answering (frozen, not dead)
     # before the round fails and is retried without it: grace_s fixed, or (null) adaptive:
     # grace_factor x the longest collective of the last 16 committed rounds, at least
-    # grace_min_s (>= the lighthouse's 2 s heartbeat timeout), at most ft.timeout_s
+    # grace_min_s (>= the lighthouse's 2 s heartbeat timeout), at most ft.timeout_s; every
+    # worker of a round waits the largest of the members' adaptive windows
     grace_s: float | None = None
     grace_factor: float = 4.0
     grace_min_s: float = 3.0

@@ -62,6 +62,20 @@ def test_a_window_that_ran_out_on_live_peers_grows_and_one_that_lost_a_frozen_pe
     assert grace.seconds() == 48.0
 
 
+def test_an_agreed_window_is_in_force_and_the_proposal_stays_this_workers_own():
+    grace = GraceWindow(factor=4.0, min_s=3.0, max_s=30.0)
+    assert grace.seconds() == grace.proposal() == 3.0  # no agreement yet: its own
+    grace.agree(12.0)  # a peer's window grew
+    assert grace.seconds() == 12.0 and grace.proposal() == 3.0
+    grace.agree(30.000001)  # float32 rounded a capped proposal up
+    assert grace.seconds() == 30.0
+    with pytest.raises(ValueError):
+        grace.agree(0.0)
+    fixed = GraceWindow(fixed_s=2.0, max_s=30.0)
+    fixed.agree(12.0)
+    assert fixed.seconds() == fixed.proposal() == 2.0  # ft.grace_s is the window, always
+
+
 @pytest.mark.parametrize(
     "kwargs", [{"fixed_s": 0}, {"factor": 0.5}, {"min_s": 0}, {"max_s": 0}]
 )
@@ -131,6 +145,115 @@ def test_a_round_with_a_heal_waits_for_it_with_the_whole_timeout(healing):
     assert comm.commit()
     window, whole = timedelta(seconds=2.0), AllreduceOptions().timeout
     assert manager.timeouts == [whole if healing else window, window]
+
+
+class _PairGroup:
+    """The process group of two replica groups in one process, one thread each: an all-reduce
+    sums both tensors (the threads meet at a barrier), an op listed in `failures[rank]` fails
+    with that message instead; each replica's op timeouts are recorded."""
+
+    def __init__(self, failures: dict[int, dict[int, str]]):
+        self.failures = failures
+        self.barrier = threading.Barrier(2, timeout=20)
+        self.sent: list = [None, None]
+        self.timeouts: dict[int, list[float]] = {0: [], 1: []}
+
+    def allreduce(self, rank: int, tensor: torch.Tensor, opts):
+        ops = self.timeouts[rank]
+        ops.append(opts.timeout.total_seconds())
+        message = self.failures.get(rank, {}).get(len(ops) - 1)
+
+        class Work:
+            def wait(self):
+                if message is not None:
+                    raise RuntimeError(message)
+
+        if message is None:
+            self.sent[rank] = tensor.clone()
+            self.barrier.wait()
+            total = self.sent[0] + self.sent[1]
+            self.barrier.wait()
+            tensor.copy_(total)
+        return Work()
+
+
+class _PairManager:
+    """A torchft Manager's surface for replica `rank` of a `_PairGroup`: errors are recorded,
+    as torchft's are, and a round commits only without one."""
+
+    def __init__(self, pair: _PairGroup, rank: int):
+        self.rank, self.error = rank, None
+        self.localsgd_quorum = _Quorum(2, 2)
+        manager = self
+
+        class Group:
+            def allreduce(self, tensors, opts):
+                return pair.allreduce(manager.rank, tensors[0], opts)
+
+        self._pg = Group()
+
+    def start_quorum(self):
+        self.error = None
+
+    def wait_quorum(self):
+        pass
+
+    def errored(self):
+        return self.error
+
+    def report_error(self, e):
+        self.error = e
+
+    def num_participants(self):
+        return 2
+
+    def participating_rank(self):
+        return self.rank
+
+    def should_commit(self):
+        return self.error is None
+
+
+def test_every_member_of_a_round_waits_the_same_adaptive_window():
+    """The partition of docs/reliability.md, in one process: in round 0 replica 1 is cut, so
+    replica 0's average waits its whole 3-s window and fails, while replica 1's fails at once
+    on waking (its peer had closed the connections). Round 1 has the same members: replica 0
+    reads its ran-out window as a slow collective and proposes 12 s, replica 1 still 3 s. Each
+    waited its own (12 s and 3 s), so that a round failed on the shortest window and stalled
+    for the longest. Now the count carries both proposals: round 1's count waits the 3 s both
+    agreed in round 0, its average the largest proposal, 12 s, on both, and so will the next
+    round's count."""
+    from localsgd.averaging.torchft import TorchftCommunicator
+
+    # op 0: round 0's count, op 1: its average, ops 2 and 3: round 1's
+    pair = _PairGroup({0: {1: "Timed out waiting 3000ms"}, 1: {1: "Connection closed by peer"}})
+    comms = [
+        TorchftCommunicator(
+            _PairManager(pair, rank),
+            replicas=2,
+            grace=GraceWindow(factor=4.0, min_s=3.0, max_s=30.0),
+        )
+        for rank in (0, 1)
+    ]
+    commits: dict[int, list[bool]] = {0: [], 1: []}
+
+    def rounds(rank: int) -> None:
+        for _ in range(2):
+            comms[rank].begin(samples=10)
+            comms[rank].mean_(torch.full((4,), float(rank + 1)))
+            commits[rank].append(comms[rank].commit())
+
+    threads = [threading.Thread(target=rounds, args=(r,), daemon=True) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert commits == {0: [False, True], 1: [False, True]}, commits
+    assert comms[0].timeouts == 1 and comms[1].timeouts == 0  # only replica 0 ran out
+    assert [c.grace.proposal() for c in comms] == [12.0, 3.0]  # their own readings differ
+    assert pair.timeouts[0] == pair.timeouts[1] == [3.0, 3.0, 3.0, 12.0], pair.timeouts
+    assert [c.grace.seconds() for c in comms] == [12.0, 12.0]  # the next count's window
+    assert [c.merged_samples for c in comms] == [20, 20]  # the count's sums are unchanged
 
 
 def _replica(index: int, lighthouse: str, late_s: float, out: dict) -> None:
@@ -293,3 +416,55 @@ def test_a_partitioned_worker_stays_in_the_quorum_and_costs_the_whole_partition(
     assert summary["heals"] == 0 and summary["failed_syncs"] >= 1
     assert summary["grace_timeouts"] >= 1
     assert summary["merged_samples"] < 160 * 16 * 3
+
+
+@pytest.mark.slow
+@pytest.mark.long
+@pytest.mark.timeout(240)
+def test_two_partitions_in_a_row_cost_the_others_about_the_partitions_not_a_split_window(tmp_path):
+    """The stall of docs/reliability.md's chaos study, end to end with the adaptive window
+    (floor 3 s): worker 0's data plane is cut for 3.5 s, then worker 2's for 4 s, 16 steps (4
+    rounds) later. After the first cut the others' window ran out with the same members back,
+    so they proposed 12 s, while worker 0's own collective failed at once and it kept 3 s. With
+    each worker's own window, worker 0's ran out first in the second cut's round and worker 2
+    then waited its 12 s in a round its peers had left, while they waited for it in the next
+    quorum: worker 0 stood still ~16 s. With the window agreed, the second cut's round waits
+    12 s on every worker, so it commits when worker 2 comes back: ~4 s."""
+    run_dir = tmp_path / "run"
+    faults = [
+        {"step": 40, "kind": "partition", "rank": 0, "seconds": 3.5},
+        {"step": 56, "kind": "partition", "rank": 2, "seconds": 4.0},
+    ]
+    (tmp_path / "schedule.json").write_text(json.dumps({"faults": faults}))
+    chaos = f"{{_target_:experiments.chaos_study.Chaos,path:'{tmp_path / 'schedule.json'}'}}"
+    proc, left = cli(
+        FAST
+        + [
+            "data.num_samples=900",
+            "dist.world_size=3",
+            "trainer.max_steps=120",
+            "trainer.batch_size=16",
+            "trainer.log_every=4",
+            "trainer.eval_every=1000",
+            "trainer.checkpoint_every=0",
+            "sync.warmup_steps=4",
+            "sync.period=4",
+            "logger=jsonl",
+            "ft=torchft",
+            "comm.simulate.worker_speed=[1,1,1]",
+            "comm.simulate.step_s=0.05",
+            f"trainer.callbacks=[{chaos}]",
+            f"hydra.run.dir={run_dir}",
+        ],
+        timeout=200,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not left
+    assert len(list(tmp_path.glob("fired-*"))) == 2  # both cuts happened
+    lines = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    seen = [(r["step"], r["wall_time_s"]) for r in lines if "participants" in r]
+    gaps = [b[1] - a[1] for a, b in zip(seen, seen[1:], strict=False)]
+    assert max(gaps) < 4.0 + 3.0, seen  # one cut's length and slack, not a 12-s window
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 120 and summary["participants_min"] == 3
+    assert summary["failed_syncs"] >= 1  # the first cut outlasted the window

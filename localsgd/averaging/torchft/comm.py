@@ -88,10 +88,11 @@ class TorchftCommunicator(Communicator):
     `grace`: the timeout of each collective of a round (`GraceWindow`); when it passes, the
     collective fails (gloo closes its connections: nothing is waited out), the round fails and
     is rolled back like a round with a dead peer. None: the process group's own timeout
-    (`ft.timeout_s`). A round in which a replica heals waits for the heal with the process
-    group's timeout: a heal takes as long as the state takes to fetch. `timeouts` counts the
-    rounds whose window ran out on this replica, `waited_s` the seconds their collectives
-    waited.
+    (`ft.timeout_s`). An adaptive window is agreed in each round's count: every member waits
+    the largest of their proposals. A round in which a replica heals waits for the heal with
+    the process group's timeout: a heal takes as long as the state takes to fetch. `timeouts`
+    counts the rounds whose window ran out on this replica, `waited_s` the seconds their
+    collectives waited.
     """
 
     def __init__(
@@ -133,8 +134,9 @@ class TorchftCommunicator(Communicator):
         self.stop_requested = False  # a replica of the last round asked to stop
         self.round_samples = 0  # samples the live replicas trained on since their last round
         self.merged_samples = 0  # their sum over the committed rounds (goodput's numerator)
-        # live (1 or 0), stop (1 or 0) and samples: one all-reduce per round, on the wire's
-        # device (a round's samples stay far below float32's 2**24 exact integers)
+        # live (1 or 0), stop (1 or 0), samples and (adaptive window) each member's proposed
+        # window: one all-reduce per round, on the wire's device (a round's samples stay far
+        # below float32's 2**24 exact integers)
         self._count = torch.zeros(3, device=device)
 
     @property
@@ -152,8 +154,11 @@ class TorchftCommunicator(Communicator):
         live participants, which also carries `stop` (this replica was asked to stop:
         `stop_requested` then says, on every replica of the round, that one was) and `samples`,
         what this replica trained on since its last round (a healed one's count is 0: its own
-        work was replaced); a committed round adds their sum to `merged_samples`. Returns
-        whether this replica healed."""
+        work was replaced); a committed round adds their sum to `merged_samples`. With an
+        adaptive window it also carries each member's proposed window, and every member takes
+        the largest for the rest of the round and the next round's count (`GraceWindow.agree`):
+        the count itself waits the window the last round agreed on. Returns whether this
+        replica healed."""
         self.healed = False
         self.in_round = True
         self.lost = False
@@ -163,26 +168,46 @@ class TorchftCommunicator(Communicator):
         except Exception as e:  # the quorum's timeout, or the lighthouse gone
             self.lost = True
             raise QuorumLost(f"no quorum: {type(e).__name__}") from e
+        agreeing = self.grace is not None and self.grace.adaptive
         if self.grace is not None:
             if self._members_ran_out is not None:
                 same = self.manager.num_participants() == self._members_ran_out
                 self.grace.next_quorum(same_members=same)
                 self._members_ran_out = None
+            # the window the last round agreed on: the same on every member of that round
             self.window_s = self.grace.seconds()
         self.live = not self.healed and self.manager.errored() is None
-        self._count[0] = 1.0 if self.live else 0.0
-        self._count[1] = 1.0 if stop else 0.0
-        self._count[2] = float(samples) if self.live else 0.0
+        count = self._round_count(agreeing)
+        count[0] = 1.0 if self.live else 0.0
+        count[1] = 1.0 if stop else 0.0
+        count[2] = float(samples) if self.live else 0.0
         self.round_samples = 0
         # the count is the barrier after a heal: it waits for the healer with the group's timeout
         heal = _someone_heals(self.manager)
-        self._allreduce(self._count, dist.ReduceOp.SUM, whole_timeout=heal).wait()
+        self._allreduce(count, dist.ReduceOp.SUM, whole_timeout=heal).wait()
         if self.manager.errored() is None:
-            self.participants = int(round(self._count[0].item()))
+            self.participants = int(round(count[0].item()))
             self.healers = max(0, self.manager.num_participants() - self.participants)
-            self.stop_requested = self._count[1].item() > 0
-            self.round_samples = int(round(self._count[2].item()))
+            self.stop_requested = count[1].item() > 0
+            self.round_samples = int(round(count[2].item()))
+            largest = count[3:].max().item() if agreeing and count.numel() > 3 else 0.0
+            if largest > 0:  # the members' proposals arrived: each takes the largest
+                self.grace.agree(largest)
+                self.window_s = self.grace.seconds()
         return self.healed
+
+    def _round_count(self, agreeing: bool) -> torch.Tensor:
+        """The count all-reduce's tensor: live, stop, samples and, with an adaptive window, one
+        slot per member of the round, where each writes its proposed window in its own (a SUM
+        of one value and zeros is exact: every member reads every proposal)."""
+        members = self.manager.num_participants() if agreeing else 0
+        if self._count.numel() != 3 + members:
+            self._count = torch.zeros(3 + members, device=self._count.device)
+        self._count.zero_()
+        rank = self.manager.participating_rank() if agreeing else None
+        if rank is not None and rank < members:
+            self._count[3 + rank] = self.grace.proposal()
+        return self._count
 
     def commit(self) -> bool:
         """End the round: True when every replica group may keep its result."""

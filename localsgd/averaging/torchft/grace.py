@@ -18,6 +18,15 @@ replica group stayed in the next quorum (a slow peer, not a frozen one) counts a
 collective took the whole window, so the window grows by `factor` until the collective fits:
 the adaptive window cannot fail the same slow collective forever.
 
+Every worker of a round waits the same window. Each worker's adaptive reading (`proposal()`)
+is its own: a worker whose collective failed at once (its peers had already closed the
+connections) does not grow, while those whose window ran out do. Left alone, a round would fail
+on the shortest window among its workers and stall for the longest (a 16-s stall in the chaos
+study, docs/reliability.md). So the round's first collective, the count all-reduce
+(`TorchftCommunicator.begin`), carries every member's proposal and each takes the largest
+(`agree`): the rest of the round, and the next round's count, wait that. The largest, for the
+reason above: a window too short fails a round of live workers.
+
 No torchft or torch import: the arithmetic is tested on its own.
 """
 
@@ -30,8 +39,9 @@ __all__ = ["GraceWindow"]
 
 class GraceWindow:
     """The per-collective timeout of a torchft round: `seconds()`; `committed(longest_s)` after
-    a committed round, `ran_out(window_s)` after a round whose window passed, and
-    `next_quorum(same_members)` at the next round's quorum."""
+    a committed round, `ran_out(window_s)` after a round whose window passed,
+    `next_quorum(same_members)` at the next round's quorum, and `agree(largest_s)` once the
+    round's members have compared their `proposal()`s."""
 
     def __init__(
         self,
@@ -53,13 +63,21 @@ class GraceWindow:
         self.min_s = min(min_s, max_s)  # a short ft.timeout_s bounds the floor too
         self.recent: deque[float] = deque(maxlen=history)  # longest collective per round
         self._pending: float | None = None  # a window that ran out, not yet judged
+        self.agreed_s: float | None = None  # the largest proposal of the last round's members
 
     @property
     def adaptive(self) -> bool:
         return self.fixed_s is None
 
     def seconds(self) -> float:
-        """The timeout of each collective of the next round."""
+        """The timeout of the next collective: the fixed window, else the one the members of
+        the last round agreed on (this worker's own proposal before any agreement)."""
+        if self.fixed_s is not None:
+            return self.fixed_s
+        return self.agreed_s if self.agreed_s is not None else self.proposal()
+
+    def proposal(self) -> float:
+        """This worker's own reading of the window, from what its collectives took."""
         if self.fixed_s is not None:
             return self.fixed_s
         longest = max(self.recent, default=0.0)
@@ -73,6 +91,13 @@ class GraceWindow:
     def ran_out(self, window_s: float) -> None:
         """A collective of this round waited its whole window (`window_s`) and failed."""
         self._pending = window_s
+
+    def agree(self, largest_s: float) -> None:
+        """The largest `proposal()` among this round's members: the window from now on (within
+        `max_s`: the proposals travel in float32, which may round one up)."""
+        if not largest_s > 0:
+            raise ValueError(f"an agreed window must be > 0 s, got {largest_s}")
+        self.agreed_s = min(self.max_s, largest_s)
 
     def next_quorum(self, same_members: bool) -> None:
         """The quorum after a round whose window ran out: with the same replica groups in it,
