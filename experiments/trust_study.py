@@ -35,8 +35,10 @@ AGGREGATORS = {
     "clip": ["sync.aggregate=clip"],
     "trimmed_mean": ["sync.aggregate=trimmed_mean"],
     "median": ["sync.aggregate=median"],
-    "mean+score": ["sync.score=true"],
-    "median+score": ["sync.aggregate=median", "sync.score=true"],
+    # an excluded worker's shard skipped, as before sync.excluded_shard (whose default under
+    # scoring is now reassign: the row "mean+score, reassigned")
+    "mean+score": ["sync.score=true", "sync.excluded_shard=skip"],
+    "median+score": ["sync.aggregate=median", "sync.score=true", "sync.excluded_shard=skip"],
 }
 # rows run for some attacks only: the mean without its NaN guard (today's all-reduce before
 # sync.drop_nonfinite defaulted to true) and a clean run of 3 workers, what is left after one of

@@ -172,8 +172,9 @@ class SyncConfig:
     # 3, not 2: an honest worker's change is worse than the others' on the batch in some
     # rounds (really, not by noise), and two such rounds running happened on the Shakespeare LM
     exclude_after: int = 3
-    # an excluded worker's shard: skip (lost to the run) | reassign (split among the others)
-    excluded_shard: str = "skip"
+    # an excluded worker's shard: skip (lost to the run) | reassign (split among the others);
+    # null: reassign when sync.score is on (the trust study: it did better on every setting)
+    excluded_shard: str | None = None
 
 
 @dataclass

@@ -85,6 +85,19 @@ def test_bad_values_are_refused_in_one_line():
     validate(compose_config(["sync.excluded_shard=reassign", "sync.score=true"]), 4)
 
 
+def test_scoring_reassigns_by_default():
+    """`sync.excluded_shard` null: reassign when scoring (the trust study: better on every
+    setting), nothing to reassign without it; `skip` keeps the old behaviour."""
+    from localsgd.data import load_data
+    from localsgd.loop.shard import worker_batches
+
+    for overrides, built in (([], False), (["sync.score=true"], True),
+                             (["sync.score=true", "sync.excluded_shard=skip"], False)):
+        cfg = compose_config([*FAST, *overrides])
+        _, reassign = worker_batches(cfg, load_data(cfg.data, seed=0), 1, 4, torch.device("cpu"))
+        assert isinstance(reassign, ShardReassignment) is built, overrides
+
+
 @pytest.mark.slow
 @pytest.mark.long  # ~20 s on 2 cores: `make test-long`
 @pytest.mark.timeout(240)

@@ -253,8 +253,10 @@ def _validate_trust(cfg: Any) -> None:
     _require(_number(z) and z >= 0, "sync.score_z", "a number >= 0", z)
     after = _get(cfg, "sync.exclude_after")
     _require(after >= 0, "sync.exclude_after", "an integer >= 0 (0 = never exclude)", after)
-    _choice(cfg, "sync.excluded_shard", ("skip", "reassign"))
-    if _get(cfg, "sync.excluded_shard") == "reassign" and not (_get(cfg, "sync.score") and after):
+    shard = _get(cfg, "sync.excluded_shard")
+    _require(shard in (None, "skip", "reassign"), "sync.excluded_shard", "skip, reassign or null",
+             shard)
+    if shard == "reassign" and not (_get(cfg, "sync.score") and after):
         raise ConfigError(
             "sync.excluded_shard=reassign needs sync.score=true and sync.exclude_after >= 1: "
             "only scoring excludes a worker"

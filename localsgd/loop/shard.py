@@ -6,8 +6,9 @@ exactly resumable).
 
 Scoring (`sync.score`, `localsgd.averaging.trust`) excludes a worker for good: it still trains
 and takes part in the collectives, but its contributions never reach the aggregate, and neither
-does what it learns from its shard. With `sync.excluded_shard=skip` (the default) that part of
-the data is lost to the run; with `reassign`, after the sync that excluded it, the workers that
+does what it learns from its shard. With `sync.excluded_shard=skip` that part of the data is
+lost to the run; with `reassign` (the default under scoring), after the sync that excluded it,
+the workers that
 remain split its shard between them: the i-th of the `h` remaining workers (in rank order) adds
 every h-th index of it, starting at the i-th, to its own shard, from a new epoch of its
 sampler. The verdicts are identical on every rank, and so is this split. The sampler's
@@ -29,7 +30,7 @@ from localsgd.loop.metrics import notice
 def worker_batches(cfg: Any, data: Any, rank: int, world_size: int, device: torch.device):
     """This worker's batch stream over its shard (in memory for tensor sets, else a DataLoader:
     localsgd/data/loader.py), and its `ShardReassignment` (None with
-    `sync.excluded_shard=skip`)."""
+    `sync.excluded_shard=skip`, or without scoring)."""
     shard_of = partial(
         shard_indices,
         labels_of(data.train),
@@ -41,7 +42,7 @@ def worker_batches(cfg: Any, data: Any, rank: int, world_size: int, device: torc
     )
     sampler = ShardSampler(shard_of(rank), cfg.trainer.batch_size, seed=cfg.seed, rank=rank)
     batches = make_batches(data, cfg.data, sampler, device)
-    if cfg.sync.excluded_shard != "reassign":
+    if cfg.sync.excluded_shard == "skip" or not cfg.sync.score:
         return batches, None
     return batches, ShardReassignment(shard_of, rank, world_size, batches, rank == 0)
 
