@@ -2,7 +2,8 @@
 `sync`, and DES-LOC's moments on their own period, read from the runs `study.py` keeps.
 
     python experiments/lm_shakespeare/study.py run --rows sparseloco_h50 sparseloco_h16 \\
-        sparseloco_h50_w2 sparseloco_h16_w2 diloco_h16_avg diloco_h16_desloc
+        sparseloco_h50_w2 sparseloco_h16_w2 diloco_h16_desloc diloco_h16_avg \\
+        sparseloco_h50_b95 sparseloco_h50_d16
     python experiments/lm_shakespeare/study.py export     # the new runs into runs.jsonl
     python experiments/lm_shakespeare/bytes_study.py      # -> bytes_study.md and bytes_study.json
 
@@ -31,6 +32,8 @@ BYTES_ROWS = [
     ("diloco_h16_int4ef", 4, "sync", "DiLoCo H = 16, 4 bits + error feedback"),
     ("sparseloco_h16", 4, "sync", "`sync=sparseloco` (top-k 1/64, 2 bits), H = 16"),
     ("sparseloco_h50", 4, "sync", "`sync=sparseloco` as preset, H = 50"),
+    ("sparseloco_h50_b95", 4, "sync", "`sync=sparseloco`, H = 50, residual decayed (beta 0.95)"),
+    ("sparseloco_h50_d16", 4, "sync", "`sync=sparseloco`, H = 50, density 1/16 (4x the bytes)"),
     ("sync_w2", 2, "sync_w2", "synchronous AdamW"),
     ("diloco_h16_int4ef_w2", 2, "sync_w2", "DiLoCo H = 16, 4 bits + error feedback"),
     ("sparseloco_h16_w2", 2, "sync_w2", "`sync=sparseloco`, H = 16"),
@@ -159,11 +162,18 @@ def main() -> None:
         "# Bytes per parameter per step on the Shakespeare LM (issue 30 item 5)",
         "",
         "Made from the kept runs of `runs.jsonl` by `python experiments/lm_shakespeare/"
-        "bytes_study.py` (the runs: `study.py run --rows ...` and `study.py export`, as the "
-        "script's docstring says). The baby GPT of [README.md](README.md) (215k parameters, "
-        "width 64), inner AdamW lr 2e-3, 2000 steps of 16 x 64 characters per worker. Each gap "
-        "is the final validation loss against `sync`'s run of the same world size and seed. "
-        "Bytes per parameter per step: one worker's `comm_bytes` / (parameters x 2000).",
+        "bytes_study.py`; the runs by `study.py run --rows` (the rows below) and `study.py "
+        "export`, as the script's docstring says. The baby GPT of [README.md](README.md) "
+        "(215k parameters, width 64), inner AdamW lr 2e-3, 2000 steps of 16 x 64 characters "
+        "per worker. Each gap is the final validation loss against `sync`'s run of the same "
+        "world size and seed. "
+        "Bytes per parameter per step: one worker's `comm_bytes` / (parameters x 2000). "
+        "Reused as kept: `sync`, `diloco_h16_int4ef`, `diloco_h16` and their 2-worker twins "
+        "(same resolved budget, width, world size and seed; checked here). Fixed before any "
+        "new run: `sparseloco_h16`, `sparseloco_h50` (both world sizes), `diloco_h16_desloc`, "
+        "`diloco_h16_avg`; added after `sparseloco_h50` seed 0 was seen (the MNIST study's two "
+        "variants, not tuned): `sparseloco_h50_b95`, `sparseloco_h50_d16`. A row with fewer "
+        "than 3 seeds ran out of time. Runs made 2026-12-05 15:36-17:20 UTC (branch lm30).",
         "",
         "## SparseLoCo-style top-k against 4-bit DiLoCo against sync",
         "",
