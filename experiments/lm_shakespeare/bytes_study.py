@@ -3,7 +3,7 @@
 
     python experiments/lm_shakespeare/study.py run --rows sparseloco_h50 sparseloco_h16 \\
         sparseloco_h50_w2 sparseloco_h16_w2 diloco_h16_desloc diloco_h16_avg \\
-        sparseloco_h50_b95 sparseloco_h50_d16
+        sparseloco_h50_b95 diloco_h16_desloc_m3v3
     python experiments/lm_shakespeare/study.py export     # the new runs into runs.jsonl
     python experiments/lm_shakespeare/bytes_study.py      # -> bytes_study.md and bytes_study.json
 
@@ -33,7 +33,6 @@ BYTES_ROWS = [
     ("sparseloco_h16", 4, "sync", "`sync=sparseloco` (top-k 1/64, 2 bits), H = 16"),
     ("sparseloco_h50", 4, "sync", "`sync=sparseloco` as preset, H = 50"),
     ("sparseloco_h50_b95", 4, "sync", "`sync=sparseloco`, H = 50, residual decayed (beta 0.95)"),
-    ("sparseloco_h50_d16", 4, "sync", "`sync=sparseloco`, H = 50, density 1/16 (4x the bytes)"),
     ("sync_w2", 2, "sync_w2", "synchronous AdamW"),
     ("diloco_h16_int4ef_w2", 2, "sync_w2", "DiLoCo H = 16, 4 bits + error feedback"),
     ("sparseloco_h16_w2", 2, "sync_w2", "`sync=sparseloco`, H = 16"),
@@ -43,6 +42,7 @@ DESLOC_ROWS = [
     ("diloco_h16", 4, "sync", "DiLoCo H = 16, moments local (`optimizer_state=local`)"),
     ("diloco_h16_desloc", 4, "sync", "DiLoCo H = 16, DES-LOC: m every 3rd, v every 6th round"),
     ("diloco_h16_avg", 4, "sync", "DiLoCo H = 16, moments averaged every round"),
+    ("diloco_h16_desloc_m3v3", 4, "sync", "DiLoCo H = 16, DES-LOC with m and v every 3rd round"),
 ]
 
 
@@ -171,9 +171,10 @@ def main() -> None:
         "Reused as kept: `sync`, `diloco_h16_int4ef`, `diloco_h16` and their 2-worker twins "
         "(same resolved budget, width, world size and seed; checked here). Fixed before any "
         "new run: `sparseloco_h16`, `sparseloco_h50` (both world sizes), `diloco_h16_desloc`, "
-        "`diloco_h16_avg`; added after `sparseloco_h50` seed 0 was seen (the MNIST study's two "
-        "variants, not tuned): `sparseloco_h50_b95`, `sparseloco_h50_d16`. A row with fewer "
-        "than 3 seeds ran out of time. Runs made 2026-12-05 15:36-17:20 UTC (branch lm30).",
+        "`diloco_h16_avg`; added after `sparseloco_h50` seed 0 was seen: `sparseloco_h50_b95` "
+        "(the MNIST study's decay, not tuned); after the DES-LOC runs were seen: "
+        "`diloco_h16_desloc_m3v3`. A row with fewer than 3 seeds ran out of time. "
+        "Runs made 2026-12-05 15:36-17:20 UTC (branch lm30).",
         "",
         "## SparseLoCo-style top-k against 4-bit DiLoCo against sync",
         "",
