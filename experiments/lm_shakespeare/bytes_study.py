@@ -17,12 +17,15 @@ sent: payload, indices and scales) / (parameters x steps per worker).
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 TABLE = HERE / "runs.jsonl"
+# the final models' token-embedding row norms, measured by `--models` where the runs were made
+NORMS = HERE / "bytes_study_embedding_norms.json"
 STEPS, WIDTH = 2000, 64
 TARGET_BYTES, TARGET_GAP = 0.001, 2.0  # the issue's target: <= 0.001 B/param/step within 2%
 
@@ -151,7 +154,30 @@ def target(rows: list[dict]) -> str:
     return "\n".join(f"- {line}" for line in lines)
 
 
+def embedding_norms(run_dir: Path) -> dict[str, float]:
+    """The largest row norm of the token embedding (one row per character) of each run's final
+    model, and the median row's, for the DES-LOC rows whose run directories are at hand."""
+    import torch
+
+    out = {}
+    for row, *_ in DESLOC_ROWS:
+        for model in sorted(run_dir.glob(f"{row}_s[0-9]/model.pt")):
+            rows = torch.load(model, map_location="cpu", weights_only=True)["tok.weight"].norm(
+                dim=1
+            )
+            out[model.parent.name] = {"max": rows.max().item(), "median": rows.median().item()}
+    return out
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", type=Path, help="run directory: measure the embedding rows")
+    args = parser.parse_args()
+    if args.models is not None:
+        measured = json.loads(NORMS.read_text()) if NORMS.exists() else {}
+        measured.update(embedding_norms(args.models))
+        NORMS.write_text(json.dumps(measured, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    norms = json.loads(NORMS.read_text()) if NORMS.exists() else {}
     runs = load()
     bytes_rows = rows_of(BYTES_ROWS, runs)
     desloc_rows = rows_of(DESLOC_ROWS, runs)
@@ -188,6 +214,20 @@ def main() -> None:
         "## DES-LOC: Adam's moments on their own period (DiLoCo H = 16, 4 workers)",
         "",
         *table(desloc_rows, per_state=True),
+        "",
+        "The final model's token embedding, largest row norm (median row's in brackets), per "
+        "seed, measured by `bytes_study.py --models <run dir>` into "
+        f"`{NORMS.name}` (the kept `diloco_h16` runs' models were not kept):",
+        "",
+        *[
+            f"- {r['row']}: "
+            + ", ".join(
+                f"s{s} {norms[n]['max']:.1f} ({norms[n]['median']:.2f})"
+                for s in r["seeds"]
+                if (n := f"{r['row']}_s{s}") in norms
+            )
+            for r in desloc_rows
+        ],
         "",
     ]
     (HERE / "bytes_study.md").write_text("\n".join(doc), encoding="utf-8")
