@@ -521,7 +521,10 @@ def paired_table(by_row) -> list[str]:
 
 # the diagnostics and the non-iid rows stay in the table, out of the curves (20 lines are too many)
 NOT_PLOTTED = {"eager_h16_m0", "stream_h16_p4_t0a0", "stream_h16_p4_t0a05", "sync_noniid",
-               "local_k16_noniid", "diloco_h16_noniid", "eager_h16_lr035"}  # fmt: skip
+               "local_k16_noniid", "diloco_h16_noniid", "eager_h16_lr035",
+               # issue 30's optimizer-state rows and diagnostics: bytes_study.md reads them
+               "diloco_h16_desloc", "diloco_h16_avg", "diloco_h16_desloc_m3v3",
+               "sparseloco_h50_b95"}  # fmt: skip
 
 
 def plot_map(by_row) -> None:
