@@ -1,0 +1,238 @@
+"""Issue 30 item 5 on the Shakespeare LM: bytes per parameter per step against the loss gap to
+`sync`, and DES-LOC's moments on their own period, read from the runs `study.py` keeps.
+
+    python experiments/lm_shakespeare/study.py run --rows sparseloco_h50 sparseloco_h16 \\
+        sparseloco_h50_w2 sparseloco_h16_w2 diloco_h16_desloc diloco_h16_avg \\
+        sparseloco_h50_b95 diloco_h16_desloc_m3v3
+    python experiments/lm_shakespeare/study.py export     # the new runs into runs.jsonl
+    python experiments/lm_shakespeare/bytes_study.py      # -> bytes_study.md and bytes_study.json
+
+Every row is a `study.py` row (its settings are there: COMMON plus the row's overrides), so the
+kept runs of `sync`, `diloco_h16_int4ef`, `diloco_h16` and their 2-worker twins are reused as they
+are; this script checks that every run it reads has the study's budget (2000 steps per worker),
+width (64), world size and seed, and pairs each run with `sync`'s run of the same world size and
+seed. Bytes per parameter per step: `comm_bytes` (what one worker put on the wire, counted as
+sent: payload, indices and scales) / (parameters x steps per worker).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+TABLE = HERE / "runs.jsonl"
+# the final models' token-embedding row norms, measured by `--models` where the runs were made
+NORMS = HERE / "bytes_study_embedding_norms.json"
+STEPS, WIDTH = 2000, 64
+TARGET_BYTES, TARGET_GAP = 0.001, 2.0  # the issue's target: <= 0.001 B/param/step within 2%
+
+# (row, world size, the sync row it is compared with, what it is)
+BYTES_ROWS = [
+    ("sync", 4, "sync", "synchronous AdamW (gradients all-reduced every step)"),
+    ("diloco_h16_int4ef", 4, "sync", "DiLoCo H = 16, 4 bits + error feedback"),
+    ("sparseloco_h16", 4, "sync", "`sync=sparseloco` (top-k 1/64, 2 bits), H = 16"),
+    ("sparseloco_h50", 4, "sync", "`sync=sparseloco` as preset, H = 50"),
+    ("sparseloco_h50_b95", 4, "sync", "`sync=sparseloco`, H = 50, residual decayed (beta 0.95)"),
+    ("sync_w2", 2, "sync_w2", "synchronous AdamW"),
+    ("diloco_h16_int4ef_w2", 2, "sync_w2", "DiLoCo H = 16, 4 bits + error feedback"),
+    ("sparseloco_h16_w2", 2, "sync_w2", "`sync=sparseloco`, H = 16"),
+    ("sparseloco_h50_w2", 2, "sync_w2", "`sync=sparseloco` as preset, H = 50"),
+]
+DESLOC_ROWS = [
+    ("diloco_h16", 4, "sync", "DiLoCo H = 16, moments local (`optimizer_state=local`)"),
+    ("diloco_h16_desloc", 4, "sync", "DiLoCo H = 16, DES-LOC: m every 3rd, v every 6th round"),
+    ("diloco_h16_avg", 4, "sync", "DiLoCo H = 16, moments averaged every round"),
+    ("diloco_h16_desloc_m3v3", 4, "sync", "DiLoCo H = 16, DES-LOC with m and v every 3rd round"),
+]
+
+
+def load() -> dict[str, dict[int, dict]]:
+    """row -> seed -> kept run, each checked against the study's budget and width."""
+    runs: dict[str, dict[int, dict]] = {}
+    with TABLE.open(encoding="utf-8") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            run = json.loads(line)
+            row, seed = Path(run["run"]).name.rsplit("_s", 1)
+            runs.setdefault(row, {})[int(seed)] = run
+    return runs
+
+
+def check(run: dict, row: str, world: int, seed: int) -> None:
+    c = run["config"]
+    got = (c["trainer.max_steps"], c["model.d_model"], c["dist.world_size"], c["seed"])
+    if got != (STEPS, WIDTH, world, seed):
+        raise SystemExit(f"{row} seed {seed}: (steps, width, world, seed) = {got}, "
+                         f"want {(STEPS, WIDTH, world, seed)}")  # fmt: skip
+
+
+def per_param_step(run: dict, key: str = "comm_bytes") -> float:
+    s = run["summary"]
+    return s.get(key, 0) / (s["params"] * run["config"]["trainer.max_steps"])
+
+
+def rows_of(spec, runs) -> list[dict]:
+    out = []
+    for row, world, ref, what in spec:
+        seeds = sorted(set(runs.get(row, {})) & set(runs.get(ref, {})))
+        for seed in seeds:
+            check(runs[row][seed], row, world, seed)
+            check(runs[ref][seed], ref, world, seed)
+        loss = {s: runs[row][s]["summary"]["test_loss"] for s in seeds}
+        gap = {s: 100 * (loss[s] / runs[ref][s]["summary"]["test_loss"] - 1) for s in seeds}
+        bpps = [per_param_step(runs[row][s]) for s in seeds]
+        state = {k: [per_param_step(runs[row][s], f"comm_bytes_{k}") for s in seeds]
+                 for k in ("exp_avg", "exp_avg_sq")}  # fmt: skip
+        ref_bpps = [per_param_step(runs[ref][s]) for s in seeds]
+        out.append({
+            "row": row, "workers": world, "what": what, "seeds": seeds,
+            "test_loss": loss, "gap_pct": gap,
+            "bytes_per_param_step": statistics.fmean(bpps) if seeds else None,
+            "x_fewer_than_sync": statistics.fmean(ref_bpps) / statistics.fmean(bpps)
+            if seeds else None,
+            "bytes_per_param_step_exp_avg": statistics.fmean(state["exp_avg"]) if seeds else None,
+            "bytes_per_param_step_exp_avg_sq": statistics.fmean(state["exp_avg_sq"])
+            if seeds else None,
+            "comm_rounds": runs[row][seeds[0]]["summary"]["comm_rounds"] if seeds else None,
+            "params": runs[row][seeds[0]]["summary"]["params"] if seeds else None,
+        })  # fmt: skip
+    return out
+
+
+def mean_std(values: list[float], digits: int) -> str:
+    if not values:
+        return "-"
+    std = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{statistics.fmean(values):.{digits}f} ± {std:.{digits}f}"
+
+
+def table(rows: list[dict], per_state: bool) -> list[str]:
+    head = ("| row | workers | seeds | val loss | gap to sync, per seed | gap, mean | "
+            "bytes / param / step | x fewer than sync |")  # fmt: skip
+    rule = "|---|---|---|---|---|---|---|---|"
+    if per_state:
+        head += " of which m (exp_avg) | of which v (exp_avg_sq) |"
+        rule += "---|---|"
+    lines = [head, rule]
+    for r in rows:
+        if not r["seeds"]:
+            lines.append(
+                f"| {r['row']} | {r['workers']} | 0 (not run) |"
+                + " - |" * (len(rule.split("|")) - 5)
+            )
+            continue
+        gaps = ", ".join(f"{r['gap_pct'][s]:+.2f}% (s{s})" for s in r["seeds"])
+        line = (f"| {r['row']} | {r['workers']} | {len(r['seeds'])} "
+                f"| {mean_std(list(r['test_loss'].values()), 4)} | {gaps} "
+                f"| {statistics.fmean(r['gap_pct'].values()):+.2f}% "
+                f"| {r['bytes_per_param_step']:.6f} | {r['x_fewer_than_sync']:.0f}x |")  # fmt: skip
+        if per_state:
+            line += (f" {r['bytes_per_param_step_exp_avg']:.6f} "
+                     f"| {r['bytes_per_param_step_exp_avg_sq']:.6f} |")  # fmt: skip
+        lines.append(line)
+    return lines
+
+
+def target(rows: list[dict]) -> str:
+    """The issue's target at 4 workers: <= 0.001 B/param/step within 2% of sync on every seed."""
+    lines = []
+    for r in rows:
+        if r["workers"] != 4 or not r["seeds"] or r["row"] == "sync":
+            continue
+        under = r["bytes_per_param_step"] <= TARGET_BYTES
+        within = all(g <= TARGET_GAP for g in r["gap_pct"].values())
+        met = " -> MET" if under and within and len(r["seeds"]) == 3 else ""
+        lines.append(f"{r['row']}: {r['bytes_per_param_step']:.6f} B/param/step "
+                     f"({'at or under' if under else 'over'} {TARGET_BYTES}), gaps "
+                     f"{', '.join(f'{g:+.2f}%' for g in r['gap_pct'].values())} "
+                     f"({'within' if within else 'not within'} {TARGET_GAP:.0f}% on every seed)"
+                     f"{met}")  # fmt: skip
+    return "\n".join(f"- {line}" for line in lines)
+
+
+def embedding_norms(run_dir: Path) -> dict[str, float]:
+    """The largest row norm of the token embedding (one row per character) of each run's final
+    model, and the median row's, for the DES-LOC rows whose run directories are at hand."""
+    import torch
+
+    out = {}
+    for row, *_ in DESLOC_ROWS:
+        for model in sorted(run_dir.glob(f"{row}_s[0-9]/model.pt")):
+            rows = torch.load(model, map_location="cpu", weights_only=True)["tok.weight"].norm(
+                dim=1
+            )
+            out[model.parent.name] = {"max": rows.max().item(), "median": rows.median().item()}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", type=Path, help="run directory: measure the embedding rows")
+    args = parser.parse_args()
+    if args.models is not None:
+        measured = json.loads(NORMS.read_text()) if NORMS.exists() else {}
+        measured.update(embedding_norms(args.models))
+        NORMS.write_text(json.dumps(measured, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    norms = json.loads(NORMS.read_text()) if NORMS.exists() else {}
+    runs = load()
+    bytes_rows = rows_of(BYTES_ROWS, runs)
+    desloc_rows = rows_of(DESLOC_ROWS, runs)
+    (HERE / "bytes_study.json").write_text(
+        json.dumps({"bytes": bytes_rows, "desloc": desloc_rows}, indent=1) + "\n",
+        encoding="utf-8")  # fmt: skip
+    doc = [
+        "# Bytes per parameter per step on the Shakespeare LM (issue 30 item 5)",
+        "",
+        "Made from the kept runs of `runs.jsonl` by `python experiments/lm_shakespeare/"
+        "bytes_study.py`; the runs by `study.py run --rows` (the rows below) and `study.py "
+        "export`, as the script's docstring says. The baby GPT of [README.md](README.md) "
+        "(215k parameters, width 64), inner AdamW lr 2e-3, 2000 steps of 16 x 64 characters "
+        "per worker. Each gap is the final validation loss against `sync`'s run of the same "
+        "world size and seed. "
+        "Bytes per parameter per step: one worker's `comm_bytes` / (parameters x 2000). "
+        "Reused as kept: `sync`, `diloco_h16_int4ef`, `diloco_h16` and their 2-worker twins "
+        "(same resolved budget, width, world size and seed; checked here). Fixed before any "
+        "new run: `sparseloco_h16`, `sparseloco_h50` (both world sizes), `diloco_h16_desloc`, "
+        "`diloco_h16_avg`; added after `sparseloco_h50` seed 0 was seen: `sparseloco_h50_b95` "
+        "(the MNIST study's decay, not tuned); after the DES-LOC runs were seen: "
+        "`diloco_h16_desloc_m3v3`. A row with fewer than 3 seeds ran out of time. "
+        "Runs made 2026-12-05 15:36-17:20 UTC (branch lm30).",
+        "",
+        "## SparseLoCo-style top-k against 4-bit DiLoCo against sync",
+        "",
+        *table(bytes_rows, per_state=False),
+        "",
+        f"The issue's target (at most {TARGET_BYTES} bytes per parameter per step within "
+        f"{TARGET_GAP:.0f}% of `sync`, 4 workers, 3 seeds):",
+        "",
+        target(bytes_rows),
+        "",
+        "## DES-LOC: Adam's moments on their own period (DiLoCo H = 16, 4 workers)",
+        "",
+        *table(desloc_rows, per_state=True),
+        "",
+        "The final model's token embedding, largest row norm (median row's in brackets), per "
+        "seed, measured by `bytes_study.py --models <run dir>` into "
+        f"`{NORMS.name}` (the kept `diloco_h16` runs' models were not kept):",
+        "",
+        *[
+            f"- {r['row']}: "
+            + ", ".join(
+                f"s{s} {norms[n]['max']:.1f} ({norms[n]['median']:.2f})"
+                for s in r["seeds"]
+                if (n := f"{r['row']}_s{s}") in norms
+            )
+            for r in desloc_rows
+        ],
+        "",
+    ]
+    (HERE / "bytes_study.md").write_text("\n".join(doc), encoding="utf-8")
+    print("\n".join(doc))
+
+
+if __name__ == "__main__":
+    main()
