@@ -314,6 +314,28 @@ def test_a_late_peer_costs_one_window_and_the_next_round_commits_on_a_rebuilt_gr
     assert merged == late_merged == 2 * (10 + 20)
 
 
+def _three_paced_workers_under_ft(steps: int, run_dir, *extra: str) -> list[str]:
+    """3 workers under ft=torchft, a sync every 4 steps, each step lasting >= 50 ms (so that the
+    job outlives the faults), a metrics line every 4 steps."""
+    return FAST + [
+        "data.num_samples=900",
+        "dist.world_size=3",
+        f"trainer.max_steps={steps}",
+        "trainer.batch_size=16",
+        "trainer.log_every=4",
+        "trainer.eval_every=1000",
+        "trainer.checkpoint_every=0",
+        "sync.warmup_steps=4",
+        "sync.period=4",
+        "logger=jsonl",
+        "ft=torchft",
+        "comm.simulate.worker_speed=[1,1,1]",
+        "comm.simulate.step_s=0.05",
+        *extra,
+        f"hydra.run.dir={run_dir}",
+    ]
+
+
 @pytest.mark.slow
 @pytest.mark.long
 @pytest.mark.timeout(240)
@@ -326,25 +348,7 @@ def test_a_worker_frozen_inside_a_round_costs_the_others_one_window_then_heals(t
     run_dir = tmp_path / "run"
     freeze_s, grace_s = 6.0, 2.0
     proc, left = cli(
-        FAST
-        + [
-            "data.num_samples=900",
-            "dist.world_size=3",
-            "trainer.max_steps=240",
-            "trainer.batch_size=16",
-            "trainer.log_every=4",
-            "trainer.eval_every=1000",
-            "trainer.checkpoint_every=0",
-            "sync.warmup_steps=4",
-            "sync.period=4",
-            "logger=jsonl",
-            "ft=torchft",
-            f"ft.grace_s={grace_s}",
-            # every step lasts >= 50 ms, so that the job outlives the freeze
-            "comm.simulate.worker_speed=[1,1,1]",
-            "comm.simulate.step_s=0.05",
-            f"hydra.run.dir={run_dir}",
-        ],
+        _three_paced_workers_under_ft(240, run_dir, f"ft.grace_s={grace_s}"),
         fault=f"freeze:2:40:{freeze_s}",
         timeout=200,
     )
@@ -381,24 +385,7 @@ def test_a_partitioned_worker_stays_in_the_quorum_and_costs_the_whole_partition(
     run_dir = tmp_path / "run"
     cut_s, grace_s = 5.0, 2.0
     proc, left = cli(
-        FAST
-        + [
-            "data.num_samples=900",
-            "dist.world_size=3",
-            "trainer.max_steps=160",
-            "trainer.batch_size=16",
-            "trainer.log_every=4",
-            "trainer.eval_every=1000",
-            "trainer.checkpoint_every=0",
-            "sync.warmup_steps=4",
-            "sync.period=4",
-            "logger=jsonl",
-            "ft=torchft",
-            f"ft.grace_s={grace_s}",
-            "comm.simulate.worker_speed=[1,1,1]",
-            "comm.simulate.step_s=0.05",
-            f"hydra.run.dir={run_dir}",
-        ],
+        _three_paced_workers_under_ft(160, run_dir, f"ft.grace_s={grace_s}"),
         fault=f"partition:2:40:{cut_s}",
         timeout=200,
     )
@@ -438,24 +425,7 @@ def test_two_partitions_in_a_row_cost_the_others_about_the_partitions_not_a_spli
     (tmp_path / "schedule.json").write_text(json.dumps({"faults": faults}))
     chaos = f"{{_target_:experiments.chaos_study.Chaos,path:'{tmp_path / 'schedule.json'}'}}"
     proc, left = cli(
-        FAST
-        + [
-            "data.num_samples=900",
-            "dist.world_size=3",
-            "trainer.max_steps=120",
-            "trainer.batch_size=16",
-            "trainer.log_every=4",
-            "trainer.eval_every=1000",
-            "trainer.checkpoint_every=0",
-            "sync.warmup_steps=4",
-            "sync.period=4",
-            "logger=jsonl",
-            "ft=torchft",
-            "comm.simulate.worker_speed=[1,1,1]",
-            "comm.simulate.step_s=0.05",
-            f"trainer.callbacks=[{chaos}]",
-            f"hydra.run.dir={run_dir}",
-        ],
+        _three_paced_workers_under_ft(120, run_dir, f"trainer.callbacks=[{chaos}]"),
         timeout=200,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
