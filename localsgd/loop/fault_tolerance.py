@@ -51,7 +51,8 @@ from localsgd.loop.worker import WorkerInfo
 # Registry entries a healing worker does not take from its peer: the averager (sent by the round
 # driver itself, less this worker's residuals), its own random generators, the drift meter (not
 # kept under ft) and the round driver's counters (sent with its state).
-NOT_HEALED = ("averager", "rng", "drift", "ft")
+# the pacer is the worker's own too: its speed and its step counts (sync.inner_time_s)
+NOT_HEALED = ("averager", "rng", "drift", "ft", "pacer")
 
 
 class NoLivePeer(RuntimeError):

@@ -124,6 +124,10 @@ class TorchftCommunicator(Communicator):
         self.stats = stats if stats is not None else CommStats()
         self.link = link
         self.use_avg = False  # the division is ours (see mean_)
+        # a weighted round (`weigh`): this replica's share of the next means, every member's
+        # weight; None: the plain mean over the live replicas
+        self.share: float | None = None
+        self.weights: list[float] | None = None
         self.sum_first = _sum_then_divide(self.local)
         self.participants = replicas  # replica groups in the last average
         self.live = True  # this replica contributes to this round's average
@@ -142,6 +146,44 @@ class TorchftCommunicator(Communicator):
     @property
     def size(self) -> int:
         return self.participants * (self.local.size if self.local is not None else 1)
+
+    def weigh(self, weight: float, device: torch.device | None = None) -> list[float]:
+        """`Communicator.weigh` across replica groups, inside a round: one SUM all-reduce
+        through the Manager of a vector with one slot per member of the quorum (its
+        participating rank), in which each live replica writes its `weight` and a healing one
+        0 (its contribution is zeros). Unequal weights make the next means `sum_r (w_r /
+        sum(w)) x_r` until `unweigh()`; with every live weight equal the means stay the plain
+        mean over the live replicas, bit for bit. A replica group of several processes is
+        refused (its members' weights would need their own round inside the group)."""
+        if not self.in_round:
+            raise RuntimeError("TorchftCommunicator.weigh outside a round (begin()/commit())")
+        if self.local is not None:
+            raise ValueError(
+                "weighted rounds through torchft need replica groups of one process each"
+            )
+        start = time.perf_counter()
+        members = self.manager.num_participants()
+        slots = torch.zeros(members, dtype=torch.float64, device=self._count.device)
+        rank = self.manager.participating_rank()
+        if self.live and rank is not None and rank < members:
+            slots[rank] = float(weight)
+        self.share = self.weights = None
+        if self.lost or self.manager.errored() is not None:
+            return []  # the round will not commit
+        self._allreduce(slots, dist.ReduceOp.SUM).wait()
+        self._account(start, _nbytes(slots))
+        if self.manager.errored() is not None:
+            return []
+        weights = slots.tolist()
+        given = [w for w in weights if w > 0]
+        total = sum(given)
+        unequal = bool(given) and (
+            any(w != given[0] for w in given) or len(given) != self.participants
+        )
+        if total > 0 and unequal:
+            self.share = weights[rank] / total if self.live and rank is not None else 0.0
+            self.weights = weights
+        return weights
 
     def subgroups(self, size: int) -> Communicator:
         raise ValueError(
@@ -281,10 +323,12 @@ class TorchftCommunicator(Communicator):
             n = max(self.participants, 1)
             if not self.live:
                 wire.zero_()
-            if not self.sum_first:
+            if self.share is not None:  # a weighted round: each replica's share, summed
+                wire.mul_(self.share)
+            elif not self.sum_first:
                 wire.div_(n)
             self._allreduce(wire, dist.ReduceOp.SUM).wait()
-            if self.sum_first and self.manager.errored() is None:
+            if self.sum_first and self.share is None and self.manager.errored() is None:
                 wire.div_(n)
             if through is not None:
                 flat.copy_(wire)
@@ -371,7 +415,9 @@ class TorchftCommunicator(Communicator):
         if self.manager.errored() is not None:
             return  # the round will not commit
         # healers' messages decode to zeros: summed, but the live workers divide
-        self.dropped.extend(decode_mean_(flat, wire, gathered, members, self.size, self.guard))
+        self.dropped.extend(
+            decode_mean_(flat, wire, gathered, members, self.size, self.guard, self.weights)
+        )
 
     def _all_gather(self, out: torch.Tensor, inp: torch.Tensor):
         # the Manager has no all-gather: its process group's, with errors reported to it so
@@ -403,11 +449,13 @@ class TorchftCommunicator(Communicator):
         wires = pieces if through is None else [
             t.copy_(p) for t, p in zip(through, pieces, strict=True)
         ]  # fmt: skip
-        n, works = max(self.participants, 1), []
+        n, works, share = max(self.participants, 1), [], self.share
         for wire in wires:
             if not self.live:
                 wire.zero_()
-            if not self.sum_first:
+            if share is not None:
+                wire.mul_(share)
+            elif not self.sum_first:
                 wire.div_(n)
             if not self.lost and self.manager.errored() is None:
                 works.append(self._allreduce(wire, dist.ReduceOp.SUM))
@@ -419,7 +467,7 @@ class TorchftCommunicator(Communicator):
             if self.manager.errored() is not None:
                 return
             for piece, wire in zip(pieces, wires, strict=True):
-                if self.sum_first:
+                if self.sum_first and share is None:
                     wire.div_(n)
                 if wire is not piece:
                     piece.copy_(wire)
