@@ -391,13 +391,44 @@ def test_cli_drops_nan_and_excludes_an_attacker(tmp_path):
 
 
 class _Gathers:
-    """A one-process stand-in for a group of `size` ranks whose contributions are `rows`."""
+    """A one-process stand-in for a group of `size` ranks whose contributions are `rows`;
+    `workers`/`live`: whose each row is and whether it is a contribution (as under torchft,
+    where a replica healing in the round holds a copy of a peer's)."""
 
-    def __init__(self, rows: torch.Tensor):
+    def __init__(self, rows: torch.Tensor, workers=None, live=None):
         self.size, self.rows = rows.shape[0], rows
+        self.workers = list(range(self.size)) if workers is None else workers
+        self.live = [True] * self.size if live is None else live
+
+    def members(self):
+        return self.workers, self.live
 
     def all_gather_(self, out, inp):
         out.copy_(self.rows.reshape(-1))
+
+
+def test_a_healing_member_is_no_contribution_and_verdicts_follow_workers():
+    """Under torchft the gather's places follow the quorum: here workers 0, 2, 3 and 5 (1 and 4
+    gone), the second of them healing in this round (its row is a copy of a peer's). Its row
+    never reaches the median, and the verdicts name workers, not places: worker 5's flipped
+    change is judged bad and, two rounds running, worker 5 is excluded."""
+    from localsgd.averaging.trust import TrustedRound
+
+    flat = torch.zeros(1)
+
+    def loss_at(round_):
+        return float((flat - 1).square().sum())
+
+    rows = torch.tensor([[0.5], [0.5], [0.4], [-5.0]])  # worker 2 copies worker 0
+    trust = TrustedRound([flat], 1, [None], Aggregate("median"), Judge(loss_at, 2, 0.5, 3.0, False))
+    gathers = _Gathers(rows, workers=[0, 2, 3, 5], live=[True, False, True, True])
+    for _ in range(2):
+        flat.zero_()
+        trust.run_([flat], [torch.zeros(1)], gathers, [None], step=0)
+    assert [e["rank"] for e in trust.events if e["why"] == "bad"] == [5, 5]
+    assert trust.excluded == {5: 1}
+    assert float(flat) == pytest.approx(0.45)  # the median of workers 0 and 3 alone
+    assert trust.size == 6 and len(trust.state_dict()["streaks"]) == 6
 
 
 def test_never_more_than_a_minority_is_excluded():

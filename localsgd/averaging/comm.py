@@ -157,6 +157,15 @@ class Communicator:
         """This rank's index in the group."""
         return dist.get_rank(self.group)
 
+    # every rank of the group takes part in every collective: work can be split among them
+    splits_work = True
+
+    def members(self) -> tuple[list[int], list[bool]]:
+        """Whose contribution each place of an all-gather over the group holds (the workers'
+        indices, here the ranks), and whether it is one (here always: under torchft a replica
+        healing in the round is a member whose place holds a copy of a peer's state)."""
+        return list(range(self.size)), [True] * self.size
+
     def weigh(self, weight: float, device: torch.device | None = None) -> list[float]:
         """Every rank's `weight` for the next means (one all-reduce of a vector of one slot per
         rank, in rank order; counted). Unequal weights make `mean_` the weighted mean,

@@ -131,8 +131,11 @@ class GatheredContributions:
     rank failed to send, as `lossy_mean_` does."""
 
     def __init__(self, buffers: list[torch.Tensor], size: int, low: list):
-        self.size = size
         self.low = low
+        self._allocate(buffers, size)
+
+    def _allocate(self, buffers: list[torch.Tensor], size: int) -> None:
+        self.size = size
         self.rows = [
             torch.empty(size, b.numel(), dtype=torch.float32, device=b.device) for b in buffers
         ]
@@ -140,7 +143,7 @@ class GatheredContributions:
             torch.empty(size * w.numel(), dtype=w.dtype, device=w.device)
             if isinstance(w, torch.Tensor)
             else None
-            for w in low
+            for w in self.low
         ]
 
     def gather_(
@@ -148,9 +151,13 @@ class GatheredContributions:
         flats: list[torch.Tensor],
         comm: Communicator,
         residuals: list[torch.Tensor | None],
+        members: int | None = None,
     ) -> list[torch.Tensor]:
-        if comm.size != self.size:
-            raise ValueError(f"gathered for {self.size} ranks, the group has {comm.size}")
+        """One row per member of the gather (`members`, by default the group's size; under
+        torchft the quorum's replicas, healing ones included), in the group's order."""
+        members = comm.size if members is None else members
+        if members != self.size:  # under torchft the quorum changes size
+            self._allocate(flats, members)
         for flat, low, rows, cast, residual in zip(
             flats, self.low, self.rows, self._cast, residuals, strict=True
         ):

@@ -125,18 +125,22 @@ class TrustedRound:
     ) -> None:
         """`flats` hold this rank's contribution; they receive the aggregate (zeros when no
         contribution is left)."""
-        rows = self.contributions.gather_(flats, comm, residuals)
+        workers, live = comm.members()
+        self._grow(max(workers, default=-1) + 1)
+        rows = self.contributions.gather_(flats, comm, residuals, len(workers))
         finite = finite_rows(rows)
         round_ = self.rounds
-        keep = []
-        for rank in range(self.size):
-            if not finite[rank]:
-                self._event(round_, step, rank, "nonfinite")
-                self._bad(round_, step, rank)
-            elif rank not in self.excluded:
-                keep.append(rank)
+        keep = []  # the rows kept, by their place in the gather
+        for at, worker in enumerate(workers):
+            if not live[at]:  # under torchft: healing in this round, it holds a peer's copy
+                continue
+            if not finite[at]:
+                self._event(round_, step, worker, "nonfinite")
+                self._bad(round_, step, worker)
+            elif worker not in self.excluded:
+                keep.append(at)
         if self.judge is not None and keep:
-            keep = self._judged(flats, anchors, rows, keep, round_, step, comm)
+            keep = self._judged(flats, anchors, rows, keep, round_, step, comm, workers)
         result = self.aggregate.combine(rows, keep)
         for i, flat in enumerate(flats):
             if result is None:
@@ -145,14 +149,23 @@ class TrustedRound:
                 flat.copy_(result[i])
         self.rounds += 1
 
-    def _judged(self, flats, anchors, rows, keep, round_, step, comm) -> list[int]:
+    def _grow(self, workers: int) -> None:
+        """Room in the per-worker state for `workers` workers (under torchft the group's size
+        is known only once its members gather)."""
+        if workers > self.size:
+            self.streaks += [0] * (workers - self.size)
+            self.size = workers
+
+    def _judged(self, flats, anchors, rows, keep, round_, step, comm, workers) -> list[int]:
+        """`keep` (places in the gather) less the contributions judged bad; `workers[at]`: the
+        worker whose contribution is at place `at` (the scores and streaks are by worker)."""
         judge = self.judge
         before = self._loss_of(flats, anchors, None, round_)
         evaluated = self._losses(
-            flats, anchors, [[r[rank] for r in rows] for rank in keep], round_, comm, before
+            flats, anchors, [[r[at] for r in rows] for at in keep], round_, comm, before
         )
         losses: dict[int, torch.Tensor] = dict(zip(keep, evaluated, strict=True))
-        scores: list[float | None] = [None] * self.size
+        scores: list[float | None] = [None] * len(workers)
         for rank in keep:
             scores[rank] = float((before - losses[rank]).mean())
         self.scores = scores
@@ -179,12 +192,13 @@ class TrustedRound:
             bad[rank] = True
         kept = []
         for rank in keep:
+            worker = workers[rank]
             if bad[rank]:
-                self._event(round_, step, rank, "bad")
-                self._bad(round_, step, rank)
+                self._event(round_, step, worker, "bad")
+                self._bad(round_, step, worker)
             elif middle > 0:
-                self.streaks[rank] = 0
-            if not bad[rank] and rank not in self.excluded:
+                self.streaks[worker] = 0
+            if not bad[rank] and worker not in self.excluded:
                 kept.append(rank)
         return kept
 
@@ -223,7 +237,7 @@ class TrustedRound:
         about 1/size of the forward passes. `before` (the anchor's losses, which every rank
         evaluates) gives the batch's length."""
         size = comm.size
-        if size == 1 or not self.judge.split_evaluation:
+        if size == 1 or not self.judge.split_evaluation or not comm.splits_work:
             return [self._loss_of(flats, anchors, change, round_) for change in changes]
         slots = -(-len(changes) // size)
         mine = torch.zeros(slots, before.numel(), dtype=torch.float64)
@@ -304,6 +318,7 @@ class TrustedRound:
             return
         self.rounds = int(state["rounds"])
         self.streaks = [int(s) for s in state["streaks"]]
+        self.size = max(self.size, len(self.streaks))
         self.excluded = {int(r): int(at) for r, at in state["excluded"].items()}
         self.events = [dict(e) for e in state["events"]]
 

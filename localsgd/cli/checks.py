@@ -16,7 +16,7 @@ from localsgd.averaging.offload import OUTER_STATES
 from localsgd.averaging.robust import AGGREGATES
 from localsgd.averaging.sparse import MAX_CHUNK
 from localsgd.averaging.streaming import MERGE_RULES
-from localsgd.cli.fault_tolerance import validate_ft
+from localsgd.cli.fault_tolerance import replica_group_processes, validate_ft
 from localsgd.cli.pacing import validate_pacing
 from localsgd.cli.sharding import validate_sharding
 from localsgd.cli.virtual import validate_virtual
@@ -274,14 +274,27 @@ def _validate_trust(cfg: Any) -> None:
         )
     ft = _get(cfg, "ft.backend") != "none"
     plan = SyncPlan.of(_get(cfg, "sync"))
-    if ft and drop is True and not plan.gathered_wire(_get(cfg, "sync.comm_dtype")):
+    if ft and plan.gathered and replica_group_processes() > 1:
+        raise ConfigError(
+            f"sync.aggregate={aggregate}{' with sync.score' if _get(cfg, 'sync.score') else ''} "
+            f"with ft=torchft and replica groups of {replica_group_processes()} processes "
+            "(torchrun) is not built: the contributions are gathered one per replica group "
+            "process through the Manager; run one process per replica group"
+        )
+    if ft and shard == "reassign":
+        raise ConfigError(
+            "sync.excluded_shard=reassign with ft=torchft is not built (a worker that heals "
+            "takes a peer's sampler, and with it the peer's part of the shard); use skip or null"
+        )
+    wire = plan.gathered_wire(_get(cfg, "sync.comm_dtype"))
+    if ft and drop is True and not (wire or plan.gathered):
         raise ConfigError(
             "sync.drop_nonfinite=true cannot hold with ft=torchft and a 16/32-bit "
             "sync.comm_dtype: torchft's Manager all-reduces the mean across replica groups, "
             "which cannot leave a contribution out; use a low-bit sync.comm_dtype (int8, int4: "
             "gathered and checked) or null"
         )
-    refusal = plan.trust_refusal(ft=ft)
+    refusal = plan.trust_refusal()
     if refusal is not None:
         raise ConfigError(refusal)
 

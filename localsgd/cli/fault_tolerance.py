@@ -207,6 +207,14 @@ def replica_index(replica_id: str | None) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def replica_group_processes() -> int:
+    """The processes of this machine's replica group under torchrun with ft=torchft (1 with
+    local workers: each is a replica group of its own)."""
+    from localsgd.cli.forkserver import under_torchrun
+
+    return int(os.environ.get("WORLD_SIZE", "1")) if under_torchrun() else 1
+
+
 def replica_group_info(ft: Any, group: WorkerInfo) -> WorkerInfo:
     """Under torchrun, one machine's ranks are one replica group: a worker's place among all
     workers (its data shard, whether it writes the results) is its group's index times the

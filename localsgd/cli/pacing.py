@@ -3,10 +3,10 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
+from localsgd.cli.fault_tolerance import replica_group_processes
 from localsgd.config import ConfigError
 from localsgd.loop.plan import SyncPlan
 
@@ -59,9 +59,9 @@ def validate_pacing(cfg: Any, get: Callable[[Any, str], Any], ws: int | None) ->
             raise ConfigError(
                 f"sync.inner_time_s with {key} ({why}) is not built; set sync.inner_time_s=null"
             )
-    if get(cfg, "ft.backend") == "torchft" and _group_processes() > 1:
+    if get(cfg, "ft.backend") == "torchft" and replica_group_processes() > 1:
         raise ConfigError(
-            f"sync.inner_time_s with ft=torchft and replica groups of {_group_processes()} "
+            f"sync.inner_time_s with ft=torchft and replica groups of {replica_group_processes()} "
             "processes (torchrun) is not built: each worker weighs its own samples, a group "
             "would need its own weighted round inside it; run one process per replica group, "
             "or set sync.inner_time_s=null"
@@ -76,14 +76,6 @@ def validate_pacing(cfg: Any, get: Callable[[Any, str], Any], ws: int | None) ->
                 f"sync.inner_time_s with {key}={value} ({what}) is not built; set "
                 "sync.inner_time_s=null"
             )
-
-
-def _group_processes() -> int:
-    """The processes of this machine's replica group under torchrun with ft=torchft (1 with
-    local workers: each is a replica group of its own)."""
-    from localsgd.cli.forkserver import under_torchrun
-
-    return int(os.environ.get("WORLD_SIZE", "1")) if under_torchrun() else 1
 
 
 def _number(value: Any) -> bool:

@@ -130,6 +130,7 @@ class FaultTolerance:
             replicas=replica_groups(ft, info),
             device=device,
             grace=grace_window(ft),
+            worker=info.rank,
         )
         group_size = info.world_size // replica_groups(ft, info)
         rounds = FaultTolerantRounds(

@@ -142,17 +142,16 @@ class SyncPlan:
         bits (a NaN/Inf contribution dropped in band: `localsgd.averaging.finite`)."""
         return self.aggregate != "mean" or self.score
 
-    def trust_refusal(self, ft: bool = False) -> str | None:
+    def trust_refusal(self) -> str | None:
         """Why a gathered sync cannot hold with the rest of this config, as one line naming
-        the keys, or None. `ft`: under ft=torchft."""
+        the keys, or None (under ft=torchft too: the contributions are gathered through the
+        Manager, the verdicts kept by worker)."""
         if not self.gathered:
             return None
         what = f"sync.aggregate={self.aggregate}" + (
             " with sync.score" if self.aggregate == "mean" else ""
         )
         refused = (
-            (ft, "ft=torchft: replica groups come and go, and the verdicts (bad-round "
-             "streaks, exclusions) name a fixed set of ranks (not built)"),
             (self.streaming, "Streaming DiLoCo or overlap (sync.fragments, delay_steps, "
              "merge_alpha, merge_rule, eager, overlap, or sync.outer over sync.levels): its "
              "fragments go on the wire as launched all-reduces"),

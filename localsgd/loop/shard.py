@@ -30,7 +30,8 @@ from localsgd.loop.metrics import notice
 def worker_batches(cfg: Any, data: Any, rank: int, world_size: int, device: torch.device):
     """This worker's batch stream over its shard (in memory for tensor sets, else a DataLoader:
     localsgd/data/loader.py), and its `ShardReassignment` (None with
-    `sync.excluded_shard=skip`, or without scoring)."""
+    `sync.excluded_shard=skip`, or without scoring; under ft=torchft it is not used:
+    `Synchroniser.moves_shards`)."""
     shard_of = partial(
         shard_indices,
         labels_of(data.train),

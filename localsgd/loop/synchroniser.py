@@ -173,13 +173,18 @@ class Synchroniser:
         self.dropped_nonfinite.collect(comms, step)
 
     def _announce_trust(self) -> None:
-        """Rank 0 names each dropped contribution and excluded worker, once (every rank holds
-        the same events)."""
+        """Rank 0 (under torchft, the replica that led the last committed round) names each
+        dropped contribution and excluded worker, once (every rank holds the same events)."""
         trust = self.trust
         if trust is None or len(trust.events) == self.announced:
             return
         fresh, self.announced = trust.events[self.announced :], len(trust.events)
-        if not dist.is_initialized() or dist.get_rank() == 0:
+        ft = self.fault_tolerance
+        if ft is not None:
+            speaks = ft.rounds.leads
+        else:
+            speaks = not dist.is_initialized() or dist.get_rank() == 0
+        if speaks:
             for line in trust.lines(fresh):
                 notice(line)
 
@@ -334,6 +339,12 @@ class Synchroniser:
         return summary
 
     @property
+    def moves_shards(self) -> bool:
+        """Whether an excluded worker's shard may go to the others (`sync.excluded_shard`): not
+        under torchft, where a worker that heals takes a peer's sampler (null means skip)."""
+        return self.fault_tolerance is None
+
+    @property
     def trust(self):
         """The rounds over untrusted workers' contributions (`localsgd.averaging.trust.
         TrustedRound`), or None under the all-reduced mean."""
@@ -413,8 +424,9 @@ def build_synchroniser(
             "sync.outer_state=cpu on a CPU run saves nothing: the anchors and outer momentum "
             "were in host memory already (the outer step still runs through its host staging)"
         )
-    gathered_wire = SyncPlan.of(sync).gathered_wire(sync.comm_dtype)
-    if fault_tolerant and info.rank == 0 and averager.comm.guard and not gathered_wire:
+    plan = SyncPlan.of(sync)
+    gathered = plan.gathered_wire(sync.comm_dtype) or plan.gathered
+    if fault_tolerant and info.rank == 0 and averager.comm.guard and not gathered:
         notice(
             "sync.drop_nonfinite: under ft=torchft the full-precision mean across replica groups "
             "is torchft's all-reduce, which leaves no NaN/Inf contribution out (a low-bit "

@@ -24,8 +24,8 @@ from localsgd.averaging.comm import (
     PendingMean,
     SimulatedLink,
     _nbytes,
-    decode_mean_,
 )
+from localsgd.averaging.torchft.gathered import GatheredCollectives, _RoundWork, trailing_index
 from localsgd.averaging.torchft.grace import GraceWindow
 
 __all__ = ["QuorumLost", "TorchftCommunicator"]
@@ -46,27 +46,6 @@ def _sum_then_divide(local: Communicator | None) -> bool:
     return TorchVersion(torch.__version__) >= (2, 13)
 
 
-class _RoundWork:
-    """A collective of a round, launched on the Manager's process group: its failure is reported
-    to the Manager (the round then does not commit) instead of raised, and its wait is timed for
-    the grace window (`TorchftCommunicator.grace`)."""
-
-    def __init__(self, comm: TorchftCommunicator, work, window_s: float | None = None):
-        self.comm, self.work, self.window_s = comm, work, window_s
-
-    def wait(self) -> None:
-        if self.work is None:
-            return
-        begin = time.perf_counter()
-        try:
-            self.work.wait()
-        except Exception as e:
-            self.comm._collective_failed(e, time.perf_counter() - begin, self.window_s)
-        else:
-            self.comm._collective_done(time.perf_counter() - begin, self.window_s)
-        self.work = None
-
-
 def _someone_heals(manager) -> bool:
     """Whether a replica group of this round's quorum loads a peer's state: fewer replicas are at
     the quorum's highest step than in the quorum (`make_manager` keeps the last quorum)."""
@@ -74,7 +53,7 @@ def _someone_heals(manager) -> bool:
     return quorum is not None and quorum.max_world_size < quorum.replica_world_size
 
 
-class TorchftCommunicator(Communicator):
+class TorchftCommunicator(GatheredCollectives, Communicator):
     """The widest level of an averager, across replica groups, through a torchft Manager.
 
     `local`, the communicator of this replica group (torch.distributed, size > 1 when the
@@ -106,8 +85,12 @@ class TorchftCommunicator(Communicator):
         device: torch.device | str = "cpu",
         grace: GraceWindow | None = None,
         guard: bool = True,
+        worker: int | None = None,
     ):
         self.manager = manager
+        # this replica's worker index (`members`): given, or the trailing digits of its
+        # replica id (replica_003 -> 3)
+        self.worker = worker if worker is not None else trailing_index(manager)
         # low-bit messages that decode to NaN/Inf are left out of the mean (`decode_mean_`);
         # the Manager's all-reduce of a full-precision mean has no such guard (see mean_)
         self.guard = guard
@@ -146,44 +129,6 @@ class TorchftCommunicator(Communicator):
     @property
     def size(self) -> int:
         return self.participants * (self.local.size if self.local is not None else 1)
-
-    def weigh(self, weight: float, device: torch.device | None = None) -> list[float]:
-        """`Communicator.weigh` across replica groups, inside a round: one SUM all-reduce
-        through the Manager of a vector with one slot per member of the quorum (its
-        participating rank), in which each live replica writes its `weight` and a healing one
-        0 (its contribution is zeros). Unequal weights make the next means `sum_r (w_r /
-        sum(w)) x_r` until `unweigh()`; with every live weight equal the means stay the plain
-        mean over the live replicas, bit for bit. A replica group of several processes is
-        refused (its members' weights would need their own round inside the group)."""
-        if not self.in_round:
-            raise RuntimeError("TorchftCommunicator.weigh outside a round (begin()/commit())")
-        if self.local is not None:
-            raise ValueError(
-                "weighted rounds through torchft need replica groups of one process each"
-            )
-        start = time.perf_counter()
-        members = self.manager.num_participants()
-        slots = torch.zeros(members, dtype=torch.float64, device=self._count.device)
-        rank = self.manager.participating_rank()
-        if self.live and rank is not None and rank < members:
-            slots[rank] = float(weight)
-        self.share = self.weights = None
-        if self.lost or self.manager.errored() is not None:
-            return []  # the round will not commit
-        self._allreduce(slots, dist.ReduceOp.SUM).wait()
-        self._account(start, _nbytes(slots))
-        if self.manager.errored() is not None:
-            return []
-        weights = slots.tolist()
-        given = [w for w in weights if w > 0]
-        total = sum(given)
-        unequal = bool(given) and (
-            any(w != given[0] for w in given) or len(given) != self.participants
-        )
-        if total > 0 and unequal:
-            self.share = weights[rank] / total if self.live and rank is not None else 0.0
-            self.weights = weights
-        return weights
 
     def subgroups(self, size: int) -> Communicator:
         raise ValueError(
@@ -351,87 +296,6 @@ class TorchftCommunicator(Communicator):
             if not torch.equal(high, low.neg_()):
                 return False
         return True
-
-    def quantized_mean_(self, flat: torch.Tensor, wire, residual: torch.Tensor | None = None):
-        """`Communicator.quantized_mean_` across replica groups: the messages (this group's,
-        all-gathered inside it first) are all-gathered through the Manager's process group in
-        replica-rank order, i.e. in global rank order, then decoded and summed in that order
-        and divided by the live workers. A replica healing in this round sends a message that
-        decodes to zeros and keeps its residual (a peer's, just received)."""
-        start = time.perf_counter()
-        members, gathered, mine = self._encode(flat, wire, residual)
-        if gathered is not None:
-            _RoundWork(self, self._all_gather(gathered, mine), self.window_s).wait()
-            self._decode_mean(flat, wire, gathered, members)
-        self._account(start, wire.nbytes)
-
-    def launch_quantized_mean_(self, pieces, wires, residuals=None) -> PendingMean:
-        """`quantized_mean_` of each piece, the all-gathers launched now and decoded at
-        `wait()` (the same bits)."""
-        start = time.perf_counter()
-        residuals = residuals if residuals is not None else [None] * len(pieces)
-        works, todo = [], []
-        for piece, wire, residual in zip(pieces, wires, residuals, strict=True):
-            members, gathered, mine = self._encode(piece, wire, residual)
-            if gathered is not None:
-                works.append(_RoundWork(self, self._all_gather(gathered, mine), self.window_s))
-                todo.append((piece, wire, gathered, members))
-        nbytes = sum(w.nbytes for w in wires)
-        self.stats.bytes += nbytes
-        self.stats.seconds += time.perf_counter() - start
-
-        def finish() -> None:
-            for piece, wire, gathered, members in todo:
-                self._decode_mean(piece, wire, gathered, members)
-
-        return PendingMean(self, works, nbytes, start, finish)
-
-    def _encode(self, flat: torch.Tensor, wire, residual: torch.Tensor | None):
-        """Encode this replica's message (and, under torchrun, gather its group's): returns
-        the number of messages the round gathers, their buffer (None after an error) and
-        what this replica group sends."""
-        if not self.in_round:
-            raise RuntimeError("TorchftCommunicator: a quantised mean outside a round")
-        if self.live:
-            wire.encode_(flat)
-            if residual is not None:
-                residual.copy_(flat).sub_(wire.decode(wire.send))
-        else:
-            wire.encode_(torch.zeros_like(flat))
-        mine, per_group = wire.send, 1
-        if self.local is not None:
-            per_group = self.local.size
-            mine = torch.empty(per_group * wire.nbytes, dtype=torch.uint8, device=flat.device)
-            counted = (self.stats.bytes, self.stats.seconds)
-            self.local.all_gather_(mine, wire.send)
-            self.stats.bytes, self.stats.seconds = counted  # counted once, by the caller
-        if self.lost or self.manager.errored() is not None:
-            return 0, None, mine
-        members = self.manager.num_participants() * per_group  # healers' messages too
-        gathered = torch.empty(members * wire.nbytes, dtype=torch.uint8, device=flat.device)
-        return members, gathered, mine
-
-    def _decode_mean(self, flat: torch.Tensor, wire, gathered: torch.Tensor, members: int):
-        if self.manager.errored() is not None:
-            return  # the round will not commit
-        # healers' messages decode to zeros: summed, but the live workers divide
-        self.dropped.extend(
-            decode_mean_(flat, wire, gathered, members, self.size, self.guard, self.weights)
-        )
-
-    def _all_gather(self, out: torch.Tensor, inp: torch.Tensor):
-        # the Manager has no all-gather: its process group's, with errors reported to it so
-        # that the round does not commit
-        from torch.distributed.distributed_c10d import AllgatherOptions
-
-        pg, opts = self.manager._pg, AllgatherOptions()
-        if self.grace is not None and self.window_s is not None:
-            opts.timeout = timedelta(seconds=self.window_s)
-        try:
-            return pg.allgather_into_tensor_coalesced([out], [inp], opts)
-        except Exception as e:
-            self.manager.report_error(e)
-            return None
 
     def launch_mean_(self, pieces: list[torch.Tensor], through=None) -> PendingMean:
         """`mean_` of each piece, the SUM all-reduces launched now through the Manager and
