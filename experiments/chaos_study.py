@@ -59,6 +59,17 @@ SETTINGS = {  # name: overrides
         "comm.simulate.worker_speed=[1,1,1,1]",
         "comm.simulate.step_s=0.05",
     ],
+    # the same job with membership that moves in about half a second (added after the runs
+    # above): the lighthouse drops a silent worker after 0.5 s (a kill's cost), a quorum waits at
+    # most 1 s for a live worker that has not joined (a partition's), and the window's floor
+    # follows the heartbeat (a freeze's)
+    "50 ms, membership in 0.5 s": [
+        "comm.simulate.worker_speed=[1,1,1,1]",
+        "comm.simulate.step_s=0.05",
+        "ft.heartbeat_timeout_s=0.5",
+        "ft.join_timeout_s=1",
+        "ft.grace_min_s=0.75",
+    ],
 }
 
 
@@ -368,8 +379,10 @@ def main() -> None:
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--report", action="store_true", help="rewrite the .md/.png from the json")
+    parser.add_argument("--out", default="chaos_study",
+                        help="experiments/OUT.{json,md,png} (a partial run beside the study)")
     args = parser.parse_args()
-    out = os.path.join(ROOT, "experiments", "chaos_study")
+    out = os.path.join(ROOT, "experiments", args.out)
     if args.tiny:
         args.seeds, args.steps, args.every, args.settings = [0], 900, 10, ["make train"]
         out = os.path.join(tempfile.gettempdir(), "chaos_study_tiny")

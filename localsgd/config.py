@@ -172,6 +172,9 @@ class SyncConfig:
     # 3, not 2: an honest worker's change is worse than the others' on the batch in some
     # rounds (really, not by noise), and two such rounds running happened on the Shakespeare LM
     exclude_after: int = 3
+    # or exclude_after bad rounds among its last exclude_window judged ones (null: running
+    # only): an attacker that is bad every other round never runs up a streak
+    exclude_window: int | None = None
     # an excluded worker's shard: skip (lost to the run) | reassign (split among the others);
     # null: reassign when sync.score is on (the trust study: it did better on every setting)
     excluded_shard: str | None = None
@@ -216,6 +219,11 @@ class FtConfig:
     grace_s: float | None = None
     grace_factor: float = 4.0
     grace_min_s: float = 3.0
+    # the lighthouse the command starts (ft.lighthouse empty): a worker it has not heard from
+    # for heartbeat_timeout_s leaves the next quorum (a kill costs the others about this); a
+    # quorum waits at most join_timeout_s for a live worker that has not joined yet
+    heartbeat_timeout_s: float = 2.0
+    join_timeout_s: float = 60.0
     host: str = "127.0.0.1"  # the interface the lighthouse, managers and heal servers bind to
 
 

@@ -408,6 +408,35 @@ def test_a_partitioned_worker_stays_in_the_quorum_and_costs_the_whole_partition(
 @pytest.mark.slow
 @pytest.mark.long
 @pytest.mark.timeout(240)
+def test_with_a_short_join_timeout_a_partitioned_worker_is_left_out_and_heals(tmp_path):
+    """The same 5-s partition with `ft.join_timeout_s=1` (the lighthouse the command starts
+    forms a quorum without a live worker that has not joined within 1 s): after the failed
+    round the others go on in a pair instead of waiting for the cut to end, and worker 2,
+    back, finds itself behind and heals; the job exits 0 with 3."""
+    run_dir = tmp_path / "run"
+    cut_s, grace_s = 5.0, 2.0
+    proc, left = cli(
+        _three_paced_workers_under_ft(160, run_dir, f"ft.grace_s={grace_s}",
+                                      "ft.join_timeout_s=1"),  # fmt: skip
+        fault=f"partition:2:40:{cut_s}",
+        timeout=200,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not left
+    lines = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    seen = [(r["step"], r["wall_time_s"], r["participants"]) for r in lines if "participants" in r]
+    pairs = [p for _, _, p in seen]
+    assert [p for i, p in enumerate(pairs) if i == 0 or pairs[i - 1] != p] == [3, 2, 3], seen
+    at = {step: t for step, t, _ in seen}
+    assert at[48] - at[36] < cut_s, seen  # not held for the whole partition
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 160 and summary["participants"] == 3
+    assert summary["heals"] >= 1
+
+
+@pytest.mark.slow
+@pytest.mark.long
+@pytest.mark.timeout(240)
 def test_two_partitions_in_a_row_cost_the_others_about_the_partitions_not_a_split_window(tmp_path):
     """The stall of docs/reliability.md's chaos study, end to end with the adaptive window
     (floor 3 s): worker 0's data plane is cut for 3.5 s, then worker 2's for 4 s, 16 steps (4

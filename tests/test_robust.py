@@ -70,6 +70,7 @@ def test_bad_values_are_refused_in_one_line():
         ("sync.trim_fraction=0.5", "sync.trim_fraction"),
         ("sync.clip_multiple=0", "sync.clip_multiple"),
         ("sync.exclude_after=-1", "sync.exclude_after"),
+        ("sync.exclude_window=2", "sync.exclude_window"),  # below sync.exclude_after (3)
         ("sync.score_z=-1", "sync.score_z"),
     ):
         with pytest.raises(ConfigError, match=key):
@@ -89,8 +90,10 @@ def test_bad_values_are_refused_in_one_line():
         with pytest.raises(ConfigError, match=keys) as info:
             validate(compose_config(overrides), 4)
         assert "\n" not in str(info.value)
-    # a low-bit wire is gathered and checked under torchft too: not refused
+    # a low-bit wire is gathered and checked under torchft too: not refused; nor is a robust
+    # aggregate (gathered through the Manager)
     validate(compose_config(["sync.drop_nonfinite=true", "ft=torchft", "sync.comm_dtype=int4"]), 4)
+    validate(compose_config(["sync.drop_nonfinite=true", "ft=torchft", "sync.aggregate=median"]), 4)
 
 
 class _Net(torch.nn.Module):
@@ -431,6 +434,23 @@ def test_a_healing_member_is_no_contribution_and_verdicts_follow_workers():
     assert trust.size == 6 and len(trust.state_dict()["streaks"]) == 6
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_cli_excludes_an_intermittent_attacker_within_its_window(tmp_path):
+    """From the command line: worker 1 flips its sign at every other sync (`every:2`); with
+    `sync.exclude_window=5` its third bad round among its last five, round 4, excludes it."""
+    attack = "{_target_:localsgd.loop.attacks.Attack,kind:sign_flip,rank:1,every:2}"
+    args = FAST + ["dist.world_size=4", "trainer.max_steps=40", "trainer.batch_size=16",
+                   "data.num_samples=900", "trainer.eval_every=1000", "trainer.checkpoint_every=0",
+                   "+experiment=untrusted", "sync.period=4", "sync.exclude_window=5",
+                   f"trainer.callbacks=[{attack}]", f"hydra.run.dir={tmp_path}"]  # fmt: skip
+    proc, _ = cli(args)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    trust = json.loads((tmp_path / "summary.json").read_text())["trust"]
+    assert trust["excluded"] == {"1": 4}
+    assert [r for w, r in trust["judged_bad"] if w == 1] == [0, 2, 4]
+
+
 def test_never_more_than_a_minority_is_excluded():
     from localsgd.averaging.trust import TrustedRound
 
@@ -450,6 +470,34 @@ def test_never_more_than_a_minority_is_excluded():
     assert trust.excluded == {1: 0}  # worker 2 is as bad, but one of 4 is the most excluded
     assert [e["rank"] for e in trust.events if e["why"] == "bad"] == [1, 2, 2, 2]
     assert torch.allclose(flat, torch.full((3,), 0.95))  # the mean of workers 0 and 3
+
+
+@pytest.mark.parametrize("window, excluded", [(None, {}), (5, {3: 4})])
+def test_an_attacker_bad_every_other_round_is_excluded_within_a_window(window, excluded):
+    """Worker 3 flips its sign in rounds 0, 2, 4, ... and behaves in between: with
+    `exclude_after=3` it never runs up 3 bad rounds in a row, and is never excluded (each bad
+    round is still dropped); with `exclude_window=5` its third bad round among its last 5
+    judged ones (round 4) excludes it."""
+    from localsgd.averaging.trust import TrustedRound
+
+    flat = torch.zeros(2)
+
+    def loss_at(round_):
+        return float((flat - 1).square().sum())
+
+    judge = Judge(loss_at, 3, 0.5, 3.0, False, exclude_window=window)
+    trust = TrustedRound([flat], 4, [None], Aggregate("mean"), judge)
+    for round_ in range(8):
+        attack = -5.0 if round_ % 2 == 0 else 0.6
+        rows = torch.tensor([[0.5, 0.5], [0.6, 0.6], [0.55, 0.55], [attack, attack]])
+        flat.zero_()
+        trust.run_([flat], [torch.zeros(2)], _Gathers(rows), [None], step=round_)
+    assert [e["round"] for e in trust.events if e["why"] == "bad"][:3] == [0, 2, 4]
+    assert trust.excluded == excluded
+    if window:  # checkpointed with the rest
+        again = TrustedRound([flat], 4, [None], Aggregate("mean"), judge)
+        again.load_state_dict(trust.state_dict())
+        assert again.verdicts == trust.verdicts and again.verdicts[3] == [1, 0, 1, 0, 1]
 
 
 def test_an_unlucky_honest_contribution_is_not_judged_bad():

@@ -60,15 +60,24 @@ class Judge:
     can be made, and `score_z` is not used). `exclude_after` = 0: score and drop, never
     exclude. `split_evaluation`: each contribution's losses are evaluated by one rank of the
     group and all-gathered (about 1/size of the forward passes each, one small collective
-    more); False: every rank evaluates every contribution, with no communication."""
+    more); False: every rank evaluates every contribution, with no communication.
+    `exclude_window` = W: a worker is also excluded once `exclude_after` of its last W judged
+    rounds were bad (an attacker bad every other round never runs up a streak); a round whose
+    median score is not positive judges nobody good, so it counts only where it finds one bad."""
 
     loss_at: Callable[[int], float | torch.Tensor]
     exclude_after: int = 3
     score_fraction: float = 0.5
     score_z: float = 3.0
     split_evaluation: bool = True
+    exclude_window: int | None = None
 
     def __post_init__(self):
+        if self.exclude_window is not None and self.exclude_window < self.exclude_after:
+            raise ValueError(
+                f"exclude_window must be None or >= exclude_after ({self.exclude_after}), got "
+                f"{self.exclude_window!r}"
+            )
         if not self.score_z >= 0:
             raise ValueError(f"score_z must be >= 0, got {self.score_z!r}")
         if self.exclude_after < 0:
@@ -111,6 +120,7 @@ class TrustedRound:
         self.size = size
         self.rounds = 0
         self.streaks = [0] * size  # bad rounds running, per rank
+        self.verdicts: list[list[int]] = [[] for _ in range(size)]  # judged rounds, 1: bad
         self.excluded: dict[int, int] = {}  # rank: the round it was excluded at
         self.events: list[dict] = []  # {"round", "step", "rank", "why"}: nonfinite | bad | excluded
         self.scores: list[float | None] = [None] * size  # the last scored round's
@@ -154,6 +164,7 @@ class TrustedRound:
         is known only once its members gather)."""
         if workers > self.size:
             self.streaks += [0] * (workers - self.size)
+            self.verdicts += [[] for _ in range(workers - self.size)]
             self.size = workers
 
     def _judged(self, flats, anchors, rows, keep, round_, step, comm, workers) -> list[int]:
@@ -198,6 +209,7 @@ class TrustedRound:
                 self._bad(round_, step, worker)
             elif middle > 0:
                 self.streaks[worker] = 0
+                self._judged_good(worker)
             if not bad[rank] and worker not in self.excluded:
                 kept.append(rank)
         return kept
@@ -258,12 +270,21 @@ class TrustedRound:
                 flat.add_(change[i], alpha=self.sign)
         return _per_sample(self.judge.loss_at(round_))
 
+    def _judged_good(self, worker: int) -> None:
+        window = self.judge.exclude_window
+        if window:
+            self.verdicts[worker] = [*self.verdicts[worker], 0][-window:]
+
     def _bad(self, round_: int, step: int, rank: int) -> None:
         self.streaks[rank] += 1
         n = self.judge.exclude_after if self.judge is not None else 0
+        window = self.judge.exclude_window if self.judge is not None else None
+        if window:
+            self.verdicts[rank] = [*self.verdicts[rank], 1][-window:]
+        often = bool(window) and sum(self.verdicts[rank]) >= n
         # an honest majority is what any of this rests on: never exclude half the workers
         room = len(self.excluded) < (self.size - 1) // 2
-        if n and room and self.streaks[rank] >= n and rank not in self.excluded:
+        if n and room and (self.streaks[rank] >= n or often) and rank not in self.excluded:
             self.excluded[rank] = round_
             self._event(round_, step, rank, "excluded")
 
@@ -309,6 +330,7 @@ class TrustedRound:
         return {
             "rounds": self.rounds,
             "streaks": list(self.streaks),
+            "verdicts": [list(v) for v in self.verdicts],
             "excluded": dict(self.excluded),
             "events": [dict(e) for e in self.events],
         }
@@ -319,6 +341,9 @@ class TrustedRound:
         self.rounds = int(state["rounds"])
         self.streaks = [int(s) for s in state["streaks"]]
         self.size = max(self.size, len(self.streaks))
+        saved = state.get("verdicts") or []
+        self.verdicts = [[int(x) for x in v] for v in saved]
+        self.verdicts += [[] for _ in range(self.size - len(self.verdicts))]
         self.excluded = {int(r): int(at) for r, at in state["excluded"].items()}
         self.events = [dict(e) for e in state["events"]]
 

@@ -253,6 +253,9 @@ def _validate_trust(cfg: Any) -> None:
     _require(_number(z) and z >= 0, "sync.score_z", "a number >= 0", z)
     after = _get(cfg, "sync.exclude_after")
     _require(after >= 0, "sync.exclude_after", "an integer >= 0 (0 = never exclude)", after)
+    window = _get(cfg, "sync.exclude_window")
+    _require(window is None or window >= after, "sync.exclude_window",
+             f"null or an integer >= sync.exclude_after ({after})", window)  # fmt: skip
     shard = _get(cfg, "sync.excluded_shard")
     _require(shard in (None, "skip", "reassign"), "sync.excluded_shard", "skip, reassign or null",
              shard)

@@ -159,6 +159,16 @@ def validate_ft(cfg: Any, get: Callable[[Any, str], Any], world_size: int | None
         raise ConfigError(
             f"ft.grace_min_s must be > 0 seconds, got {get(cfg, 'ft.grace_min_s')!r}"
         )
+    for key in ("ft.heartbeat_timeout_s", "ft.join_timeout_s"):
+        if not _positive(get(cfg, key)):
+            raise ConfigError(f"{key} must be > 0 seconds, got {get(cfg, key)!r}")
+    heartbeat = get(cfg, "ft.heartbeat_timeout_s")
+    if grace is None and get(cfg, "ft.grace_min_s") < heartbeat:
+        raise ConfigError(
+            f"ft.grace_min_s must be >= ft.heartbeat_timeout_s ({heartbeat:g}) with an adaptive "
+            f"window: a round that fails on a frozen worker sooner finds it still in the next "
+            f"quorum and fails again; got {get(cfg, 'ft.grace_min_s')!r}"
+        )
     if not get(cfg, "ft.host"):
         raise ConfigError("ft.host must name the interface to bind (e.g. 127.0.0.1), got ''")
     for key, keep, allowed in FT_REFUSED:
@@ -205,6 +215,10 @@ def replica_index(replica_id: str | None) -> int | None:
     """The index a replica group's name ends in (`group_1` -> 1), or None."""
     match = re.search(r"(\d+)$", replica_id or "")
     return int(match.group(1)) if match else None
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and value > 0
 
 
 def replica_group_processes() -> int:
@@ -298,7 +312,11 @@ def run_replicas(fn: Callable, cfg: Any, args: tuple, poll_s: float = 0.05) -> d
         # the lighthouse's minimum is the steady-state one; the first quorum waits for all W
         # (`FaultTolerantRounds.start(wait_for=W)`), so nobody trains alone at the start
         server, ft.lighthouse = start_lighthouse(
-            ft.min_replicas, host=ft.host, heartbeat_timeout_ms=2_000, quorum_tick_ms=20
+            ft.min_replicas,
+            host=ft.host,
+            heartbeat_timeout_ms=round(1000 * ft.heartbeat_timeout_s),
+            join_timeout_ms=round(1000 * ft.join_timeout_s),
+            quorum_tick_ms=20,
         )
     ft.lighthouse = lighthouse_url(ft.lighthouse)
     os.environ.setdefault("OMP_NUM_THREADS", "1")

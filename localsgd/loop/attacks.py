@@ -14,6 +14,9 @@ so that the averager sends the attack's change instead:
 - `nan`: its true change with one value made NaN;
 - `zeros`: no change (a free rider that trains nothing into the average).
 
+`every` = k attacks at the first of every k syncs and sends the true change at the others (an
+intermittent attacker, which never runs up a streak of bad rounds: `sync.exclude_window`).
+
 From the command line, for rank 1 from step 0:
 `'trainer.callbacks=[{_target_:localsgd.loop.attacks.Attack,kind:sign_flip,rank:1}]'`.
 The attacker's own parameters are what it sends; after the sync it holds the common model like
@@ -38,13 +41,17 @@ class Attack:
     `start_step` (see the module doc)."""
 
     def __init__(self, kind: str, rank: int = 1, start_step: int = 0, scale: float | None = None,
-                 seed: int = 0):
+                 seed: int = 0, every: int = 1):
         if isinstance(kind, float) and math.isnan(kind):
             kind = "nan"  # Hydra reads an unquoted `kind:nan` as the float NaN
         if kind not in ATTACKS:
             raise ValueError(f"attack kind must be one of {', '.join(ATTACKS)}, got {kind!r}")
         self.kind, self.rank, self.start_step = kind, int(rank), int(start_step)
         self.scale = float(scale) if scale is not None else (10.0 if kind == "sign_flip" else 1.0)
+        if int(every) < 1:
+            raise ValueError(f"attack every must be an integer >= 1 (syncs), got {every!r}")
+        self.every = int(every)  # attack every `every`-th sync, behave at the others
+        self.syncs = 0  # syncs over every worker seen after start_step
         self.generator = torch.Generator().manual_seed(seed)
         self.anchor: list[torch.Tensor] | None = None
         self.replay: list[torch.Tensor] | None = None
@@ -77,6 +84,9 @@ class Attack:
             return
         if not trainer.sync.averager.averages_all(step):
             return
+        self.syncs += 1
+        if (self.syncs - 1) % self.every:
+            return  # an intermittent attacker sends its true change at this sync
         params = self._params(trainer)
         changes = [p - a for p, a in zip(params, self.anchor, strict=True)]
         if self.kind == "sign_flip":

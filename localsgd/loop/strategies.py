@@ -89,7 +89,13 @@ def trust_of(
     if plan.score:
         if loss_at is None:
             raise ValueError("sync.score needs the held-out loss (loss_at)")
-        judge = Judge(loss_at, sync.exclude_after, sync.score_fraction, sync.score_z)
+        judge = Judge(
+            loss_at,
+            sync.exclude_after,
+            sync.score_fraction,
+            sync.score_z,
+            exclude_window=sync.exclude_window,
+        )
     return {
         "aggregate": Aggregate(sync.aggregate, sync.clip_multiple, sync.trim_fraction),
         "judge": judge,
