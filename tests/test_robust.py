@@ -435,6 +435,7 @@ def test_a_healing_member_is_no_contribution_and_verdicts_follow_workers():
 
 
 @pytest.mark.slow
+@pytest.mark.long  # `make test-long`
 @pytest.mark.timeout(60)
 def test_cli_excludes_an_intermittent_attacker_within_its_window(tmp_path):
     """From the command line: worker 1 flips its sign at every other sync (`every:2`); with

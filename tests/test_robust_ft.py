@@ -71,6 +71,7 @@ def test_gathered_syncs_through_torchft_are_the_plain_paths_bit_for_bit(
 
 
 @pytest.mark.slow
+@pytest.mark.long  # `make test-long`
 @pytest.mark.timeout(150)
 def test_a_worker_killed_under_scoring_heals_and_the_attacker_stays_excluded(tmp_path):
     """Worker 1 flips its sign (x -10) from the start; worker 3 is SIGKILLed at step 30,

@@ -58,6 +58,7 @@ def test_weighted_rounds_through_torchft_are_the_plain_paths_bit_for_bit(tmp_pat
 
 
 @pytest.mark.slow
+@pytest.mark.long  # `make test-long`
 @pytest.mark.timeout(180)
 def test_a_slow_worker_killed_under_weighted_rounds_heals_and_trains_on_at_its_pace(tmp_path):
     """The slow worker SIGKILLed at step 30: the next rounds weigh the two others, it is

@@ -6,7 +6,9 @@ count of live replica groups; `commit()`: `should_commit()`). An average is one 
 the flat buffer through `manager.allreduce`, divided as the plain `Communicator` divides; a
 block-quantised average all-gathers the messages through the Manager's process group and
 decodes them in rank order, as `Communicator.quantized_mean_` does. With no fault both give the
-torch.distributed path's bits. torchft is imported only inside functions that need it.
+torch.distributed path's bits. The gathered collectives (block-quantised means, gathered
+contributions and their members, a weighted round's weights) are `gathered.GatheredCollectives`,
+a mixin of this class. torchft is imported only inside functions that need it.
 """
 
 from __future__ import annotations
