@@ -122,10 +122,13 @@ class TrustedRound:
         comm: Communicator,
         residuals: list[torch.Tensor | None],
         step: int,
+        contributions: GatheredContributions | None = None,
     ) -> None:
         """`flats` hold this rank's contribution; they receive the aggregate (zeros when no
-        contribution is left)."""
-        rows = self.contributions.gather_(flats, comm, residuals)
+        contribution is left). `contributions`: where they are gathered, when the rounds take
+        turns over parts of the model (Streaming DiLoCo's fragments, `fragment_trust`); None:
+        the buffers this round was built for."""
+        rows = (contributions or self.contributions).gather_(flats, comm, residuals)
         finite = finite_rows(rows)
         round_ = self.rounds
         keep = []
