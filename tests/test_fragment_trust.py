@@ -43,13 +43,13 @@ def _region(avg, p):
     return g, s, e
 
 
-def _rounds(rank, rule, comm_dtype="float32"):
+def _rounds(rank, rule, comm_dtype="float32", error_feedback=False):
     """4 fragment syncs (fragments 0, 1, 0, 1; H=2, P=2) of the median or trimmed mean; rank 1's
     fragment-1 pseudo-gradient holds NaN at the second. What each rank held before each sync,
     and after it."""
     model = _net()
     avg = StreamingAverager(2, module=model, fragments=2, aggregate=Aggregate(rule),
-                            comm_dtype=comm_dtype, **OUTER)
+                            comm_dtype=comm_dtype, error_feedback=error_feedback, **OUTER)
     gen = torch.Generator().manual_seed(100 + rank)
     out = {"before": [], "after": [], "anchor0": avg.frags.anchors[0].clone()}
     for step in range(4):
@@ -64,6 +64,9 @@ def _rounds(rank, rule, comm_dtype="float32"):
     out["regions"] = [_region(avg, p) for p in range(2)]
     out["anchor"] = avg.frags.anchors[0].clone()
     out["bytes"] = avg.stats.bytes
+    # error feedback: no residual carries a dropped NaN into later rounds
+    out["residuals_finite"] = all(torch.isfinite(r).all() for rs in avg.frags.residuals
+                                  for r in rs if r is not None)
     return out
 
 
@@ -104,7 +107,7 @@ def _scored(rank, split):
 def _worker(rank, world_size):
     torch.set_num_threads(1)
     out = {rule: _rounds(rank, rule) for rule in ("median", "trimmed_mean")}
-    out["int8"] = _rounds(rank, "median", comm_dtype="int8")
+    out["int8"] = _rounds(rank, "median", comm_dtype="int8", error_feedback=True)
     out["scored"] = _scored(rank, split=False)
     out["scored_split"] = _scored(rank, split=True)
     return out
@@ -161,6 +164,7 @@ def test_robust_fragments_across_processes():
             assert torch.equal(x["after"][step][s:e], low[0]["after"][step][s:e])
             assert torch.equal(x["anchor"], low[0]["anchor"])
     assert low[0]["events"] == [{"round": 1, "step": 1, "rank": 1, "why": "nonfinite"}]
+    assert all(x["residuals_finite"] for x in low)
     for key in ("scored", "scored_split"):
         scored = [r[key] for r in results]
         # worker 3 is bad at round 0 (fragment 0) and round 1 (fragment 1): one streak across

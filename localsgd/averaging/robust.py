@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from localsgd.averaging.comm import Communicator
+from localsgd.averaging.finite import all_finite
 from localsgd.averaging.quantize import QuantizedWire
 
 AGGREGATES = ("mean", "clip", "trimmed_mean", "median")
@@ -177,4 +178,8 @@ class GatheredContributions:
                 cast = torch.empty(self.size * flat.numel(), dtype=flat.dtype, device=flat.device)
                 comm.all_gather_(cast, flat)
                 rows.view(-1).copy_(cast)
+            if residual is not None and not all_finite([residual]):
+                # this rank's contribution held NaN/Inf and is dropped from the round; its
+                # residual would carry the NaN into every later one (`compress.forget_nonfinite_`)
+                residual.zero_()
         return self.rows
