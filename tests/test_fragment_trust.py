@@ -231,6 +231,31 @@ def test_what_does_not_compose_is_refused_in_one_line():
                           aggregate=Aggregate("median"))
 
 
+class _Alone:
+    """A one-rank group: the gather returns what this rank sent."""
+
+    size, rank = 1, 0
+
+    def all_gather_(self, out, inp):
+        out.copy_(inp)
+
+
+def test_gathered_rounds_decay_the_residual_as_the_mean_does():
+    """`sync.error_feedback_decay` (beta) under a gathered sync: `beta * residual` is added
+    before the contribution is rounded, as `lossy_mean_` does (it was added whole)."""
+    from localsgd.averaging.robust import GatheredContributions
+
+    flat = torch.linspace(-1, 1, 33)
+    residual = torch.full((33,), 0.3)
+    low = torch.empty(33, dtype=torch.bfloat16)
+    rows = GatheredContributions([flat], 1, [low], decay=0.5).gather_(
+        [flat.clone()], _Alone(), [residual]
+    )
+    wanted = flat + 0.5 * 0.3
+    assert torch.equal(rows[0][0], wanted.bfloat16().float())
+    assert torch.equal(residual, wanted - wanted.bfloat16().float())
+
+
 def _attack(kind: str, rank: int = 1) -> str:
     attack = f"{{_target_:localsgd.loop.attacks.Attack,kind:'{kind}',rank:{rank}}}"
     return f"trainer.callbacks=[{attack}]"

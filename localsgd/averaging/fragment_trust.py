@@ -88,15 +88,18 @@ class TrustedFragments(Fragments):
         size: int,
         comm_dtype: CommFormat,
         error_feedback: bool,
+        feedback_decay: float,
         aggregate: Aggregate,
         judge: Judge | None,
         step_of: Callable[[], int],
     ):
-        super().__init__(flat, ids, is_param, outer, False, size, comm_dtype, error_feedback)
+        super().__init__(flat, ids, is_param, outer, False, size, comm_dtype, error_feedback,
+                         feedback_decay=feedback_decay)
         self.step_of = step_of
-        self.trust = TrustedRound(self.sent[0], size, self.low[0], aggregate, judge, sign=-1)
+        decay = feedback_decay
+        self.trust = TrustedRound(self.sent[0], size, self.low[0], aggregate, judge, -1, decay)
         self.gathered = [self.trust.contributions] + [
-            GatheredContributions(pieces, size, low)
+            GatheredContributions(pieces, size, low, decay)
             for pieces, low in zip(self.sent[1:], self.low[1:], strict=True)
         ]
         # the other fragments' local values while a judge evaluates fragment p on the anchors

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from localsgd.averaging.comm import Communicator
+from localsgd.averaging.compress import feed_back_
 from localsgd.averaging.finite import all_finite
 from localsgd.averaging.quantize import QuantizedWire
 
@@ -128,12 +129,13 @@ class GatheredContributions:
     """Every rank's contribution, gathered in rank order into fp32 rows (`[size, n]` per flat
     buffer), through the wire buffers `low` (see `compress.wire_buffers`): None sends the
     buffer as it is, a tensor of another dtype casts it, a `QuantizedWire` block-quantises it
-    and every message is decoded. With `residuals` (error feedback) each receives what this
-    rank failed to send, as `lossy_mean_` does."""
+    and every message is decoded. With `residuals` (error feedback) `decay` times each is added
+    first and each then receives what this rank failed to send, as `lossy_mean_` does."""
 
-    def __init__(self, buffers: list[torch.Tensor], size: int, low: list):
+    def __init__(self, buffers: list[torch.Tensor], size: int, low: list, decay: float = 1.0):
         self.size = size
         self.low = low
+        self.decay = decay  # beta of `e <- beta e + d` (compress)
         self.rows = [
             torch.empty(size, b.numel(), dtype=torch.float32, device=b.device) for b in buffers
         ]
@@ -155,8 +157,7 @@ class GatheredContributions:
         for flat, low, rows, cast, residual in zip(
             flats, self.low, self.rows, self._cast, residuals, strict=True
         ):
-            if residual is not None:
-                flat.add_(residual)
+            feed_back_(flat, residual, self.decay)
             if isinstance(low, QuantizedWire):
                 low.encode_(flat)
                 if residual is not None:

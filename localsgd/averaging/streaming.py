@@ -205,7 +205,8 @@ class StreamingAverager(Averager):
             if aggregate is not None:  # robust rounds, blocking (`fragment_trust`)
                 return TrustedFragments(flat, [ids[i] for i in self._order],
                                         [i < n_params for i in self._order], sgd, self.comm.size,
-                                        dtype, error_feedback, aggregate, judge, lambda: self.step)
+                                        dtype, error_feedback, error_feedback_decay, aggregate,
+                                        judge, lambda: self.step)
             return Fragments(
                 flat,
                 [ids[i] for i in self._order],

@@ -103,8 +103,10 @@ class TrustedRound:
         aggregate: Aggregate,
         judge: Judge | None = None,
         sign: int = 1,
+        decay: float = 1.0,
     ):
-        self.contributions = GatheredContributions(buffers, size, low)
+        # `decay`: error feedback's beta (`compress`), for a low-precision wire's residuals
+        self.contributions = GatheredContributions(buffers, size, low, decay)
         self.aggregate = aggregate
         self.judge = judge
         self.sign = sign
@@ -326,9 +328,11 @@ class RobustMean(LowPrecisionMean):
         aggregate: Aggregate,
         judge: Judge | None = None,
         error_feedback: bool = False,
+        feedback_decay: float = 1.0,
     ):
-        super().__init__(buffers, dtype, levels=1, error_feedback=error_feedback)
-        self.trust = TrustedRound(buffers, size, self.low, aggregate, judge, sign=1)
+        super().__init__(buffers, dtype, levels=1, error_feedback=error_feedback,
+                         feedback_decay=feedback_decay)
+        self.trust = TrustedRound(buffers, size, self.low, aggregate, judge, 1, feedback_decay)
 
     def reduce_(self, buffers: list[torch.Tensor], comm: Communicator, level: int, step: int):
         anchors = self.anchors[0]
