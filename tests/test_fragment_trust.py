@@ -21,7 +21,7 @@ from localsgd.averaging.robust import Aggregate
 from localsgd.averaging.trust import Judge
 from localsgd.cli.checks import validate
 from localsgd.config import ConfigError
-from tests.helpers import FAST, cli, compose_config, run_distributed
+from tests.helpers import FAST, cli, compose_config, run_distributed, same_model
 
 WORLD = 4
 OUTER = {"outer_lr": 0.7, "outer_momentum": 0.9, "outer_nesterov": True}
@@ -256,6 +256,12 @@ def test_gathered_rounds_decay_the_residual_as_the_mean_does():
     assert torch.equal(residual, wanted - wanted.bfloat16().float())
 
 
+# Streaming DiLoCo, blocking and replacing, 2 fragments: a fragment sync every 5 steps
+STREAMING = [*FAST, "dist.world_size=4", "sync=streaming_diloco", "sync.period=10",
+             "sync.fragments=2", "sync.delay_steps=0", "sync.merge_alpha=0",
+             "model.hidden=[32,32,32]", "optim=adamw", "optim.lr=0.003", "sync.aggregate=median"]
+
+
 def _attack(kind: str, rank: int = 1) -> str:
     attack = f"{{_target_:localsgd.loop.attacks.Attack,kind:'{kind}',rank:{rank}}}"
     return f"trainer.callbacks=[{attack}]"
@@ -269,10 +275,8 @@ def test_cli_streaming_diloco_with_a_robust_aggregate_drops_and_excludes(tmp_pat
     a NaN attacker's fragment contributions are dropped at every fragment sync and the run
     trains on, naming worker 1; scored, a sign-flipping attacker is excluded at its third bad
     fragment round and named in the log, the metrics and the summary."""
-    common = [*FAST, "dist.world_size=4", "trainer.max_steps=40", "sync=streaming_diloco",
-              "sync.period=10", "sync.fragments=2", "sync.delay_steps=0", "sync.merge_alpha=0",
-              "model.hidden=[32,32,32]", "optim=adamw", "optim.lr=0.003",
-              "sync.aggregate=median", "trainer.log_every=10"]
+    common = [*STREAMING, "trainer.max_steps=40", "trainer.log_every=10",
+              "sync.check_replicas=true"]  # replicas compared bit for bit after every sync
     runs = {"nan": [*common, _attack("nan")],
             "scored": [*common, "sync.score=true", _attack("sign_flip")]}
     said = {}
@@ -293,3 +297,28 @@ def test_cli_streaming_diloco_with_a_robust_aggregate_drops_and_excludes(tmp_pat
     lines = [json.loads(x) for x in
              (tmp_path / "scored" / "metrics.jsonl").read_text().splitlines()]
     assert any(line.get("excluded") == {"1": 2} for line in lines)
+
+
+@pytest.mark.slow
+@pytest.mark.long  # three CLI runs of 4 workers: `make test-long`
+@pytest.mark.timeout(240)
+def test_a_killed_scored_streaming_run_resumes_with_the_same_verdicts(tmp_path):
+    """The fragments' verdict state is checkpointed with the averager: killed between fragment
+    syncs and resumed, a scored run ends with the bits and the verdicts of an uninterrupted
+    one."""
+    args = [*STREAMING, "trainer.max_steps=60", "trainer.checkpoint_every=25",
+            "sync.score=true", "sync.score_batch=32", "sync.exclude_after=2"]
+    attack = "{_target_:localsgd.loop.attacks.Attack,kind:'zeros',rank:3}"
+    kill = "{_target_:tests.faults.Fault,spec:'kill:2:33'}"
+    proc, _ = cli([*args, f"trainer.callbacks=[{attack}]", f"hydra.run.dir={tmp_path / 'ref'}"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    run = [*args, f"hydra.run.dir={tmp_path / 'run'}"]
+    proc, left = cli([*run, f"trainer.callbacks=[{attack},{kill}]"])
+    assert proc.returncode == 1 and not left
+    proc, _ = cli([*run, f"trainer.callbacks=[{attack}]"])
+    assert proc.returncode == 0 and "step-25" in proc.stderr, proc.stderr[-2000:]
+    ref = json.loads((tmp_path / "ref" / "summary.json").read_text())
+    ours = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert ref["trust"]["judged_bad"] and ref["trust"]["excluded"], "no verdict to carry"
+    assert ours["trust"] == ref["trust"]
+    assert same_model(tmp_path / "run" / "model.pt", tmp_path / "ref" / "model.pt")
