@@ -6,7 +6,9 @@ steps: 40 rounds), worker 1 running one attack of `localsgd.loop.attacks` from t
 their defaults (clip 2x the median norm, trim 0.25), and the mean and the median with
 `sync.score=true` (exclude after 2 bad rounds, score fraction 0.5). Nothing was tuned on these
 runs: every key is at the default it had before the first run. `--setting diloco` repeats it
-under DiLoCo (inner AdamW, H = 10), a setting the defaults were not chosen on either.
+under DiLoCo (inner AdamW, H = 10), a setting the defaults were not chosen on either;
+`--setting streaming_diloco` under Streaming DiLoCo (2 fragments, H = 20, blocking: a fragment
+sync every 10 steps, each fragment's rounds robust and scored on their own).
 
 Columns: the final test loss (mean over seeds; a run that stopped on a non-finite loss is
 counted as diverged), its ratio to the same aggregator's clean run and to the mean's clean run,
@@ -62,6 +64,11 @@ SETTINGS = {
     "local_sgd": [*MNIST1D, "sync.period=10"],
     "diloco": [*MNIST1D, "+experiment=diloco", "sync.period=10", "sync.outer_warmup_rounds=0"],
     "lm_diloco": [*SHAKESPEARE, "sync=diloco", "sync.period=10", "sync.outer_warmup_rounds=0"],
+    # Streaming DiLoCo, blocking (delay 0) and replacing (alpha 0), the form a robust
+    # aggregate composes with: 2 fragments, each with its own outer step every 20 steps, one
+    # fragment sync every 10 (40 rounds, as the others)
+    "streaming_diloco": [*MNIST1D, "+experiment=diloco", "sync.period=20", "sync.fragments=2",
+                         "sync.outer_warmup_rounds=0"],
 }
 ROWS = {**{k: (v, ATTACKS) for k, v in AGGREGATORS.items()}, **EXTRA}
 

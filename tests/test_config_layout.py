@@ -57,6 +57,13 @@ OLD_EXPERIMENTS = {
     },  # fmt: skip
     "slowmo": {"sync.period": 16, "sync.warmup_steps": 0, "sync.outer": "slowmo"},
     "untrusted": {"sync.period": 10, "sync.aggregate": "median", "sync.score": True},
+    "untrusted_streaming": {
+        "sync.fragments": 4,
+        "sync.delay_steps": 0,
+        "sync.merge_alpha": 0,
+        "sync.aggregate": "median",
+        "sync.score": True,
+    },  # fmt: skip
     "adaptive_period": {
         "sync.period": 4,
         "sync.warmup_steps": 0,

@@ -76,7 +76,7 @@ def test_bad_values_are_refused_in_one_line():
         with pytest.raises(ConfigError, match=key):
             validate(compose_config([override]), 4)
     for overrides, keys in (
-        (["sync.aggregate=median", "sync.fragments=2", "sync.period=4"], "Streaming"),
+        (["sync.aggregate=median", "sync.fragments=2", "sync.period=4"], "sync.outer=none"),
         (["sync.aggregate=median", "sync.warmup_steps=4"], "sync.warmup_steps"),
         (["sync.aggregate=clip", "dist.shard_size=2"], "sync.aggregate=clip"),
         (["sync.aggregate=median", "sync.drop_nonfinite=false"], "sync.drop_nonfinite"),

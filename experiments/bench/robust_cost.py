@@ -24,6 +24,11 @@ method it prints the median sync time and the round's extra wall time against th
 within each rep.
 
     python experiments/bench/robust_cost.py --world 4 --period 10 --reps 8
+
+`--fragments P` times Streaming DiLoCo's blocking fragments instead (`StreamingAverager(P,
+fragments=P, outer lr 1, no momentum)`: its `average()` syncs the P fragments in turn, one
+period's syncs; the mean is the all-reduced fragments, the others `fragment_trust`'s rounds,
+each fragment scored on its own).
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from experiments.bench.common import run_world  # noqa: E402
-from localsgd.averaging import Aggregate, Judge, PeriodicAverager  # noqa: E402
+from localsgd.averaging import Aggregate, Judge, PeriodicAverager, StreamingAverager  # noqa: E402
 from localsgd.models.transformer import GPT  # noqa: E402
 
 VOCAB, CONTEXT = 84, 64
@@ -76,7 +81,16 @@ def _held_out(model: GPT, batch: int):
     return loss_at
 
 
-def _worker(rank: int, world: int, period: int, reps: int, score_batch: int) -> dict:
+def _averager(model: GPT, fragments: int, **trust):
+    if not fragments:
+        return PeriodicAverager(1, module=model, **trust)
+    return StreamingAverager(fragments, module=model, fragments=fragments, outer_lr=1.0,
+                             outer_momentum=0.0, outer_nesterov=False, **trust)
+
+
+def _worker(
+    rank: int, world: int, period: int, reps: int, score_batch: int, fragments: int = 0
+) -> dict:
     torch.set_num_threads(1)
     driver = _model()
     optimizer = torch.optim.AdamW(driver.parameters(), lr=2e-3, betas=(0.9, 0.95))
@@ -86,7 +100,7 @@ def _worker(rank: int, world: int, period: int, reps: int, score_batch: int) -> 
         judge = Judge(_held_out(model, score_batch)) if scored else None
         aggregate = Aggregate(rule) if rule is not None else None
         copies[name] = model
-        averagers[name] = PeriodicAverager(1, module=model, aggregate=aggregate, judge=judge)
+        averagers[name] = _averager(model, fragments, aggregate=aggregate, judge=judge)
     gen = torch.Generator().manual_seed(100 + rank)
     times: dict[str, list[float]] = {"compute": [], **{m: [] for m in METHODS}}
     names = list(METHODS)
@@ -128,9 +142,12 @@ def main() -> None:
     parser.add_argument("--period", type=int, default=10, help="H: inner steps a round")
     parser.add_argument("--reps", type=int, default=8)
     parser.add_argument("--score-batch", type=int, default=256)
+    parser.add_argument("--fragments", type=int, default=0,
+                        help="P > 0: Streaming DiLoCo's blocking fragments (see the doc)")
     args = parser.parse_args()
     per_rank = run_world(
-        _worker, args.world, args.period, args.reps, args.score_batch, timeout_s=1800
+        _worker, args.world, args.period, args.reps, args.score_batch, args.fragments,
+        timeout_s=1800,
     )
     reps = len(per_rank[0]["compute"])
     slowest = {k: [max(r[k][i] for r in per_rank) for i in range(reps)] for k in per_rank[0]}
@@ -143,6 +160,7 @@ def main() -> None:
         print(json.dumps({
             "world": args.world,
             "period": args.period,
+            "fragments": args.fragments,
             "method": name,
             "sync_ms": round(statistics.median(slowest[name]) * 1e3, 1),
             "compute_ms": round(statistics.median(compute) * 1e3, 1),

@@ -90,7 +90,7 @@ class OuterAverager(PeriodicAverager):
         size = dist.get_world_size(process_group)
 
         def trusted(buffers: list[torch.Tensor], low: list) -> TrustedRound:
-            return TrustedRound(buffers, size, low, aggregate, judge, sign=-1)
+            return TrustedRound(buffers, size, low, aggregate, judge, -1, error_feedback_decay)
 
         def make_reducer(flat: FlatBuffers) -> Reducer:
             return OuterStep(

@@ -94,7 +94,8 @@ class PeriodicAverager(Averager):
 
             def reducer(flat: FlatBuffers) -> RobustMean:
                 return RobustMean(
-                    flat.buffers, dtype, comm.size, aggregate, judge, error_feedback=error_feedback
+                    flat.buffers, dtype, comm.size, aggregate, judge, error_feedback=error_feedback,
+                    feedback_decay=error_feedback_decay,
                 )
 
         elif reducer is None and overlap:

@@ -34,6 +34,8 @@ from dataclasses import dataclass
 import torch
 
 from localsgd.averaging.comm import Communicator
+from localsgd.averaging.compress import feed_back_
+from localsgd.averaging.finite import all_finite
 from localsgd.averaging.quantize import QuantizedWire
 
 AGGREGATES = ("mean", "clip", "trimmed_mean", "median")
@@ -127,11 +129,12 @@ class GatheredContributions:
     """Every rank's contribution, gathered in rank order into fp32 rows (`[size, n]` per flat
     buffer), through the wire buffers `low` (see `compress.wire_buffers`): None sends the
     buffer as it is, a tensor of another dtype casts it, a `QuantizedWire` block-quantises it
-    and every message is decoded. With `residuals` (error feedback) each receives what this
-    rank failed to send, as `lossy_mean_` does."""
+    and every message is decoded. With `residuals` (error feedback) `decay` times each is added
+    first and each then receives what this rank failed to send, as `lossy_mean_` does."""
 
-    def __init__(self, buffers: list[torch.Tensor], size: int, low: list):
+    def __init__(self, buffers: list[torch.Tensor], size: int, low: list, decay: float = 1.0):
         self.low = low
+        self.decay = decay  # beta of `e <- beta e + d` (compress)
         self._allocate(buffers, size)
 
     def _allocate(self, buffers: list[torch.Tensor], size: int) -> None:
@@ -161,8 +164,7 @@ class GatheredContributions:
         for flat, low, rows, cast, residual in zip(
             flats, self.low, self.rows, self._cast, residuals, strict=True
         ):
-            if residual is not None:
-                flat.add_(residual)
+            feed_back_(flat, residual, self.decay)
             if isinstance(low, QuantizedWire):
                 low.encode_(flat)
                 if residual is not None:
@@ -184,4 +186,8 @@ class GatheredContributions:
                 cast = torch.empty(self.size * flat.numel(), dtype=flat.dtype, device=flat.device)
                 comm.all_gather_(cast, flat)
                 rows.view(-1).copy_(cast)
+            if residual is not None and not all_finite([residual]):
+                # this rank's contribution held NaN/Inf and is dropped from the round; its
+                # residual would carry the NaN into every later one (`compress.forget_nonfinite_`)
+                residual.zero_()
         return self.rows

@@ -91,11 +91,14 @@ from localsgd.averaging.averager import Averager, mirrored
 from localsgd.averaging.comm import CommStats, Communicator, SimulatedLink
 from localsgd.averaging.compress import CommFormat, comm_dtype_of
 from localsgd.averaging.flat import FlatBuffers, averaged_tensors
+from localsgd.averaging.fragment_trust import TrustedFragments, refusal
 from localsgd.averaging.fragments import Fragments, Tensors, fragment_ids
 from localsgd.averaging.hierarchical import level_by_period
 from localsgd.averaging.offload import check_outer_state
 from localsgd.averaging.outer_step import DILOCO
 from localsgd.averaging.quantize import DEFAULT_BLOCK_SIZE
+from localsgd.averaging.robust import Aggregate
+from localsgd.averaging.trust import Judge
 
 # how a delayed merge combines the global value with the local one (see the module docstring)
 MERGE_RULES = ("mix", "progress")
@@ -105,7 +108,8 @@ class StreamingAverager(Averager):
     """Streaming DiLoCo: `fragments` fragments synced in turn, each `delay_steps` late, merged
     with `merge_alpha`; `eager` overlaps the whole outer step; `outer=False` streams plain
     averages; `inner_levels` adds hierarchical levels below the streaming one; `outer_state="cpu"`
-    keeps the anchors and outer momentum in host memory (`offload`). Called once after
+    keeps the anchors and outer momentum in host memory (`offload`); `aggregate`/`judge` gather
+    each fragment's pseudo-gradients and combine them robustly (`fragment_trust`). Called once after
     every optimizer step, like every averager here. See the module docstring for the split, the
     schedule, the levels and the arithmetic; P=1, τ=0, α=0 is `OuterAverager` bit for bit.
     `module` is required (the blocks come from it). Every rank must construct it in the same
@@ -141,6 +145,8 @@ class StreamingAverager(Averager):
         outer_state: str = "device",
         error_feedback_decay: float = 1.0,
         drop_nonfinite: bool = True,
+        aggregate: Aggregate | None = None,
+        judge: Judge | None = None,
     ):
         if period < 1 or warmup_steps < 0 or fragments < 1:
             raise ValueError("period and fragments must be >= 1, warmup_steps >= 0")
@@ -189,7 +195,18 @@ class StreamingAverager(Averager):
         sgd = {"lr": outer_lr, "momentum": outer_momentum, "nesterov": outer_nesterov,
                "warmup_rounds": outer_warmup_rounds}  # fmt: skip
 
+        if aggregate is None and judge is not None:
+            raise ValueError("judge needs an aggregate (Aggregate('mean') for the gathered mean)")
+        if aggregate is not None and (why := refusal(outer, delay_steps, merge_alpha, eager,
+                                                     progress, bool(inner_levels), host)):
+            raise ValueError(why)
+
         def make(flat: FlatBuffers) -> Fragments:
+            if aggregate is not None:  # robust rounds, blocking (`fragment_trust`)
+                return TrustedFragments(flat, [ids[i] for i in self._order],
+                                        [i < n_params for i in self._order], sgd, self.comm.size,
+                                        dtype, error_feedback, error_feedback_decay, aggregate,
+                                        judge, lambda: self.step)
             return Fragments(
                 flat,
                 [ids[i] for i in self._order],

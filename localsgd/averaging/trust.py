@@ -112,8 +112,10 @@ class TrustedRound:
         aggregate: Aggregate,
         judge: Judge | None = None,
         sign: int = 1,
+        decay: float = 1.0,
     ):
-        self.contributions = GatheredContributions(buffers, size, low)
+        # `decay`: error feedback's beta (`compress`), for a low-precision wire's residuals
+        self.contributions = GatheredContributions(buffers, size, low, decay)
         self.aggregate = aggregate
         self.judge = judge
         self.sign = sign
@@ -132,12 +134,15 @@ class TrustedRound:
         comm: Communicator,
         residuals: list[torch.Tensor | None],
         step: int,
+        contributions: GatheredContributions | None = None,
     ) -> None:
         """`flats` hold this rank's contribution; they receive the aggregate (zeros when no
-        contribution is left)."""
+        contribution is left). `contributions`: where they are gathered, when the rounds take
+        turns over parts of the model (Streaming DiLoCo's fragments, `fragment_trust`); None:
+        the buffers this round was built for."""
         workers, live = comm.members()
         self._grow(max(workers, default=-1) + 1)
-        rows = self.contributions.gather_(flats, comm, residuals, len(workers))
+        rows = (contributions or self.contributions).gather_(flats, comm, residuals, len(workers))
         finite = finite_rows(rows)
         round_ = self.rounds
         keep = []  # the rows kept, by their place in the gather
@@ -363,9 +368,11 @@ class RobustMean(LowPrecisionMean):
         aggregate: Aggregate,
         judge: Judge | None = None,
         error_feedback: bool = False,
+        feedback_decay: float = 1.0,
     ):
-        super().__init__(buffers, dtype, levels=1, error_feedback=error_feedback)
-        self.trust = TrustedRound(buffers, size, self.low, aggregate, judge, sign=1)
+        super().__init__(buffers, dtype, levels=1, error_feedback=error_feedback,
+                         feedback_decay=feedback_decay)
+        self.trust = TrustedRound(buffers, size, self.low, aggregate, judge, 1, feedback_decay)
 
     def reduce_(self, buffers: list[torch.Tensor], comm: Communicator, level: int, step: int):
         anchors = self.anchors[0]

@@ -297,7 +297,7 @@ def _validate_trust(cfg: Any) -> None:
             "which cannot leave a contribution out; use a low-bit sync.comm_dtype (int8, int4: "
             "gathered and checked) or null"
         )
-    refusal = plan.trust_refusal()
+    refusal = plan.trust_refusal(ft=ft)
     if refusal is not None:
         raise ConfigError(refusal)
 

@@ -20,9 +20,15 @@ intermittent attacker, which never runs up a streak of bad rounds: `sync.exclude
 From the command line, for rank 1 from step 0:
 `'trainer.callbacks=[{_target_:localsgd.loop.attacks.Attack,kind:sign_flip,rank:1}]'`.
 The attacker's own parameters are what it sends; after the sync it holds the common model like
-every worker. Floating-point buffers (BatchNorm statistics) are left alone. An attack is a test
-tool and keeps its state in memory only: a resumed attacker takes its model at its first step
-as the anchor (right after a sync, the true one) and starts a stale replay afresh.
+every worker. Under Streaming DiLoCo's fragments (`sync.fragments > 1`) a sync sends one
+fragment's pseudo-gradient, `anchor - local`, against that fragment's anchor (identical on every
+worker, `Averager.global_state`), and the rest of the model keeps its local progress: the attack
+rewrites only the parameters of the fragment that syncs, against that anchor, so it sends the
+attack's change at every fragment sync and its other fragments train on untouched (`stale`
+replays each fragment's own first change). Floating-point buffers (BatchNorm statistics) are
+left alone. An attack is a test tool and keeps its state in memory only: a resumed attacker
+takes its model at its first step as the anchor (right after a sync, the true one) and starts a
+stale replay afresh.
 """
 
 from __future__ import annotations
@@ -54,7 +60,7 @@ class Attack:
         self.syncs = 0  # syncs over every worker seen after start_step
         self.generator = torch.Generator().manual_seed(seed)
         self.anchor: list[torch.Tensor] | None = None
-        self.replay: list[torch.Tensor] | None = None
+        self.replay: dict[int | None, list[torch.Tensor]] = {}  # per fragment (None: the model)
         self.rounds = 0  # contributions rewritten so far
         self._hook = None
         self._trainer = None
@@ -87,8 +93,8 @@ class Attack:
         self.syncs += 1
         if (self.syncs - 1) % self.every:
             return  # an intermittent attacker sends its true change at this sync
-        params = self._params(trainer)
-        changes = [p - a for p, a in zip(params, self.anchor, strict=True)]
+        fragment, params, anchor = self._sent(trainer, step)
+        changes = [p - a for p, a in zip(params, anchor, strict=True)]
         if self.kind == "sign_flip":
             sent = [c.mul(-self.scale) for c in changes]
         elif self.kind == "noise":
@@ -97,14 +103,32 @@ class Attack:
             std = self.scale * norm / math.sqrt(max(n, 1))
             sent = [torch.randn(c.shape, generator=self.generator).mul_(std).to(c) for c in changes]
         elif self.kind == "stale":
-            if self.replay is None:
-                self.replay = [c.clone() for c in changes]
-            sent = self.replay
+            sent = self.replay.setdefault(fragment, [c.clone() for c in changes])
         elif self.kind == "nan":
             sent = [c.clone() for c in changes]
             sent[0].view(-1)[0] = float("nan")
         else:  # zeros
             sent = [torch.zeros_like(c) for c in changes]
-        for p, a, s in zip(params, self.anchor, sent, strict=True):
+        for p, a, s in zip(params, anchor, sent, strict=True):
             p.copy_(a + s)
         self.rounds += 1
+
+    def _sent(self, trainer, step: int):
+        """(fragment, parameters, anchors) of what the sync after `step` sends: the whole model
+        against the model after the last sync (fragment None), or, under Streaming DiLoCo's
+        fragments, the syncing fragment's parameters against that fragment's anchor."""
+        averager = trainer.sync.averager
+        fragment = averager.launching(step) if getattr(averager, "fragments", 1) > 1 else None
+        if fragment is None:
+            return None, self._params(trainer), self.anchor
+        frags, flat = averager.frags, averager.flat
+        # plain streaming (no outer step) keeps no anchor: the model after the last sync
+        remembered = {id(p): a for p, a in zip(self._params(trainer), self.anchor, strict=True)}
+        params, anchors = [], []
+        for t, (g, off, numel) in zip(flat.tensors, flat.slots, strict=True):
+            ours = any(b == g and s <= off < e for b, s, _, e in frags.regions[fragment])
+            if ours and id(t) in remembered:
+                params.append(t)
+                anchors.append(frags.anchors[g][off : off + numel].view_as(t)
+                               if frags.anchored else remembered[id(t)])
+        return fragment, params, anchors

@@ -142,20 +142,38 @@ class SyncPlan:
         bits (a NaN/Inf contribution dropped in band: `localsgd.averaging.finite`)."""
         return self.aggregate != "mean" or self.score
 
-    def trust_refusal(self) -> str | None:
+    def trust_refusal(self, ft: bool = False) -> str | None:
         """Why a gathered sync cannot hold with the rest of this config, as one line naming
-        the keys, or None (under ft=torchft too: the contributions are gathered through the
-        Manager, the verdicts kept by worker)."""
+        the keys, or None. `ft`: under ft=torchft, where the contributions are gathered through
+        the Manager and the verdicts kept by worker. Streaming DiLoCo composes in its blocking,
+        anchored form (sync.fragments with sync.outer, each fragment synced at its own step
+        and replaced: `localsgd.averaging.fragment_trust`); its delayed, eager and mixing
+        merges do not."""
         if not self.gathered:
             return None
         what = f"sync.aggregate={self.aggregate}" + (
             " with sync.score" if self.aggregate == "mean" else ""
         )
         refused = (
-            (self.streaming, "Streaming DiLoCo or overlap (sync.fragments, delay_steps, "
-             "merge_alpha, merge_rule, eager, overlap, or sync.outer over sync.levels): its "
-             "fragments go on the wire as launched all-reduces"),
+            (ft and self.fragments != 1, "Streaming DiLoCo's fragments with ft=torchft (not "
+             "built: each fragment's gathered round would need its own torchft round, put back "
+             "with its verdicts when it fails)"),
+            (self.overlap, "sync.overlap: its average is a launched all-reduce merged a step "
+             "later, and a launched gather-and-judge round is not built"),
+            (self.delay > 0, f"sync.delay_steps={self.delay}: a delayed fragment goes out as a "
+             "launched all-reduce, and a launched gather-and-judge round is not built (set "
+             "sync.delay_steps=0)"),
+            (self.eager, "sync.eager: each worker steps its own anchor with its own fresh "
+             "pseudo-gradient before any aggregate exists"),
+            (self.merge_alpha != 0, f"sync.merge_alpha={self.merge_alpha:g}: the merge keeps "
+             "part of each worker's own values, so a poisoned replica is never replaced (set "
+             "sync.merge_alpha=0)"),
+            (self.merge_rule != "mix", f"sync.merge_rule={self.merge_rule}: the merge keeps "
+             "each worker's own progress, so a poisoned replica is never replaced"),
             (bool(self.levels), "sync.levels: each level would judge its own group"),
+            (self.fragments != 1 and self.outer == "none", f"sync.outer=none with sync."
+             f"fragments={self.fragments}: plain streaming sends the values themselves, not "
+             "pseudo-gradients from an anchor every rank holds (use sync.outer=diloco)"),
             (self.warmup_steps > 0, "sync.warmup_steps > 0: the warmup's gradients are "
              "all-reduced by the plain mean"),
             (self.optimizer_state in ("average", "desloc"), f"sync.optimizer_state="

@@ -171,6 +171,7 @@ def build_averager(
             error_feedback_decay=sync.error_feedback_decay,
             inner_levels=dict(list(sizes.items())[:-1]),
             drop_nonfinite=plan.drop_nonfinite,
+            **trust,  # robust rounds over each fragment (blocking, anchored: fragment_trust)
         )
     elif levels:
         averager = HierarchicalAverager(
