@@ -302,13 +302,25 @@ def plot(runs: list[dict], rows: list[dict], out: str, seeds: list[int]) -> None
     fig.savefig(out + ".png", dpi=110)
 
 
+def _command(args: argparse.Namespace) -> str:
+    """The command that made the report (the options that differ from the study's)."""
+    cmd = "python experiments/chaos_study.py"
+    if args.tiny:
+        return cmd + " --tiny"
+    if getattr(args, "out", "chaos_study") != "chaos_study":
+        settings = " ".join(f'"{s}"' for s in args.settings)
+        seeds = " ".join(map(str, args.seeds))
+        cmd += f" --seeds {seeds} --settings {settings} --out {args.out}"
+    return cmd
+
+
 def write_report(data: dict, out: str) -> None:
     """experiments/chaos_study.{md,png} from the study's json (`data`)."""
     args, runs, rows = argparse.Namespace(**data["args"]), data["runs"], data["rows"]
     lines = [
         "# Chaos on `make train`'s job through torchft: goodput against fault-free",
         "",
-        f"    python experiments/chaos_study.py{' --tiny' if args.tiny else ''}",
+        f"    {_command(args)}",
         "",
         f"Run {data['stamp']}, {data['elapsed_s']:.0f} s on 2 CPUs shared with other jobs: "
         f"MNIST-1D, the CNN, {WORKERS} workers, {args.steps} steps ({WARMUP} synchronous, then "

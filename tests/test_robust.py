@@ -85,6 +85,8 @@ def test_bad_values_are_refused_in_one_line():
         (["sync.aggregate=median", "sync=hierarchical"], "sync.levels"),
         (["sync.aggregate=median", "sync=adaptive"], "sync.schedule=adaptive"),
         (["sync.drop_nonfinite=true", "ft=torchft"], "ft=torchft and a 16/32-bit"),
+        (["sync.aggregate=median", "+experiment=untrusted_streaming", "ft=torchft"],
+         "fragments with ft=torchft"),
         (["sync.score=true", "sync.drop_nonfinite=false"], "sync.drop_nonfinite"),
     ):
         with pytest.raises(ConfigError, match=keys) as info:
