@@ -70,6 +70,16 @@ SETTINGS = {  # name: overrides
         "ft.join_timeout_s=1",
         "ft.grace_min_s=0.75",
     ],
+    # and a failed sync retried at once from the survivors' state before it (added after the
+    # membership runs showed most of what was left lost as rolled-back work)
+    "50 ms, membership in 0.5 s, retried": [
+        "comm.simulate.worker_speed=[1,1,1,1]",
+        "comm.simulate.step_s=0.05",
+        "ft.heartbeat_timeout_s=0.5",
+        "ft.join_timeout_s=1",
+        "ft.grace_min_s=0.75",
+        "ft.retry_failed_sync=true",
+    ],
 }
 
 
@@ -214,6 +224,7 @@ def run_one(setting: str, seed: int, args, run_dir: str, faults: list[dict] | No
         "participants_min": s["participants_min"],
         "heals": s["heals"],
         "failed_syncs": s["failed_syncs"],
+        "retried_syncs": s.get("retried_syncs", 0),
         "grace_timeouts": s["grace_timeouts"],
         "grace_waited_s": s["grace_waited_s"],
         "grace_s_end": s["grace_s"],

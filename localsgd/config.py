@@ -224,6 +224,10 @@ class FtConfig:
     # quorum waits at most join_timeout_s for a live worker that has not joined yet
     heartbeat_timeout_s: float = 2.0
     join_timeout_s: float = 60.0
+    # a sync that fails (a peer died, froze or was cut inside it) is retried at once with the
+    # next quorum from each worker's state before it, instead of rolling back to the last
+    # global state and syncing again a period later (plain and outer averaging)
+    retry_failed_sync: bool = False
     host: str = "127.0.0.1"  # the interface the lighthouse, managers and heal servers bind to
 
 

@@ -437,6 +437,36 @@ def test_with_a_short_join_timeout_a_partitioned_worker_is_left_out_and_heals(tm
 @pytest.mark.slow
 @pytest.mark.long
 @pytest.mark.timeout(240)
+def test_a_failed_sync_retried_at_once_keeps_the_rounds_work(tmp_path):
+    """Worker 2 is frozen inside its round after step 40 for 4 s. Without a retry the others'
+    failed round is rolled back to the last global state (their work since it is lost) and they
+    sync again a period later; with `ft.retry_failed_sync=true` they take back their state from
+    before the round and average it at once, as a round of its own with the next quorum (the
+    two of them): that round commits, and its samples are merged. Every sync is checked
+    bit-identical across the groups, and worker 2 heals in both runs."""
+    got = {}
+    for retry in (False, True):
+        run_dir = tmp_path / str(retry)
+        extra = ["ft.grace_s=2", "sync.check_replicas=true",
+                 f"ft.retry_failed_sync={str(retry).lower()}"]  # fmt: skip
+        proc, left = cli(
+            _three_paced_workers_under_ft(160, run_dir, *extra),
+            fault="freeze:2:40:4",
+            timeout=200,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert not left
+        got[retry] = json.loads((run_dir / "summary.json").read_text())
+    for summary in got.values():
+        assert summary["failed_syncs"] >= 1 and summary["heals"] >= 1
+        assert summary["replica_checks"] > 0 and summary["steps"] == 160
+    assert got[False]["retried_syncs"] == 0 and got[True]["retried_syncs"] >= 1
+    assert got[True]["merged_samples"] > got[False]["merged_samples"]
+
+
+@pytest.mark.slow
+@pytest.mark.long
+@pytest.mark.timeout(240)
 def test_two_partitions_in_a_row_cost_the_others_about_the_partitions_not_a_split_window(tmp_path):
     """The stall of docs/reliability.md's chaos study, end to end with the adaptive window
     (floor 3 s): worker 0's data plane is cut for 3.5 s, then worker 2's for 4 s, 16 steps (4

@@ -194,6 +194,13 @@ def validate_ft(cfg: Any, get: Callable[[Any, str], Any], world_size: int | None
             f"sync.delay_steps must be < {plan.period_key}/sync.fragments ({spacing}) with "
             f"ft=torchft (a round must close before the next fragment's opens), got {delay!r}"
         )
+    if get(cfg, "ft.retry_failed_sync") and plan.streaming:
+        raise ConfigError(
+            "ft.retry_failed_sync must be false with Streaming DiLoCo (sync.fragments, "
+            "delay_steps, merge_alpha, merge_rule, eager, overlap): a failed fragment round "
+            "already keeps each worker's state from before it, and its fragment syncs again at "
+            "its next turn"
+        )
     if delay and get(cfg, "sync.check_replicas"):
         raise ConfigError(
             "sync.check_replicas must be false with ft=torchft and sync.delay_steps > 0 (the "

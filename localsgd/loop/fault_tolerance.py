@@ -140,6 +140,7 @@ class FaultTolerance:
             check_replicas=verify,
             stop_requested=signalled,
             samples_per_step=batch * group_size,
+            retry_failed=ft.retry_failed_sync,
         )
         return cls(ft, info, rounds, seed, sharded)
 

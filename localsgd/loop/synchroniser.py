@@ -329,6 +329,7 @@ class Synchroniser:
                 participants_min=rounds.participants_min,
                 heals=rounds.heals_seen,  # of any worker, counted alike by every worker
                 failed_syncs=rounds.failed_syncs,
+                retried_syncs=rounds.retried,  # failed syncs retried at once that committed
                 # rounds that ran out of their grace window here, what they waited, the window
                 grace_timeouts=rounds.comm.timeouts,
                 grace_waited_s=round(rounds.comm.waited_s, 3),

@@ -114,6 +114,7 @@ class FaultTolerantRounds:
         check_replicas: bool = False,
         stop_requested: Callable[[], bool] | None = None,
         samples_per_step: int = 0,
+        retry_failed: bool = False,
     ):
         if averager.reducer.delays:
             raise ValueError("overlap (delayed averaging) cannot run through torchft")
@@ -142,6 +143,11 @@ class FaultTolerantRounds:
         self.check_replicas = check_replicas
         self.replica_checks = 0  # rounds checked bit-identical across replica groups
         self.undo = averager.failed_round_restores == "round"
+        # a failed sync retried at once from this replica's state before it, with the next
+        # quorum (`maybe_average`); only where a sync replaces the whole model
+        self.retry_failed = retry_failed and not self.undo
+        self.retried = 0  # failed syncs retried at once that then committed
+        self._round_samples = 0  # what the last round's count carried of this replica's
         self.participants_min = comm.participants
         self.phase = "start"  # the round this replica is in (sent to a healing peer)
         self.committed: dict | None = None  # the last committed state ("commit" rollback)
@@ -236,6 +242,7 @@ class FaultTolerantRounds:
             "heals_seen": self.heals_seen,
             "participants_min": self.participants_min,
             "merged_samples": self.comm.merged_samples,
+            "retried": self.retried,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -244,6 +251,7 @@ class FaultTolerantRounds:
         self.heals_seen = int(state.get("heals_seen", 0))
         self.participants_min = int(state["participants_min"])
         self.comm.merged_samples = int(state.get("merged_samples", 0))
+        self.retried = int(state.get("retried", 0))
 
     # --- the replica check ---------------------------------------------------------------------
 
@@ -274,6 +282,7 @@ class FaultTolerantRounds:
         self.phase = phase
         try:
             samples, self.pending_samples = self.pending_samples, 0  # kept only if committed
+            self._round_samples = samples
             healed = self.comm.begin(stop=self.stop_requested(), samples=samples)
         except QuorumLost as e:
             self.quorum_lost = str(e)
@@ -395,8 +404,34 @@ class FaultTolerantRounds:
         if kind != "sync":
             return av.maybe_average()
         done = []
-        self._round("sync", lambda: done.append(av.maybe_average()))
+        local = self._snapshot() if self.retry_failed else None
+        ok = self._round("sync", lambda: done.append(av.maybe_average()))
+        if not ok and local is not None and self.quorum_lost is None:
+            self._retry(local)
         return bool(done and done[0])
+
+    def _retry(self, local: dict) -> None:
+        """A sync that failed (a peer died, froze or was cut inside it), retried at once: this
+        replica's state from before it back (its training since the last round kept, not rolled
+        back to the last global state), and the same average as a round of its own with the
+        next quorum, which the lighthouse forms without the failed peer. It is the "average"
+        phase a peer that heals in it finishes (`start`). If it fails too, the last global state
+        is put back, as without a retry."""
+        self.pending_samples += self._round_samples  # counted again, in the retried round
+        self._restore(local)
+        self._peer = None
+        av = self.averager
+
+        def body() -> None:
+            # a replica that was behind (its peers committed the sync it failed) heals here,
+            # in its peers' next sync: it runs that sync, as they do
+            if self.comm.healed and self._peer and self._peer["phase"] == "sync":
+                av.maybe_average()
+            else:
+                av.average()
+
+        if self._round("average", body):
+            self.retried += 1
 
     def _settle(self) -> None:
         """Finish, inside the round, what the round launched: torchft reconfigures its process
