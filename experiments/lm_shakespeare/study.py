@@ -201,6 +201,11 @@ ROWS = {
                             "sync.error_feedback_decay=0.95"],
     "sparseloco_h16_sb95": ["sync=sparseloco", "sync.period=16", "sync.topk_mean=senders",
                             "sync.error_feedback_decay=0.95"],
+    # ... and the reference's own shape at the issue's bytes (fixed before it ran, from the
+    # reference's 500M sweep: top-k 32 of 4096, H = 15, beta 0.95, outer lr 1): 32 of 4096 at
+    # H = 20, 0.00094 bytes per parameter per step (100 rounds, against H = 50's 40)
+    "sparseloco_h20_d128_sb95": ["sync=sparseloco", "sync.period=20", "sync.topk_density=0.0078125",
+                                 "sync.topk_mean=senders", "sync.error_feedback_decay=0.95"],
     # ... checked at 2 workers, a world size the probes never ran
     "sparseloco_h50_sb95_w2": ["sync=sparseloco", "sync.topk_mean=senders",
                                "sync.error_feedback_decay=0.95", "dist.world_size=2"],
@@ -538,7 +543,8 @@ NOT_PLOTTED = {"eager_h16_m0", "stream_h16_p4_t0a0", "stream_h16_p4_t0a05", "syn
                # issue 30's optimizer-state rows and diagnostics: bytes_study.md reads them
                "diloco_h16_desloc", "diloco_h16_avg", "diloco_h16_desloc_m3v3",
                "sparseloco_h50_b95", "sparseloco_h50_sb95", "sparseloco_h16_sb95",
-               "sparseloco_h50_sb95_w2", "sparseloco_h16_sb95_w2"}  # fmt: skip
+               "sparseloco_h50_sb95_w2", "sparseloco_h16_sb95_w2",
+               "sparseloco_h20_d128_sb95"}  # fmt: skip
 
 
 def plot_map(by_row) -> None:
