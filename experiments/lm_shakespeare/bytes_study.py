@@ -4,7 +4,8 @@
     python experiments/lm_shakespeare/study.py run --rows sparseloco_h50 sparseloco_h16 \\
         sparseloco_h50_w2 sparseloco_h16_w2 diloco_h16_desloc diloco_h16_avg \\
         sparseloco_h50_b95 diloco_h16_desloc_m3v3 sparseloco_h50_sb95 sparseloco_h16_sb95 \\
-        sparseloco_h50_sb95_w2 sparseloco_h16_sb95_w2 sparseloco_h20_d128_sb95
+        sparseloco_h50_sb95_w2 sparseloco_h16_sb95_w2 sparseloco_h20_d128_sb95 \\
+        sparseloco_h20_d128_sb95_w2
     python experiments/lm_shakespeare/study.py export     # the new runs into runs.jsonl
     python experiments/lm_shakespeare/bytes_study.py      # -> bytes_study.md and bytes_study.json
 
@@ -54,6 +55,8 @@ BYTES_ROWS = [
     ("sparseloco_h50_w2", 2, "sync_w2", "`sync=sparseloco` as preset, H = 50"),
     ("sparseloco_h16_sb95_w2", 2, "sync_w2", "`sync=sparseloco`, H = 16, senders' mean, beta 0.95"),
     ("sparseloco_h50_sb95_w2", 2, "sync_w2", "`sync=sparseloco`, H = 50, senders' mean, beta 0.95"),
+    ("sparseloco_h20_d128_sb95_w2", 2, "sync_w2",
+     "`sync=sparseloco`, H = 20, top-k 32 of 4096, senders' mean, beta 0.95"),
 ]
 DESLOC_ROWS = [
     ("diloco_h16", 4, "sync", "DiLoCo H = 16, moments local (`optimizer_state=local`)"),

@@ -211,6 +211,9 @@ ROWS = {
                                "sync.error_feedback_decay=0.95", "dist.world_size=2"],
     "sparseloco_h16_sb95_w2": ["sync=sparseloco", "sync.period=16", "sync.topk_mean=senders",
                                "sync.error_feedback_decay=0.95", "dist.world_size=2"],
+    "sparseloco_h20_d128_sb95_w2": ["sync=sparseloco", "sync.period=20",
+                                    "sync.topk_density=0.0078125", "sync.topk_mean=senders",
+                                    "sync.error_feedback_decay=0.95", "dist.world_size=2"],
     # issue 30 item 5, optimizer state: beside diloco_h16 (moments local, kept above), DES-LOC
     # (Adam's first moments averaged at every 3rd parameter average, the second at every 6th:
     # `sync.moment_periods=[3,6]`, the paper's K_u = 3 K_x, K_v = 6 K_x) and both moments averaged
@@ -544,7 +547,7 @@ NOT_PLOTTED = {"eager_h16_m0", "stream_h16_p4_t0a0", "stream_h16_p4_t0a05", "syn
                "diloco_h16_desloc", "diloco_h16_avg", "diloco_h16_desloc_m3v3",
                "sparseloco_h50_b95", "sparseloco_h50_sb95", "sparseloco_h16_sb95",
                "sparseloco_h50_sb95_w2", "sparseloco_h16_sb95_w2",
-               "sparseloco_h20_d128_sb95"}  # fmt: skip
+               "sparseloco_h20_d128_sb95", "sparseloco_h20_d128_sb95_w2"}  # fmt: skip
 
 
 def plot_map(by_row) -> None:
