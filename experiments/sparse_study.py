@@ -16,7 +16,11 @@ outer rounds). Rows, all fixed before any was run (nothing tuned):
   (256 of 4096) at H = 32, or the same density every 8 steps (added after the first four rows
   were seen, with `--rows ... --append`; fixed before they ran, not tuned);
 - `sparseloco_b95`: the preset with the residual decayed, `e <- 0.95 e + d`
-  (`sync.error_feedback_decay=0.95`; added last, the same way).
+  (`sync.error_feedback_decay=0.95`; added the same way);
+- `sparseloco_sb95`: that decay with each index divided by the workers that sent it
+  (`sync.topk_mean=senders`, SparseLoCo's reference aggregation; added last, after the
+  Shakespeare LM's probes chose the pair, experiments/lm_shakespeare/sparse_probes.md: a check
+  on a job it was not chosen on, nothing tuned here).
 
 The gap of each row is its final test loss against `sync`'s at the same world size and seed.
 Bytes per parameter per step: `comm_bytes` (what one worker sent) / (parameters x steps).
@@ -56,6 +60,9 @@ def rows(steps: int) -> dict[str, list[str]]:
         "sparseloco_h8": ["sync=sparseloco", "sync.period=8"],
         # SparseLoCo's decayed accumulator, e <- 0.95 e + d (the value fixed before it ran)
         "sparseloco_b95": ["sync=sparseloco", f"sync.period={H}", "sync.error_feedback_decay=0.95"],
+        # ... with each index divided by the workers that sent it (the reference's aggregation)
+        "sparseloco_sb95": ["sync=sparseloco", f"sync.period={H}", "sync.error_feedback_decay=0.95",
+                            "sync.topk_mean=senders"],
     }  # fmt: skip
 
 

@@ -131,6 +131,10 @@ class SyncConfig:
     compress: str = "none"
     topk_density: float = 0.015625  # 1/64: 64 of every 4096 values
     topk_chunk: int = 4096  # values per chunk, 2..32768 (int16 indices)
+    # what the sum of the decoded top-k messages is divided by: all (the number of workers: the
+    # mean of the messages) | senders (per index, the number of workers that sent it: SparseLoCo's
+    # reference code; an index one worker sent moves by its whole value)
+    topk_mean: str = "all"
     # Streaming DiLoCo (Douillard et al. 2025): P fragments strided by block, fragment p's outer
     # step every `period` steps offset by p*period/P (1 = the whole model at once)
     fragments: int = 1

@@ -184,6 +184,48 @@ def test_resume_continues_bit_identically(lone_group):
                twin.state_dict().values(), strict=True))  # fmt: skip
 
 
+def test_the_senders_mean_divides_each_index_by_the_workers_that_sent_it():
+    """`mean="senders"` (SparseLoCo's reference aggregation): three workers' messages, decoded
+    and summed in rank order, each index divided by how many of them sent it (an index one
+    worker sent keeps its whole value; one nobody sent stays 0); `mean="all"` divides by 3.
+    With weights, each index by the weight of its senders."""
+    from localsgd.averaging.comm import decode_mean_
+
+    n, members = 40, 3
+    gen = torch.Generator().manual_seed(7)
+    xs = [torch.randn(n, generator=gen) for _ in range(members)]
+    xs[0][:4] = 50.0  # index 0..3: every worker's top values, so sent by all three
+    xs[1][:4] = 60.0
+    xs[2][:4] = 70.0
+    for mean in ("all", "senders"):
+        codec = TopKCodec(density=0.2, chunk=20, mean=mean)  # k = 4 of every 20
+        wire = codec.wire(n, "cpu")
+        gathered = torch.cat([codec.quantize(x) for x in xs])
+        decoded = [codec.dequantize(codec.quantize(x), n) for x in xs]
+        total = torch.stack(decoded).sum(0)
+        count = torch.stack([(d != 0).float() for d in decoded]).sum(0)
+        out = torch.empty(n)
+        assert decode_mean_(out, wire, gathered, members, members) == []
+        if mean == "all":
+            assert torch.allclose(out, total / members, rtol=0, atol=1e-6)
+        else:
+            assert count.max() == 3 and (count == 1).sum() > 0 and (count == 0).sum() > 0
+            assert torch.allclose(out, total / count.clamp(min=1), rtol=0, atol=1e-6)
+            assert torch.equal(out[count == 0], torch.zeros(int((count == 0).sum())))
+            weights = [1.0, 2.0, 3.0]
+            weighted = sum(w * d for w, d in zip(weights, decoded, strict=True))
+            weight = sum(w * (d != 0).float() for w, d in zip(weights, decoded, strict=True))
+            decode_mean_(out, wire, gathered, members, members, weights=weights)
+            assert torch.allclose(out, weighted / weight.clamp(min=1), rtol=0, atol=1e-5)
+            bad = xs[2].clone()
+            bad[0] = float("nan")  # rank 2's first chunk decodes to NaN: left out, uncounted
+            gathered = torch.cat([codec.quantize(x) for x in (xs[0], xs[1], bad)])
+            assert decode_mean_(out, wire, gathered, members, members, guard=True) == [2]
+            two = (decoded[0] + decoded[1]) / ((decoded[0] != 0).float()
+                                               + (decoded[1] != 0).float()).clamp(min=1)
+            assert torch.allclose(out, two, rtol=0, atol=1e-6)
+
+
 # --- the config -----------------------------------------------------------------------------------
 
 
@@ -197,6 +239,11 @@ def test_the_config_builds_top_k_and_the_sparseloco_preset(lone_group):
     averager = build_averager(cfg.sync, model, opt, 1, 1, CommStats())
     assert averager.comm_dtype == TopKCodec(1 / 64, 256)
     assert isinstance(averager.reducer.low[0], SparseWire)
+    senders = compose_config(["sync=sparseloco", "sync.topk_mean=senders"])
+    validate(senders)
+    averager = build_averager(senders.sync, model, opt, 1, 1, CommStats())
+    assert averager.comm_dtype == TopKCodec(1 / 64, 4096, "senders") != TopKCodec(1 / 64, 4096)
+    assert averager.reducer.low[0].senders is not None
     plain = compose_config(["sync.compress=topk", "sync.error_feedback=true", "sync.period=2"])
     averager = build_averager(plain.sync, model, opt, 1, 1, CommStats())
     assert isinstance(averager, PeriodicAverager)
@@ -213,6 +260,9 @@ def test_the_config_builds_top_k_and_the_sparseloco_preset(lone_group):
         (["sync=sparseloco", "sync.error_feedback_decay=1.5"], "sync.error_feedback_decay"),
         (["sync.error_feedback_decay=0.9"], "sync.error_feedback_decay"),
         (["sync=sparseloco", "sync.topk_chunk=40000"], "sync.topk_chunk"),
+        (["sync=sparseloco", "sync.topk_mean=median"], "sync.topk_mean"),
+        (["sync=sparseloco", "sync.topk_mean=senders", "sync.aggregate=median"],
+         "sync.topk_mean"),
         (["sync=sparseloco", "sync.outer=none", "sync.fragments=2"], "sync.compress"),
         (["sync=sparseloco", "dist.shard_size=2", "dist.world_size=4"], "sync.compress"),
     ],

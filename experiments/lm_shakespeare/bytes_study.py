@@ -3,7 +3,9 @@
 
     python experiments/lm_shakespeare/study.py run --rows sparseloco_h50 sparseloco_h16 \\
         sparseloco_h50_w2 sparseloco_h16_w2 diloco_h16_desloc diloco_h16_avg \\
-        sparseloco_h50_b95 diloco_h16_desloc_m3v3
+        sparseloco_h50_b95 diloco_h16_desloc_m3v3 sparseloco_h50_sb95 sparseloco_h16_sb95 \\
+        sparseloco_h50_sb95_w2 sparseloco_h16_sb95_w2 sparseloco_h20_d128_sb95 \\
+        sparseloco_h20_d128_sb95_w2
     python experiments/lm_shakespeare/study.py export     # the new runs into runs.jsonl
     python experiments/lm_shakespeare/bytes_study.py      # -> bytes_study.md and bytes_study.json
 
@@ -13,6 +15,13 @@ are; this script checks that every run it reads has the study's budget (2000 ste
 width (64), world size and seed, and pairs each run with `sync`'s run of the same world size and
 seed. Bytes per parameter per step: `comm_bytes` (what one worker put on the wire, counted as
 sent: payload, indices and scales) / (parameters x steps per worker).
+
+The `_sb95` rows were added on 2026-12-05 (18:35 UTC), after the 600-step diagnostic probes of
+`sparse_probes.py` (seed 0, 4 workers, H = 16; sparse_probes.md) showed that dividing each index
+by the workers that sent it (`sync.topk_mean=senders`, the aggregation of SparseLoCo's reference
+code) together with the reference's residual decay 0.95 closed most of `sparseloco_h16`'s gap,
+and neither alone did. Their values are the reference's, not tuned here; their 2-worker twins
+check them on a world size the probes never ran, and seeds 1 and 2 on seeds they never ran.
 """
 
 from __future__ import annotations
@@ -36,10 +45,18 @@ BYTES_ROWS = [
     ("sparseloco_h16", 4, "sync", "`sync=sparseloco` (top-k 1/64, 2 bits), H = 16"),
     ("sparseloco_h50", 4, "sync", "`sync=sparseloco` as preset, H = 50"),
     ("sparseloco_h50_b95", 4, "sync", "`sync=sparseloco`, H = 50, residual decayed (beta 0.95)"),
+    ("sparseloco_h16_sb95", 4, "sync", "`sync=sparseloco`, H = 16, senders' mean, beta 0.95"),
+    ("sparseloco_h50_sb95", 4, "sync", "`sync=sparseloco`, H = 50, senders' mean, beta 0.95"),
+    ("sparseloco_h20_d128_sb95", 4, "sync",
+     "`sync=sparseloco`, H = 20, top-k 32 of 4096, senders' mean, beta 0.95"),
     ("sync_w2", 2, "sync_w2", "synchronous AdamW"),
     ("diloco_h16_int4ef_w2", 2, "sync_w2", "DiLoCo H = 16, 4 bits + error feedback"),
     ("sparseloco_h16_w2", 2, "sync_w2", "`sync=sparseloco`, H = 16"),
     ("sparseloco_h50_w2", 2, "sync_w2", "`sync=sparseloco` as preset, H = 50"),
+    ("sparseloco_h16_sb95_w2", 2, "sync_w2", "`sync=sparseloco`, H = 16, senders' mean, beta 0.95"),
+    ("sparseloco_h50_sb95_w2", 2, "sync_w2", "`sync=sparseloco`, H = 50, senders' mean, beta 0.95"),
+    ("sparseloco_h20_d128_sb95_w2", 2, "sync_w2",
+     "`sync=sparseloco`, H = 20, top-k 32 of 4096, senders' mean, beta 0.95"),
 ]
 DESLOC_ROWS = [
     ("diloco_h16", 4, "sync", "DiLoCo H = 16, moments local (`optimizer_state=local`)"),
@@ -199,8 +216,12 @@ def main() -> None:
         "new run: `sparseloco_h16`, `sparseloco_h50` (both world sizes), `diloco_h16_desloc`, "
         "`diloco_h16_avg`; added after `sparseloco_h50` seed 0 was seen: `sparseloco_h50_b95` "
         "(the MNIST study's decay, not tuned); after the DES-LOC runs were seen: "
-        "`diloco_h16_desloc_m3v3`. A row with fewer than 3 seeds ran out of time. "
-        "Runs made 2026-12-05 15:36-17:20 UTC (branch lm30).",
+        "`diloco_h16_desloc_m3v3`; after the 600-step probes of `sparse_probes.py` "
+        "([sparse_probes.md](sparse_probes.md)): the `_sb95` rows (`sync.topk_mean=senders`, the "
+        "reference code's per-index mean over the workers that sent it, with its decay 0.95; "
+        "neither value tuned here) and their 2-worker twins. A row with fewer than 3 seeds ran "
+        "out of time. Runs made 2026-12-05 15:36-17:20 UTC (branch lm30) and, for the `_b95` "
+        "and `_sb95` rows, 18:35-20:00 UTC (branch sparse).",
         "",
         "## SparseLoCo-style top-k against 4-bit DiLoCo against sync",
         "",

@@ -193,6 +193,27 @@ ROWS = {
     # MNIST-1D on every seed (experiments/sparse_study.md): the check on a setting it was not
     # chosen on (added after sparseloco_h50 seed 0 was seen; the value is the MNIST study's)
     "sparseloco_h50_b95": ["sync=sparseloco", "sync.error_feedback_decay=0.95"],
+    # ... and SparseLoCo as its reference code aggregates (added 2026-12-05 after the 600-step
+    # probes of sparse_probes.md, seed 0): each index's sum divided by the workers that sent it
+    # (`sync.topk_mean=senders`, tplr's scatter_reduce mean) with the reference's decay 0.95.
+    # Neither value tuned here: both are the reference's; the probes chose the pair over each alone
+    "sparseloco_h50_sb95": ["sync=sparseloco", "sync.topk_mean=senders",
+                            "sync.error_feedback_decay=0.95"],
+    "sparseloco_h16_sb95": ["sync=sparseloco", "sync.period=16", "sync.topk_mean=senders",
+                            "sync.error_feedback_decay=0.95"],
+    # ... and the reference's own shape at the issue's bytes (fixed before it ran, from the
+    # reference's 500M sweep: top-k 32 of 4096, H = 15, beta 0.95, outer lr 1): 32 of 4096 at
+    # H = 20, 0.00094 bytes per parameter per step (100 rounds, against H = 50's 40)
+    "sparseloco_h20_d128_sb95": ["sync=sparseloco", "sync.period=20", "sync.topk_density=0.0078125",
+                                 "sync.topk_mean=senders", "sync.error_feedback_decay=0.95"],
+    # ... checked at 2 workers, a world size the probes never ran
+    "sparseloco_h50_sb95_w2": ["sync=sparseloco", "sync.topk_mean=senders",
+                               "sync.error_feedback_decay=0.95", "dist.world_size=2"],
+    "sparseloco_h16_sb95_w2": ["sync=sparseloco", "sync.period=16", "sync.topk_mean=senders",
+                               "sync.error_feedback_decay=0.95", "dist.world_size=2"],
+    "sparseloco_h20_d128_sb95_w2": ["sync=sparseloco", "sync.period=20",
+                                    "sync.topk_density=0.0078125", "sync.topk_mean=senders",
+                                    "sync.error_feedback_decay=0.95", "dist.world_size=2"],
     # issue 30 item 5, optimizer state: beside diloco_h16 (moments local, kept above), DES-LOC
     # (Adam's first moments averaged at every 3rd parameter average, the second at every 6th:
     # `sync.moment_periods=[3,6]`, the paper's K_u = 3 K_x, K_v = 6 K_x) and both moments averaged
@@ -524,7 +545,9 @@ NOT_PLOTTED = {"eager_h16_m0", "stream_h16_p4_t0a0", "stream_h16_p4_t0a05", "syn
                "local_k16_noniid", "diloco_h16_noniid", "eager_h16_lr035",
                # issue 30's optimizer-state rows and diagnostics: bytes_study.md reads them
                "diloco_h16_desloc", "diloco_h16_avg", "diloco_h16_desloc_m3v3",
-               "sparseloco_h50_b95"}  # fmt: skip
+               "sparseloco_h50_b95", "sparseloco_h50_sb95", "sparseloco_h16_sb95",
+               "sparseloco_h50_sb95_w2", "sparseloco_h16_sb95_w2",
+               "sparseloco_h20_d128_sb95", "sparseloco_h20_d128_sb95_w2"}  # fmt: skip
 
 
 def plot_map(by_row) -> None:

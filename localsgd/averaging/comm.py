@@ -381,14 +381,20 @@ def decode_mean_(
     that decodes to NaN/Inf is left out and the divisor shrinks by one for each: every rank
     decodes the same messages, so they all drop the same ones, with no communication. With
     `weights` (one per member: a weighted round), each message is scaled by its weight and the
-    sum divided by the weights' sum over the messages kept. Returns the ranks left out."""
+    sum divided by the weights' sum over the messages kept. A top-k wire with the senders' mean
+    (`sparse.TopKCodec(mean="senders")`) divides each index instead by the count (or weight) of
+    the kept messages that sent it. Returns the ranks left out."""
     acc = wire.accumulator(flat)
+    # top-k with mean="senders": each index divided by the (weight of the) messages holding it
+    senders = getattr(wire, "senders", None) is not None
     dropped, summed, total = [], 0, 0.0
     for rank in range(members):
         value = wire.decode(gathered[rank * wire.nbytes : (rank + 1) * wire.nbytes])
         if guard and not all_finite([value]):
             dropped.append(rank)
             continue
+        if senders:
+            wire.count_senders_(summed == 0, 1.0 if weights is None else weights[rank])
         if weights is not None:
             value = value * weights[rank]
             total += weights[rank]
@@ -402,7 +408,9 @@ def decode_mean_(
             "every worker's contribution to this average held NaN or Inf: there is nothing "
             "finite to average (sync.drop_nonfinite)"
         )
-    if weights is not None:
+    if senders:
+        wire.divide_by_senders_(acc)
+    elif weights is not None:
         if total == 0:
             raise RuntimeError("every finite contribution to this average weighed nothing")
         acc.div_(total)

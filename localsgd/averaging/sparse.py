@@ -21,9 +21,15 @@ holds at most 32768 values. A chunk of zeros has scale 0 and decodes to zeros.
 The exchange is the block-quantised formats' (`localsgd.averaging.quantize`): every rank
 encodes its own message, the messages are all-gathered (`Communicator.quantized_mean_`), and
 every rank decodes every rank's message and sums them in fp32 in rank order, so every rank gets
-the same bits. Without error feedback the values not sent are lost; with it (`compress`'s
-residual) each worker keeps them and adds them to its next pseudo-gradient, which is what makes
-top-k work (the checks require it). Pure torch: CPU and CUDA.
+the same bits. The sum is divided by the number of workers (`mean="all"`, the mean of the
+messages, zeros where a worker did not send), or, with `mean="senders"`, each index by the
+number of workers whose message holds it (SparseLoCo's reference code, a `scatter_reduce` mean
+over what was sent): an index that one worker of R sent then moves by its whole value, not
+1/R of it. Each worker's sent + residual still sums to its true pseudo-gradients; what the
+model moves by is then no longer their mean. Without error feedback the values not sent are
+lost; with it (`compress`'s residual) each worker keeps them and adds them to its next
+pseudo-gradient, which is what makes top-k work (the checks require it). Pure torch: CPU and
+CUDA.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from localsgd.averaging.quantize import GatheredWire
 DEFAULT_CHUNK = 4096
 DEFAULT_DENSITY = 1 / 64
 MAX_CHUNK = 32768  # int16 indices
+MEANS = ("all", "senders")  # what the sum of the decoded messages is divided by (module doc)
 _LEVELS = 3  # codes 0..3 sit at (2c - 3) / 3 of the scale
 
 
@@ -46,27 +53,31 @@ class TopKCodec:
 
     name = "topk"
 
-    def __init__(self, density: float = DEFAULT_DENSITY, chunk: int = DEFAULT_CHUNK):
+    def __init__(
+        self, density: float = DEFAULT_DENSITY, chunk: int = DEFAULT_CHUNK, mean: str = "all"
+    ):
+        if mean not in MEANS:
+            raise ValueError(f"top-k mean must be one of {', '.join(MEANS)}, got {mean!r}")
         if not isinstance(chunk, int) or not 2 <= chunk <= MAX_CHUNK:
             raise ValueError(f"top-k chunk must be an integer in [2, {MAX_CHUNK}], got {chunk!r}")
         if not 0 < density <= 1:
             raise ValueError(f"top-k density must be in (0, 1], got {density!r}")
-        self.density, self.chunk = float(density), chunk
+        self.density, self.chunk, self.mean = float(density), chunk, mean
         self.k = min(chunk, max(1, round(density * chunk)))
 
     def __repr__(self) -> str:
-        return f"TopKCodec(density={self.density!r}, chunk={self.chunk})"
+        return f"TopKCodec(density={self.density!r}, chunk={self.chunk}, mean={self.mean!r})"
 
     def __str__(self) -> str:
-        return f"topk({self.k}/{self.chunk})"
+        return f"topk({self.k}/{self.chunk})" + (", senders' mean" if self.mean != "all" else "")
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, TopKCodec):
             return NotImplemented
-        return (self.k, self.chunk) == (other.k, other.chunk)
+        return (self.k, self.chunk, self.mean) == (other.k, other.chunk, other.mean)
 
     def __hash__(self) -> int:
-        return hash((self.k, self.chunk))
+        return hash((self.k, self.chunk, self.mean))
 
     # --- sizes ---------------------------------------------------------------------------------
 
@@ -118,6 +129,8 @@ class SparseWire(GatheredWire):
         self.send = torch.zeros(self.nbytes, dtype=torch.uint8, device=device)
         self._gathered: dict[int, torch.Tensor] = {}
         self.acc: torch.Tensor | None = None
+        # mean="senders": per index, how many (or what weight of) the decoded messages sent it
+        self.senders = torch.zeros_like(self.work) if codec.mean == "senders" else None
 
     def encode_(self, x: torch.Tensor) -> None:
         """Encode the flat tensor `x` (`numel` values, any float dtype) into `send`."""
@@ -160,3 +173,19 @@ class SparseWire(GatheredWire):
         self.work.zero_()
         self.work.view(self.chunks, codec.chunk).scatter_(1, self.index, self.top)
         return self.work[:n]
+
+    def count_senders_(self, first: bool, weight: float = 1.0) -> None:
+        """mean="senders": add `weight` at every index the message last decoded holds (after
+        zeroing the count when `first`)."""
+        if first:
+            self.senders.zero_()
+        # top-k indices are distinct within a chunk, so scatter_add_ counts each once
+        self.senders.view(self.chunks, self.codec.chunk).scatter_add_(
+            1, self.index, self.top.new_full(self.top.shape, weight)
+        )
+
+    def divide_by_senders_(self, acc: torch.Tensor) -> None:
+        """`acc` (the sum of the decoded messages) divided, index by index, by how many of them
+        sent it; an index none sent stays 0."""
+        count = self.senders[: self.numel]
+        acc.div_(count.masked_fill_(count == 0, 1.0))

@@ -14,7 +14,7 @@ from typing import Any
 from localsgd.averaging import COMM_DTYPES, OPTIMIZER_STATE_MODES
 from localsgd.averaging.offload import OUTER_STATES
 from localsgd.averaging.robust import AGGREGATES
-from localsgd.averaging.sparse import MAX_CHUNK
+from localsgd.averaging.sparse import MAX_CHUNK, MEANS
 from localsgd.averaging.streaming import MERGE_RULES
 from localsgd.cli.fault_tolerance import replica_group_processes, validate_ft
 from localsgd.cli.pacing import validate_pacing
@@ -315,6 +315,11 @@ def _validate_wire(cfg: Any) -> None:
     density, chunk = _get(cfg, "sync.topk_density"), _get(cfg, "sync.topk_chunk")
     _require(0 < density <= 1, "sync.topk_density", "in (0, 1]", density)
     _require(2 <= chunk <= MAX_CHUNK, "sync.topk_chunk", f"an integer in [2, {MAX_CHUNK}]", chunk)
+    topk_mean = _get(cfg, "sync.topk_mean")
+    _require(topk_mean in MEANS, "sync.topk_mean", " or ".join(MEANS), topk_mean)
+    allowed = "all with a robust sync.aggregate (it ranks whole messages, not indices)"
+    _require(topk_mean == "all" or _get(cfg, "sync.aggregate") == "mean", "sync.topk_mean",
+             allowed, topk_mean)  # fmt: skip
     allowed = "float32 with sync.compress=topk (top-k sends its own 2-bit values)"
     _require(dtype == "float32", "sync.comm_dtype", allowed, dtype)
     allowed = "true with sync.compress=topk (without it the values not sent are lost)"

@@ -77,6 +77,7 @@ class SyncPlan:
     compress: str  # none | topk
     topk_density: float
     topk_chunk: int
+    topk_mean: str  # all | senders
 
     @classmethod
     def of(cls, sync: Any) -> SyncPlan:
@@ -118,6 +119,7 @@ class SyncPlan:
             compress=_read_or(sync, "compress", "none"),
             topk_density=float(_read_or(sync, "topk_density", 1 / 64)),
             topk_chunk=int(_read_or(sync, "topk_chunk", 4096)),
+            topk_mean=_read_or(sync, "topk_mean", "all"),
         )
 
     def comm_format(self, comm_dtype: str) -> Any:
@@ -126,7 +128,7 @@ class SyncPlan:
         if self.compress == "topk":
             from localsgd.averaging.sparse import TopKCodec
 
-            return TopKCodec(self.topk_density, self.topk_chunk)
+            return TopKCodec(self.topk_density, self.topk_chunk, self.topk_mean)
         return comm_dtype
 
     def gathered_wire(self, comm_dtype: str) -> bool:

@@ -1,0 +1,118 @@
+"""Issue 30: why `sync=sparseloco` trails sync by 18% on the Shakespeare LM (bytes_study.md).
+Short diagnostic runs, one seed: the study's COMMON settings (study.py), 4 workers, H = 16, but
+600 steps instead of 2000 (the gap is already there at step 600 in the 2000-step runs: at step
+609 sync 2.015, diloco_h16 2.055, local_k16 2.198, sparseloco_h16 2.385, seed 0). Each probe
+changes one thing of `sparseloco_h16`; its final validation loss is compared with `sync` and
+`local_k16` at the same 600 steps.
+
+    python experiments/lm_shakespeare/sparse_probes.py run --probes sync local_k16 base ...
+    python experiments/lm_shakespeare/sparse_probes.py report   # -> sparse_probes.md
+
+The runs live in $SPARSE_PROBE_DIR (default /tmp/sparse_probes); `report` reads their
+summary.json and keeps the figures in sparse_probes.json here, so the table survives them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from study import COMMON  # noqa: E402
+
+RUNS = Path(os.environ.get("SPARSE_PROBE_DIR", "/tmp/sparse_probes"))
+KEPT = HERE / "sparse_probes.json"
+STEPS = 600
+BASE = ["sync=sparseloco", "sync.period=16"]
+
+# name -> (overrides on top of COMMON, what it asks)
+PROBES = {
+    "sync": ([f"sync.warmup_steps={STEPS}", "sync.period=1"], "synchronous AdamW"),
+    "local_k16": (["sync.period=16"], "plain averaging, H = 16: sparseloco's outer step with "
+                  "nothing compressed"),
+    "diloco_h16": (["sync=diloco", "sync.period=16"], "DiLoCo (Nesterov 0.9, lr 0.7), fp32"),
+    "base": (BASE, "sparseloco_h16 as the study ran it (top-k 64/4096, 2 bits, EF, lr 1)"),
+    "dense_ef": (BASE + ["sync.topk_density=1"], "top-k keeping every value (density 1): the "
+                 "2-bit values with error feedback, nothing dropped"),
+    "lr4": (BASE + ["sync.outer_lr=4"], "outer lr 4 = R: undoes the mean's 1/R on an index only "
+            "one worker sent"),
+    "senders": (BASE + ["sync.topk_mean=senders"], "each index's sum divided by the number of "
+                "workers that sent it (the reference code's scatter_reduce mean)"),
+    "senders_b95": (BASE + ["sync.topk_mean=senders", "sync.error_feedback_decay=0.95"],
+                    "senders mean with the reference's error decay 0.95"),
+    "b95": (BASE + ["sync.error_feedback_decay=0.95"], "residual decayed by 0.95 (beta)"),
+    "d16": (BASE + ["sync.topk_density=0.0625"], "density 1/16 (256 of 4096)"),
+    "chunk256": (BASE + ["sync.topk_chunk=256"], "chunks of 256 (k = 4): the same density, "
+                 "the top-k spread more evenly"),
+}  # fmt: skip
+
+
+def overrides(name: str) -> list[str]:
+    extra = PROBES[name][0] + [f"trainer.max_steps={STEPS}"]
+    keys = {o.split("=", 1)[0] for o in extra}
+    return [o for o in COMMON if o.split("=", 1)[0] not in keys] + extra
+
+
+def run(names: list[str], seed: int) -> None:
+    for name in names:
+        out = RUNS / f"{name}_s{seed}"
+        if (out / "summary.json").is_file():
+            continue
+        cmd = [sys.executable, "-m", "localsgd.train", *overrides(name), f"seed={seed}",
+               f"hydra.run.dir={out}"]  # fmt: skip
+        print(" ".join(cmd[1:]), flush=True)
+        subprocess.run(cmd, check=True)
+
+
+def report() -> None:
+    kept = json.loads(KEPT.read_text()) if KEPT.exists() else {}
+    for summary in sorted(RUNS.glob("*_s[0-9]/summary.json")):
+        s = json.loads(summary.read_text())
+        kept[summary.parent.name] = {
+            "test_loss": s["test_loss"], "comm_bytes": s["comm_bytes"], "params": s["params"],
+            "steps": s["steps"], "overrides": overrides(summary.parent.name.rsplit("_s", 1)[0]),
+        }  # fmt: skip
+    KEPT.write_text(json.dumps(kept, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    lines = [
+        "# SparseLoCo on the Shakespeare LM: diagnostic probes (issue 30)",
+        "",
+        f"Made by `python experiments/lm_shakespeare/sparse_probes.py report` from "
+        f"`{KEPT.name}`. 4 workers, {STEPS} steps (not the study's 2000), H = 16, seed as named; "
+        "each probe changes one thing of `sparseloco_h16` (see the script). Gaps against `sync` "
+        "and `local_k16` of the same seed and budget.",
+        "",
+        "| probe | seed | what | val loss | vs sync | vs local_k16 | bytes / param / step |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for run_name, r in sorted(kept.items(), key=lambda kv: (kv[0].rsplit("_s", 1)[1],
+                                                            list(PROBES).index(
+                                                                kv[0].rsplit("_s", 1)[0]))):
+        name, seed = run_name.rsplit("_s", 1)
+        ref = {k: kept.get(f"{k}_s{seed}", {}).get("test_loss") for k in ("sync", "local_k16")}
+        gap = {k: f"{100 * (r['test_loss'] / v - 1):+.2f}%" if v else "-" for k, v in ref.items()}
+        lines.append(f"| {name} | {seed} | {PROBES[name][1]} | {r['test_loss']:.4f} "
+                     f"| {gap['sync']} | {gap['local_k16']} "
+                     f"| {r['comm_bytes'] / (r['params'] * r['steps']):.6f} |")  # fmt: skip
+    (HERE / "sparse_probes.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    print("\n".join(lines))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("action", choices=("run", "report"))
+    parser.add_argument("--probes", nargs="*", default=list(PROBES), choices=list(PROBES))
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    if args.action == "run":
+        run(args.probes, args.seed)
+    else:
+        report()
+
+
+if __name__ == "__main__":
+    main()
