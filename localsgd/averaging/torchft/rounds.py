@@ -18,7 +18,8 @@
    back (never a half-average): to the last committed round's state where an average replaces
    the whole model, or to the state from before the round where it touches a part of it
    (Streaming DiLoCo's fragments: `Averager.failed_round_restores`). The sync is retried at
-   the next one.
+   the next one, or, with `retry_failed`, at once: from each replica's state before it, as a
+   round of its own with the next quorum (`maybe_average`).
 
 The averager says what a step is (`Averager.sync_at`): a blocking sync is one round; a delayed
 one (Streaming DiLoCo, τ > 0) is a round that opens at the launch and closes at the merge.
@@ -214,6 +215,7 @@ class FaultTolerantRounds:
             "heals_seen": self.heals_seen,
             "checkpoint_mark": self.checkpoint_mark,
             "merged_samples": self.comm.merged_samples,
+            "retried": self.retried,
         }
 
     def _load_ft_state(self, state: dict) -> None:
@@ -231,6 +233,7 @@ class FaultTolerantRounds:
         self.heals_seen = int(state["heals_seen"])
         self.checkpoint_mark = int(state["checkpoint_mark"])
         self.comm.merged_samples = int(state.get("merged_samples", 0))
+        self.retried = int(state.get("retried", 0))  # counted alike by every worker, as syncs
         self._peer = {"phase": state["phase"]}
         self.comm.healed = True
 
