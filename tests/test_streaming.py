@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
+import pathlib
 
 import numpy as np
 import pytest
 import torch
 
+from localsgd.cli.forkserver import start_method
 from localsgd.data import ShardSampler, make_batches, shard_indices
 from localsgd.data.datasets import cifar10, image_folder, synthetic
 from localsgd.data.loader import StreamBatches
@@ -28,6 +31,20 @@ def _same(a, b) -> bool:
 @pytest.mark.slow  # DataLoader worker processes
 @pytest.mark.timeout(120)
 def test_augmented_batches_repeat_for_any_worker_count_and_after_a_mid_epoch_restore(tmp_path):
+    # in a fresh process: the DataLoader forks its workers, and a test process that ran
+    # in-process collectives before (gloo, torchft's managers) may hold native threads whose
+    # state a fork copies half-made (seen: a loader worker aborted at its first thread)
+    ctx = multiprocessing.get_context(start_method())
+    child = ctx.Process(target=_augmented_batches_repeat, args=(str(tmp_path),))
+    child.start()
+    child.join(100)
+    if child.exitcode is None:
+        child.kill()
+    assert child.exitcode == 0, f"the checks failed in the child (exit code {child.exitcode})"
+
+
+def _augmented_batches_repeat(tmp: str) -> None:
+    tmp_path = pathlib.Path(tmp)
     fake_cifar(tmp_path, per_batch=8)  # 40 train images
     data = cifar10(str(tmp_path))
     cfg = {"loader": "auto", "num_workers": 0}
