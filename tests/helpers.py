@@ -243,6 +243,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# The ft=torchft job of the CLI tests: 3 workers, a replica group each, 60 steps, a sync every
+# 4 after a 4-step synchronous warmup (tests/test_ft_cli.py and its kin add `ft=torchft`)
+FT_JOB = FAST + [
+    "data.num_samples=900",
+    "dist.world_size=3",
+    "trainer.max_steps=60",
+    "trainer.batch_size=16",
+    "trainer.log_every=4",
+    "trainer.eval_every=1000",
+    "trainer.checkpoint_every=0",
+    "sync.warmup_steps=4",
+    "sync.period=4",
+    "logger=jsonl",
+]
+
+
+def as_torchrun_rank(monkeypatch, world_size: int = 2) -> None:
+    """This process's environment as rank 0 of a torchrun machine of `world_size` processes
+    (undone after the test), for what the entry point's checks refuse under torchrun."""
+    for key, value in (("RANK", "0"), ("WORLD_SIZE", str(world_size)), ("LOCAL_RANK", "0"),
+                       ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29999")):  # fmt: skip
+        monkeypatch.setenv(key, value)
+
+
 def torchrun_machine(args: list[str], env: dict, nproc: int = 2) -> subprocess.Popen:
     """One "machine" on loopback: `torchrun --nproc-per-node=NPROC -m localsgd.train ARGS` with
     a rendezvous of its own, restarted once by torchrun if a rank dies; output on stdout."""

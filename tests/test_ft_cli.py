@@ -18,7 +18,7 @@ import pytest
 from localsgd.loop import checkpoint
 from tests import faults
 from tests.helpers import (
-    FAST,
+    FT_JOB,
     ROOT,
     cli,
     refusal,
@@ -30,18 +30,7 @@ from tests.helpers import (
 
 pytest.importorskip("torchft")
 
-FT = FAST + [
-    "data.num_samples=900",
-    "dist.world_size=3",
-    "trainer.max_steps=60",
-    "trainer.batch_size=16",
-    "trainer.log_every=4",
-    "trainer.eval_every=1000",
-    "trainer.checkpoint_every=0",
-    "sync.warmup_steps=4",
-    "sync.period=4",
-    "logger=jsonl",
-]
+FT = FT_JOB
 
 
 STREAMING = [  # Streaming DiLoCo, 2 fragments, 4-bit pseudo-gradients with error feedback

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from tests.helpers import FAST, cli, refusal, same_model
+from tests.helpers import FAST, as_torchrun_rank, cli, refusal, same_model
 
 pytest.importorskip("torchft")
 
@@ -106,9 +106,7 @@ def test_a_reassigned_shard_under_torchft_is_refused_in_one_line(tmp_path, capsy
 def test_gathered_syncs_over_replica_groups_of_several_processes_are_refused(
     tmp_path, capsys, monkeypatch
 ):
-    for key, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0"),
-                       ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29999")):  # fmt: skip
-        monkeypatch.setenv(key, value)
+    as_torchrun_rank(monkeypatch)
     args = FAST + ["ft=torchft", "ft.lighthouse=127.0.0.1:29510", "ft.replica_groups=2",
                    "ft.replica_id=group_0", "sync.aggregate=median",
                    f"hydra.run.dir={tmp_path}"]  # fmt: skip

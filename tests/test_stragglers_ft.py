@@ -10,23 +10,13 @@ import json
 
 import pytest
 
-from tests.helpers import FAST, cli, refusal, same_model
+from tests.helpers import FAST, FT_JOB, as_torchrun_rank, cli, refusal, same_model
 
 pytest.importorskip("torchft")
 
 # 3 workers, the third three times slower: a budget of 4 steps at speed 1 leaves it 1 step a
 # round (3 x 2 ms do not fit in 8 ms after one), the others 4
-PACED = FAST + [
-    "data.num_samples=900",
-    "dist.world_size=3",
-    "trainer.max_steps=60",
-    "trainer.batch_size=16",
-    "trainer.log_every=4",
-    "trainer.eval_every=1000",
-    "trainer.checkpoint_every=0",
-    "sync.warmup_steps=4",
-    "sync.period=4",
-    "logger=jsonl",
+PACED = FT_JOB + [
     "sync.inner_time_s=0.008",
     "comm.simulate.worker_speed=[1,1,3]",
     "comm.simulate.step_s=0.002",
@@ -87,9 +77,7 @@ def test_a_slow_worker_killed_under_weighted_rounds_heals_and_trains_on_at_its_p
 def test_weighted_rounds_over_replica_groups_of_several_processes_are_refused(
     tmp_path, capsys, monkeypatch
 ):
-    for key, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0"),
-                       ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29999")):  # fmt: skip
-        monkeypatch.setenv(key, value)
+    as_torchrun_rank(monkeypatch)
     args = FAST + [
         "ft=torchft",
         "ft.lighthouse=127.0.0.1:29510",
