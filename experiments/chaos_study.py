@@ -70,6 +70,12 @@ SETTINGS = {  # name: overrides
         "ft.join_timeout_s=1",
         "ft.grace_min_s=0.75",
     ],
+    # the retry with the default membership (added after the retried runs below)
+    "steps padded to 50 ms, retried": [
+        "comm.simulate.worker_speed=[1,1,1,1]",
+        "comm.simulate.step_s=0.05",
+        "ft.retry_failed_sync=true",
+    ],
     # and a failed sync retried at once from the survivors' state before it (added after the
     # membership runs showed most of what was left lost as rolled-back work)
     "50 ms, membership in 0.5 s, retried": [
