@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from localsgd.averaging.torchft.grace import GraceWindow
-from tests.helpers import FAST, cli
+from tests.helpers import FT_JOB, cli
 
 
 def test_a_fixed_window_is_the_window():
@@ -317,17 +317,9 @@ def test_a_late_peer_costs_one_window_and_the_next_round_commits_on_a_rebuilt_gr
 def _three_paced_workers_under_ft(steps: int, run_dir, *extra: str) -> list[str]:
     """3 workers under ft=torchft, a sync every 4 steps, each step lasting >= 50 ms (so that the
     job outlives the faults), a metrics line every 4 steps."""
-    return FAST + [
-        "data.num_samples=900",
-        "dist.world_size=3",
-        f"trainer.max_steps={steps}",
-        "trainer.batch_size=16",
-        "trainer.log_every=4",
-        "trainer.eval_every=1000",
-        "trainer.checkpoint_every=0",
-        "sync.warmup_steps=4",
-        "sync.period=4",
-        "logger=jsonl",
+    job = [f"trainer.max_steps={steps}" if a.startswith("trainer.max_steps=") else a
+           for a in FT_JOB]  # fmt: skip
+    return job + [
         "ft=torchft",
         "comm.simulate.worker_speed=[1,1,1]",
         "comm.simulate.step_s=0.05",
