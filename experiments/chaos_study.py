@@ -86,18 +86,37 @@ SETTINGS = {  # name: overrides
         "ft.grace_min_s=0.75",
         "ft.retry_failed_sync=true",
     ],
+    # the last one with rounds of 50 steps (2.5 s): a fault every ~20 syncs is then one every
+    # ~50 s, where the faults' own downtime leaves room for 97% (added after the runs above)
+    "H = 50, 50 ms, membership in 0.5 s, retried": [
+        "sync.period=50",
+        "comm.simulate.worker_speed=[1,1,1,1]",
+        "comm.simulate.step_s=0.05",
+        "ft.heartbeat_timeout_s=0.5",
+        "ft.join_timeout_s=1",
+        "ft.grace_min_s=0.75",
+        "ft.retry_failed_sync=true",
+    ],
 }
 
 
-def schedule(seed: int, steps: int, every: float) -> list[dict]:
+def period_of(setting: str) -> int:
+    """The setting's k: the preset's, or its `sync.period=` override."""
+    for override in SETTINGS[setting]:
+        if override.startswith("sync.period="):
+            return int(override.split("=", 1)[1])
+    return PERIOD
+
+
+def schedule(seed: int, steps: int, every: float, period: int = PERIOD) -> list[dict]:
     """The faults of one seed: step, kind, worker and (freeze, partition) seconds."""
     rng = random.Random(seed)
-    gap = every * PERIOD
+    gap = every * period
     faults: list[dict] = []
     step = 0
     while True:
         step += int(rng.uniform(0.5, 1.5) * gap)
-        if step > steps - 4 * PERIOD:  # the last one leaves time to heal
+        if step > steps - 4 * period:  # the last one leaves time to heal
             return faults
         recent = [f["rank"] for f in faults[-2:]]
         fault = {
@@ -118,11 +137,21 @@ class Chaos:
         with open(path) as f:
             self.faults = json.load(f)["faults"]
         self.dir = os.path.dirname(path)
+        self.started = False
 
     def on_step_start(self, trainer, step: int) -> None:
         from tests.faults import Fault
 
         rank = trainer.info.rank
+        if not self.started:  # a process restarted after its kill: when it is back (`back-i`)
+            self.started = True
+            for i, fault in enumerate(self.faults):
+                if fault["rank"] == rank and fault["kind"] == "kill":
+                    fired = os.path.join(self.dir, f"fired-{i}")
+                    back = os.path.join(self.dir, f"back-{i}")
+                    if os.path.exists(fired) and not os.path.exists(back):
+                        with open(back, "w") as f:
+                            json.dump({"time": time.time()}, f)
         for i, fault in enumerate(self.faults):
             if fault["rank"] != rank or step < fault["step"]:
                 continue
@@ -203,10 +232,15 @@ def run_one(setting: str, seed: int, args, run_dir: str, faults: list[dict] | No
         raise SystemExit(f"{setting} seed {seed} failed:\n{proc.stderr[-3000:]}")
     with open(os.path.join(run_dir, "summary.json")) as f:
         s = json.load(f)
-    fired = {}
+    fired, fired_at, back_at = {}, {}, {}
     for marker in glob.glob(run_dir + "-faults/fired-*"):
         with open(marker) as f:
-            fired[int(marker.rsplit("-", 1)[1])] = json.load(f)["fired_step"]
+            got = json.load(f)
+        fired[int(marker.rsplit("-", 1)[1])] = got["fired_step"]
+        fired_at[int(marker.rsplit("-", 1)[1])] = got["time"]
+    for marker in glob.glob(run_dir + "-faults/back-*"):
+        with open(marker) as f:
+            back_at[int(marker.rsplit("-", 1)[1])] = json.load(f)["time"]
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         lines = [json.loads(line) for line in f if line.strip()]
     progress = [
@@ -219,7 +253,8 @@ def run_one(setting: str, seed: int, args, run_dir: str, faults: list[dict] | No
         "seed": seed,
         "chaos": faults is not None,
         "faults": [
-            {**fault, "fired_step": fired.get(i)} for i, fault in enumerate(faults or [])
+            {**fault, "fired_step": fired.get(i), "down_s": downtime(fault, i, fired_at, back_at)}
+            for i, fault in enumerate(faults or [])
         ],
         "command_wall_s": round(wall, 2),
         "train_s": round(s["wall_time_s"] - s["eval_seconds"], 3),
@@ -239,6 +274,17 @@ def run_one(setting: str, seed: int, args, run_dir: str, faults: list[dict] | No
     }
 
 
+def downtime(fault: dict, i: int, fired_at: dict, back_at: dict) -> float | None:
+    """The seconds the fault itself took its worker out: a freeze's or a partition's length;
+    for a kill, from the kill to the restarted process's first step (its start-up: the
+    launcher's restart, imports, data and model, the lighthouse)."""
+    if i not in fired_at:
+        return None
+    if fault["kind"] != "kill":
+        return fault["seconds"]
+    return round(back_at[i] - fired_at[i], 2) if i in back_at else None
+
+
 def compare(free: dict, chaos: dict) -> dict:
     """Goodput and loss of a chaos run against its fault-free run, and the seconds of
     fault-free training each fault cost (`1 - goodput` is about that over the gap between
@@ -248,12 +294,19 @@ def compare(free: dict, chaos: dict) -> dict:
     fired = sum(f["fired_step"] is not None for f in chaos["faults"])
     lost_s = chaos["train_s"] - chaos["merged_samples"] / free_rate
     steps_per_s = free["progress"][-1][0] / free["train_s"]
+    period = period_of(chaos["setting"])
     stalls = {kind: [] for kind in KINDS}
     for fault in chaos["faults"]:
         if fault["fired_step"] is not None:
-            stalls[fault["kind"]].append(round(stall(chaos["progress"], fault, steps_per_s), 2))
+            stalls[fault["kind"]].append(
+                round(stall(chaos["progress"], fault, steps_per_s, period), 2)
+            )
+    down = [f.get("down_s") for f in chaos["faults"] if f["fired_step"] is not None]
+    # the most a job can keep: each fault takes one of the workers out for its downtime
+    ceiling = None if None in down else 1 - sum(down) / (WORKERS * chaos["train_s"])
     return {
         "goodput": rate / free_rate,
+        "ceiling": ceiling,
         "loss_vs_free": chaos["test_loss"] / free["test_loss"] - 1,
         "faults_fired": fired,
         "seconds_lost_per_fault": lost_s / max(fired, 1),
@@ -263,14 +316,14 @@ def compare(free: dict, chaos: dict) -> dict:
     }
 
 
-def stall(progress: list, fault: dict, steps_per_s: float) -> float:
+def stall(progress: list, fault: dict, steps_per_s: float, period: int = PERIOD) -> float:
     """An estimate of the seconds rank 0's progress stood still around one fault: the time
     from its last log line at or before the fault's step to its first one 3 syncs after it,
     less what those steps take at the fault-free run's pace (its log lines come every 25 steps,
     so it is no finer than that; a fault on rank 0 itself shows its own downtime)."""
     step = fault["fired_step"]
     before = [p for p in progress if p[0] <= step] or progress[:1]
-    after = [p for p in progress if p[0] >= step + 3 * PERIOD] or progress[-1:]
+    after = [p for p in progress if p[0] >= step + 3 * period] or progress[-1:]
     (s0, t0), (s1, t1) = before[-1][:2], after[0][:2]
     return (t1 - t0) - (s1 - s0) / steps_per_s
 
@@ -328,6 +381,8 @@ def _command(args: argparse.Namespace) -> str:
         settings = " ".join(f'"{s}"' for s in args.settings)
         seeds = " ".join(map(str, args.seeds))
         cmd += f" --seeds {seeds} --settings {settings} --out {args.out}"
+        if args.steps != 3000:
+            cmd += f" --steps {args.steps}"
     return cmd
 
 
@@ -341,7 +396,8 @@ def write_report(data: dict, out: str) -> None:
         "",
         f"Run {data['stamp']}, {data['elapsed_s']:.0f} s on 2 CPUs shared with other jobs: "
         f"MNIST-1D, the CNN, {WORKERS} workers, {args.steps} steps ({WARMUP} synchronous, then "
-        f"k = {PERIOD}), `ft=torchft`, a fault every ~{args.every:g} syncs (x {PERIOD} steps) "
+        f"k = {PERIOD} unless the setting names another), `ft=torchft`, a fault every "
+        f"~{args.every:g} syncs (x k steps) "
         "among the 4 workers, the schedule drawn from the seed (seeds "
         f"{', '.join(map(str, args.seeds))}; the same schedule in every setting of a seed; "
         "`chaos_study.json` lists it, with the step each fault fired at). Every ratio is against "
@@ -359,10 +415,15 @@ def write_report(data: dict, out: str) -> None:
         "other jobs use; it is the worker's data plane held, its control plane up, which is "
         "what its peers and the lighthouse see of such a cut.",
         "",
-        "| setting | seed | faults fired (kill/freeze/partition) | goodput | test loss vs "
-        "fault-free | seconds lost per fault | seconds between faults | samples lost | "
+        "Ceiling: the most goodput a job can keep when each fault takes one of the 4 workers "
+        "out for its own downtime (a freeze's or partition's length; a kill's restart, from the "
+        "kill to the new process's first step): 1 - sum(downtime) / (4 x training seconds); "
+        "'-' where the run did not record a kill's restart (runs before it was added).",
+        "",
+        "| setting | seed | faults fired (kill/freeze/partition) | goodput | ceiling | test "
+        "loss vs fault-free | seconds lost per fault | seconds between faults | samples lost | "
         "participants min | heals | failed syncs | window at the end (s) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         chaos = next(r for r in runs if r["chaos"] and r["seed"] == row["seed"]
@@ -373,7 +434,9 @@ def write_report(data: dict, out: str) -> None:
         )
         lines.append(
             f"| {row['setting']} | {row['seed']} | {row['faults_fired']} ({kinds}) | "
-            f"{row['goodput']:.3f} | {row['loss_vs_free']:+.2%} | "
+            f"{row['goodput']:.3f} | "
+            + (f"{row['ceiling']:.3f}" if row.get("ceiling") is not None else "-")
+            + f" | {row['loss_vs_free']:+.2%} | "
             f"{row['seconds_lost_per_fault']:.2f} | {row['seconds_between_faults']:.1f} | "
             f"{row['samples_lost']:,} of {chaos['samples_total']:,} | "
             f"{chaos['participants_min']} | {chaos['heals']} | {chaos['failed_syncs']} | "
@@ -423,8 +486,8 @@ def main() -> None:
     runs, rows = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for seed in args.seeds:
-            faults = schedule(seed, args.steps, args.every)
             for setting in args.settings:
+                faults = schedule(seed, args.steps, args.every, period_of(setting))
                 pair = []
                 for chaos in (False, True):
                     label = "".join(c if c.isalnum() else "_" for c in setting)

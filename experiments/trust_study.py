@@ -50,6 +50,9 @@ EXTRA = {
     "mean, 3 workers": (["dist.world_size=3"], ["none"]),
     # scoring with the excluded worker's shard split among the others (sync.excluded_shard)
     "mean+score, reassigned": (["sync.score=true", "sync.excluded_shard=reassign"], ATTACKS),
+    # scoring on a held-out batch of 32 windows: about 5% of an H = 50 round's compute (three
+    # forward passes of 32 against 50 steps of 16 x (forward + backward))
+    "mean+score, 32 windows": (["sync.score=true", "sync.score_batch=32"], ATTACKS),
 }
 MNIST1D = ["data=mnist1d", "model=mlp"]
 # the Shakespeare LM of experiments/lm_shakespeare (a 215k-parameter GPT, inner AdamW) under
@@ -64,6 +67,9 @@ SETTINGS = {
     "local_sgd": [*MNIST1D, "sync.period=10"],
     "diloco": [*MNIST1D, "+experiment=diloco", "sync.period=10", "sync.outer_warmup_rounds=0"],
     "lm_diloco": [*SHAKESPEARE, "sync=diloco", "sync.period=10", "sync.outer_warmup_rounds=0"],
+    # DiLoCo's rounds at a period nearer the papers' (H = 50), where scoring's held-out passes
+    # can be a small part of a round
+    "lm_diloco_h50": [*SHAKESPEARE, "sync=diloco", "sync.period=50", "sync.outer_warmup_rounds=0"],
     # Streaming DiLoCo, blocking (delay 0) and replacing (alpha 0), the form a robust
     # aggregate composes with: 2 fragments, each with its own outer step every 20 steps, one
     # fragment sync every 10 (40 rounds, as the others)
