@@ -100,12 +100,34 @@ SETTINGS = {  # name: overrides
 }
 
 
+# the Shakespeare LM of experiments/lm_shakespeare (the trust study's: a 215k-parameter GPT,
+# inner AdamW) under DiLoCo with H = 16, every step padded to 250 ms (its compute here is about
+# 0.07-0.2 s a step with 4 workers on 2 cores): a sync every 4 s, a fault every ~80 s
+SETTINGS["LM DiLoCo, 250 ms, membership in 0.5 s, retried"] = [
+    "data=shakespeare", "model=transformer", "model.n_layers=4", "model.n_heads=4",
+    "model.d_model=64", "optim=adamw", "optim.lr=0.002", "lr_schedule.warmup_steps=40",
+    "trainer.batch_size=16", "trainer.eval_samples=1024", "trainer.eval_batch_size=256",
+    "sync=diloco", "sync.period=16", "sync.warmup_steps=0", "sync.outer_warmup_rounds=0",
+    "comm.simulate.worker_speed=[1,1,1,1]", "comm.simulate.step_s=0.25",
+    "ft.heartbeat_timeout_s=0.5", "ft.join_timeout_s=1", "ft.grace_min_s=0.75",
+    "ft.retry_failed_sync=true",
+]  # fmt: skip
+
+
+def _override(setting: str, key: str, default):
+    for override in SETTINGS[setting]:
+        if override.startswith(key + "="):
+            return type(default)(override.split("=", 1)[1])
+    return default
+
+
+def batch_of(setting: str) -> int:
+    return _override(setting, "trainer.batch_size", BATCH)
+
+
 def period_of(setting: str) -> int:
     """The setting's k: the preset's, or its `sync.period=` override."""
-    for override in SETTINGS[setting]:
-        if override.startswith("sync.period="):
-            return int(override.split("=", 1)[1])
-    return PERIOD
+    return _override(setting, "sync.period", PERIOD)
 
 
 def schedule(seed: int, steps: int, every: float, period: int = PERIOD) -> list[dict]:
@@ -210,8 +232,10 @@ class RoundLog:
 
 
 def run_one(setting: str, seed: int, args, run_dir: str, faults: list[dict] | None) -> dict:
+    own_sync = any(o.startswith("sync=") for o in SETTINGS[setting])  # the LM's DiLoCo
+    experiment = [] if own_sync else ["+experiment=post_local_sgd"]
     command = [
-        sys.executable, "-m", "localsgd.train", "+experiment=post_local_sgd", "ft=torchft",
+        sys.executable, "-m", "localsgd.train", *experiment, "ft=torchft",
         f"dist.world_size={WORKERS}", f"trainer.max_steps={args.steps}",
         "trainer.checkpoint_every=0", "trainer.progress=false", "logger=jsonl",
         *SETTINGS[setting], f"seed={seed}", f"hydra.run.dir={run_dir}",
@@ -261,7 +285,7 @@ def run_one(setting: str, seed: int, args, run_dir: str, faults: list[dict] | No
         "test_loss": s["test_loss"],
         "test_accuracy": s["test_accuracy"],
         "merged_samples": s["merged_samples"],
-        "samples_total": args.steps * BATCH * WORKERS,
+        "samples_total": args.steps * batch_of(setting) * WORKERS,
         "participants_min": s["participants_min"],
         "heals": s["heals"],
         "failed_syncs": s["failed_syncs"],
@@ -395,8 +419,14 @@ def write_report(data: dict, out: str) -> None:
         f"    {_command(args)}",
         "",
         f"Run {data['stamp']}, {data['elapsed_s']:.0f} s on 2 CPUs shared with other jobs: "
-        f"MNIST-1D, the CNN, {WORKERS} workers, {args.steps} steps ({WARMUP} synchronous, then "
-        f"k = {PERIOD} unless the setting names another), `ft=torchft`, a fault every "
+        + (
+            f"the Shakespeare LM (the 215k-parameter GPT), DiLoCo, {WORKERS} workers, "
+            f"{args.steps} steps (k = 16, no warmup)"
+            if all(setting.startswith("LM") for setting in args.settings)
+            else f"MNIST-1D, the CNN, {WORKERS} workers, {args.steps} steps ({WARMUP} "
+            f"synchronous, then k = {PERIOD} unless the setting names another)"
+        )
+        + ", `ft=torchft`, a fault every "
         f"~{args.every:g} syncs (x k steps) "
         "among the 4 workers, the schedule drawn from the seed (seeds "
         f"{', '.join(map(str, args.seeds))}; the same schedule in every setting of a seed; "
