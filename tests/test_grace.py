@@ -76,9 +76,7 @@ def test_an_agreed_window_is_in_force_and_the_proposal_stays_this_workers_own():
     assert fixed.seconds() == fixed.proposal() == 2.0  # ft.grace_s is the window, always
 
 
-@pytest.mark.parametrize(
-    "kwargs", [{"fixed_s": 0}, {"factor": 0.5}, {"min_s": 0}, {"max_s": 0}]
-)
+@pytest.mark.parametrize("kwargs", [{"fixed_s": 0}, {"factor": 0.5}, {"min_s": 0}, {"max_s": 0}])
 def test_bad_windows_are_refused(kwargs):
     with pytest.raises(ValueError):
         GraceWindow(**kwargs)
@@ -408,8 +406,9 @@ def test_with_a_short_join_timeout_a_partitioned_worker_is_left_out_and_heals(tm
     run_dir = tmp_path / "run"
     cut_s, grace_s = 5.0, 2.0
     proc, left = cli(
-        _three_paced_workers_under_ft(160, run_dir, f"ft.grace_s={grace_s}",
-                                      "ft.join_timeout_s=1"),  # fmt: skip
+        _three_paced_workers_under_ft(
+            160, run_dir, f"ft.grace_s={grace_s}", "ft.join_timeout_s=1"
+        ),  # fmt: skip
         fault=f"partition:2:40:{cut_s}",
         timeout=200,
     )
@@ -489,3 +488,96 @@ def test_two_partitions_in_a_row_cost_the_others_about_the_partitions_not_a_spli
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 120 and summary["participants_min"] == 3
     assert summary["failed_syncs"] >= 1  # the first cut outlasted the window
+
+
+def test_the_round_clock_warns_once_when_rounds_outlast_the_join_timeout():
+    """`RoundClock`: the median of the last 5 gaps between committed rounds against
+    `ft.join_timeout_s`. Rounds of 2.5 s under a 1-s join timeout warn, once; under a 5-s one
+    they do not; one long gap (a round held by a freeze) among short ones does not."""
+    from localsgd.loop.fault_tolerance import RoundClock
+
+    def lines(gaps, join_s):
+        now = [0.0]
+        clock = RoundClock(join_s, clock=lambda: now[0])
+        said = []
+        for gap in [0.0, *gaps]:
+            now[0] += gap
+            said.append(clock.committed())
+        return [line for line in said if line]
+
+    warned = lines([2.5] * 12, 1.0)
+    assert len(warned) == 1 and "ft.join_timeout_s=1" in warned[0] and "2.5 s" in warned[0]
+    assert lines([2.5] * 12, 5.0) == []
+    assert lines([0.5, 0.5, 9.0, 0.5, 0.5, 0.5, 0.5], 1.0) == []
+
+
+def _quorums_of_three_replicas(join_timeout_ms: int, rounds: int, round_s: float) -> list[int]:
+    """Three replicas of a job ask torchft's lighthouse for a quorum, each `round_s` (its
+    round's training) after its last quorum came back, the second 10 ms after the first and the
+    third 20 ms after it; in round 1 the third trains 0.25 s longer. Returns the size of each
+    quorum the first replica got."""
+    from datetime import timedelta
+
+    from torchft._torchft import LighthouseClient, LighthouseServer
+
+    server = LighthouseServer(
+        bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=join_timeout_ms,
+        quorum_tick_ms=10, heartbeat_timeout_ms=5000,
+    )  # fmt: skip
+    sizes: list[int] = []
+    done = threading.Event()
+    try:
+
+        def beat(index: int) -> None:  # as a Manager does, between its quorum requests too
+            client = LighthouseClient(server.address(), timedelta(seconds=5))
+            while not done.is_set():
+                client.heartbeat(f"replica_{index}")
+                time.sleep(0.05)
+
+        def replica(index: int) -> None:
+            client = LighthouseClient(server.address(), timedelta(seconds=5))
+            back = time.monotonic() + 0.3  # the heartbeats first
+            for r in range(rounds):
+                due = (
+                    back
+                    + (round_s if r else 0)
+                    + 0.01 * index
+                    + (0.25 if (index, r) == (2, 1) else 0)
+                )
+                time.sleep(max(0.0, due - time.monotonic()))
+                try:
+                    quorum = client.quorum(
+                        replica_id=f"replica_{index}", timeout=timedelta(seconds=2), step=r
+                    )
+                except TimeoutError:  # the others finished while it waited: its last round
+                    return
+                back = time.monotonic()
+                if index == 0:
+                    sizes.append(len(quorum.participants))
+
+        beats = [threading.Thread(target=beat, args=(i,), daemon=True) for i in range(3)]
+        threads = [threading.Thread(target=replica, args=(i,)) for i in range(3)]
+        for thread in beats + threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+    finally:
+        done.set()
+        server.shutdown()
+    return sizes
+
+
+@pytest.mark.long
+@pytest.mark.timeout(120)
+def test_rounds_longer_than_the_join_timeout_leave_the_last_to_arrive_out_of_every_quorum():
+    """Why `RoundClock` warns (torchft's lighthouse, in-process, three replicas): the third is
+    0.25 s late once. With rounds of 0.6 s and a 0.15-s join timeout it misses that quorum and
+    waits inside the next one, so when the others arrive the earliest member waiting has waited
+    longer than the timeout: every later quorum forms as soon as most have arrived and leaves
+    the last one out (sizes below 3 to the end). With a 1-s join timeout the late one is waited
+    for and every quorum holds all three."""
+    short = _quorums_of_three_replicas(150, rounds=8, round_s=0.6)
+    assert short[0] == 3 and short[1] == 2, short
+    assert all(size < 3 for size in short[2:]), short
+    long = _quorums_of_three_replicas(1000, rounds=8, round_s=0.6)
+    assert long == [3] * 8, long
