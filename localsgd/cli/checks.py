@@ -2,7 +2,8 @@
 ConfigError naming the key and what is allowed. `validate` runs in the launching process before
 any worker starts (`localsgd.cli.train`) and calls the others: the `ft` keys' checks live with
 the supervisor (`localsgd.cli.fault_tolerance.validate_ft`), `dist.shard_size`'s in
-`localsgd.cli.sharding`; the override and data/model checks
+`localsgd.cli.sharding`, the untrusted workers' in `localsgd.cli.trust_checks` and the wire's
+(error feedback, top-k) in `localsgd.cli.wire_checks`; the override and data/model checks
 that need more than the values are `localsgd.cli.overrides` and `localsgd.cli.preflight`. What
 the sync keys mean together is read once, by `localsgd.loop.plan.SyncPlan`."""
 
@@ -13,13 +14,13 @@ from typing import Any
 
 from localsgd.averaging import COMM_DTYPES, OPTIMIZER_STATE_MODES
 from localsgd.averaging.offload import OUTER_STATES
-from localsgd.averaging.robust import AGGREGATES
-from localsgd.averaging.sparse import MAX_CHUNK, MEANS
 from localsgd.averaging.streaming import MERGE_RULES
-from localsgd.cli.fault_tolerance import replica_group_processes, validate_ft
+from localsgd.cli.fault_tolerance import validate_ft
 from localsgd.cli.pacing import validate_pacing
 from localsgd.cli.sharding import validate_sharding
+from localsgd.cli.trust_checks import validate_trust
 from localsgd.cli.virtual import validate_virtual
+from localsgd.cli.wire_checks import validate_wire
 from localsgd.config import BACKENDS, COMPRESSIONS, DEVICES, ConfigError, data_options
 from localsgd.data.loader import LOADERS
 from localsgd.data.partition import PARTITIONS
@@ -237,95 +238,6 @@ def validate_optim(cfg: Any) -> None:
             _require(ok(value), key, allowed, value)
 
 
-def _validate_trust(cfg: Any) -> None:
-    """The keys of untrusted workers' syncs (`localsgd.averaging.trust`) and what they do not
-    compose with (`SyncPlan.trust_refusal`)."""
-    _choice(cfg, "sync.aggregate", AGGREGATES)
-    multiple = _get(cfg, "sync.clip_multiple")
-    _require(_number(multiple) and multiple > 0, "sync.clip_multiple", "a number > 0", multiple)
-    trim = _get(cfg, "sync.trim_fraction")
-    _require(_number(trim) and 0 <= trim < 0.5, "sync.trim_fraction", "in [0, 0.5)", trim)
-    batch = _get(cfg, "sync.score_batch")
-    _require(batch >= 1, "sync.score_batch", "an integer >= 1", batch)
-    fraction = _get(cfg, "sync.score_fraction")
-    _require(0 <= fraction < 1, "sync.score_fraction", "in [0, 1)", fraction)
-    z = _get(cfg, "sync.score_z")
-    _require(_number(z) and z >= 0, "sync.score_z", "a number >= 0", z)
-    after = _get(cfg, "sync.exclude_after")
-    _require(after >= 0, "sync.exclude_after", "an integer >= 0 (0 = never exclude)", after)
-    window = _get(cfg, "sync.exclude_window")
-    _require(window is None or window >= after, "sync.exclude_window",
-             f"null or an integer >= sync.exclude_after ({after})", window)  # fmt: skip
-    shard = _get(cfg, "sync.excluded_shard")
-    _require(shard in (None, "skip", "reassign"), "sync.excluded_shard", "skip, reassign or null",
-             shard)
-    if shard == "reassign" and not (_get(cfg, "sync.score") and after):
-        raise ConfigError(
-            "sync.excluded_shard=reassign needs sync.score=true and sync.exclude_after >= 1: "
-            "only scoring excludes a worker"
-        )
-    aggregate, drop = _get(cfg, "sync.aggregate"), _get(cfg, "sync.drop_nonfinite")
-    if aggregate != "mean" and drop is False:
-        raise ConfigError(
-            f"sync.drop_nonfinite must be true or null with sync.aggregate={aggregate} (a "
-            "robust aggregate always drops NaN/Inf contributions), got False"
-        )
-    if _get(cfg, "sync.score") and drop is False:
-        raise ConfigError(
-            "sync.drop_nonfinite must be true or null with sync.score=true (a NaN/Inf "
-            "contribution scores as bad and is dropped), got False"
-        )
-    ft = _get(cfg, "ft.backend") != "none"
-    plan = SyncPlan.of(_get(cfg, "sync"))
-    if ft and plan.gathered and replica_group_processes() > 1:
-        raise ConfigError(
-            f"sync.aggregate={aggregate}{' with sync.score' if _get(cfg, 'sync.score') else ''} "
-            f"with ft=torchft and replica groups of {replica_group_processes()} processes "
-            "(torchrun) is not built: the contributions are gathered one per replica group "
-            "process through the Manager; run one process per replica group"
-        )
-    if ft and shard == "reassign":
-        raise ConfigError(
-            "sync.excluded_shard=reassign with ft=torchft is not built (a worker that heals "
-            "takes a peer's sampler, and with it the peer's part of the shard); use skip or null"
-        )
-    wire = plan.gathered_wire(_get(cfg, "sync.comm_dtype"))
-    if ft and drop is True and not (wire or plan.gathered):
-        raise ConfigError(
-            "sync.drop_nonfinite=true cannot hold with ft=torchft and a 16/32-bit "
-            "sync.comm_dtype: torchft's Manager all-reduces the mean across replica groups, "
-            "which cannot leave a contribution out; use a low-bit sync.comm_dtype (int8, int4: "
-            "gathered and checked) or null"
-        )
-    refusal = plan.trust_refusal(ft=ft)
-    if refusal is not None:
-        raise ConfigError(refusal)
-
-
-def _validate_wire(cfg: Any) -> None:
-    """Error feedback (and its decay) and sync.compress=topk: what each needs or replaces."""
-    ef, dtype = bool(_get(cfg, "sync.error_feedback")), _get(cfg, "sync.comm_dtype")
-    decay = _get(cfg, "sync.error_feedback_decay")
-    allowed = "in (0, 1], and 1 with sync.error_feedback=false"
-    _require(0 < decay <= 1 and (ef or decay == 1), "sync.error_feedback_decay", allowed, decay)
-    if _get(cfg, "sync.compress") != "topk":
-        allowed = "false with sync.comm_dtype=float32 and sync.compress=none (nothing is rounded)"
-        _require(not ef or dtype != "float32", "sync.error_feedback", allowed, ef)
-        return
-    density, chunk = _get(cfg, "sync.topk_density"), _get(cfg, "sync.topk_chunk")
-    _require(0 < density <= 1, "sync.topk_density", "in (0, 1]", density)
-    _require(2 <= chunk <= MAX_CHUNK, "sync.topk_chunk", f"an integer in [2, {MAX_CHUNK}]", chunk)
-    topk_mean = _get(cfg, "sync.topk_mean")
-    _require(topk_mean in MEANS, "sync.topk_mean", " or ".join(MEANS), topk_mean)
-    allowed = "all with a robust sync.aggregate (it ranks whole messages, not indices)"
-    _require(topk_mean == "all" or _get(cfg, "sync.aggregate") == "mean", "sync.topk_mean",
-             allowed, topk_mean)  # fmt: skip
-    allowed = "float32 with sync.compress=topk (top-k sends its own 2-bit values)"
-    _require(dtype == "float32", "sync.comm_dtype", allowed, dtype)
-    allowed = "true with sync.compress=topk (without it the values not sent are lost)"
-    _require(ef, "sync.error_feedback", allowed, ef)
-
-
 def _validate_streaming(cfg: Any, plan: SyncPlan) -> None:
     """Fragments, a delayed or mixed merge, the eager outer step, an outer optimizer over
     levels (`StreamingAverager`; with levels, the widest level is the streaming one)."""
@@ -452,8 +364,8 @@ def validate_sync(cfg: Any, ws: int | None, local_ws: int | None) -> None:
 
     block = _get(cfg, "sync.quant_block_size")
     _require(block >= 1, "sync.quant_block_size", "an integer >= 1", block)
-    _validate_wire(cfg)
-    _validate_trust(cfg)
+    validate_wire(cfg, _get)
+    validate_trust(cfg, _get)
     levels = list(_get(cfg, "sync.levels") or [])
     if _get(cfg, "sync.optimizer_state") == "desloc":
         mp = list(_get(cfg, "sync.moment_periods"))
