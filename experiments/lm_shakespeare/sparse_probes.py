@@ -8,6 +8,16 @@ changes one thing of `sparseloco_h16`; its final validation loss is compared wit
     python experiments/lm_shakespeare/sparse_probes.py run --probes sync local_k16 base ...
     python experiments/lm_shakespeare/sparse_probes.py report   # -> sparse_probes.md
 
+FRONTIER (fixed 2026-12-05 21:05 UTC, before any of these ran; branch ef): with the Elias-Fano
+index wire (localsgd/averaging/sparse.py) the largest k of 4096 at or under 0.001 bytes per
+parameter per step over the study's 2000 steps is 46 at H = 16, 53 at H = 18, 60 at H = 20
+(`sync.topk_mean=senders`, decay 0.95, as `sparseloco_h16_sb95`, +2.7 to +3.2% at 0.0013).
+Stage 1 probes those three (`k46_h16`, `k53_h18`, `k60_h20`) and `k32_h20` (the study's row at
++7.9%, to read a 600-step gap against); stage 2 takes stage 1's best and probes it with decay
+0.9, decay 0.98 and outer lr 1.5 (one change each); stage 3, only if two of stage 2 beat stage
+1's best, probes those two together. The best probe at seed 0 becomes the study's row
+(study.py, 3 seeds, 2000 steps); seeds 1 and 2 are never probed.
+
 The runs live in $SPARSE_PROBE_DIR (default /tmp/sparse_probes); `report` reads their
 summary.json and keeps the figures in sparse_probes.json here, so the table survives them.
 """
@@ -29,6 +39,7 @@ RUNS = Path(os.environ.get("SPARSE_PROBE_DIR", "/tmp/sparse_probes"))
 KEPT = HERE / "sparse_probes.json"
 STEPS = 600
 BASE = ["sync=sparseloco", "sync.period=16"]
+SB95 = ["sync=sparseloco", "sync.topk_mean=senders", "sync.error_feedback_decay=0.95"]
 
 # name -> (overrides on top of COMMON, what it asks)
 PROBES = {
@@ -49,6 +60,16 @@ PROBES = {
     "d16": (BASE + ["sync.topk_density=0.0625"], "density 1/16 (256 of 4096)"),
     "chunk256": (BASE + ["sync.topk_chunk=256"], "chunks of 256 (k = 4): the same density, "
                  "the top-k spread more evenly"),
+    # the frontier at 0.001 bytes per parameter per step (2026-12-05, branch ef; see FRONTIER)
+    "k32_h20": (SB95 + ["sync.period=20", "sync.topk_density=0.0078125"],
+                "top-k 32/4096, H = 20, senders + 0.95: the study's sparseloco_h20_d128_sb95 "
+                "(+7.9% at 2000 steps), to read 600-step gaps against"),
+    "k46_h16": (SB95 + ["sync.period=16", "sync.topk_density=0.01123046875"],
+                "top-k 46/4096, H = 16, senders + 0.95: 0.00099 B/param/step at 2000 steps"),
+    "k53_h18": (SB95 + ["sync.period=18", "sync.topk_density=0.012939453125"],
+                "top-k 53/4096, H = 18, senders + 0.95: 0.00100 B/param/step at 2000 steps"),
+    "k60_h20": (SB95 + ["sync.period=20", "sync.topk_density=0.0146484375"],
+                "top-k 60/4096, H = 20, senders + 0.95: 0.00099 B/param/step at 2000 steps"),
 }  # fmt: skip
 
 
