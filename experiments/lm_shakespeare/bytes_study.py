@@ -6,6 +6,8 @@
         sparseloco_h50_b95 diloco_h16_desloc_m3v3 sparseloco_h50_sb95 sparseloco_h16_sb95 \\
         sparseloco_h50_sb95_w2 sparseloco_h16_sb95_w2 sparseloco_h20_d128_sb95 \\
         sparseloco_h20_d128_sb95_w2
+    LM_STUDY_DIR=/tmp/ef_lm python experiments/lm_shakespeare/study.py run \\
+        --rows sparseloco_h16_k46_sb90 sparseloco_h16_k46_sb90_w2      # 2026-12-05, branch ef
     python experiments/lm_shakespeare/study.py export     # the new runs into runs.jsonl
     python experiments/lm_shakespeare/bytes_study.py      # -> bytes_study.md and bytes_study.json
 
@@ -22,6 +24,13 @@ by the workers that sent it (`sync.topk_mean=senders`, the aggregation of Sparse
 code) together with the reference's residual decay 0.95 closed most of `sparseloco_h16`'s gap,
 and neither alone did. Their values are the reference's, not tuned here; their 2-worker twins
 check them on a world size the probes never ran, and seeds 1 and 2 on seeds they never ran.
+
+The `_k46_sb90` rows were added on 2026-12-05 (21:40 UTC, branch ef) with the Elias-Fano index
+wire, which the earlier top-k runs did not have: their `comm_bytes` are restated for it on
+reading (exact, `localsgd.analysis.restate`; marked * in the table). The row is the best of 9
+600-step probes at seed 0 along the 0.001 frontier (sparse_probes.py's FRONTIER: top-k 46 of
+4096 at H = 16, the senders' mean, the residual decayed by 0.9); seeds 1 and 2 and its 2-worker
+twin were never probed.
 """
 
 from __future__ import annotations
@@ -231,9 +240,15 @@ def main() -> None:
         "`diloco_h16_desloc_m3v3`; after the 600-step probes of `sparse_probes.py` "
         "([sparse_probes.md](sparse_probes.md)): the `_sb95` rows (`sync.topk_mean=senders`, the "
         "reference code's per-index mean over the workers that sent it, with its decay 0.95; "
-        "neither value tuned here) and their 2-worker twins. A row with fewer than 3 seeds ran "
-        "out of time. Runs made 2026-12-05 15:36-17:20 UTC (branch lm30) and, for the `_b95` "
-        "and `_sb95` rows, 18:35-20:00 UTC (branch sparse).",
+        "neither value tuned here) and their 2-worker twins; after 9 more 600-step probes along "
+        "the 0.001 frontier (seed 0, `sparse_probes.py`'s FRONTIER): `sparseloco_h16_k46_sb90` "
+        "(top-k 46 of 4096, H = 16, the senders' mean, decay 0.9; chosen on seed 0, so seeds 1 "
+        "and 2 and the 2-worker twin are its check). A row with fewer than 3 seeds ran "
+        "out of time. Runs made 2026-12-05 15:36-17:20 UTC (branch lm30), for the `_b95` "
+        "and `_sb95` rows 18:35-20:00 UTC (branch sparse), for the `_k46_sb90` rows from 21:40 "
+        "UTC (branch ef). Bytes marked * are of runs that sent int16 indices, restated for the "
+        "Elias-Fano indices the wire sends since 2026-12-05 (exact: the same positions and "
+        "values, so the same models; `localsgd.analysis.restate`).",
         "",
         "## SparseLoCo-style top-k against 4-bit DiLoCo against sync",
         "",
