@@ -144,7 +144,7 @@ class SparseWire(GatheredWire):
         self.magnitude = torch.empty_like(self.work)
         self.top = torch.empty(chunks, k, dtype=torch.float32, device=device)
         self.index = torch.empty(chunks, k, dtype=torch.int64, device=device)
-        self.order = torch.empty_like(self.index)  # the sort's permutation, unused
+        self.order = torch.empty_like(self.index)  # where the sort puts its permutation (not read)
         self.scales = torch.empty(chunks, dtype=torch.float32, device=device)
         self.codes = torch.zeros(math.ceil(self.sent / 4) * 4, dtype=torch.uint8, device=device)
         # the Elias-Fano index stream, one byte a bit: per chunk its k * low low bits, then its
@@ -152,7 +152,7 @@ class SparseWire(GatheredWire):
         bits = chunks * codec.index_bits
         self.bits = torch.zeros(math.ceil(bits / 8) * 8, dtype=torch.uint8, device=device)
         per_chunk = self.bits[:bits].view(chunks, codec.index_bits)
-        self.low_bits = per_chunk[:, : k * low].view(chunks, k, low)
+        self.low_parts = per_chunk[:, : k * low].view(chunks, k, low)
         self.bitmap = per_chunk[:, k * low :]
         self.shifts = torch.arange(low, dtype=torch.int64, device=device)
         self.ranks = torch.arange(k, dtype=torch.int64, device=device)  # j of the j-th index
@@ -188,7 +188,7 @@ class SparseWire(GatheredWire):
     def _encode_indices(self) -> None:
         """`index` (ascending in each chunk) Elias-Fano coded into `send`'s index bytes."""
         low = self.codec.low_bits
-        self.low_bits.copy_(self.index.unsqueeze(2).bitwise_right_shift(self.shifts) & 1)
+        self.low_parts.copy_(self.index.unsqueeze(2).bitwise_right_shift(self.shifts) & 1)
         self.bitmap.zero_()
         self.bitmap.scatter_(1, self.index.bitwise_right_shift(low).add_(self.ranks), 1)
         octets = self.bits.view(-1, 8)  # least significant bit first
@@ -206,7 +206,7 @@ class SparseWire(GatheredWire):
         # the k set bits of each chunk's bitmap, in order (a stable sort puts the ones first)
         _, where = torch.sort(self.bitmap, dim=1, descending=True, stable=True)
         high = where[:, : self.codec.k].sub_(self.ranks)
-        low = (self.low_bits.long() << self.shifts).sum(2)
+        low = (self.low_parts.long() << self.shifts).sum(2)
         torch.bitwise_or(high.bitwise_left_shift_(self.codec.low_bits), low, out=self.index)
 
     def decode(self, message: torch.Tensor) -> torch.Tensor:
