@@ -167,7 +167,7 @@ def test_elias_fano_round_trips_the_sorted_positions(chunk, k):
     """The k positions each chunk keeps, coded and decoded: exactly the picked positions,
     ascending, for random picks, positions 0 and chunk - 1, adjacent runs, k = 1, k = chunk
     (every position), the largest chunk allowed and a last chunk cut short; and the values land
-    where they were."""
+    where they were; a message whose bitmap does not hold k positions a chunk is refused."""
     from localsgd.averaging.sparse import MAX_CHUNK
 
     gen = torch.Generator().manual_seed(chunk * 7 + k)
@@ -188,6 +188,12 @@ def test_elias_fano_round_trips_the_sorted_positions(chunk, k):
     assert torch.equal(receiver.index, expected)
     assert torch.equal(decoded.nonzero().flatten(), where)
     assert torch.equal(decoded, codec.dequantize(codec.quantize(x), n))
+    # one bitmap bit flipped: refused, not decoded to positions outside the chunk
+    broken = sender.send.clone()
+    first = codec.low_bits * k  # the first chunk's first bitmap bit, in the index bytes
+    broken[receiver.index_start + first // 8] ^= 1 << (first % 8)
+    with pytest.raises(ValueError, match="not a top-k message of this wire"):
+        receiver.decode(broken)
 
 
 def test_error_feedback_conserves_the_signal(lone_group):

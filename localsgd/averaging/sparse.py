@@ -156,6 +156,8 @@ class SparseWire(GatheredWire):
         self.bitmap = per_chunk[:, k * low :]
         self.shifts = torch.arange(low, dtype=torch.int64, device=device)
         self.ranks = torch.arange(k, dtype=torch.int64, device=device)  # j of the j-th index
+        # the chunk of each position a message holds, in order: what a valid bitmap's ones give
+        self.chunk_of = torch.arange(chunks, device=device).repeat_interleave(k)
         self.send = torch.zeros(self.nbytes, dtype=torch.uint8, device=device)
         self._gathered: dict[int, torch.Tensor] = {}
         self.acc: torch.Tensor | None = None
@@ -203,9 +205,13 @@ class SparseWire(GatheredWire):
         for j in range(8):
             torch.bitwise_right_shift(packed, j, out=octets[:, j])
         self.bits.bitwise_and_(1)
-        # the k set bits of each chunk's bitmap, in order (a stable sort puts the ones first)
-        _, where = torch.sort(self.bitmap, dim=1, descending=True, stable=True)
-        high = where[:, : self.codec.k].sub_(self.ranks)
+        # the set bits of every chunk's bitmap, in order: exactly k a chunk in a message of this
+        # wire (anything else would decode to positions outside the chunk, so it is refused)
+        ones = self.bitmap.nonzero()
+        if ones.shape[0] != self.sent or not torch.equal(ones[:, 0], self.chunk_of):
+            raise ValueError(f"not a top-k message of this wire: its index bitmaps do not hold "
+                             f"{self.codec.k} positions in each of {self.chunks} chunks")
+        high = ones[:, 1].view(self.chunks, self.codec.k).sub_(self.ranks)
         low = (self.low_parts.long() << self.shifts).sum(2)
         torch.bitwise_or(high.bitwise_left_shift_(self.codec.low_bits), low, out=self.index)
 
