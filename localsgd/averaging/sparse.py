@@ -15,10 +15,11 @@ by position, as
 The indices are Elias-Fano coded at a fixed size per chunk: position `i_j` (the j-th smallest,
 j = 0..k-1) sends its `l` low bits as they are, and sets bit `(i_j >> l) + j` of a bitmap of
 `k + (chunk >> l)` bits; the decoder finds the k set bits `p_j` (exactly k per chunk) and gets
-`i_j = ((p_j - j) << l) | low_j`. About `2 + log2(chunk / k)` bits an index (8 at 64 of 4096)
-instead of int16's 16, with nothing lost: the positions, and so the decoded values, are the
-same bits. The per-chunk index bits of all chunks are packed back to back, least significant
-bit first, and the stream is padded to a byte.
+`i_j = ((p_j - j) << l) | low_j` (a message whose bitmaps do not hold k ones a chunk is
+refused). About `2 + log2(chunk / k)` bits an index (8 at 64 of 4096) instead of int16's 16,
+with nothing lost: the positions, and so the decoded values, are the same bits. The per-chunk
+index bits of all chunks are packed back to back, least significant bit first, and the stream
+is padded to a byte.
 
 A code `c` in 0..3 decodes to `(2c - 3) / 3 * scale`: the four levels -1, -1/3, 1/3, 1 times
 the scale, each value rounded to the nearest level (`|error| <= scale / 3` for the values
