@@ -97,6 +97,39 @@ def run_one(row: list[str], workers: int, seed: int, steps: int, run_dir: str) -
         return json.load(f)
 
 
+def _restated(result: dict) -> tuple[int, bool]:
+    """A result's `comm_bytes` as today's top-k wire counts them, and whether it was restated
+    from int16 indices (the runs before 2026-12-05; `localsgd.analysis.restate`, exact)."""
+    from localsgd.analysis.restate import restate_run
+
+    config = dict(o.split("=", 1) for o in rows(result["steps"])[result["row"]])
+    if config.get("sync") == "sparseloco":
+        config.setdefault("sync.compress", "topk")
+    summary = {k: result[k] for k in ("comm_bytes", "comm_rounds", "params")}
+    int16 = restate_run(summary, config)
+    return summary["comm_bytes"], int16
+
+
+def _bytes_per_param_step(result: dict) -> float:
+    return _restated(result)[0] / (result["params"] * result["steps"])
+
+
+def write(out: str, commands: list[str], results: list[dict]) -> None:
+    with open(out + ".json", "w") as f:
+        json.dump({"commands": commands, "results": results}, f, indent=1)
+    with open(out + ".md", "w") as f:
+        f.write(
+            "# Sparse (top-k, 2 bits) against 4-bit pseudo-gradients on MNIST-1D\n\n"
+            "Made by (2 shared CPU cores; the script's docstring gives the setting; raw runs: "
+            "sparse_study.json):\n\n" + "".join(f"    {c}\n" for c in commands) + "\n"
+            "Bytes per parameter per step as today's top-k wire counts them: those marked * "
+            "were sent with int16 indices (before 2026-12-05) and are restated for the "
+            "Elias-Fano indices by `python experiments/sparse_study.py --report` "
+            "(`localsgd.analysis.restate`: exact; the positions, values and models are the "
+            "same bits).\n\n" + "\n".join(table(results)) + "\n"
+        )
+
+
 def table(results: list[dict]) -> list[str]:
     lines = [
         "| row | workers | seeds | test loss | gap to sync (per seed) | test accuracy "
@@ -112,16 +145,17 @@ def table(results: list[dict]) -> list[str]:
                 continue
             loss = [r["test_loss"] for r in runs]
             gaps = [r["test_loss"] / by["sync", workers, r["seed"]]["test_loss"] - 1 for r in runs]
-            bpps = statistics.mean(r["bytes_per_param_step"] for r in runs)
+            bpps = statistics.mean(_bytes_per_param_step(r) for r in runs)
             sync_bpps = statistics.mean(
-                by["sync", workers, r["seed"]]["bytes_per_param_step"] for r in runs
+                _bytes_per_param_step(by["sync", workers, r["seed"]]) for r in runs
             )
+            restated = any(_restated(r)[1] for r in runs)
             spread = statistics.stdev(loss) if len(loss) > 1 else 0.0
             lines.append(
                 f"| {name} | {workers} | {len(runs)} | {statistics.mean(loss):.4f} ± {spread:.4f} "
                 f"| {', '.join(f'{g:+.1%}' for g in gaps)} "
                 f"| {statistics.mean(r['test_accuracy'] for r in runs):.3f} "
-                f"| {bpps:.6f} | {sync_bpps / bpps:.0f}x |"
+                f"| {bpps:.6f}{' *' if restated else ''} | {sync_bpps / bpps:.0f}x |"
             )
     return lines
 
@@ -133,9 +167,15 @@ def main() -> None:
     parser.add_argument("--workers", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--rows", nargs="+", default=None, help="row names (default: all)")
     parser.add_argument("--append", action="store_true", help="add to the results in --out")
+    parser.add_argument("--report", action="store_true", help="only rewrite --out's .md")
     parser.add_argument("--out", default=os.path.join(ROOT, "experiments", "sparse_study"))
     args = parser.parse_args()
     results, commands = [], []
+    if args.report:
+        with open(args.out + ".json") as f:
+            saved = json.load(f)
+        write(args.out, saved["commands"], saved["results"])
+        return
     if args.append:
         with open(args.out + ".json") as f:
             saved = json.load(f)
@@ -166,15 +206,7 @@ def main() -> None:
         f"--{k} {' '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in given
     ) + (" --append" if args.append else "")
     commands.append(f"{command}  ({datetime.date.today()})")
-    with open(args.out + ".json", "w") as f:
-        json.dump({"commands": commands, "results": results}, f, indent=1)
-    with open(args.out + ".md", "w") as f:
-        f.write(
-            "# Sparse (top-k, 2 bits) against 4-bit pseudo-gradients on MNIST-1D\n\n"
-            "Made by (2 shared CPU cores; the script's docstring gives the setting; raw runs: "
-            "sparse_study.json):\n\n" + "".join(f"    {c}\n" for c in commands) + "\n"
-            + "\n".join(table(results)) + "\n"
-        )
+    write(args.out, commands, results)
 
 
 if __name__ == "__main__":

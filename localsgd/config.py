@@ -126,11 +126,12 @@ class SyncConfig:
     error_feedback_decay: float = 1.0
     # COMPRESSIONS: none | topk. topk (SparseLoCo): from each chunk of `topk_chunk` values of the
     # change (pseudo-gradient) only the round(topk_density * topk_chunk) largest go on the wire,
-    # as int16 indices, 2-bit values and one fp32 scale per chunk (localsgd/averaging/sparse.py);
+    # as Elias-Fano coded indices (about 2 + log2(chunk / k) bits each), 2-bit values and one
+    # fp32 scale per chunk (localsgd/averaging/sparse.py);
     # it replaces sync.comm_dtype (leave it float32) and needs sync.error_feedback=true
     compress: str = "none"
     topk_density: float = 0.015625  # 1/64: 64 of every 4096 values
-    topk_chunk: int = 4096  # values per chunk, 2..32768 (int16 indices)
+    topk_chunk: int = 4096  # values per chunk, 2..1048576 (sparse.MAX_CHUNK)
     # what the sum of the decoded top-k messages is divided by: all (the number of workers: the
     # mean of the messages) | senders (per index, the number of workers that sent it: SparseLoCo's
     # reference code; an index one worker sent moves by its whole value)

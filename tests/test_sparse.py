@@ -92,13 +92,20 @@ def test_the_message_holds_the_top_k_of_each_chunk_in_2_bits():
 
 
 def test_byte_counts_are_exact(lone_group):
-    """4 bytes of scale and 2 of index per chunk and k, 2 bits per value sent: the message is
+    """4 bytes of scale per chunk, the Elias-Fano indices (k l + k + (C >> l) bits a chunk,
+    l = floor(log2(C / k)), packed and padded to a byte), 2 bits per value sent: the message is
     that long, and `comm_bytes` grows by exactly the messages of every flat buffer."""
     n, codec = 3680, CODEC
     chunks = math.ceil(n / 256)
-    expected = 4 * chunks + 2 * 16 * chunks + math.ceil(16 * chunks / 4)
-    assert codec.wire_bytes(n) == expected == 15 * 4 + 2 * 16 * 15 + 60
+    index_bits = 16 * 4 + 16 + (256 >> 4)  # l = 4: 96 bits, 6 an index (int16 took 16)
+    expected = 4 * chunks + math.ceil(index_bits * chunks / 8) + math.ceil(16 * chunks / 4)
+    assert codec.wire_bytes(n) == expected == 15 * 4 + 15 * 12 + 60
     assert codec.quantize(torch.randn(n)).numel() == expected
+    # the default, 64 of 4096: 4 + (384 + 128) / 8 + 16 = 84 bytes a chunk; 60 of 4096 (l = 6):
+    # 484 index bits a chunk, so 3 chunks pack into ceil(1452 / 8) = 182 bytes
+    assert TopKCodec().wire_bytes(4096 * 53) == 84 * 53
+    assert TopKCodec(60 / 4096).wire_bytes(3 * 4096) == 12 + 182 + 45
+    assert TopKCodec(60 / 4096).quantize(torch.randn(3 * 4096)).numel() == 239
     model = _Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     stats = CommStats()
@@ -110,6 +117,83 @@ def test_byte_counts_are_exact(lone_group):
         _step(model, opt, gen)
         averager.maybe_average()
         assert stats.bytes == r * per_round
+
+
+def _old_decode(x: torch.Tensor, k: int, chunk: int) -> torch.Tensor:
+    """What the int16-index wire decoded `x` to (its arithmetic written out): the top-k of each
+    zero-padded chunk at the nearest of -1, -1/3, 1/3, 1 times their largest magnitude."""
+    n = x.numel()
+    chunks = torch.zeros(math.ceil(n / chunk) * chunk).index_copy_(0, torch.arange(n), x)
+    chunks = chunks.view(-1, chunk)
+    index = chunks.abs().topk(k, dim=1).indices
+    top = chunks.gather(1, index)
+    scale = top.abs().amax(1)
+    code = (top / scale.masked_fill(scale == 0, 1).unsqueeze(1) * 1.5 + 1.5).round().clamp(0, 3)
+    value = (code * 2 - 3) / 3 * scale.unsqueeze(1)
+    return torch.zeros_like(chunks).scatter_(1, index, value).view(-1)[:n]
+
+
+@pytest.mark.parametrize("n, chunk, k", [(3680, 256, 16), (214996, 4096, 64), (5000, 64, 64),
+                                         (777, 2, 1), (12293, 4096, 60), (1000, 100, 5)])
+def test_the_decoded_values_are_the_int16_wires_bits(n, chunk, k):
+    """Elias-Fano changes how the positions are written, not which: every value decodes to
+    the same bits as with the int16 indices before it (so the sum in rank order is too)."""
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    codec = TopKCodec(k / chunk, chunk)
+    assert codec.k == k
+    got = codec.dequantize(codec.quantize(x), n)
+    assert torch.equal(got.view(torch.int32), _old_decode(x, k, chunk).view(torch.int32))
+
+
+def _positions(chunk: int, k: int, gen: torch.Generator) -> list[list[int]]:
+    """Chunks of positions that test the coding's edges: random ones, runs of adjacent ones from
+    the first position and up to the last, the first and last together, and a last chunk one
+    value short (the zero-padded position left out unless every position is kept)."""
+    def some(m: int, count: int) -> list[int]:
+        return torch.randperm(m, generator=gen)[:count].tolist()
+
+    picks = [some(chunk, k) for _ in range(3)]
+    picks += [list(range(k)), list(range(chunk - k, chunk))]
+    if k >= 2:
+        picks.append([0, chunk - 1, *(p + 1 for p in some(chunk - 2, k - 2))])
+    short = chunk - 1  # values in the last chunk
+    picks.append(list(range(chunk)) if k == chunk else [short - 1, *some(short - 1, k - 1)])
+    return picks
+
+
+@pytest.mark.parametrize("chunk, k", [(4096, 64), (4096, 60), (4096, 1), (64, 64), (100, 7),
+                                      (2, 1), (2, 2), (256, 255), (1 << 20, 3)])
+def test_elias_fano_round_trips_the_sorted_positions(chunk, k):
+    """The k positions each chunk keeps, coded and decoded: exactly the picked positions,
+    ascending, for random picks, positions 0 and chunk - 1, adjacent runs, k = 1, k = chunk
+    (every position), the largest chunk allowed and a last chunk cut short; and the values land
+    where they were; a message whose bitmap does not hold k positions a chunk is refused."""
+    from localsgd.averaging.sparse import MAX_CHUNK
+
+    gen = torch.Generator().manual_seed(chunk * 7 + k)
+    picks = _positions(chunk, k, gen)
+    n = chunk * len(picks) - 1
+    expected = torch.tensor([sorted(pick) for pick in picks])
+    where = (expected + torch.arange(len(picks)).unsqueeze(1) * chunk).flatten()
+    where = where[where < n]
+    x = torch.rand(n, generator=gen) * 1e-3  # below every picked magnitude
+    x[where] = (torch.rand(where.numel(), generator=gen) + 1) * torch.randn(
+        where.numel(), generator=gen).sign()  # fmt: skip
+    codec = TopKCodec(k / chunk, chunk)
+    assert codec.k == k and chunk <= MAX_CHUNK
+    sender, receiver = codec.wire(n, "cpu"), codec.wire(n, "cpu")
+    sender.encode_(x)
+    decoded = receiver.decode(sender.send.clone())
+    assert torch.equal(sender.index, expected)
+    assert torch.equal(receiver.index, expected)
+    assert torch.equal(decoded.nonzero().flatten(), where)
+    assert torch.equal(decoded, codec.dequantize(codec.quantize(x), n))
+    # one bitmap bit flipped: refused, not decoded to positions outside the chunk
+    broken = sender.send.clone()
+    first = codec.low_bits * k  # the first chunk's first bitmap bit, in the index bytes
+    broken[receiver.index_start + first // 8] ^= 1 << (first % 8)
+    with pytest.raises(ValueError, match="not a top-k message of this wire"):
+        receiver.decode(broken)
 
 
 def test_error_feedback_conserves_the_signal(lone_group):
@@ -259,7 +343,7 @@ def test_the_config_builds_top_k_and_the_sparseloco_preset(lone_group):
         (["sync=sparseloco", "sync.topk_density=0"], "sync.topk_density"),
         (["sync=sparseloco", "sync.error_feedback_decay=1.5"], "sync.error_feedback_decay"),
         (["sync.error_feedback_decay=0.9"], "sync.error_feedback_decay"),
-        (["sync=sparseloco", "sync.topk_chunk=40000"], "sync.topk_chunk"),
+        (["sync=sparseloco", "sync.topk_chunk=2000000"], "sync.topk_chunk"),
         (["sync=sparseloco", "sync.topk_mean=median"], "sync.topk_mean"),
         (["sync=sparseloco", "sync.topk_mean=senders", "sync.aggregate=median"],
          "sync.topk_mean"),
@@ -323,3 +407,22 @@ def test_every_rank_decodes_the_same_bits():
         assert per_rank["fragments"] == [True] * len(per_rank["fragments"])
         assert len(per_rank["fragments"]) >= 3
         assert per_rank["levels"] == [True] * 2  # the global averages after steps 0 and 4
+
+
+def test_runs_sent_with_int16_indices_are_restated_exactly():
+    """`localsgd.analysis.restate`: a top-k run's `comm_bytes` from the int16-index wire (4 of
+    scale, 2 an index, 2 bits a value) becomes whole rounds of today's messages; today's counts
+    stay; a count that is whole rounds of neither is refused."""
+    from localsgd.analysis.restate import int16_wire_bytes, restate_run
+
+    assert int16_wire_bytes(CODEC, 3680) == 15 * 4 + 2 * 16 * 15 + 60
+    # sparseloco_h16_sb95, seed 0, as runs.jsonl keeps it: 126 rounds of 148 x 53 bytes
+    config = {"sync.compress": "topk", "sync.topk_density": 0.015625, "sync.topk_chunk": 4096}
+    summary = {"comm_bytes": 988344, "comm_rounds": 126, "params": 214996}
+    metrics = [{"step": 16, "comm_bytes": 2 * 7844}, {"step": 17, "loss": 3.0}]
+    assert restate_run(summary, config, metrics)
+    assert summary["comm_bytes"] == 126 * 84 * 53 and metrics[0]["comm_bytes"] == 2 * 84 * 53
+    assert not restate_run(summary, config)  # today's count stays
+    assert not restate_run({"comm_bytes": 5, "comm_rounds": 1, "params": 9}, {})  # not top-k
+    with pytest.raises(ValueError, match="not 126 rounds"):
+        restate_run({"comm_bytes": 988345, "comm_rounds": 126, "params": 214996}, config)

@@ -6,6 +6,8 @@
         sparseloco_h50_b95 diloco_h16_desloc_m3v3 sparseloco_h50_sb95 sparseloco_h16_sb95 \\
         sparseloco_h50_sb95_w2 sparseloco_h16_sb95_w2 sparseloco_h20_d128_sb95 \\
         sparseloco_h20_d128_sb95_w2
+    LM_STUDY_DIR=/tmp/ef_lm python experiments/lm_shakespeare/study.py run \\
+        --rows sparseloco_h16_k46_sb90 sparseloco_h16_k46_sb90_w2      # 2026-12-05, branch ef
     python experiments/lm_shakespeare/study.py export     # the new runs into runs.jsonl
     python experiments/lm_shakespeare/bytes_study.py      # -> bytes_study.md and bytes_study.json
 
@@ -22,6 +24,13 @@ by the workers that sent it (`sync.topk_mean=senders`, the aggregation of Sparse
 code) together with the reference's residual decay 0.95 closed most of `sparseloco_h16`'s gap,
 and neither alone did. Their values are the reference's, not tuned here; their 2-worker twins
 check them on a world size the probes never ran, and seeds 1 and 2 on seeds they never ran.
+
+The `_k46_sb90` rows were added on 2026-12-05 (21:40 UTC, branch ef) with the Elias-Fano index
+wire, which the earlier top-k runs did not have: their `comm_bytes` are restated for it on
+reading (exact, `localsgd.analysis.restate`; marked * in the table). The row is the best of 9
+600-step probes at seed 0 along the 0.001 frontier (sparse_probes.py's FRONTIER: top-k 46 of
+4096 at H = 16, the senders' mean, the residual decayed by 0.9); seeds 1 and 2 and its 2-worker
+twin were never probed.
 """
 
 from __future__ import annotations
@@ -30,6 +39,8 @@ import argparse
 import json
 import statistics
 from pathlib import Path
+
+from localsgd.analysis.restate import restate_run
 
 HERE = Path(__file__).resolve().parent
 TABLE = HERE / "runs.jsonl"
@@ -49,6 +60,8 @@ BYTES_ROWS = [
     ("sparseloco_h50_sb95", 4, "sync", "`sync=sparseloco`, H = 50, senders' mean, beta 0.95"),
     ("sparseloco_h20_d128_sb95", 4, "sync",
      "`sync=sparseloco`, H = 20, top-k 32 of 4096, senders' mean, beta 0.95"),
+    ("sparseloco_h16_k46_sb90", 4, "sync",
+     "`sync=sparseloco`, H = 16, top-k 46 of 4096, senders' mean, beta 0.9"),
     ("sync_w2", 2, "sync_w2", "synchronous AdamW"),
     ("diloco_h16_int4ef_w2", 2, "sync_w2", "DiLoCo H = 16, 4 bits + error feedback"),
     ("sparseloco_h16_w2", 2, "sync_w2", "`sync=sparseloco`, H = 16"),
@@ -57,6 +70,8 @@ BYTES_ROWS = [
     ("sparseloco_h50_sb95_w2", 2, "sync_w2", "`sync=sparseloco`, H = 50, senders' mean, beta 0.95"),
     ("sparseloco_h20_d128_sb95_w2", 2, "sync_w2",
      "`sync=sparseloco`, H = 20, top-k 32 of 4096, senders' mean, beta 0.95"),
+    ("sparseloco_h16_k46_sb90_w2", 2, "sync_w2",
+     "`sync=sparseloco`, H = 16, top-k 46 of 4096, senders' mean, beta 0.9"),
 ]
 DESLOC_ROWS = [
     ("diloco_h16", 4, "sync", "DiLoCo H = 16, moments local (`optimizer_state=local`)"),
@@ -67,13 +82,17 @@ DESLOC_ROWS = [
 
 
 def load() -> dict[str, dict[int, dict]]:
-    """row -> seed -> kept run, each checked against the study's budget and width."""
+    """row -> seed -> kept run, each checked against the study's budget and width; a top-k run
+    made with int16 indices has its `comm_bytes` restated as today's Elias-Fano wire counts
+    them (`localsgd.analysis.restate`: exact, the same positions and values), and is marked
+    `"restated": True`."""
     runs: dict[str, dict[int, dict]] = {}
     with TABLE.open(encoding="utf-8") as f:
         for line in f:
             if not line.strip():
                 continue
             run = json.loads(line)
+            run["restated"] = restate_run(run["summary"], run["config"])
             row, seed = Path(run["run"]).name.rsplit("_s", 1)
             runs.setdefault(row, {})[int(seed)] = run
     return runs
@@ -115,6 +134,7 @@ def rows_of(spec, runs) -> list[dict]:
             "bytes_per_param_step_exp_avg_sq": statistics.fmean(state["exp_avg_sq"])
             if seeds else None,
             "comm_rounds": runs[row][seeds[0]]["summary"]["comm_rounds"] if seeds else None,
+            "bytes_restated": any(runs[row][s]["restated"] for s in seeds),
             "params": runs[row][seeds[0]]["summary"]["params"] if seeds else None,
         })  # fmt: skip
     return out
@@ -146,7 +166,8 @@ def table(rows: list[dict], per_state: bool) -> list[str]:
         line = (f"| {r['row']} | {r['workers']} | {len(r['seeds'])} "
                 f"| {mean_std(list(r['test_loss'].values()), 4)} | {gaps} "
                 f"| {statistics.fmean(r['gap_pct'].values()):+.2f}% "
-                f"| {r['bytes_per_param_step']:.6f} | {r['x_fewer_than_sync']:.0f}x |")  # fmt: skip
+                f"| {r['bytes_per_param_step']:.6f}{' *' if r['bytes_restated'] else ''} "
+                f"| {r['x_fewer_than_sync']:.0f}x |")  # fmt: skip
         if per_state:
             line += (f" {r['bytes_per_param_step_exp_avg']:.6f} "
                      f"| {r['bytes_per_param_step_exp_avg_sq']:.6f} |")  # fmt: skip
@@ -219,9 +240,15 @@ def main() -> None:
         "`diloco_h16_desloc_m3v3`; after the 600-step probes of `sparse_probes.py` "
         "([sparse_probes.md](sparse_probes.md)): the `_sb95` rows (`sync.topk_mean=senders`, the "
         "reference code's per-index mean over the workers that sent it, with its decay 0.95; "
-        "neither value tuned here) and their 2-worker twins. A row with fewer than 3 seeds ran "
-        "out of time. Runs made 2026-12-05 15:36-17:20 UTC (branch lm30) and, for the `_b95` "
-        "and `_sb95` rows, 18:35-20:00 UTC (branch sparse).",
+        "neither value tuned here) and their 2-worker twins; after 9 more 600-step probes along "
+        "the 0.001 frontier (seed 0, `sparse_probes.py`'s FRONTIER): `sparseloco_h16_k46_sb90` "
+        "(top-k 46 of 4096, H = 16, the senders' mean, decay 0.9; chosen on seed 0, so seeds 1 "
+        "and 2 and the 2-worker twin are its check). A row with fewer than 3 seeds ran "
+        "out of time. Runs made 2026-12-05 15:36-17:20 UTC (branch lm30), for the `_b95` "
+        "and `_sb95` rows 18:35-20:00 UTC (branch sparse), for the `_k46_sb90` rows from 21:40 "
+        "UTC (branch ef). Bytes marked * are of runs that sent int16 indices, restated for the "
+        "Elias-Fano indices the wire sends since 2026-12-05 (exact: the same positions and "
+        "values, so the same models; `localsgd.analysis.restate`).",
         "",
         "## SparseLoCo-style top-k against 4-bit DiLoCo against sync",
         "",

@@ -214,6 +214,17 @@ ROWS = {
     "sparseloco_h20_d128_sb95_w2": ["sync=sparseloco", "sync.period=20",
                                     "sync.topk_density=0.0078125", "sync.topk_mean=senders",
                                     "sync.error_feedback_decay=0.95", "dist.world_size=2"],
+    # ... and the frontier at 0.001 bytes per parameter per step with the Elias-Fano index wire
+    # (2026-12-05, branch ef): top-k 46 of 4096 at H = 16 (0.00099), the senders' mean, residual
+    # decay 0.9. Chosen on seed 0 at 600 steps by sparse_probes.py (9 probes: stage 1 picked 46/16
+    # over 53/18 and 60/20, stage 2 decay 0.9 over 0.95, 0.98 and outer lr 1.5); seeds 1 and 2 and
+    # 2 workers are its check on what it was not chosen on
+    "sparseloco_h16_k46_sb90": ["sync=sparseloco", "sync.period=16",
+                                "sync.topk_density=0.01123046875", "sync.topk_mean=senders",
+                                "sync.error_feedback_decay=0.9"],
+    "sparseloco_h16_k46_sb90_w2": ["sync=sparseloco", "sync.period=16",
+                                   "sync.topk_density=0.01123046875", "sync.topk_mean=senders",
+                                   "sync.error_feedback_decay=0.9", "dist.world_size=2"],
     # issue 30 item 5, optimizer state: beside diloco_h16 (moments local, kept above), DES-LOC
     # (Adam's first moments averaged at every 3rd parameter average, the second at every 6th:
     # `sync.moment_periods=[3,6]`, the paper's K_u = 3 K_x, K_v = 6 K_x) and both moments averaged
@@ -364,9 +375,12 @@ def shape(run) -> tuple[int, int]:
 
 
 def report() -> None:
+    from localsgd.analysis.restate import restate_run
     from localsgd.analysis.runs import read_table
 
     runs = read_table(str(TABLE))
+    # the top-k runs sent with int16 indices (before 2026-12-05), as today's wire counts them
+    restated = {row_of(r) for r in runs if restate_run(r.summary, r.config, r.metrics)}
     by_row = defaultdict(list)
     for run in runs:
         by_row[row_of(run)].append(run)
@@ -388,7 +402,11 @@ def report() -> None:
         f"in nats per character; *vs sync* is the mean's "
         f"difference from the mean of `sync` at the same world size and budget (-: none of that "
         f"width). Communication per worker, "
-        f"counted as sent (payload plus scales for the quantised rows); *x fewer* is sync's mean "
+        f"counted as sent (payload plus scales for the quantised rows; the top-k rows "
+        f"{', '.join(f'`{r}`' for r in sorted(restated))} were sent with int16 indices and are "
+        f"restated as the Elias-Fano wire sends the same positions, exactly: "
+        f"`localsgd.analysis.restate`; their simulated link times are as run); "
+        f"*x fewer* is sync's mean "
         f"bytes over the row's; *MB per round* is bytes / rounds, the most a worker sends at one "
         f"step when rounds are of one size (a fragment is 1/4 of the model give or take the "
         f"embeddings). Wall time: the training loop on the simulated 1 Gbit/s, 100 ms link. "
@@ -547,7 +565,8 @@ NOT_PLOTTED = {"eager_h16_m0", "stream_h16_p4_t0a0", "stream_h16_p4_t0a05", "syn
                "diloco_h16_desloc", "diloco_h16_avg", "diloco_h16_desloc_m3v3",
                "sparseloco_h50_b95", "sparseloco_h50_sb95", "sparseloco_h16_sb95",
                "sparseloco_h50_sb95_w2", "sparseloco_h16_sb95_w2",
-               "sparseloco_h20_d128_sb95", "sparseloco_h20_d128_sb95_w2"}  # fmt: skip
+               "sparseloco_h20_d128_sb95", "sparseloco_h20_d128_sb95_w2",
+               "sparseloco_h16_k46_sb90", "sparseloco_h16_k46_sb90_w2"}  # fmt: skip
 
 
 def plot_map(by_row) -> None:
