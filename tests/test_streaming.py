@@ -80,6 +80,18 @@ def _augmented_batches_repeat(tmp: str) -> None:
 @pytest.mark.slow  # DataLoader worker processes
 @pytest.mark.timeout(60)
 def test_tensor_sets_take_the_in_memory_path_and_stream_gives_the_same_batches():
+    # in a fresh process, as above: its one loader process is forked (aborted once in CI
+    # after other tests had run in this test process)
+    ctx = multiprocessing.get_context(start_method())
+    child = ctx.Process(target=_tensor_sets_take_the_in_memory_path)
+    child.start()
+    child.join(50)
+    if child.exitcode is None:
+        child.kill()
+    assert child.exitcode == 0, f"the checks failed in the child (exit code {child.exitcode})"
+
+
+def _tensor_sets_take_the_in_memory_path() -> None:
     data = synthetic(num_samples=200, num_features=4, seed=0)
     sampler = lambda: ShardSampler(torch.arange(100), 8, seed=0, rank=0)  # noqa: E731
     memory = make_batches(data, {"loader": "auto"}, sampler(), CPU)
