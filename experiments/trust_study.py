@@ -73,6 +73,9 @@ SETTINGS = {
     # Streaming DiLoCo, blocking (delay 0) and replacing (alpha 0), the form a robust
     # aggregate composes with: 2 fragments, each with its own outer step every 20 steps, one
     # fragment sync every 10 (40 rounds, as the others)
+    # SparseLoCo's top-k wire (2-bit values, error feedback, the senders' mean), scored as
+    # Templar scores it: the mean and clip only (a per-coordinate rule is refused over top-k)
+    "sparseloco": [*MNIST1D, "+experiment=untrusted_sparseloco", "sync.score=false"],
     "streaming_diloco": [*MNIST1D, "+experiment=diloco", "sync.period=20", "sync.fragments=2",
                          "sync.outer_warmup_rounds=0"],
 }

@@ -64,6 +64,15 @@ OLD_EXPERIMENTS = {
         "sync.aggregate": "median",
         "sync.score": True,
     },  # fmt: skip
+    "untrusted_sparseloco": {
+        "sync.compress": "topk",
+        "sync.period": 10,
+        "sync.topk_mean": "senders",
+        "sync.error_feedback_decay": 0.9,
+        "sync.aggregate": "mean",
+        "sync.score": True,
+        "optim.lr": 0.003,
+    },  # fmt: skip
     "adaptive_period": {
         "sync.period": 4,
         "sync.warmup_steps": 0,

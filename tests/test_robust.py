@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from localsgd.averaging import OuterAverager, PeriodicAverager, Reducer
 from localsgd.averaging.robust import Aggregate
+from localsgd.averaging.sparse import TopKCodec
 from localsgd.averaging.trust import Judge, RobustMean
 from localsgd.cli.checks import validate
 from localsgd.config import ConfigError
@@ -62,6 +63,50 @@ def test_clip_bounds_every_contribution_by_the_median_norm():
     out = Aggregate("clip", clip_multiple=2.0).combine([rows], [0, 1, 2, 3])[0]
     # the outlier is scaled to 2x the median norm: (1 + 1 + 1 + 2) / 4
     assert torch.allclose(out, torch.full((8,), 1.25))
+
+
+def test_the_mean_and_clip_over_topk_divide_each_index_by_its_senders():
+    # 4 sparse contributions over 6 values; sent: where each message held an index (a value
+    # sent can be 0). Index 5 was sent by nobody, index 0 by every worker.
+    rows = torch.tensor([[1.0, 2, 0, 0, 0, 0], [3, 0, 4, 0, 0, 0], [5, 0, 0, 6, 0, 0],
+                         [7, 0, 0, 0, 0, 0]])
+    sent = torch.tensor([[1, 1, 0, 0, 0, 0], [1, 0, 1, 0, 0, 0], [1, 0, 0, 1, 0, 0],
+                         [1, 0, 0, 0, 1, 0], [0, 0, 0, 0, 0, 0]], dtype=torch.bool)
+    # (sent holds a spare row and padding columns: only rows `keep` and the first n count)
+    sent = torch.cat([sent, torch.zeros(5, 2, dtype=torch.bool)], 1)
+    mean = Aggregate("mean").combine([rows], [0, 1, 2, 3], [sent])[0]
+    assert mean.tolist() == [4.0, 2.0, 4.0, 6.0, 0.0, 0.0]
+    # without worker 2: index 3 has no sender left, index 0 three
+    assert torch.equal(Aggregate("mean").combine([rows], [0, 1, 3], [sent])[0],
+                       torch.tensor([11 / 3, 2.0, 4.0, 0.0, 0.0, 0.0]))
+    assert Aggregate("mean").combine([rows], [0, 1, 2, 3])[0].tolist() == [4.0, 0.5, 1.0, 1.5,
+                                                                           0.0, 0.0]
+    big = rows.clone()
+    big[3] *= 1000  # norm 7000 against a median norm of about 6: clipped to 2x that
+    norms = sorted(float(r.norm()) for r in big)
+    scale = 2 * (norms[1] + norms[2]) / 2 / 7000  # 2x the median of 4 norms (the middle two)
+    clipped = Aggregate("clip").combine([big], [0, 1, 2, 3], [sent])[0]
+    assert abs(float(clipped[0]) - (1 + 3 + 5 + 7000 * scale) / 4) < 1e-4
+    assert clipped[1:].tolist() == [2.0, 4.0, 6.0, 0.0, 0.0]
+
+
+def test_a_per_coordinate_rule_over_topk_is_refused():
+    from localsgd.averaging.compress import wire_buffers
+    from localsgd.averaging.trust import TrustedRound
+
+    buffers = [torch.zeros(64)]
+    low = wire_buffers(buffers, TopKCodec(1 / 16, 32))
+    for rule in ("median", "trimmed_mean"):
+        with pytest.raises(ValueError, match=f"aggregate {rule} over top-k"):
+            TrustedRound(buffers, 4, low, Aggregate(rule))
+    TrustedRound(buffers, 4, low, Aggregate("clip"))  # a rule over whole messages holds
+    with pytest.raises(ConfigError, match="sync.compress=topk") as info:
+        validate(compose_config(["sync=sparseloco", "sync.aggregate=median"]), 4)
+    assert "\n" not in str(info.value)
+    for overrides in (["sync.score=true"], ["sync.aggregate=clip", "sync.topk_mean=senders"],
+                      ["sync.score=true", "sync.topk_mean=senders",
+                       "sync.error_feedback_decay=0.9"]):
+        validate(compose_config(["sync=sparseloco", *overrides]), 4)
 
 
 def test_bad_values_are_refused_in_one_line():
@@ -201,6 +246,30 @@ def _worker(rank, world_size):
         "bytes": avg.stats.bytes == 4 * avg.flat.buffers[0].numel(),
     }
     out["guard"] = _guard_cases(rank)
+    out["topk"] = _topk_cases(rank)
+    return out
+
+
+def _topk_cases(rank: int) -> dict:
+    """SparseLoCo's top-k wire, its contributions gathered (`sync=sparseloco sync.score=true`)
+    and decoded-and-summed as today, 3 DiLoCo rounds each; rank 2 sends NaN in round 1."""
+    out = {}
+    for mean in ("all", "senders"):
+        codec = TopKCodec(density=0.25, chunk=8, mean=mean)  # 2 of every 8 values
+        for name, aggregate in (("decoded", None), ("gathered", Aggregate("mean"))):
+            model = _Net()
+            avg = OuterAverager(1, module=model, aggregate=aggregate, comm_dtype=codec,
+                                error_feedback=True, error_feedback_decay=0.9, outer_lr=1.0,
+                                outer_momentum=0.0, outer_nesterov=False)
+            gen = torch.Generator().manual_seed(40 + rank)
+            for round_ in range(3):
+                _step(model, gen, rank)
+                if rank == 2 and round_ == 1:
+                    _poison(model)
+                avg.maybe_average()
+            out[mean, name] = {"model": avg.flat.buffers[0].clone(),
+                               "residual": avg.reducer.residuals[0].clone(),
+                               "bytes": avg.stats.bytes}
     return out
 
 
@@ -293,6 +362,18 @@ def test_untrusted_workers_across_processes():
     assert low[0]["events"] == [{"round": 0, "step": 0, "rank": 2, "why": "nonfinite"}]
     assert all(x["bytes"] for x in low)  # each rank's int8 message, scales included
     assert all(r["mean"] == {"plain": True, "same": True, "bytes": True} for r in results)
+    # top-k messages gathered: with the NaN dropped, the bits, residuals and bytes of today's
+    # decoded mean, the senders' mean included
+    for r in results:
+        for mean in ("all", "senders"):
+            decoded, gathered = r["topk"][mean, "decoded"], r["topk"][mean, "gathered"]
+            assert torch.isfinite(gathered["model"]).all()
+            assert torch.equal(gathered["model"], decoded["model"]), mean
+            assert torch.equal(gathered["model"], results[0]["topk"][mean, "gathered"]["model"])
+            assert torch.equal(gathered["residual"], decoded["residual"]), mean
+            assert gathered["bytes"] == decoded["bytes"] > 0
+    assert not torch.equal(results[0]["topk"]["all", "gathered"]["model"],
+                           results[0]["topk"]["senders", "gathered"]["model"])
 
 
 def _check_guard(results):

@@ -28,6 +28,10 @@ JOB = FAST + [
 ]
 DILOCO_INT8 = ["sync.outer=diloco", "optim=adamw", "optim.lr=0.003", "sync.comm_dtype=int8",
                "sync.error_feedback=true"]  # fmt: skip
+# SparseLoCo's top-k messages, scored under the senders' mean (Templar's setting)
+SPARSELOCO_SCORED = ["sync=sparseloco", "sync.aggregate=mean", "sync.period=4",
+                     "sync.topk_mean=senders", "sync.error_feedback_decay=0.9", "optim=adamw",
+                     "optim.lr=0.003"]  # fmt: skip
 
 
 def _callbacks(*specs: str) -> str:
@@ -45,8 +49,9 @@ def _attack(kind: str, rank: int) -> str:
     [
         ([], "sign_flip", 1),
         pytest.param(DILOCO_INT8, "nan", 2, marks=pytest.mark.long),
+        pytest.param(SPARSELOCO_SCORED, "sign_flip", 3, marks=pytest.mark.long),
     ],
-    ids=["local_sgd_median_fp32", "diloco_median_int8"],
+    ids=["local_sgd_median_fp32", "diloco_median_int8", "sparseloco_mean_scored_topk"],
 )
 def test_gathered_syncs_through_torchft_are_the_plain_paths_bit_for_bit(
     tmp_path, strategy, kind, rank

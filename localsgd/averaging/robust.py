@@ -5,8 +5,8 @@ A contribution is what one worker proposes to move the model by in a round, its 
 the last sync (`local - anchor`; DiLoCo's pseudo-gradient is its negation). The plain mean
 all-reduces them, so one worker's NaN or a change 1000x too large moves every replica. Here
 every rank all-gathers the contributions in rank order instead (decoded to fp32 when a
-low-precision `comm_dtype` carried them), drops those that are not finite, and combines the
-rest with an `Aggregate` rule:
+low-precision `comm_dtype` or a top-k message carried them), drops those that are not finite,
+and combines the rest with an `Aggregate` rule:
 
 - `mean`: the plain mean, summed in rank order;
 - `clip`: each contribution scaled down to at most `clip_multiple` times the round's median
@@ -17,8 +17,11 @@ rest with an `Aggregate` rule:
 
 Every rank holds the same gathered bytes and runs the same deterministic operations, so every
 rank reaches the same bits; `combine` is a plain function of the stacked contributions, so a
-one-process reference computes the same bits too (`tests/test_robust.py`). A round with no
-contribution left keeps the anchor.
+one-process reference computes the same bits too (`tests/test_robust.py`). With nothing
+dropped, the gathered mean of low-bit or top-k messages has the bits of their decoded mean
+(`comm.decode_mean_`), top-k's senders' mean included. A per-coordinate rule (median, trimmed
+mean) is refused over top-k messages (`PER_COORDINATE`). A round with no contribution left
+keeps the anchor.
 
 The gather is counted as what this rank sends (its contribution's bytes in the wire format),
 the rule every collective here follows (`Communicator.all_gather_`). It receives `size - 1`
@@ -36,7 +39,7 @@ import torch
 from localsgd.averaging.comm import Communicator
 from localsgd.averaging.compress import feed_back_
 from localsgd.averaging.finite import all_finite
-from localsgd.averaging.quantize import QuantizedWire
+from localsgd.averaging.quantize import GatheredWire
 
 AGGREGATES = ("mean", "clip", "trimmed_mean", "median")
 
@@ -57,21 +60,30 @@ class Aggregate:
         if not 0 <= self.trim_fraction < 0.5:
             raise ValueError(f"trim_fraction must be in [0, 0.5), got {self.trim_fraction!r}")
 
-    def combine(self, rows: list[torch.Tensor], keep: list[int]) -> list[torch.Tensor] | None:
+    def combine(
+        self, rows: list[torch.Tensor], keep: list[int], sent: list | None = None
+    ) -> list[torch.Tensor] | None:
         """The aggregate of rows `keep` (rank indices, ascending) of each `[size, n]` tensor in
-        `rows` (one per flat buffer), as new fp32 tensors; None when `keep` is empty."""
+        `rows` (one per flat buffer), as new fp32 tensors; None when `keep` is empty. `sent`
+        (one per buffer, None or a bool `[size, >= n]`: where each top-k message held an
+        index): the mean and clip divide each index by the kept contributions that sent it
+        (`sparse.TopKCodec(mean="senders")`) instead of by their number."""
         if not keep:
             return None
+        sent = sent or [None] * len(rows)
         if self.rule == "mean":
-            return [_sum_in_order([r[i] for i in keep], len(keep)) for r in rows]
+            return [
+                _sum_in_order([r[i] for i in keep], _divisor(s, keep, r.shape[1]))
+                for r, s in zip(rows, sent, strict=True)
+            ]
         if self.rule == "clip":
             scales = clip_scales(rows, keep, self.clip_multiple)
             out = []
-            for r in rows:
+            for r, senders in zip(rows, sent, strict=True):
                 acc = r[keep[0]].mul(scales[0])
                 for i, s in zip(keep[1:], scales[1:], strict=True):
                     acc.add_(r[i].mul(s))
-                out.append(acc.div_(len(keep)))
+                out.append(acc.div_(_divisor(senders, keep, r.shape[1])))
             return out
         out = []
         for r in rows:
@@ -87,7 +99,23 @@ class Aggregate:
         return out
 
 
-def _sum_in_order(values: list[torch.Tensor], divisor: int) -> torch.Tensor:
+# why a per-coordinate rule cannot judge sparse contributions
+PER_COORDINATE = (
+    "most indices hold one worker's value and the others' zeros, so a per-coordinate median or "
+    "trimmed mean discards what was sent (use the mean, with scoring, or clip)"
+)
+
+
+def _divisor(sent: torch.Tensor | None, keep: list[int], n: int) -> int | torch.Tensor:
+    """What the sum of rows `keep` is divided by: their number, or per index the number of them
+    that sent it (an index none sent: 1, so it stays 0)."""
+    if sent is None:
+        return len(keep)
+    count = sent[keep, :n].sum(0, dtype=torch.float32)
+    return count.masked_fill_(count == 0, 1.0)
+
+
+def _sum_in_order(values: list[torch.Tensor], divisor: int | torch.Tensor) -> torch.Tensor:
     """`(values[0] + values[1] + ...) / divisor`, added one at a time in that order (the bits a
     reference reproduces)."""
     acc = values[0].clone()
@@ -148,6 +176,14 @@ class GatheredContributions:
             else None
             for w in self.low
         ]
+        # a top-k wire with the senders' mean: where each rank's message held an index (the
+        # padded length, `SparseWire.mark_sent_`)
+        self.sent = [
+            torch.zeros(size, w.work.numel(), dtype=torch.bool, device=w.work.device)
+            if getattr(w, "senders", None) is not None
+            else None
+            for w in self.low
+        ]
 
     def gather_(
         self,
@@ -161,11 +197,11 @@ class GatheredContributions:
         members = comm.size if members is None else members
         if members != self.size:  # under torchft the quorum changes size
             self._allocate(flats, members)
-        for flat, low, rows, cast, residual in zip(
-            flats, self.low, self.rows, self._cast, residuals, strict=True
+        for flat, low, rows, cast, sent, residual in zip(
+            flats, self.low, self.rows, self._cast, self.sent, residuals, strict=True
         ):
             feed_back_(flat, residual, self.decay)
-            if isinstance(low, QuantizedWire):
+            if isinstance(low, GatheredWire):  # block-quantised or top-k messages
                 low.encode_(flat)
                 if residual is not None:
                     residual.copy_(flat).sub_(low.decode(low.send))
@@ -174,6 +210,8 @@ class GatheredContributions:
                 nb = low.nbytes
                 for rank in range(self.size):
                     rows[rank].copy_(low.decode(gathered[rank * nb : (rank + 1) * nb]))
+                    if sent is not None:
+                        low.mark_sent_(sent[rank])
             elif low is not None:
                 low.copy_(flat)
                 if residual is not None:

@@ -244,6 +244,13 @@ class SparseWire(GatheredWire):
             1, self.index, self.top.new_full(self.top.shape, weight)
         )
 
+    def mark_sent_(self, sent: torch.Tensor) -> None:
+        """`sent` (bool, `chunks * chunk` values: the padded length) <- where the message last
+        decoded holds an index; a gathered round's senders' mean (`robust.Aggregate.combine`)
+        counts these."""
+        sent.zero_()
+        sent.view(self.chunks, self.codec.chunk).scatter_(1, self.index, True)
+
     def divide_by_senders_(self, acc: torch.Tensor) -> None:
         """`acc` (the sum of the decoded messages) divided, index by index, by how many of them
         sent it; an index none sent stays 0."""

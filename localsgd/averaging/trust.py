@@ -49,7 +49,14 @@ import torch
 from localsgd.averaging.comm import Communicator
 from localsgd.averaging.compress import LowPrecisionMean
 from localsgd.averaging.flat import Relayout
-from localsgd.averaging.robust import Aggregate, GatheredContributions, finite_rows, median_of
+from localsgd.averaging.robust import (
+    PER_COORDINATE,
+    Aggregate,
+    GatheredContributions,
+    finite_rows,
+    median_of,
+)
+from localsgd.averaging.sparse import SparseWire
 
 
 @dataclass(frozen=True)
@@ -115,7 +122,12 @@ class TrustedRound:
         decay: float = 1.0,
     ):
         # `decay`: error feedback's beta (`compress`), for a low-precision wire's residuals
+        if aggregate.rule in ("median", "trimmed_mean") and any(
+            isinstance(w, SparseWire) for w in low
+        ):
+            raise ValueError(f"aggregate {aggregate.rule} over top-k messages: {PER_COORDINATE}")
         self.contributions = GatheredContributions(buffers, size, low, decay)
+        self.current = self.contributions  # the round's, `run_`
         self.aggregate = aggregate
         self.judge = judge
         self.sign = sign
@@ -142,7 +154,8 @@ class TrustedRound:
         the buffers this round was built for."""
         workers, live = comm.members()
         self._grow(max(workers, default=-1) + 1)
-        rows = (contributions or self.contributions).gather_(flats, comm, residuals, len(workers))
+        self.current = contributions or self.contributions
+        rows = self.current.gather_(flats, comm, residuals, len(workers))
         finite = finite_rows(rows)
         round_ = self.rounds
         keep = []  # the rows kept, by their place in the gather
@@ -156,13 +169,16 @@ class TrustedRound:
                 keep.append(at)
         if self.judge is not None and keep:
             keep = self._judged(flats, anchors, rows, keep, round_, step, comm, workers)
-        result = self.aggregate.combine(rows, keep)
+        result = self._combine(rows, keep)
         for i, flat in enumerate(flats):
             if result is None:
                 flat.zero_()
             else:
                 flat.copy_(result[i])
         self.rounds += 1
+
+    def _combine(self, rows: list[torch.Tensor], keep: list[int]) -> list[torch.Tensor] | None:
+        return self.aggregate.combine(rows, keep, self.current.sent)
 
     def _grow(self, workers: int) -> None:
         """Room in the per-worker state for `workers` workers (under torchft the group's size
@@ -230,12 +246,12 @@ class TrustedRound:
         judge = self.judge
         if len(keep) < 2:
             return []
-        together = self._loss_of(flats, anchors, self.aggregate.combine(rows, keep), round_)
+        together = self._loss_of(flats, anchors, self._combine(rows, keep), round_)
         if float((before - together).mean()) >= judge.score_fraction * max(middle, 0.0):
             return []
         rests = [[r for r in keep if r != rank] for rank in keep]
         evaluated = self._losses(
-            flats, anchors, [self.aggregate.combine(rows, rest) for rest in rests], round_,
+            flats, anchors, [self._combine(rows, rest) for rest in rests], round_,
             comm, before,
         )
         harmful = []

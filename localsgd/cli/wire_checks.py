@@ -31,9 +31,9 @@ def validate_wire(cfg: Any, get: Callable[[Any, str], Any]) -> None:
     _require(2 <= chunk <= MAX_CHUNK, "sync.topk_chunk", f"an integer in [2, {MAX_CHUNK}]", chunk)
     topk_mean = get(cfg, "sync.topk_mean")
     _require(topk_mean in MEANS, "sync.topk_mean", " or ".join(MEANS), topk_mean)
-    allowed = "all with a robust sync.aggregate (it ranks whole messages, not indices)"
-    _require(topk_mean == "all" or get(cfg, "sync.aggregate") == "mean", "sync.topk_mean",
-             allowed, topk_mean)  # fmt: skip
+    allowed = "all with sync.aggregate=median or trimmed_mean (per coordinate, not per sender)"
+    _require(topk_mean == "all" or get(cfg, "sync.aggregate") in ("mean", "clip"),
+             "sync.topk_mean", allowed, topk_mean)  # fmt: skip
     allowed = "float32 with sync.compress=topk (top-k sends its own 2-bit values)"
     _require(dtype == "float32", "sync.comm_dtype", allowed, dtype)
     allowed = "true with sync.compress=topk (without it the values not sent are lost)"

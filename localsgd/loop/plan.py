@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from localsgd.averaging.outer_step import OUTER_DEFAULTS
+from localsgd.averaging.robust import PER_COORDINATE
 
 # sync key: why its per-worker state cannot move to another world size (`SyncPlan.reshard_refusal`)
 RESHARD_REFUSED = {
@@ -180,8 +181,8 @@ class SyncPlan:
              "all-reduced by the plain mean"),
             (self.optimizer_state in ("average", "desloc"), f"sync.optimizer_state="
              f"{self.optimizer_state}: the optimizer state is averaged by the plain mean"),
-            (self.compress != "none", f"sync.compress={self.compress}: its sparse all-gather "
-             "sums what it receives"),
+            (self.compress != "none" and self.aggregate in ("median", "trimmed_mean"),
+             f"sync.compress={self.compress}: {PER_COORDINATE}"),
             (self.schedule == "adaptive", "sync.schedule=adaptive: its loss rides in the "
              "averaged buffers"),
         )
