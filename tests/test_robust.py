@@ -15,8 +15,9 @@ import torch.distributed as dist
 
 from localsgd.averaging import OuterAverager, PeriodicAverager, Reducer
 from localsgd.averaging.robust import Aggregate
+from localsgd.averaging.robust_mean import RobustMean
 from localsgd.averaging.sparse import TopKCodec
-from localsgd.averaging.trust import Judge, RobustMean
+from localsgd.averaging.trust import Judge
 from localsgd.cli.checks import validate
 from localsgd.config import ConfigError
 from tests.helpers import FAST, cli, compose_config, run_distributed, same_model
@@ -123,7 +124,10 @@ def test_bad_values_are_refused_in_one_line():
     for overrides, keys in (
         (["sync.aggregate=median", "sync.fragments=2", "sync.period=4"], "sync.outer=none"),
         (["sync.aggregate=median", "sync.warmup_steps=4"], "sync.warmup_steps"),
-        (["sync.aggregate=clip", "dist.shard_size=2"], "sync.aggregate=clip"),
+        (["sync.aggregate=clip", "dist.shard_size=2", "+experiment=streaming_diloco",
+          "sync.delay_steps=0", "sync.merge_alpha=0"], "sync.aggregate=clip"),
+        (["+experiment=untrusted", "sync.excluded_shard=reassign", "dist.shard_size=2"],
+         "sync.excluded_shard=reassign with dist.shard_size"),
         (["sync.aggregate=median", "sync.drop_nonfinite=false"], "sync.drop_nonfinite"),
         (["sync.aggregate=median", "sync.optimizer_state=average"], "optimizer_state"),
         (["sync.aggregate=median", "sync.overlap=true"], "overlap"),
@@ -141,6 +145,9 @@ def test_bad_values_are_refused_in_one_line():
     # aggregate (gathered through the Manager)
     validate(compose_config(["sync.drop_nonfinite=true", "ft=torchft", "sync.comm_dtype=int4"]), 4)
     validate(compose_config(["sync.drop_nonfinite=true", "ft=torchft", "sync.aggregate=median"]), 4)
+    # nor over sharded replica groups (the verdicts reduced across each group's shards)
+    validate(compose_config(["+experiment=untrusted", "dist.shard_size=2"]), 4)
+    validate(compose_config(["+experiment=diloco", "sync.aggregate=clip", "dist.shard_size=2"]), 4)
 
 
 class _Net(torch.nn.Module):

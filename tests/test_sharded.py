@@ -28,8 +28,11 @@ from localsgd.averaging import (
     PeriodicAverager,
     StreamingAverager,
 )
+from localsgd.averaging.flat import local_tensor
 from localsgd.averaging.optimizer_state import OptimizerStateSync
+from localsgd.averaging.robust import Aggregate
 from localsgd.averaging.schedule import AdaptivePeriod
+from localsgd.averaging.trust import Judge
 from localsgd.loop.sharding import Sharding, state_bytes
 from tests.helpers import FAST, cli, refusal, run_distributed
 
@@ -70,7 +73,8 @@ CASES |= {
     ),
 }
 ADAM = ("diloco", "diloco_cpu", "moments_averaged", "int8_feedback", "int4_feedback")
-EXACT = ["local_sgd", "diloco", "streaming", "hierarchical", "moments_averaged", "adaptive"]
+EXACT = ["local_sgd", "diloco", "streaming", "hierarchical", "moments_averaged", "adaptive",
+         "clip", "nan_in_one_shard", "scored"]
 # (low bits: their blocks start at each shard's start)
 # sync.outer_state=cpu (localsgd/averaging/offload.py): each must give its device case's bits
 OFFLOADED = {
@@ -80,6 +84,53 @@ OFFLOADED = {
         8, process_group=group, module=model, fragments=2, delay_steps=1, merge_alpha=0.5,
         outer_state="cpu")),
 }  # fmt: skip  # low bits: blocks start at each shard's start
+
+
+def _held_out(model):
+    """A held-out loss per sample that every rank evaluates alike (sharded: FSDP's forward, a
+    collective of the replica group)."""
+
+    def loss_at(round_: int) -> torch.Tensor:
+        x, y = _batch(99, round_, 0, 1)
+        with torch.no_grad():
+            return nn.functional.cross_entropy(model(x), y, reduction="none").double()
+
+    return loss_at
+
+
+def _tamper(kind: str, model, anchor, replica: int, shard: int | None) -> None:
+    """Replica 1's contribution before a sync: scaled 5x (`scale`), -10x (`sign_flip`), or NaN
+    at row 12 of the first weight (`nan`): a value the second shard of a group holds (rows
+    8-15 of 16), so the first shard's rows of that contribution stay finite."""
+    if replica != 1:
+        return
+    with torch.no_grad():
+        params = [local_tensor(p) for p in model.parameters()]
+        if kind == "nan":
+            if shard is None:
+                params[0][12, 0] = float("nan")
+            elif shard == 1:
+                params[0][4, 0] = float("nan")
+            return
+        factor = 5.0 if kind == "scale" else -10.0
+        for p, a in zip(params, anchor, strict=True):
+            p.copy_(a + factor * (p - a))
+
+
+# robust rounds over sharded parameters (localsgd.averaging.trust with `mirror`): each against
+# the replicated run with the same replica attacking. clip needs each contribution's norm over
+# both shards, the NaN in one shard must drop the whole contribution on every shard, and the
+# judge must evaluate the candidate written into the sharded parameters; each fails without.
+TRUSTED = {  # name: (steps, averager factory (model, group), attack)
+    "clip": (7, lambda model, group: OuterAverager(
+        3, process_group=group, module=model, aggregate=Aggregate("clip", clip_multiple=1.0)),
+        "scale"),
+    "nan_in_one_shard": (7, lambda model, group: PeriodicAverager(
+        3, process_group=group, module=model, aggregate=Aggregate("median")), "nan"),
+    "scored": (7, lambda model, group: PeriodicAverager(
+        3, process_group=group, module=model, aggregate=Aggregate("mean"),
+        judge=Judge(_held_out(model), exclude_after=0)), "sign_flip"),
+}  # fmt: skip
 
 
 def _model() -> nn.Module:
@@ -112,7 +163,8 @@ def _train(rank: int, world: int, shard_size: int) -> dict:
 
     FlatBuffers.pull = counted
     out = {}
-    for name, (steps, make) in {**CASES, **OFFLOADED}.items():
+    every = {**CASES, **OFFLOADED, **{k: (s, m) for k, (s, m, _) in TRUSTED.items()}}
+    for name, (steps, make) in every.items():
         pulls["n"] = pulls["held"] = 0
         model = sharding.shard(_model())
         # momentum / AdamW: optimizer state to shard
@@ -122,6 +174,7 @@ def _train(rank: int, world: int, shard_size: int) -> dict:
             else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         )
         averager = make(model, sharding.replicate_group)
+        anchor = [local_tensor(p).detach().clone() for p in model.parameters()]
         if name == "moments_averaged":
             averager.hooks.append(OptimizerStateSync(opt, "average"))
         periods, acting = [], 0
@@ -133,8 +186,14 @@ def _train(rank: int, world: int, shard_size: int) -> dict:
             opt.step()
             if averager.needs_loss:
                 averager.observe_loss(sharding.group_mean(loss))
-            acting += averager.acts_at(step)  # (asked before: adaptive's answer changes)
+            acts = averager.acts_at(step)
+            acting += acts  # (asked before: adaptive's answer changes)
+            if name in TRUSTED and acts:
+                shard = rank % shard_size if sharding.sharded else None
+                _tamper(TRUSTED[name][2], model, anchor, rank // shard_size, shard)
             averager.maybe_average()
+            if acts:  # the model every replica holds now
+                anchor = [local_tensor(p).detach().clone() for p in model.parameters()]
             periods.append(getattr(averager, "period", None))
         averager.average()
         full = sharding.full_state(model) or model.state_dict()
@@ -145,6 +204,7 @@ def _train(rank: int, world: int, shard_size: int) -> dict:
             "mirror_at_rounds": pulls["held"],
             "acting_steps": acting,
             "periods": periods,
+            "events": list(averager.reducer.trust.events) if name in TRUSTED else [],
             "moments": [
                 {k: v.full_tensor() for k, v in st.items() if k != "step"}
                 if sharding.sharded
@@ -179,6 +239,11 @@ def test_sharded_groups_train_as_replicated_workers_on_the_union_of_their_batche
         for k, v in sharded[0][case]["model"].items():
             assert torch.equal(result[case]["model"][k], v), (case, k)
     assert not torch.equal(sharded[0][case]["model"]["0.weight"], _model()[0].weight.detach())
+    if case in TRUSTED:  # the same verdicts on every rank, sharded or not
+        events = replicated[0][case]["events"]
+        assert all(r[case]["events"] == events for r in sharded + replicated), case
+        whys = {"clip": set(), "nan_in_one_shard": {"nonfinite"}, "scored": {"bad"}}[case]
+        assert {e["why"] for e in events} == whys and {e["rank"] for e in events} <= {1}
     periods = [result[case]["periods"] for result in sharded + replicated]
     assert all(p == periods[0] for p in periods), periods  # every shard index adapts alike
     if case == "adaptive":

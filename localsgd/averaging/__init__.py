@@ -19,10 +19,11 @@ from localsgd.averaging.periodic import PeriodicAverager
 from localsgd.averaging.quantize import QUANTIZED_FORMATS, BlockCodec, QuantizedWire
 from localsgd.averaging.reduce import PlainMean, Reducer
 from localsgd.averaging.robust import AGGREGATES, Aggregate
+from localsgd.averaging.robust_mean import RobustMean
 from localsgd.averaging.schedule import AdaptivePeriod, ConstantPeriod, NeverAverage, StepPeriod
 from localsgd.averaging.sparse import SparseWire, TopKCodec
 from localsgd.averaging.streaming import StreamingAverager
-from localsgd.averaging.trust import Judge, RobustMean, TrustedRound
+from localsgd.averaging.trust import Judge, TrustedRound
 
 __all__ = [
     "AGGREGATES",

@@ -93,6 +93,28 @@ class FlatBuffers:
         self.pulled = False
         self.release()
 
+    @torch.no_grad()
+    def show(self) -> None:
+        """Mirror: write every slot into its tensor and keep the buffers, so that the model
+        computes with what they hold (a judge evaluating a candidate, `trust.TrustedRound`)."""
+        for t, v in zip(self.tensors, self.views, strict=True):
+            local_tensor(t).copy_(v)
+
+    def shard_group(self):
+        """The process group across which the DTensors here are sharded (FSDP2's one-dimension
+        mesh), or None when no tensor is a DTensor. A whole tensor is the concatenation of its
+        shards across this group, so a norm or a verdict over it needs that group."""
+        meshes = {id(t.device_mesh): t.device_mesh for t in self.tensors if is_dtensor(t)}
+        if not meshes:
+            return None
+        if len(meshes) > 1 or next(iter(meshes.values())).ndim != 1:
+            raise ValueError(
+                "tensors sharded over more than one device mesh, or a mesh of more than one "
+                "dimension (HSDP): a round over whole contributions is built for FSDP2's "
+                "one-dimension shard mesh"
+            )
+        return next(iter(meshes.values())).get_group()
+
     def release(self) -> None:
         """Mirror: free the buffers' storage (the tensors hold the values); views and layout stay.
         A no-op in the rebinding mode, where the buffers are the tensors' storage."""

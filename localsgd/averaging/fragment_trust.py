@@ -93,6 +93,12 @@ class TrustedFragments(Fragments):
         judge: Judge | None,
         step_of: Callable[[], int],
     ):
+        if flat.mirror and flat.shard_group() is not None:
+            raise ValueError(
+                "a robust aggregate over fragments of sharded parameters (dist.shard_size > 1) "
+                "is not built: a fragment's verdict would need its norm and finiteness summed "
+                "across the shard group"
+            )
         super().__init__(flat, ids, is_param, outer, False, size, comm_dtype, error_feedback,
                          feedback_decay=feedback_decay)
         self.step_of = step_of

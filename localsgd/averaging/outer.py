@@ -89,10 +89,12 @@ class OuterAverager(PeriodicAverager):
             raise ValueError("judge needs an aggregate (Aggregate('mean') for the gathered mean)")
         size = dist.get_world_size(process_group)
 
-        def trusted(buffers: list[torch.Tensor], low: list) -> TrustedRound:
-            return TrustedRound(buffers, size, low, aggregate, judge, -1, error_feedback_decay)
-
         def make_reducer(flat: FlatBuffers) -> Reducer:
+            def trusted(buffers: list[torch.Tensor], low: list) -> TrustedRound:
+                return TrustedRound(
+                    buffers, size, low, aggregate, judge, -1, error_feedback_decay, mirror=flat
+                )
+
             return OuterStep(
                 flat,
                 warmup_steps,

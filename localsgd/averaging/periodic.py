@@ -12,8 +12,9 @@ from localsgd.averaging.flat import FlatBuffers
 from localsgd.averaging.overlap import DelayedMean
 from localsgd.averaging.quantize import DEFAULT_BLOCK_SIZE
 from localsgd.averaging.robust import Aggregate
+from localsgd.averaging.robust_mean import RobustMean
 from localsgd.averaging.schedule import ConstantPeriod
-from localsgd.averaging.trust import Judge, RobustMean
+from localsgd.averaging.trust import Judge
 
 
 class PeriodicAverager(Averager):
@@ -95,7 +96,7 @@ class PeriodicAverager(Averager):
             def reducer(flat: FlatBuffers) -> RobustMean:
                 return RobustMean(
                     flat.buffers, dtype, comm.size, aggregate, judge, error_feedback=error_feedback,
-                    feedback_decay=error_feedback_decay,
+                    feedback_decay=error_feedback_decay, mirror=flat,
                 )
 
         elif reducer is None and overlap:

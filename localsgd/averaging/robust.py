@@ -61,13 +61,19 @@ class Aggregate:
             raise ValueError(f"trim_fraction must be in [0, 0.5), got {self.trim_fraction!r}")
 
     def combine(
-        self, rows: list[torch.Tensor], keep: list[int], sent: list | None = None
+        self,
+        rows: list[torch.Tensor],
+        keep: list[int],
+        sent: list | None = None,
+        norms: list[float] | None = None,
     ) -> list[torch.Tensor] | None:
         """The aggregate of rows `keep` (rank indices, ascending) of each `[size, n]` tensor in
         `rows` (one per flat buffer), as new fp32 tensors; None when `keep` is empty. `sent`
         (one per buffer, None or a bool `[size, >= n]`: where each top-k message held an
         index): the mean and clip divide each index by the kept contributions that sent it
-        (`sparse.TopKCodec(mean="senders")`) instead of by their number."""
+        (`sparse.TopKCodec(mean="senders")`) instead of by their number. `norms`: clip's norm
+        of each kept contribution, where `rows` hold only part of it (a shard); None: over
+        `rows`."""
         if not keep:
             return None
         sent = sent or [None] * len(rows)
@@ -77,7 +83,7 @@ class Aggregate:
                 for r, s in zip(rows, sent, strict=True)
             ]
         if self.rule == "clip":
-            scales = clip_scales(rows, keep, self.clip_multiple)
+            scales = clip_scales(rows, keep, self.clip_multiple, norms)
             out = []
             for r, senders in zip(rows, sent, strict=True):
                 acc = r[keep[0]].mul(scales[0])
@@ -137,9 +143,12 @@ def median_of(values: list[float]) -> float:
     return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
-def clip_scales(rows: list[torch.Tensor], keep: list[int], multiple: float) -> list[float]:
-    """Each kept contribution's factor: `min(1, multiple * median norm / its norm)`."""
-    norms = row_norms(rows, keep)
+def clip_scales(
+    rows: list[torch.Tensor], keep: list[int], multiple: float, norms: list[float] | None = None
+) -> list[float]:
+    """Each kept contribution's factor: `min(1, multiple * median norm / its norm)` (`norms`:
+    the kept ones', when `rows` do not hold them whole)."""
+    norms = row_norms(rows, keep) if norms is None else norms
     bound = multiple * median_of(norms)
     return [1.0 if n <= bound else bound / n for n in norms]
 

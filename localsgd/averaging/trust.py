@@ -33,9 +33,9 @@ its flat buffers (`localsgd.averaging.robust` gathers and combines them):
 
 Every rank holds the same gathered bytes, evaluates the same model on the same batch and runs
 the same deterministic operations, so the verdicts (and the events) are identical on every rank.
-`RobustMean` is the reducer for plain local SGD (the contribution is the change since the last
-sync, held against an anchor as `compress.LowPrecisionMean` does); `outer_step.OuterStep` takes
-a `TrustedRound` for DiLoCo/SlowMo (the contribution is the pseudo-gradient).
+`robust_mean.RobustMean` is the reducer for plain local SGD (the contribution is the change
+since the last sync, held against an anchor as `compress.LowPrecisionMean` does);
+`outer_step.OuterStep` takes a `TrustedRound` for DiLoCo/SlowMo (the pseudo-gradient).
 """
 
 from __future__ import annotations
@@ -45,10 +45,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from localsgd.averaging.comm import Communicator
-from localsgd.averaging.compress import LowPrecisionMean
-from localsgd.averaging.flat import Relayout
+from localsgd.averaging.flat import FlatBuffers
 from localsgd.averaging.robust import (
     PER_COORDINATE,
     Aggregate,
@@ -109,7 +109,15 @@ def _worse(losses: torch.Tensor, reference: torch.Tensor, z: float) -> bool:
 
 class TrustedRound:
     """The state and the steps of robust rounds over one group of `size` ranks (see the module
-    doc). `sign`: a contribution is `sign * (local - anchor)` (-1: DiLoCo's pseudo-gradient)."""
+    doc). `sign`: a contribution is `sign * (local - anchor)` (-1: DiLoCo's pseudo-gradient).
+
+    `mirror`: the `FlatBuffers` of sharded parameters (FSDP2's DTensors, `dist.shard_size`),
+    whose buffers hold this rank's shards only. A contribution is then split across the shard
+    group: whether it is finite, and its norm (`clip`), are reduced across that group (a small
+    all-reduce inside the replica, like FSDP's own); a coordinate rule needs nothing more; a
+    candidate the judge evaluates is written into the sharded parameters first, and the
+    evaluation is FSDP's forward, a collective of the replica. Every rank of every replica
+    then reaches the same verdicts."""
 
     def __init__(
         self,
@@ -120,6 +128,7 @@ class TrustedRound:
         judge: Judge | None = None,
         sign: int = 1,
         decay: float = 1.0,
+        mirror: FlatBuffers | None = None,
     ):
         # `decay`: error feedback's beta (`compress`), for a low-precision wire's residuals
         if aggregate.rule in ("median", "trimmed_mean") and any(
@@ -128,6 +137,9 @@ class TrustedRound:
             raise ValueError(f"aggregate {aggregate.rule} over top-k messages: {PER_COORDINATE}")
         self.contributions = GatheredContributions(buffers, size, low, decay)
         self.current = self.contributions  # the round's, `run_`
+        self.mirror = mirror if mirror is not None and mirror.mirror else None
+        self.shards = self.mirror.shard_group() if self.mirror is not None else None
+        self.norms: list[float] | None = None  # sharded clip: each row's whole norm, this round
         self.aggregate = aggregate
         self.judge = judge
         self.sign = sign
@@ -157,6 +169,8 @@ class TrustedRound:
         self.current = contributions or self.contributions
         rows = self.current.gather_(flats, comm, residuals, len(workers))
         finite = finite_rows(rows)
+        if self.shards is not None:
+            finite = self._across_shards(rows, finite)
         round_ = self.rounds
         keep = []  # the rows kept, by their place in the gather
         for at, worker in enumerate(workers):
@@ -178,7 +192,27 @@ class TrustedRound:
         self.rounds += 1
 
     def _combine(self, rows: list[torch.Tensor], keep: list[int]) -> list[torch.Tensor] | None:
-        return self.aggregate.combine(rows, keep, self.current.sent)
+        norms = None if self.norms is None else [self.norms[i] for i in keep]
+        return self.aggregate.combine(rows, keep, self.current.sent, norms)
+
+    def _across_shards(self, rows: list[torch.Tensor], finite: list[bool]) -> list[bool]:
+        """Sharded parameters: each row finite in every shard (and, for clip, each row's norm
+        over every shard), reduced across the shard group: the same on every rank."""
+        size = len(finite)
+        clip = self.aggregate.rule == "clip"
+        # one all-reduce: the count of shards where each row is not finite, then (clip) the
+        # squares of each row summed over this rank's shard
+        out = torch.zeros(size * (2 if clip else 1), dtype=torch.float64, device=rows[0].device)
+        out[:size] = torch.tensor([0.0 if ok else 1.0 for ok in finite], dtype=torch.float64)
+        if clip:
+            for r in rows:
+                for i in range(size):
+                    out[size + i] += r[i].double().square().sum()
+        dist.all_reduce(out, group=self.shards)
+        out = out.cpu()
+        if clip:
+            self.norms = out[size:].sqrt().tolist()
+        return (out[:size] == 0).tolist()
 
     def _grow(self, workers: int) -> None:
         """Room in the per-worker state for `workers` workers (under torchft the group's size
@@ -289,6 +323,8 @@ class TrustedRound:
             flat.copy_(anchor)
             if change is not None:
                 flat.add_(change[i], alpha=self.sign)
+        if self.mirror is not None:  # the model computes with its own (sharded) tensors
+            self.mirror.show()
         return _per_sample(self.judge.loss_at(round_))
 
     def _judged_good(self, worker: int) -> None:
@@ -367,47 +403,3 @@ class TrustedRound:
         self.verdicts += [[] for _ in range(self.size - len(self.verdicts))]
         self.excluded = {int(r): int(at) for r, at in state["excluded"].items()}
         self.events = [dict(e) for e in state["events"]]
-
-
-class RobustMean(LowPrecisionMean):
-    """Plain local SGD over untrusted workers: each sync aggregates the changes since the last
-    sync (`local - anchor`; every rank holds the same anchor, the model after the last sync) by
-    a `TrustedRound`, and every rank continues from `anchor + aggregate`. `dtype` carries the
-    changes (float32: as they are; see `compress.comm_dtype_of`); `error_feedback` as in
-    `LowPrecisionMean`."""
-
-    def __init__(
-        self,
-        buffers: list[torch.Tensor],
-        dtype,
-        size: int,
-        aggregate: Aggregate,
-        judge: Judge | None = None,
-        error_feedback: bool = False,
-        feedback_decay: float = 1.0,
-    ):
-        super().__init__(buffers, dtype, levels=1, error_feedback=error_feedback,
-                         feedback_decay=feedback_decay)
-        self.trust = TrustedRound(buffers, size, self.low, aggregate, judge, 1, feedback_decay)
-
-    def reduce_(self, buffers: list[torch.Tensor], comm: Communicator, level: int, step: int):
-        anchors = self.anchors[0]
-        for flat, anchor in zip(buffers, anchors, strict=True):
-            flat.sub_(anchor)
-        self.trust.run_(buffers, anchors, comm, self.residuals, step)
-        for flat, anchor in zip(buffers, anchors, strict=True):
-            flat.add_(anchor)
-            anchor.copy_(flat)
-
-    def relayout(self, convert: Relayout) -> None:
-        raise ValueError(
-            "a parameter changed dtype or device under a robust aggregate: move the model "
-            "(model.to(...)) before building the averager"
-        )
-
-    def state_dict(self) -> dict:
-        return {**super().state_dict(), "trust": self.trust.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        super().load_state_dict(state)
-        self.trust.load_state_dict(state.get("trust", {}))

@@ -72,6 +72,11 @@ def validate_trust(cfg: Any, get: Callable[[Any, str], Any]) -> None:
             "(torchrun) is not built: the contributions are gathered one per replica group "
             "process through the Manager; run one process per replica group"
         )
+    if shard == "reassign" and get(cfg, "dist.shard_size") > 1:
+        raise ConfigError(
+            "sync.excluded_shard=reassign with dist.shard_size > 1 is not built (an excluded "
+            "worker is a replica group of ranks, each with its own data shard); use skip or null"
+        )
     if ft and shard == "reassign":
         raise ConfigError(
             "sync.excluded_shard=reassign with ft=torchft is not built (a worker that heals "

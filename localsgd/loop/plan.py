@@ -32,9 +32,8 @@ RESHARD_REFUSED = {
 # sync key: what a run with dist.shard_size > 1 (sharded replica groups) does not build yet
 # (`SyncPlan.shard_refusal`); every other sync setting runs sharded
 SHARD_REFUSED = {
-    "sync.aggregate": "gathering every worker's contribution (robust aggregates, "
-    "sync.score): a coordinate-wise rule would judge each shard apart, and clip needs the whole "
-    "contribution's norm",
+    "sync.aggregate": "robust or scored rounds over Streaming DiLoCo's fragments of shards: a "
+    "fragment's verdict would need its norm and finiteness summed across the shard group",
     "sync.compress": "top-k pseudo-gradients of shards",
 }
 
@@ -253,7 +252,7 @@ class SyncPlan:
         """The first sync setting not built with dist.shard_size > 1 yet, as `key=value (what
         it is)`, or None (see SHARD_REFUSED)."""
         refused = {  # the value as written where it is refused, else None
-            "sync.aggregate": self.aggregate if self.gathered else None,
+            "sync.aggregate": self.aggregate if self.gathered and self.fragments != 1 else None,
             "sync.compress": self.compress if self.compress != "none" else None,
         }
         for key, why in SHARD_REFUSED.items():

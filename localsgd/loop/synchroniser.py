@@ -342,8 +342,10 @@ class Synchroniser:
     @property
     def moves_shards(self) -> bool:
         """Whether an excluded worker's shard may go to the others (`sync.excluded_shard`): not
-        under torchft, where a worker that heals takes a peer's sampler (null means skip)."""
-        return self.fault_tolerance is None
+        under torchft, where a worker that heals takes a peer's sampler, nor with sharded
+        replica groups, where a worker is a group of ranks with a data shard each (null means
+        skip there)."""
+        return self.fault_tolerance is None and self.sharding is None
 
     @property
     def trust(self):
