@@ -325,6 +325,7 @@ def test_the_config_builds_top_k_and_the_sparseloco_preset(lone_group):
     assert isinstance(averager.reducer.low[0], SparseWire)
     senders = compose_config(["sync=sparseloco", "sync.topk_mean=senders"])
     validate(senders)
+    validate(compose_config(["sync=sparseloco", "dist.shard_size=2", "dist.world_size=4"]))
     averager = build_averager(senders.sync, model, opt, 1, 1, CommStats())
     assert averager.comm_dtype == TopKCodec(1 / 64, 4096, "senders") != TopKCodec(1 / 64, 4096)
     assert averager.reducer.low[0].senders is not None
@@ -348,7 +349,6 @@ def test_the_config_builds_top_k_and_the_sparseloco_preset(lone_group):
         (["sync=sparseloco", "sync.topk_mean=senders", "sync.aggregate=median"],
          "sync.topk_mean"),
         (["sync=sparseloco", "sync.outer=none", "sync.fragments=2"], "sync.compress"),
-        (["sync=sparseloco", "dist.shard_size=2", "dist.world_size=4"], "sync.compress"),
     ],
 )
 def test_what_cannot_hold_is_refused_in_one_line(overrides, key):

@@ -34,7 +34,6 @@ RESHARD_REFUSED = {
 SHARD_REFUSED = {
     "sync.aggregate": "robust or scored rounds over Streaming DiLoCo's fragments of shards: a "
     "fragment's verdict would need its norm and finiteness summed across the shard group",
-    "sync.compress": "top-k pseudo-gradients of shards",
 }
 
 
@@ -253,7 +252,6 @@ class SyncPlan:
         it is)`, or None (see SHARD_REFUSED)."""
         refused = {  # the value as written where it is refused, else None
             "sync.aggregate": self.aggregate if self.gathered and self.fragments != 1 else None,
-            "sync.compress": self.compress if self.compress != "none" else None,
         }
         for key, why in SHARD_REFUSED.items():
             if refused[key] is not None:
