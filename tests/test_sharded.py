@@ -93,6 +93,13 @@ OFFLOADED = {
 }  # fmt: skip  # low bits: blocks start at each shard's start
 
 
+def _timeout(group) -> float | None:
+    if group is None:
+        return None
+    backend = group._get_backend(torch.device("cpu"))
+    return backend.options._timeout.total_seconds()
+
+
 def _held_out(model):
     """A held-out loss per sample that every rank evaluates alike (sharded: FSDP's forward, a
     collective of the replica group)."""
@@ -212,6 +219,9 @@ def _train(rank: int, world: int, shard_size: int) -> dict:
             "acting_steps": acting,
             "periods": periods,
             "events": list(averager.reducer.trust.events) if name in TRUSTED else [],
+            # each group's collective timeout (the harness sets the default group's to 60 s)
+            "timeouts": [_timeout(level.group) for level in averager.levels]
+            + [_timeout(sharding.shard_group)],
             "moments": [
                 {k: v.full_tensor() for k, v in st.items() if k != "step"}
                 if sharding.sharded
@@ -280,6 +290,20 @@ def test_low_bits_with_error_feedback_stay_within_one_quantisation_step_of_repli
         for k in ref:
             torch.testing.assert_close(got[k], ref[k], rtol=0, atol=0.5 / qmax, msg=k)
             assert torch.equal(got[k], sharded[0][case]["model"][k]), k
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_every_group_made_from_the_default_one_keeps_its_timeout(runs):
+    # torch gives a device mesh's groups and new subgroups the backend's default timeout (30
+    # minutes for gloo), not the default group's; a hung peer would hold the rest that long
+    sharded, replicated = runs
+    for result in sharded:  # the levels (2 and 1 replica groups), each shard's replicate
+        # group, and the replica group FSDP gathers in
+        assert result["hierarchical"]["timeouts"] == [60.0, 60.0, 60.0]
+        assert result["diloco"]["timeouts"] == [60.0, 60.0]
+    for result in replicated:  # unsharded: a level of one worker, the default group
+        assert result["hierarchical"]["timeouts"] == [60.0, None, None]
 
 
 @pytest.mark.slow
@@ -526,7 +550,7 @@ def test_every_rank_enumerates_the_same_subgroups_of_the_replicate_groups(monkey
         monkeypatch.setattr(
             comm_module.dist,
             "new_subgroups_by_enumeration",
-            lambda chunks, r=rank: (seen.__setitem__(r, chunks), (None, None))[1],
+            lambda chunks, r=rank, **_: (seen.__setitem__(r, chunks), (None, None))[1],
         )
         monkeypatch.setattr(comm_module, "supports_avg", lambda group: False)
         comm = object.__new__(comm_module.Communicator)

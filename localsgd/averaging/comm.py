@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.torch_version import TorchVersion
 
 from localsgd.averaging.finite import NonFiniteGuard, all_finite
+from localsgd.averaging.timeouts import default_timeout
 
 # the backend name of `localsgd.averaging.virtual`'s thread group (defined here, where it is read)
 VIRTUAL_BACKEND = "virtual"
@@ -206,7 +207,7 @@ class Communicator:
         chunks = [
             list(ranks[i : i + size]) for ranks in parallel for i in range(0, len(ranks), size)
         ]
-        group, _ = dist.new_subgroups_by_enumeration(chunks)
+        group, _ = dist.new_subgroups_by_enumeration(chunks, timeout=default_timeout())
         level = Communicator(group, self.stats, self.link, self.guard)
         level.dropped = self.dropped
         return level

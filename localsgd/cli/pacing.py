@@ -66,10 +66,7 @@ def validate_pacing(cfg: Any, get: Callable[[Any, str], Any], ws: int | None) ->
             "would need its own weighted round inside it; run one process per replica group, "
             "or set sync.inner_time_s=null"
         )
-    for key, what in (
-        ("dist.shard_size", "sharded replica groups"),
-        ("comm.disabled", "no averages"),
-    ):
+    for key, what in (("comm.disabled", "no averages"),):
         value = get(cfg, key)
         if value not in ("none", 1, False):
             raise ConfigError(

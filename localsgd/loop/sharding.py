@@ -28,6 +28,7 @@ from torch import nn
 from localsgd.averaging import Averager
 from localsgd.averaging.flat import is_dtensor, local_tensor
 from localsgd.averaging.fragments import model_blocks
+from localsgd.averaging.timeouts import inherit_timeout
 
 
 class Sharding:
@@ -58,6 +59,9 @@ class Sharding:
                 (self.groups, shard_size),
                 mesh_dim_names=("replicate", "shard"),
             )
+            # torch gives a mesh's groups the backend's default timeout, not dist.timeout_s
+            for dim in ("replicate", "shard"):
+                inherit_timeout(self.mesh[dim].get_group())
 
     @property
     def sharded(self) -> bool:
@@ -148,6 +152,17 @@ class Sharding:
         mean = loss.detach().clone()
         dist.all_reduce(mean, group=self.shard_group)
         return mean.div_(self.size)
+
+    def all_of(self, flag: bool) -> bool:
+        """Whether `flag` holds on every rank of this rank's replica group (one scalar
+        all-reduce inside it): what the group does together, such as computing a tick's step
+        under a time budget, where a rank that idled alone would leave FSDP's collectives
+        waiting. `flag` itself when unsharded."""
+        if self.mesh is None:
+            return flag
+        value = torch.tensor(int(flag), dtype=torch.int64, device=self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MIN, group=self.shard_group)
+        return bool(value.item())
 
     def group_sum(self, value: int) -> int:
         """`value` summed over this rank's replica group (one scalar all-reduce inside it, a

@@ -198,7 +198,8 @@ class Trainer:
             if hasattr(callback, "on_step_start"):
                 callback.on_step_start(self, step)
         pacer, loss = self.pacer, None
-        if not pacer.active or self.sync.in_warmup or pacer.computes():
+        # a sharded replica group computes a tick only where all its ranks would
+        if not pacer.active or self.sync.in_warmup or self.sharding.all_of(pacer.computes()):
             pacer.begin_step()
             loss = self.local_step(step)
             pacer.end_step(0 if loss is None else self.samples_per_worker_step)
