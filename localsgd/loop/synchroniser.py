@@ -435,6 +435,12 @@ def build_synchroniser(
             "is torchft's all-reduce, which leaves no NaN/Inf contribution out (a low-bit "
             "sync.comm_dtype is gathered and checked)"
         )
+    if plan.score and sync.exclude_after and group < 3 and info.rank == 0 and not fault_tolerant:
+        notice(
+            f"sync.score with {group} worker{'s' if group > 1 else ''}: nobody can be excluded "
+            "(an honest majority needs at least 3; sharded, 3 replica groups); a contribution "
+            "judged bad is still dropped from its round"
+        )
     # the averager gave every rank rank 0's model already
     # sharded: over the replicate group (FSDP averaged inside each group already), so HSDP
     grad_averager = (
