@@ -62,6 +62,8 @@ BYTES_ROWS = [
      "`sync=sparseloco`, H = 20, top-k 32 of 4096, senders' mean, beta 0.95"),
     ("sparseloco_h16_k46_sb90", 4, "sync",
      "`sync=sparseloco`, H = 16, top-k 46 of 4096, senders' mean, beta 0.9"),
+    ("sparseloco_h16_k46_sb80_n5", 4, "sync",
+     "`sync=sparseloco`, H = 16, top-k 46 of 4096, senders' mean, beta 0.8, outer Nesterov 0.5"),
     ("sync_w2", 2, "sync_w2", "synchronous AdamW"),
     ("diloco_h16_int4ef_w2", 2, "sync_w2", "DiLoCo H = 16, 4 bits + error feedback"),
     ("sparseloco_h16_w2", 2, "sync_w2", "`sync=sparseloco`, H = 16"),
@@ -72,6 +74,8 @@ BYTES_ROWS = [
      "`sync=sparseloco`, H = 20, top-k 32 of 4096, senders' mean, beta 0.95"),
     ("sparseloco_h16_k46_sb90_w2", 2, "sync_w2",
      "`sync=sparseloco`, H = 16, top-k 46 of 4096, senders' mean, beta 0.9"),
+    ("sparseloco_h16_k46_sb80_n5_w2", 2, "sync_w2",
+     "`sync=sparseloco`, H = 16, top-k 46 of 4096, senders' mean, beta 0.8, outer Nesterov 0.5"),
 ]
 DESLOC_ROWS = [
     ("diloco_h16", 4, "sync", "DiLoCo H = 16, moments local (`optimizer_state=local`)"),

@@ -40,6 +40,10 @@ with the mean over all workers (`sync.topk_mean=all`); `k46_h16_b90_n9_lr02` Nes
 lr 0.2 (2x in all, as 0.5/1); `k46_h16_b90_n9_lr01` at lr 0.1 (1x in all, momentum only
 smoothing); `k46_h16_b80_n5` Nesterov 0.5 at lr 1 with the residual decayed by 0.8. The same
 rule: the best of all eight becomes the study's row if it is at or under +7.68% at seed 0.
+Then (23:43 UTC, after the second stage was seen; a diagnostic, never a row):
+`d1_h16_b90_n9`, Nesterov 0.9 at lr 0.7 with every value sent (density 1, 2 bits, error
+feedback): whether momentum 0.9 fails with the top-k wire's error feedback as such or with what
+it leaves out (at lr 0.1, 1x in all, it was still +26%).
 
 The runs live in $SPARSE_PROBE_DIR (default /tmp/sparse_probes); `report` reads their
 summary.json and keeps the figures in sparse_probes.json here, so the table survives them.
@@ -135,6 +139,9 @@ PROBES = {
     "k46_h16_b80_n5": (K46_H16[:-1] + ["sync.error_feedback_decay=0.8", "sync.outer_momentum=0.5",
                                        "sync.outer_nesterov=true", "sync.outer_lr=1.0"],
                        "k46_h16_b90_n5 with the residual decayed by 0.8"),
+    "d1_h16_b90_n9": ([o for o in K46_B90 if not o.startswith("sync.topk_density")] + N9
+                      + ["sync.topk_density=1"],
+                      "k46_h16_b90_n9 with every value sent (density 1): a diagnostic"),
 }  # fmt: skip
 
 
@@ -186,7 +193,8 @@ def report() -> None:
         f"`{KEPT.name}`. 4 workers, {STEPS} steps (not the study's 2000), H = 16 unless named, "
         "seed as named; each of the first probes changes one thing of `sparseloco_h16`; from "
         "`k32_h20` on they search the frontier at 0.001 bytes per parameter per step in stages "
-        "fixed before they ran (the script's FRONTIER). Gaps against `sync` and `local_k16` of "
+        "fixed before they ran (the script's FRONTIER, then MOMENTUM: outer Nesterov "
+        "momentum on the top-k wire). Gaps against `sync` and `local_k16` of "
         "the same seed and budget. Bytes per parameter per step as today's wire counts them: "
         "those marked * were sent with int16 indices and are restated (exactly, "
         "`localsgd.analysis.restate`; the model's bits are the same), over these 600 steps: "
