@@ -8,6 +8,8 @@
         sparseloco_h20_d128_sb95_w2
     LM_STUDY_DIR=/tmp/ef_lm python experiments/lm_shakespeare/study.py run \\
         --rows sparseloco_h16_k46_sb90 sparseloco_h16_k46_sb90_w2      # 2026-12-05, branch ef
+    LM_STUDY_DIR=/tmp/frontier_lm python experiments/lm_shakespeare/study.py run \\
+        --rows sparseloco_h16_k46_sb80_n5 sparseloco_h16_k46_sb80_n5_w2  # 2026-12-05, frontier
     python experiments/lm_shakespeare/study.py export     # the new runs into runs.jsonl
     python experiments/lm_shakespeare/bytes_study.py      # -> bytes_study.md and bytes_study.json
 
@@ -31,6 +33,12 @@ reading (exact, `localsgd.analysis.restate`; marked * in the table). The row is 
 600-step probes at seed 0 along the 0.001 frontier (sparse_probes.py's FRONTIER: top-k 46 of
 4096 at H = 16, the senders' mean, the residual decayed by 0.9); seeds 1 and 2 and its 2-worker
 twin were never probed.
+
+The `_k46_sb80_n5` rows were added on 2026-12-05 (23:43 UTC, branch frontier): the same wire
+with an outer Nesterov momentum of 0.5 at lr 1 and the residual decayed by 0.8, the best of 9
+more 600-step probes at seed 0 (sparse_probes.py's MOMENTUM, two stages, the second fixed after
+the first was seen: DiLoCo's Nesterov 0.9 diverged with the top-k wire at lr 0.7, 0.2 and 0.1,
+and not with every value sent). Seeds 1 and 2 and the 2-worker twin were never probed.
 """
 
 from __future__ import annotations
@@ -62,6 +70,8 @@ BYTES_ROWS = [
      "`sync=sparseloco`, H = 20, top-k 32 of 4096, senders' mean, beta 0.95"),
     ("sparseloco_h16_k46_sb90", 4, "sync",
      "`sync=sparseloco`, H = 16, top-k 46 of 4096, senders' mean, beta 0.9"),
+    ("sparseloco_h16_k46_sb80_n5", 4, "sync",
+     "`sync=sparseloco`, H = 16, top-k 46 of 4096, senders' mean, beta 0.8, outer Nesterov 0.5"),
     ("sync_w2", 2, "sync_w2", "synchronous AdamW"),
     ("diloco_h16_int4ef_w2", 2, "sync_w2", "DiLoCo H = 16, 4 bits + error feedback"),
     ("sparseloco_h16_w2", 2, "sync_w2", "`sync=sparseloco`, H = 16"),
@@ -72,6 +82,8 @@ BYTES_ROWS = [
      "`sync=sparseloco`, H = 20, top-k 32 of 4096, senders' mean, beta 0.95"),
     ("sparseloco_h16_k46_sb90_w2", 2, "sync_w2",
      "`sync=sparseloco`, H = 16, top-k 46 of 4096, senders' mean, beta 0.9"),
+    ("sparseloco_h16_k46_sb80_n5_w2", 2, "sync_w2",
+     "`sync=sparseloco`, H = 16, top-k 46 of 4096, senders' mean, beta 0.8, outer Nesterov 0.5"),
 ]
 DESLOC_ROWS = [
     ("diloco_h16", 4, "sync", "DiLoCo H = 16, moments local (`optimizer_state=local`)"),
@@ -243,10 +255,13 @@ def main() -> None:
         "neither value tuned here) and their 2-worker twins; after 9 more 600-step probes along "
         "the 0.001 frontier (seed 0, `sparse_probes.py`'s FRONTIER): `sparseloco_h16_k46_sb90` "
         "(top-k 46 of 4096, H = 16, the senders' mean, decay 0.9; chosen on seed 0, so seeds 1 "
-        "and 2 and the 2-worker twin are its check). A row with fewer than 3 seeds ran "
-        "out of time. Runs made 2026-12-05 15:36-17:20 UTC (branch lm30), for the `_b95` "
-        "and `_sb95` rows 18:35-20:00 UTC (branch sparse), for the `_k46_sb90` rows from 21:40 "
-        "UTC (branch ef). Bytes marked * are of runs that sent int16 indices, restated for the "
+        "and 2 and the 2-worker twin are its check); after 9 more (seed 0, `sparse_probes.py`'s "
+        "MOMENTUM, two stages): `sparseloco_h16_k46_sb80_n5` (the same wire with outer Nesterov "
+        "momentum 0.5 at lr 1 and decay 0.8; chosen on seed 0 the same way). A row with fewer "
+        "than 3 seeds ran out of time. Runs made 2026-12-05 15:36-17:20 UTC (branch lm30), for "
+        "the `_b95` and `_sb95` rows 18:35-20:00 UTC (branch sparse), for the `_k46_sb90` rows "
+        "from 21:40 UTC (branch ef), for the `_k46_sb80_n5` rows 23:44-00:03 UTC (branch "
+        "frontier). Bytes marked * are of runs that sent int16 indices, restated for the "
         "Elias-Fano indices the wire sends since 2026-12-05 (exact: the same positions and "
         "values, so the same models; `localsgd.analysis.restate`).",
         "",

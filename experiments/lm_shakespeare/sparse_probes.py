@@ -18,6 +18,33 @@ Stage 1 probes those three (`k46_h16`, `k53_h18`, `k60_h20`) and `k32_h20` (the 
 1's best, probes those two together. The best probe at seed 0 becomes the study's row
 (study.py, 3 seeds, 2000 steps); seeds 1 and 2 are never probed.
 
+MOMENTUM (fixed 2026-12-05 23:31 UTC, before any of these ran; branch frontier): outer Nesterov
+momentum, which DiLoCo has and SparseLoCo drops (plain DiLoCo +5.05% against plain averaging's
++10.20% here), was never tried on the top-k wire. Four probes, one change each on top of
+`k46_h16_b90` (+8.68%): `k46_h16_b90_n9` outer Nesterov 0.9 at outer lr 0.7 (DiLoCo's outer
+step); `k46_h16_b90_n5` Nesterov 0.5 at lr 1; `k46_h16_b95_n9` Nesterov 0.9 at lr 0.7 with the
+decay 0.95 (error feedback and momentum both damp); `k184c16k_h16_b90` chunks of 16384 with
+the largest k whose bytes over the study's 2000 steps stay at or under 0.001 at H = 16 (k =
+184, 0.000997 B/param/step by `TopKCodec.wire_bytes` x 126 rounds / (214996 x 2000); the same
+density as 46/4096), decay 0.9, no momentum. The best of the four becomes the study's row (3
+seeds, 2000 steps) if it beats `k46_h16_b90` by at least 1 point (<= +7.68% at seed 0);
+seeds 1 and 2 are never probed.
+
+MOMENTUM, second stage (fixed 2026-12-05 23:40 UTC, after the four above were seen, before any
+of these ran): Nesterov 0.9 at lr 0.7 diverged (+37.5%, +47.4% with decay 0.95), Nesterov 0.5
+at lr 1 was the best (+8.20%, 0.48 points short of the rule), the wide chunk +9.20%. Nesterov
+SGD moves each pseudo-gradient by lr / (1 - momentum) in all: 7x at 0.9/0.7, 2x at 0.5/1, 1x
+for the probes' lr 1 without momentum; and the senders' mean moves an index one worker sent by
+its whole value. Four probes, one change each: `k46_h16_b90_n9_all` Nesterov 0.9 at lr 0.7
+with the mean over all workers (`sync.topk_mean=all`); `k46_h16_b90_n9_lr02` Nesterov 0.9 at
+lr 0.2 (2x in all, as 0.5/1); `k46_h16_b90_n9_lr01` at lr 0.1 (1x in all, momentum only
+smoothing); `k46_h16_b80_n5` Nesterov 0.5 at lr 1 with the residual decayed by 0.8. The same
+rule: the best of all eight becomes the study's row if it is at or under +7.68% at seed 0.
+Then (23:43 UTC, after the second stage was seen; a diagnostic, never a row):
+`d1_h16_b90_n9`, Nesterov 0.9 at lr 0.7 with every value sent (density 1, 2 bits, error
+feedback): whether momentum 0.9 fails with the top-k wire's error feedback as such or with what
+it leaves out (at lr 0.1, 1x in all, it was still +26%).
+
 The runs live in $SPARSE_PROBE_DIR (default /tmp/sparse_probes); `report` reads their
 summary.json and keeps the figures in sparse_probes.json here, so the table survives them.
 """
@@ -45,6 +72,8 @@ SB95 = ["sync=sparseloco", "sync.topk_mean=senders", "sync.error_feedback_decay=
 # stage 1's best (the decay last, so that stage 2 can replace it)
 K46_H16 = ["sync=sparseloco", "sync.topk_mean=senders", "sync.period=16",
            "sync.topk_density=0.01123046875", "sync.error_feedback_decay=0.95"]
+K46_B90 = K46_H16[:-1] + ["sync.error_feedback_decay=0.9"]  # k46_h16_b90, the best so far
+N9 = ["sync.outer_momentum=0.9", "sync.outer_nesterov=true", "sync.outer_lr=0.7"]  # DiLoCo's
 
 # name -> (overrides on top of COMMON, what it asks)
 PROBES = {
@@ -89,6 +118,30 @@ PROBES = {
     "k60_h20_b90": (SB95[:-1] + ["sync.period=20", "sync.topk_density=0.0146484375",
                                  "sync.error_feedback_decay=0.9"],
                     "k60_h20 with the residual decayed by 0.9"),
+    # MOMENTUM (see the docstring): outer Nesterov momentum on the top-k wire, and a wider chunk
+    "k46_h16_b90_n9": (K46_B90 + N9,
+                       "k46_h16_b90 with DiLoCo's outer step (Nesterov 0.9, lr 0.7)"),
+    "k46_h16_b90_n5": (K46_B90 + ["sync.outer_momentum=0.5", "sync.outer_nesterov=true",
+                                  "sync.outer_lr=1.0"],
+                       "k46_h16_b90 with outer Nesterov 0.5 at lr 1"),
+    "k46_h16_b95_n9": (K46_H16 + N9,
+                       "k46_h16_b90_n9 with the residual decayed by 0.95 instead of 0.9"),
+    "k184c16k_h16_b90": (K46_B90 + ["sync.topk_chunk=16384"],
+                         "k46_h16_b90 in chunks of 16384 (k = 184: the same density, 0.000997 "
+                         "B/param/step at 2000 steps)"),
+    # MOMENTUM's second stage (see the docstring)
+    "k46_h16_b90_n9_all": ([o.replace("=senders", "=all") for o in K46_B90] + N9,
+                           "k46_h16_b90_n9 with the mean over all workers, not the senders'"),
+    "k46_h16_b90_n9_lr02": (K46_B90 + N9[:-1] + ["sync.outer_lr=0.2"],
+                            "k46_h16_b90_n9 at outer lr 0.2 (2x in all, as n5)"),
+    "k46_h16_b90_n9_lr01": (K46_B90 + N9[:-1] + ["sync.outer_lr=0.1"],
+                            "k46_h16_b90_n9 at outer lr 0.1 (1x in all, as lr 1 alone)"),
+    "k46_h16_b80_n5": (K46_H16[:-1] + ["sync.error_feedback_decay=0.8", "sync.outer_momentum=0.5",
+                                       "sync.outer_nesterov=true", "sync.outer_lr=1.0"],
+                       "k46_h16_b90_n5 with the residual decayed by 0.8"),
+    "d1_h16_b90_n9": ([o for o in K46_B90 if not o.startswith("sync.topk_density")] + N9
+                      + ["sync.topk_density=1"],
+                      "k46_h16_b90_n9 with every value sent (density 1): a diagnostic"),
 }  # fmt: skip
 
 
@@ -140,7 +193,8 @@ def report() -> None:
         f"`{KEPT.name}`. 4 workers, {STEPS} steps (not the study's 2000), H = 16 unless named, "
         "seed as named; each of the first probes changes one thing of `sparseloco_h16`; from "
         "`k32_h20` on they search the frontier at 0.001 bytes per parameter per step in stages "
-        "fixed before they ran (the script's FRONTIER). Gaps against `sync` and `local_k16` of "
+        "fixed before they ran (the script's FRONTIER, then MOMENTUM: outer Nesterov "
+        "momentum on the top-k wire). Gaps against `sync` and `local_k16` of "
         "the same seed and budget. Bytes per parameter per step as today's wire counts them: "
         "those marked * were sent with int16 indices and are restated (exactly, "
         "`localsgd.analysis.restate`; the model's bits are the same), over these 600 steps: "
