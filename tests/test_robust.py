@@ -432,6 +432,29 @@ def test_robust_mean_is_built_only_when_asked():
         dist.destroy_process_group()
 
 
+def test_scoring_with_fewer_than_3_workers_says_nobody_can_be_excluded(monkeypatch):
+    from localsgd.loop import synchroniser as module
+    from localsgd.loop.worker import WorkerInfo
+
+    said: list[str] = []
+    monkeypatch.setattr(module, "notice", said.append)
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        for overrides, warned in ((["+experiment=untrusted"], True),
+                                  (["+experiment=untrusted", "sync.exclude_after=0"], False),
+                                  (["sync.aggregate=median"], False)):  # fmt: skip
+            said.clear()
+            cfg = compose_config(overrides + ["dist.world_size=1"])
+            model = _Net()
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            module.build_synchroniser(cfg, WorkerInfo(0, 1, 0, 1), model, opt,
+                                      loss_at=lambda round_: 0.0)
+            assert any("nobody can be excluded" in line for line in said) is warned, said
+    finally:
+        dist.destroy_process_group()
+
+
 def _attack(kind: str, rank: int = 1) -> str:
     attack = f"{{_target_:localsgd.loop.attacks.Attack,kind:'{kind}',rank:{rank}}}"
     return f"trainer.callbacks=[{attack}]"
