@@ -171,7 +171,9 @@ class SyncPlan:
              "sync.merge_alpha=0)"),
             (self.merge_rule != "mix", f"sync.merge_rule={self.merge_rule}: the merge keeps "
              "each worker's own progress, so a poisoned replica is never replaced"),
-            (bool(self.levels), "sync.levels: each level would judge its own group"),
+            (bool(self.levels), "sync.levels: an inner level's plain mean would carry one "
+             "worker's contribution into its whole group before a robust round could judge it, "
+             "and judging inside small groups has no honest majority (not built)"),
             (self.fragments != 1 and self.outer == "none", f"sync.outer=none with sync."
              f"fragments={self.fragments}: plain streaming sends the values themselves, not "
              "pseudo-gradients from an anchor every rank holds (use sync.outer=diloco)"),
