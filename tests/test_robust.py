@@ -124,8 +124,6 @@ def test_bad_values_are_refused_in_one_line():
     for overrides, keys in (
         (["sync.aggregate=median", "sync.fragments=2", "sync.period=4"], "sync.outer=none"),
         (["sync.aggregate=median", "sync.warmup_steps=4"], "sync.warmup_steps"),
-        (["sync.aggregate=clip", "dist.shard_size=2", "+experiment=streaming_diloco",
-          "sync.delay_steps=0", "sync.merge_alpha=0"], "sync.aggregate=clip"),
         (["+experiment=untrusted", "sync.excluded_shard=reassign", "dist.shard_size=2"],
          "sync.excluded_shard=reassign with dist.shard_size"),
         (["sync.aggregate=median", "sync.drop_nonfinite=false"], "sync.drop_nonfinite"),
@@ -148,6 +146,7 @@ def test_bad_values_are_refused_in_one_line():
     # nor over sharded replica groups (the verdicts reduced across each group's shards)
     validate(compose_config(["+experiment=untrusted", "dist.shard_size=2"]), 4)
     validate(compose_config(["+experiment=diloco", "sync.aggregate=clip", "dist.shard_size=2"]), 4)
+    validate(compose_config(["+experiment=untrusted_streaming", "dist.shard_size=2"]), 4)
 
 
 class _Net(torch.nn.Module):

@@ -81,7 +81,7 @@ CASES |= {
 ADAM = ("diloco", "diloco_cpu", "moments_averaged", "int8_feedback", "int4_feedback",
         "topk_feedback")
 EXACT = ["local_sgd", "diloco", "streaming", "hierarchical", "moments_averaged", "adaptive",
-         "clip", "nan_in_one_shard", "scored"]
+         "clip", "nan_in_one_shard", "scored", "streaming_scored"]
 # (low bits: their blocks start at each shard's start)
 # sync.outer_state=cpu (localsgd/averaging/offload.py): each must give its device case's bits
 OFFLOADED = {
@@ -144,6 +144,12 @@ TRUSTED = {  # name: (steps, averager factory (model, group), attack)
     "scored": (7, lambda model, group: PeriodicAverager(
         3, process_group=group, module=model, aggregate=Aggregate("mean"),
         judge=Judge(_held_out(model), exclude_after=0)), "sign_flip"),
+    # Streaming DiLoCo's blocking fragments (a fragment sync every 4 steps), each round clipped
+    # and scored with the other fragment at its anchor
+    "streaming_scored": (11, lambda model, group: StreamingAverager(
+        8, process_group=group, module=model, fragments=2, aggregate=Aggregate(
+            "clip", clip_multiple=1.0), judge=Judge(_held_out(model), exclude_after=0)),
+        "sign_flip"),
 }  # fmt: skip
 
 
@@ -259,7 +265,8 @@ def test_sharded_groups_train_as_replicated_workers_on_the_union_of_their_batche
     if case in TRUSTED:  # the same verdicts on every rank, sharded or not
         events = replicated[0][case]["events"]
         assert all(r[case]["events"] == events for r in sharded + replicated), case
-        whys = {"clip": set(), "nan_in_one_shard": {"nonfinite"}, "scored": {"bad"}}[case]
+        whys = {"clip": set(), "nan_in_one_shard": {"nonfinite"}, "scored": {"bad"},
+                "streaming_scored": {"bad"}}[case]
         assert {e["why"] for e in events} == whys and {e["rank"] for e in events} <= {1}
     periods = [result[case]["periods"] for result in sharded + replicated]
     assert all(p == periods[0] for p in periods), periods  # every shard index adapts alike
@@ -375,6 +382,31 @@ def test_outer_state_on_the_host_gives_the_device_bits_sharded_and_not(runs):
                 assert held["total"] == ref["total"] - outer, (held, ref)
                 assert held["host"]["staging"] == held["host"]["anchors"]  # this rank's shards
                 assert "host" not in ref
+
+
+@pytest.mark.slow
+@pytest.mark.long  # 4 processes, FSDP2, ~12 s: `make test-long`
+@pytest.mark.timeout(120)
+def test_the_cli_scores_streaming_fragments_of_sharded_replica_groups(tmp_path):
+    """`+experiment=untrusted_streaming` over 2 replica groups of 2, both ranks of the second
+    flipping their fragment's change: every fragment round judges it bad (2 groups: dropped,
+    never excluded), and every sync leaves the groups bit-identical."""
+    attack = ",".join(f"{{_target_:localsgd.loop.attacks.Attack,kind:sign_flip,rank:{r}}}"
+                      for r in (2, 3))
+    run = tmp_path / "run"
+    proc, _ = cli(["+experiment=untrusted_streaming", "dist.world_size=4", "dist.shard_size=2",
+                   "trainer.max_steps=96", "sync.check_replicas=true", "logger.plots=false",
+                   "logger.wandb.mode=disabled", f"trainer.callbacks=[{attack}]",
+                   f"hydra.run.dir={run}"])  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    trust = summary["trust"]
+    # a fragment sync every 12 steps (4 fragments, H = 48): 8 attacked rounds, then the final
+    # average's 4 fragment rounds, where the attack does not act
+    assert trust["trust_rounds"] == 12 and trust["excluded"] == {}
+    assert trust["judged_bad"] == [[1, r] for r in range(8)]
+    assert "nobody can be excluded" in proc.stderr
+    assert summary["replica_checks"] > 0
 
 
 @pytest.mark.slow

@@ -93,17 +93,15 @@ class TrustedFragments(Fragments):
         judge: Judge | None,
         step_of: Callable[[], int],
     ):
-        if flat.mirror and flat.shard_group() is not None:
-            raise ValueError(
-                "a robust aggregate over fragments of sharded parameters (dist.shard_size > 1) "
-                "is not built: a fragment's verdict would need its norm and finiteness summed "
-                "across the shard group"
-            )
         super().__init__(flat, ids, is_param, outer, False, size, comm_dtype, error_feedback,
                          feedback_decay=feedback_decay)
         self.step_of = step_of
         decay = feedback_decay
-        self.trust = TrustedRound(self.sent[0], size, self.low[0], aggregate, judge, -1, decay)
+        # sharded parameters (mirror mode): verdicts reduced across the shard group, and the
+        # model the judge evaluates written into the shards (`TrustedRound`)
+        self.trust = TrustedRound(
+            self.sent[0], size, self.low[0], aggregate, judge, -1, decay, mirror=flat
+        )
         self.gathered = [self.trust.contributions] + [
             GatheredContributions(pieces, size, low, decay)
             for pieces, low in zip(self.sent[1:], self.low[1:], strict=True)

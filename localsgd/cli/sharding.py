@@ -7,7 +7,6 @@ from collections.abc import Callable
 from typing import Any
 
 from localsgd.config import ConfigError
-from localsgd.loop.plan import SyncPlan
 
 # key: (the value a sharded run needs, what the key would ask of it); the recipe's precision,
 # compile, clipping, accumulation and activation checkpointing are built (localsgd/loop/recipe.py)
@@ -48,9 +47,6 @@ def validate_sharding(
         )
     if size == 1:
         return
-    refusal = SyncPlan.of(get(cfg, "sync")).shard_refusal()
-    if refusal is not None:
-        raise ConfigError(f"{refusal} {NOT_YET}")
     target = get(cfg, "optim._target_")
     if target == MUON_TARGET:  # Newton-Schulz orthogonalises a whole matrix, not a shard
         raise ConfigError(f"optim._target_={target} (Muon on matrices FSDP2 shards) {NOT_YET}")

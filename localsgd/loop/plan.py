@@ -29,14 +29,6 @@ RESHARD_REFUSED = {
 }
 
 
-# sync key: what a run with dist.shard_size > 1 (sharded replica groups) does not build yet
-# (`SyncPlan.shard_refusal`); every other sync setting runs sharded
-SHARD_REFUSED = {
-    "sync.aggregate": "robust or scored rounds over Streaming DiLoCo's fragments of shards: a "
-    "fragment's verdict would need its norm and finiteness summed across the shard group",
-}
-
-
 def _read(node: Any, key: str) -> Any:
     return node[key] if isinstance(node, dict) else getattr(node, key)
 
@@ -247,17 +239,6 @@ class SyncPlan:
         for key, why in RESHARD_REFUSED.items():
             if values[key]:
                 return f"{key}={values[key]!r} ({why})"
-        return None
-
-    def shard_refusal(self) -> str | None:
-        """The first sync setting not built with dist.shard_size > 1 yet, as `key=value (what
-        it is)`, or None (see SHARD_REFUSED)."""
-        refused = {  # the value as written where it is refused, else None
-            "sync.aggregate": self.aggregate if self.gathered and self.fragments != 1 else None,
-        }
-        for key, why in SHARD_REFUSED.items():
-            if refused[key] is not None:
-                return f"{key}={refused[key]} ({why})"
         return None
 
 
