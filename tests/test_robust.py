@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from localsgd.averaging import OuterAverager, PeriodicAverager, Reducer
+from localsgd.averaging import GradientAverager, OuterAverager, PeriodicAverager, Reducer
 from localsgd.averaging.robust import Aggregate
 from localsgd.averaging.robust_mean import RobustMean
 from localsgd.averaging.sparse import TopKCodec
@@ -123,7 +123,10 @@ def test_bad_values_are_refused_in_one_line():
             validate(compose_config([override]), 4)
     for overrides, keys in (
         (["sync.aggregate=median", "sync.fragments=2", "sync.period=4"], "sync.outer=none"),
-        (["sync.aggregate=median", "sync.warmup_steps=4"], "sync.warmup_steps"),
+        (["sync.score=true", "sync.warmup_steps=4"], "sync.warmup_steps"),
+        (["sync.aggregate=median", "sync.warmup_steps=4", "ft=torchft"], "under ft=torchft"),
+        (["sync.aggregate=median", "sync.warmup_steps=4", "trainer.precision=16-mixed"],
+         "16-mixed"),
         (["+experiment=untrusted", "sync.excluded_shard=reassign", "dist.shard_size=2"],
          "sync.excluded_shard=reassign with dist.shard_size"),
         (["sync.aggregate=median", "sync.drop_nonfinite=false"], "sync.drop_nonfinite"),
@@ -147,6 +150,9 @@ def test_bad_values_are_refused_in_one_line():
     validate(compose_config(["+experiment=untrusted", "dist.shard_size=2"]), 4)
     validate(compose_config(["+experiment=diloco", "sync.aggregate=clip", "dist.shard_size=2"]), 4)
     validate(compose_config(["+experiment=untrusted_streaming", "dist.shard_size=2"]), 4)
+    # post-local SGD: the warmup's gradients combined by the robust rule too
+    validate(compose_config(["+experiment=post_local_sgd", "sync.aggregate=median",
+                             "sync.score=true"]), 4)
 
 
 class _Net(torch.nn.Module):
@@ -253,6 +259,23 @@ def _worker(rank, world_size):
     }
     out["guard"] = _guard_cases(rank)
     out["topk"] = _topk_cases(rank)
+    # 6. post-local SGD's warmup over untrusted workers: each step's gradients gathered and
+    #    combined by the median; rank 1's hold NaN, rank 3's are -10x
+    model = _Net()
+    grads = GradientAverager(model, aggregate=Aggregate("median"))
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(60 + rank))
+    model.fc(x).square().sum().backward()
+    with torch.no_grad():
+        if rank == 1:
+            model.fc.weight.grad[0, 0] = float("nan")
+        if rank == 3:
+            model.fc.weight.grad.mul_(-10)
+    sent = grads.buffers[0].clone()
+    grads.all_reduce()
+    out["warmup"] = {"sent": sent, "got": grads.buffers[0].clone(),
+                     "weight_grad": model.fc.weight.grad.clone(),
+                     "dropped": list(grads.comm.dropped),
+                     "bytes": grads.stats.bytes == 4 * sent.numel()}
     return out
 
 
@@ -378,6 +401,15 @@ def test_untrusted_workers_across_processes():
             assert torch.equal(gathered["model"], results[0]["topk"][mean, "gathered"]["model"])
             assert torch.equal(gathered["residual"], decoded["residual"]), mean
             assert gathered["bytes"] == decoded["bytes"] > 0
+    # the warmup's median: the one-process rule over the finite gradients, to the bit; the NaN
+    # named, what the model's gradients hold, an all-gather's bytes
+    warmup = [r["warmup"] for r in results]
+    rows = np.stack([w["sent"].numpy() for w in warmup])
+    expected = _reference(rows[[0, 2, 3]], "median")
+    for w in warmup:
+        assert np.array_equal(_bits(w["got"].numpy()), _bits(expected))
+        assert w["dropped"] == [1] and w["bytes"]
+        assert torch.equal(w["weight_grad"].view(-1), w["got"][: w["weight_grad"].numel()])
     assert not torch.equal(results[0]["topk"]["all", "gathered"]["model"],
                            results[0]["topk"]["senders", "gathered"]["model"])
 

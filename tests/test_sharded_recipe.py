@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from localsgd.averaging import GradientAverager, PeriodicAverager
+from localsgd.averaging.robust import Aggregate
 from localsgd.loop.recipe import Recipe, checkpoint_activations
 from localsgd.loop.sharding import Sharding
 from tests.helpers import FAST, cli, run_distributed
@@ -38,7 +39,12 @@ CASES = {
     # the sharded run computes in fp32, and the dtype test below fails)
     "bf16": (4, 2, {"precision": "bf16-mixed"}, (0, 1e-3)),
     "fp16": (4, 2, {"precision": "16-mixed"}, (0, 1e-4)),
+    # untrusted workers' warmup: each step's gradients gathered and clipped to the median norm
+    # over the whole gradient (sharded: summed across the group's shards; apart, the shards
+    # would be clipped each by its own norm and the models part)
+    "warmup_clip": (4, 4, {}, EXACT),
 }
+ROBUST_WARMUP = {"warmup_clip": Aggregate("clip", clip_multiple=1.0)}
 
 
 def _train(rank: int, world: int, shard_size: int) -> dict:
@@ -56,7 +62,8 @@ def _train(rank: int, world: int, shard_size: int) -> dict:
         computed = set()  # the dtypes the first linear computes with
         model[0].register_forward_pre_hook(lambda m, _, c=computed: c.add(m.weight.dtype))
         averager = PeriodicAverager(3, warmup, process_group=sharding.replicate_group, module=model)
-        grads = GradientAverager(model, sharding.replicate_group, init_sync=False)
+        grads = GradientAverager(model, sharding.replicate_group, init_sync=False,
+                                 aggregate=ROBUST_WARMUP.get(name))
         norms, models = [], []
 
         def recorded(params, max_norm, _norms=norms, **kw):

@@ -101,19 +101,8 @@ class FlatBuffers:
             local_tensor(t).copy_(v)
 
     def shard_group(self):
-        """The process group across which the DTensors here are sharded (FSDP2's one-dimension
-        mesh), or None when no tensor is a DTensor. A whole tensor is the concatenation of its
-        shards across this group, so a norm or a verdict over it needs that group."""
-        meshes = {id(t.device_mesh): t.device_mesh for t in self.tensors if is_dtensor(t)}
-        if not meshes:
-            return None
-        if len(meshes) > 1 or next(iter(meshes.values())).ndim != 1:
-            raise ValueError(
-                "tensors sharded over more than one device mesh, or a mesh of more than one "
-                "dimension (HSDP): a round over whole contributions is built for FSDP2's "
-                "one-dimension shard mesh"
-            )
-        return next(iter(meshes.values())).get_group()
+        """`shard_group_of` the tensors here."""
+        return shard_group_of(self.tensors)
 
     def release(self) -> None:
         """Mirror: free the buffers' storage (the tensors hold the values); views and layout stay.
@@ -234,6 +223,22 @@ def is_dtensor(t: torch.Tensor) -> bool:
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """What this rank holds of `t`: a DTensor's local shard (a view of its storage), else `t`."""
     return t.to_local() if is_dtensor(t) else t
+
+
+def shard_group_of(tensors: Iterable[torch.Tensor]):
+    """The process group across which the DTensors among `tensors` are sharded (FSDP2's
+    one-dimension mesh), or None when none is a DTensor. A whole tensor is the concatenation of
+    its shards across this group, so a norm or a verdict over it needs that group."""
+    meshes = {id(t.device_mesh): t.device_mesh for t in tensors if is_dtensor(t)}
+    if not meshes:
+        return None
+    if len(meshes) > 1 or next(iter(meshes.values())).ndim != 1:
+        raise ValueError(
+            "tensors sharded over more than one device mesh, or a mesh of more than one "
+            "dimension (HSDP): a round over whole contributions is built for FSDP2's "
+            "one-dimension shard mesh"
+        )
+    return next(iter(meshes.values())).get_group()
 
 
 def holds_dtensor(tensors: Iterable[torch.Tensor]) -> bool:

@@ -5,6 +5,12 @@ the averagers mirror them (`localsgd.averaging.flat`): FSDP writes each reduce-s
 into a DTensor of its own, which a view of our buffer cannot replace. Inside a replica group FSDP
 has averaged the gradient already; the all-reduce over the replicate group then averages the
 groups' local shards, so the step is HSDP's: the gradient of the mean loss over every rank.
+
+With `aggregate` (a `robust.Aggregate`: clip, trimmed mean, median) every step's gradients are
+all-gathered instead and combined by the rule, NaN/Inf ones dropped (their ranks appended to
+`comm.dropped`), as a `trust.TrustedRound` without a judge does for the local phase's changes:
+the warmup of post-local SGD over workers you cannot trust is Byzantine-robust mini-batch SGD.
+It costs an all-gather of every worker's gradients a step (the all-reduce moves about 2x).
 """
 
 from __future__ import annotations
@@ -13,7 +19,9 @@ import torch
 import torch.distributed as dist
 
 from localsgd.averaging.comm import CommStats, Communicator, SimulatedLink
-from localsgd.averaging.flat import averaged_tensors, holds_dtensor, local_tensor
+from localsgd.averaging.flat import averaged_tensors, holds_dtensor, local_tensor, shard_group_of
+from localsgd.averaging.robust import Aggregate
+from localsgd.averaging.trust import TrustedRound
 
 
 class GradientAverager:
@@ -39,6 +47,7 @@ class GradientAverager:
         # False, as DDP: an overflowed gradient is fp16 loss scaling's signal, and every rank
         # must see it to skip the step together (`localsgd.averaging.finite` would drop it)
         drop_nonfinite: bool = False,
+        aggregate: Aggregate | None = None,
     ):
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.comm = Communicator(process_group, stats, link, guard=drop_nonfinite)
@@ -67,6 +76,13 @@ class GradientAverager:
                 self.bindings.append((p, view))
                 offset += shape.numel()
             self.buffers.append(flat)
+        # a robust rule over the gathered gradients (see the module doc); None: the mean
+        self.trust = (
+            TrustedRound(self.buffers, self.comm.size, [None] * len(self.buffers), aggregate,
+                         shards=shard_group_of(self.params) if self.mirror else None)
+            if aggregate is not None
+            else None
+        )  # fmt: skip
         self._release()
 
     def _release(self) -> None:
@@ -114,8 +130,15 @@ class GradientAverager:
             self._pull()
         else:
             self._rebind()
-        for flat in self.buffers:
-            self.comm.mean_(flat)
+        if self.trust is not None:
+            seen = len(self.trust.events)
+            # (anchors: unused without a judge)
+            self.trust.run_(self.buffers, self.buffers, self.comm, [None] * len(self.buffers),
+                            self.trust.rounds)  # fmt: skip
+            self.comm.dropped += [e["rank"] for e in self.trust.events[seen:]]
+        else:
+            for flat in self.buffers:
+                self.comm.mean_(flat)
         if self.mirror:
             self._push()
         self.stats.rounds += 1

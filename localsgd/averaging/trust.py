@@ -129,8 +129,10 @@ class TrustedRound:
         sign: int = 1,
         decay: float = 1.0,
         mirror: FlatBuffers | None = None,
+        shards: dist.ProcessGroup | None = None,
     ):
-        # `decay`: error feedback's beta (`compress`), for a low-precision wire's residuals
+        # `decay`: error feedback's beta (`compress`), for a low-precision wire's residuals;
+        # `shards`: the shard group, given where the buffers are no `FlatBuffers` (gradients)
         if aggregate.rule in ("median", "trimmed_mean") and any(
             isinstance(w, SparseWire) for w in low
         ):
@@ -138,7 +140,7 @@ class TrustedRound:
         self.contributions = GatheredContributions(buffers, size, low, decay)
         self.current = self.contributions  # the round's, `run_`
         self.mirror = mirror if mirror is not None and mirror.mirror else None
-        self.shards = self.mirror.shard_group() if self.mirror is not None else None
+        self.shards = shards or (self.mirror.shard_group() if self.mirror is not None else None)
         self.norms: list[float] | None = None  # sharded clip: each row's whole norm, this round
         self.aggregate = aggregate
         self.judge = judge

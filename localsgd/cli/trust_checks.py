@@ -90,6 +90,13 @@ def validate_trust(cfg: Any, get: Callable[[Any, str], Any]) -> None:
             "which cannot leave a contribution out; use a low-bit sync.comm_dtype (int8, int4: "
             "gathered and checked) or null"
         )
+    precision = get(cfg, "trainer.precision")
+    if plan.gathered and plan.warmup_steps > 0 and precision == "16-mixed":
+        raise ConfigError(
+            f"sync.aggregate={aggregate} with sync.warmup_steps > 0 and trainer.precision=16-mixed "
+            "cannot hold: the robust warmup drops an overflowed (Inf) gradient, which is the "
+            "loss scaler's signal to skip the step; use bf16-mixed or 32-true"
+        )
     refusal = plan.trust_refusal(ft=ft)
     if refusal is not None:
         raise ConfigError(refusal)

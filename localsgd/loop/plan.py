@@ -169,8 +169,11 @@ class SyncPlan:
             (self.fragments != 1 and self.outer == "none", f"sync.outer=none with sync."
              f"fragments={self.fragments}: plain streaming sends the values themselves, not "
              "pseudo-gradients from an anchor every rank holds (use sync.outer=diloco)"),
-            (self.warmup_steps > 0, "sync.warmup_steps > 0: the warmup's gradients are "
-             "all-reduced by the plain mean"),
+            (self.warmup_steps > 0 and self.aggregate == "mean", "sync.warmup_steps > 0: the "
+             "warmup's gradients are averaged every step and never scored; set a robust "
+             "sync.aggregate (clip, trimmed_mean, median), which combines them too"),
+            (self.warmup_steps > 0 and ft, "sync.warmup_steps > 0 under ft=torchft: the "
+             "warmup's gradients are torchft's all-reduce, which no rule can judge"),
             (self.optimizer_state in ("average", "desloc"), f"sync.optimizer_state="
              f"{self.optimizer_state}: the optimizer state is averaged by the plain mean"),
             (self.compress != "none" and self.aggregate in ("median", "trimmed_mean"),

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from localsgd.averaging import Averager, CommStats, GradientAverager, SimulatedLink
 from localsgd.averaging.flat import local_tensor
+from localsgd.averaging.robust import Aggregate
 from localsgd.config import Config
 from localsgd.loop.drift import DriftMeter
 from localsgd.loop.guards import DroppedContributions, check_replicas
@@ -167,7 +168,10 @@ class Synchroniser:
         self._announce_trust()
 
     def _collect_dropped(self, step: int) -> None:
-        comms = [*self.averager.levels]  # (the warmup's gradient all-reduce is not guarded)
+        # (the warmup's gradient all-reduce is not guarded; a robust one names what it drops)
+        comms = [*self.averager.levels]
+        if self.grad_averager is not None and self.grad_averager.trust is not None:
+            comms.append(self.grad_averager.comm)
         if self.fault_tolerance is not None:
             comms.append(self.fault_tolerance.rounds.comm)
         self.dropped_nonfinite.collect(comms, step)
@@ -443,11 +447,14 @@ def build_synchroniser(
         )
     # the averager gave every rank rank 0's model already
     # sharded: over the replicate group (FSDP averaged inside each group already), so HSDP
+    # untrusted workers: the warmup's gradients combined by the robust rule too
+    robust = Aggregate(sync.aggregate, sync.clip_multiple, sync.trim_fraction)
     grad_averager = (
-        GradientAverager(model, replicas, stats=stats, link=link, init_sync=False)
+        GradientAverager(model, replicas, stats=stats, link=link, init_sync=False,
+                         aggregate=robust if sync.aggregate != "mean" else None)
         if sync.warmup_steps > 0
         else None
-    )
+    )  # fmt: skip
     # under torchft the process group is the replica group alone: drift would measure nothing
     measure = cfg.trainer.track_drift and not comm.disabled and not fault_tolerant
     drift = DriftMeter(averager.flat.buffers, replicas, shards) if measure else None
