@@ -464,7 +464,7 @@ def test_robust_mean_is_built_only_when_asked():
 
 
 def test_scoring_with_fewer_than_3_workers_says_nobody_can_be_excluded(monkeypatch):
-    from localsgd.loop import synchroniser as module
+    from localsgd.loop import build_sync as module
     from localsgd.loop.worker import WorkerInfo
 
     said: list[str] = []

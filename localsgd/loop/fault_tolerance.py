@@ -121,7 +121,7 @@ def replica_groups(ft: FtConfig, info: WorkerInfo) -> int:
 
 class FaultTolerance:
     """`ft=torchft` for one worker: its round driver (`rounds`) and what the loop does around
-    it. Built by `build_synchroniser`; the trainer only sees the Synchroniser."""
+    it. Built by `build_sync.build_synchroniser`; the trainer only sees the Synchroniser."""
 
     def __init__(
         self,

@@ -15,17 +15,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from localsgd.averaging import Averager, CommStats, GradientAverager, SimulatedLink
+from localsgd.averaging import Averager, GradientAverager
 from localsgd.averaging.flat import local_tensor
-from localsgd.averaging.robust import Aggregate
-from localsgd.config import Config
 from localsgd.loop.drift import DriftMeter
 from localsgd.loop.guards import DroppedContributions, check_replicas
 from localsgd.loop.metrics import notice
-from localsgd.loop.plan import SyncPlan
 from localsgd.loop.stop import StopAgreement
-from localsgd.loop.strategies import build_averager
-from localsgd.loop.worker import WorkerInfo
 
 if TYPE_CHECKING:
     from localsgd.loop.fault_tolerance import FaultTolerance
@@ -384,101 +379,3 @@ def _holds_tensor(tree) -> bool:
     if isinstance(tree, torch.Tensor):
         return True
     return isinstance(tree, (list, tuple)) and any(_holds_tensor(t) for t in tree)
-
-
-def build_synchroniser(
-    cfg: Config,
-    info: WorkerInfo,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    sharding: Sharding | None = None,
-    loss_at: Callable[[int], float] | None = None,
-) -> Synchroniser:
-    """The `sync` config's strategy over the `comm` config's network (a simulated slow link,
-    or no communication at all), for `model` trained by `optimizer`; under `ft=torchft` its
-    syncs across replica groups go through torchft (torchft is imported only then). With
-    `sharding` (dist.shard_size > 1) it averages each shard across the replica groups."""
-    sync, comm, fault_tolerant = cfg.sync, cfg.comm, cfg.ft.backend != "none"
-    sim = comm.simulate
-    link = (
-        SimulatedLink(sim.bandwidth_gbps, sim.latency_ms)
-        if sim.bandwidth_gbps is not None or sim.latency_ms > 0
-        else None
-    )
-    # under torchft the process group is one replica group: levels are sized within it
-    group = dist.get_world_size() if fault_tolerant else info.world_size
-    replicas = sharding.replicate_group if sharding is not None else None
-    shards = sharding.shard_group if sharding is not None else None
-    if sharding is not None:
-        group //= sharding.size  # the averages span one rank per replica group
-    stats = CommStats()
-    averager = build_averager(
-        sync,
-        model,
-        optimizer,
-        group,
-        # a machine's replica groups (sync.levels' group_size: node)
-        min(info.local_world_size // (sharding.size if sharding is not None else 1), group),
-        stats,
-        link,
-        communicate=not comm.disabled,
-        process_group=replicas,
-        loss_at=loss_at,
-    )
-    buffers = averager.flat.buffers
-    if sync.outer_state == "cpu" and info.rank == 0 and buffers and buffers[0].device.type == "cpu":
-        notice(
-            "sync.outer_state=cpu on a CPU run saves nothing: the anchors and outer momentum "
-            "were in host memory already (the outer step still runs through its host staging)"
-        )
-    plan = SyncPlan.of(sync)
-    gathered = plan.gathered_wire(sync.comm_dtype) or plan.gathered
-    if fault_tolerant and info.rank == 0 and averager.comm.guard and not gathered:
-        notice(
-            "sync.drop_nonfinite: under ft=torchft the full-precision mean across replica groups "
-            "is torchft's all-reduce, which leaves no NaN/Inf contribution out (a low-bit "
-            "sync.comm_dtype is gathered and checked)"
-        )
-    if plan.score and sync.exclude_after and group < 3 and info.rank == 0 and not fault_tolerant:
-        notice(
-            f"sync.score with {group} worker{'s' if group > 1 else ''}: nobody can be excluded "
-            "(an honest majority needs at least 3; sharded, 3 replica groups); a contribution "
-            "judged bad is still dropped from its round"
-        )
-    # the averager gave every rank rank 0's model already
-    # sharded: over the replicate group (FSDP averaged inside each group already), so HSDP
-    # untrusted workers: the warmup's gradients combined by the robust rule too
-    robust = Aggregate(sync.aggregate, sync.clip_multiple, sync.trim_fraction)
-    grad_averager = (
-        GradientAverager(model, replicas, stats=stats, link=link, init_sync=False,
-                         aggregate=robust if sync.aggregate != "mean" else None)
-        if sync.warmup_steps > 0
-        else None
-    )  # fmt: skip
-    # under torchft the process group is the replica group alone: drift would measure nothing
-    measure = cfg.trainer.track_drift and not comm.disabled and not fault_tolerant
-    drift = DriftMeter(averager.flat.buffers, replicas, shards) if measure else None
-    synchroniser = Synchroniser(
-        averager,
-        model,
-        cfg.trainer.max_steps,
-        grad_averager,
-        drift,
-        verify=sync.check_replicas,
-        group=replicas,
-        sharding=sharding,
-    )
-    if fault_tolerant:
-        from localsgd.loop.fault_tolerance import FaultTolerance
-
-        synchroniser.fault_tolerance = FaultTolerance.build(
-            cfg.ft,
-            info,
-            cfg.seed,
-            averager,
-            grad_averager,
-            sync.check_replicas,
-            sharded=sharding is not None and sharding.sharded,
-            batch=cfg.trainer.batch_size * cfg.trainer.accumulate_grad_batches,
-        )
-    return synchroniser

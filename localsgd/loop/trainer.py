@@ -15,6 +15,7 @@ from localsgd.config import Config, plain
 from localsgd.data import eval_batches, input_shape_of, load_data, task_of
 from localsgd.instantiate import build, target_name
 from localsgd.loop import checkpoint, checkpoint_dcp, checkpoint_shared
+from localsgd.loop.build_sync import build_synchroniser
 from localsgd.loop.evaluation import evaluate, held_out_loss, loss_and_correct, text_sample
 from localsgd.loop.guards import NonFiniteTracker
 from localsgd.loop.loggers import build_loggers
@@ -34,7 +35,6 @@ from localsgd.loop.shard import worker_batches
 from localsgd.loop.sharding import Sharding, state_bytes
 from localsgd.loop.stop import StopAgreement, first_signal
 from localsgd.loop.strategies import optimizer_state_bytes
-from localsgd.loop.synchroniser import build_synchroniser
 from localsgd.loop.worker import WorkerInfo
 from localsgd.models import build_model
 
