@@ -95,14 +95,14 @@ def test_the_trainer_holds_no_fault_tolerance_branch():
     assert not any("fault_tolerance" in m or "torchft" in m for m in imported if m)
 
 
-def test_only_the_synchroniser_and_its_fault_tolerance_read_cfg_ft_in_the_loop():
+def test_only_the_synchroniser_its_builder_and_fault_tolerance_read_cfg_ft_in_the_loop():
     readers = set()
     for name in os.listdir(os.path.join(ROOT, "loop")):
         if name.endswith(".py"):
             tree = ast.parse(_source("loop", name))
             if any(isinstance(n, ast.Attribute) and n.attr == "ft" for n in ast.walk(tree)):
                 readers.add(name)
-    assert readers <= {"synchroniser.py", "fault_tolerance.py"}, readers
+    assert readers <= {"synchroniser.py", "build_sync.py", "fault_tolerance.py"}, readers
 
 
 def test_the_averaging_core_imports_neither_hydra_nor_wandb():
