@@ -76,6 +76,8 @@ SETTINGS = {
     # SparseLoCo's top-k wire (2-bit values, error feedback, the senders' mean), scored as
     # Templar scores it: the mean and clip only (a per-coordinate rule is refused over top-k)
     "sparseloco": [*MNIST1D, "+experiment=untrusted_sparseloco", "sync.score=false"],
+    # the same preset on the Shakespeare LM (its model, inner AdamW lr 0.002), a sync every 10
+    "lm_sparseloco": [*SHAKESPEARE, "+experiment=untrusted_sparseloco", "sync.score=false"],
     "streaming_diloco": [*MNIST1D, "+experiment=diloco", "sync.period=20", "sync.fragments=2",
                          "sync.outer_warmup_rounds=0"],
 }

@@ -17,6 +17,11 @@ so that the averager sends the attack's change instead:
 `every` = k attacks at the first of every k syncs and sends the true change at the others (an
 intermittent attacker, which never runs up a streak of bad rounds: `sync.exclude_window`).
 
+In post-local SGD's synchronous warmup (`sync.warmup_steps`) every step's gradients are
+averaged instead: there the attacker rewrites its gradients, just before they are averaged, by
+the same rule (`stale`: its first attacked gradient replayed). Under `ft=torchft` the warmup's
+gradients go through torchft's all-reduce and are not attacked.
+
 From the command line, for rank 1 from step 0:
 `'trainer.callbacks=[{_target_:localsgd.loop.attacks.Attack,kind:sign_flip,rank:1}]'`.
 The attacker's own parameters are what it sends; after the sync it holds the common model like
@@ -64,6 +69,7 @@ class Attack:
         self.rounds = 0  # contributions rewritten so far
         self._hook = None
         self._trainer = None
+        self.replayed_gradient: list[torch.Tensor] | None = None
 
     def on_step_start(self, trainer, step: int) -> None:
         if trainer.info.rank != self.rank or self._hook is not None:
@@ -71,6 +77,15 @@ class Attack:
         self._trainer = trainer
         self._remember(trainer)  # the model every worker starts from
         self._hook = trainer.optimizer.register_step_post_hook(lambda *_: self._tamper())
+        grads = trainer.sync.grad_averager  # the warmup's gradient average, if any
+        if grads is not None:
+            average = grads.all_reduce
+
+            def attacked_average():
+                self._tamper_gradients()
+                average()
+
+            grads.all_reduce = attacked_average
 
     def on_step_end(self, trainer, step: int) -> None:
         if trainer.info.rank == self.rank and trainer.in_sync:
@@ -95,23 +110,49 @@ class Attack:
             return  # an intermittent attacker sends its true change at this sync
         fragment, params, anchor = self._sent(trainer, step)
         changes = [p - a for p, a in zip(params, anchor, strict=True)]
-        if self.kind == "sign_flip":
-            sent = [c.mul(-self.scale) for c in changes]
-        elif self.kind == "noise":
-            n = sum(c.numel() for c in changes)
-            norm = math.sqrt(sum(float(c.double().square().sum()) for c in changes))
-            std = self.scale * norm / math.sqrt(max(n, 1))
-            sent = [torch.randn(c.shape, generator=self.generator).mul_(std).to(c) for c in changes]
-        elif self.kind == "stale":
+        if self.kind == "stale":
             sent = self.replay.setdefault(fragment, [c.clone() for c in changes])
-        elif self.kind == "nan":
-            sent = [c.clone() for c in changes]
-            sent[0].view(-1)[0] = float("nan")
-        else:  # zeros
-            sent = [torch.zeros_like(c) for c in changes]
+        else:
+            sent = self._attacked(changes)
         for p, a, s in zip(params, anchor, sent, strict=True):
             p.copy_(a + s)
         self.rounds += 1
+
+    @torch.no_grad()
+    def _tamper_gradients(self) -> None:
+        """In the warmup: this step's gradients rewritten by the attack's rule."""
+        trainer = self._trainer
+        if trainer.step < self.start_step:
+            return
+        self.syncs += 1
+        if (self.syncs - 1) % self.every:
+            return
+        grads = [local_tensor(p.grad) for p in trainer.model.parameters() if p.grad is not None]
+        if self.kind == "stale":
+            if self.replayed_gradient is None:
+                self.replayed_gradient = [g.clone() for g in grads]
+            sent = self.replayed_gradient
+        else:
+            sent = self._attacked([g.clone() for g in grads])
+        for g, s in zip(grads, sent, strict=True):
+            g.copy_(s)
+        self.rounds += 1
+
+    def _attacked(self, changes: list[torch.Tensor]) -> list[torch.Tensor]:
+        """What the attack sends in place of `changes` (but `stale`, which replays)."""
+        if self.kind == "sign_flip":
+            return [c.mul(-self.scale) for c in changes]
+        if self.kind == "noise":
+            n = sum(c.numel() for c in changes)
+            norm = math.sqrt(sum(float(c.double().square().sum()) for c in changes))
+            std = self.scale * norm / math.sqrt(max(n, 1))
+            return [torch.randn(c.shape, generator=self.generator).mul_(std).to(c)
+                    for c in changes]  # fmt: skip
+        if self.kind == "nan":
+            sent = [c.clone() for c in changes]
+            sent[0].view(-1)[0] = float("nan")
+            return sent
+        return [torch.zeros_like(c) for c in changes]  # zeros
 
     def _sent(self, trainer, step: int):
         """(fragment, parameters, anchors) of what the sync after `step` sends: the whole model

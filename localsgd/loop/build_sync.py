@@ -85,10 +85,14 @@ def build_synchroniser(
         )
     # the averager gave every rank rank 0's model already
     # sharded: over the replicate group (FSDP averaged inside each group already), so HSDP
-    # untrusted workers: the warmup's gradients combined by the robust rule too
+    # untrusted workers: the warmup's gradients combined by the robust rule too; under the mean
+    # a NaN/Inf gradient is left out in band (`sync.drop_nonfinite`), but not under fp16 loss
+    # scaling, whose every scaler must see an overflow to skip the step together
     robust = Aggregate(sync.aggregate, sync.clip_multiple, sync.trim_fraction)
+    guard = plan.drop_nonfinite and cfg.trainer.precision != "16-mixed"
     grad_averager = (
         GradientAverager(model, replicas, stats=stats, link=link, init_sync=False,
+                         drop_nonfinite=guard,
                          aggregate=robust if sync.aggregate != "mean" else None)
         if sync.warmup_steps > 0
         else None

@@ -163,9 +163,8 @@ class Synchroniser:
         self._announce_trust()
 
     def _collect_dropped(self, step: int) -> None:
-        # (the warmup's gradient all-reduce is not guarded; a robust one names what it drops)
         comms = [*self.averager.levels]
-        if self.grad_averager is not None and self.grad_averager.trust is not None:
+        if self.grad_averager is not None:  # the warmup's gradients left out (guarded, robust)
             comms.append(self.grad_averager.comm)
         if self.fault_tolerance is not None:
             comms.append(self.fault_tolerance.rounds.comm)
