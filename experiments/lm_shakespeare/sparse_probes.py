@@ -55,7 +55,9 @@ under 0.001 bytes per parameter per step over the study's 2000 steps (60: `TopKC
 4096).wire_bytes(214996)` = 4214 bytes x 101 rounds / (214996 x 2000) = 0.000990; 61 gives
 0.001004), decay 0.8, Nesterov 0.5 at lr 1. The rule: the best of the four becomes a study row
 if it beats +6.75% by at least 0.5 point (<= +6.25% at seed 0), and that row runs on seeds 3,
-4, 5 only (never 1 and 2: it was chosen on 0, and 1 and 2 were seen).
+4, 5 only (never 1 and 2: it was chosen on 0, and 1 and 2 were seen). Seen (00:17 UTC): outer
+lr 1.2 +5.54%, decay 0.7 +6.47%, Nesterov 0.6 +7.02%, k60_h20 +7.79%; lr 1.2 passes the rule
+and is the study's `sparseloco_h16_k46_sb80_n5_lr12`, seeds 3, 4, 5.
 
 The runs live in $SPARSE_PROBE_DIR (default /tmp/sparse_probes); `report` reads their
 summary.json and keeps the figures in sparse_probes.json here, so the table survives them.
@@ -220,7 +222,8 @@ def report() -> None:
         "seed as named; each of the first probes changes one thing of `sparseloco_h16`; from "
         "`k32_h20` on they search the frontier at 0.001 bytes per parameter per step in stages "
         "fixed before they ran (the script's FRONTIER, then MOMENTUM: outer Nesterov "
-        "momentum on the top-k wire). Gaps against `sync` and `local_k16` of "
+        "momentum on the top-k wire, then FRESH: four last changes before the fresh seeds "
+        "3, 4, 5 of the study). Gaps against `sync` and `local_k16` of "
         "the same seed and budget. Bytes per parameter per step as today's wire counts them: "
         "those marked * were sent with int16 indices and are restated (exactly, "
         "`localsgd.analysis.restate`; the model's bits are the same), over these 600 steps: "
