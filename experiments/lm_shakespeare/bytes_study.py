@@ -324,7 +324,8 @@ def main() -> None:
         "",
         "Seeds 1 and 2 of `sparseloco_h16_k46_sb80_n5` were seen before this check, so the "
         f"target is checked again on seeds {', '.join(map(str, FRESH_SEEDS))}, chosen before "
-        "they ran (2026-12-06 00:06 UTC, branch fresh); nothing was probed or tuned on them. "
+        "they ran (2026-12-06 00:06 UTC, branch fresh; runs 00:12-01:04 UTC, 4.6 to 7.7 minutes "
+        "each on 2 shared cores); nothing was probed or tuned on them. "
         "`sync` ran on them too: each gap is against `sync`'s run of the same seed. Four more "
         "600-step probes at seed 0 (`sparse_probes.py`'s FRESH, fixed before they ran) were "
         "allowed to add a row here (run on the fresh seeds only) if one beat "
