@@ -335,3 +335,28 @@ def test_sharded_sparseloco_killed_and_resumed_ends_bit_identical(tmp_path):
     assert proc.returncode != 0
     _ok(cli(args + [f"hydra.run.dir={run_dir}", "sync.check_replicas=true"]))
     assert same_model(run_dir / "model.pt", whole / "model.pt")
+
+
+@pytest.mark.long  # three runs of 4 processes, ~30 s: `make test-long`
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_scored_sharded_sparseloco_run_killed_and_resumed_ends_bit_identical(tmp_path):
+    """Untrusted workers over sharded replica groups and SparseLoCo's top-k wire, the second
+    group's rank 3 sending NaN (the whole group's contribution dropped, whatever its other
+    values): the verdicts and residuals travel in the checkpoint, and a run killed after step
+    16 resumes to the same bits and verdicts. (The kill goes in the same callbacks list as the
+    attack: `cli(fault=...)` would replace the list.)"""
+    attack = "{_target_:localsgd.loop.attacks.Attack,kind:nan,rank:3}"
+    kill = "{_target_:tests.faults.Fault,spec:'kill:1:18'}"
+    args = JOB + SHARDED + ["+experiment=untrusted_sparseloco", "sync.period=4",
+                            "sync.topk_chunk=64", "sync.check_replicas=true"]  # fmt: skip
+    whole, run_dir = tmp_path / "whole", tmp_path / "killed"
+    _ok(cli(args + [f"trainer.callbacks=[{attack}]", f"hydra.run.dir={whole}"]))
+    trust = json.loads((whole / "summary.json").read_text())["trust"]
+    dropped = [w for w, _ in trust["dropped_nonfinite"]]
+    assert dropped and set(dropped) == {1}  # every attacked round (the final average is not)
+    proc, _ = cli(args + [f"trainer.callbacks=[{attack},{kill}]", f"hydra.run.dir={run_dir}"])
+    assert proc.returncode != 0
+    _ok(cli(args + [f"trainer.callbacks=[{attack}]", f"hydra.run.dir={run_dir}"]))
+    assert same_model(run_dir / "model.pt", whole / "model.pt")
+    assert json.loads((run_dir / "summary.json").read_text())["trust"] == trust
