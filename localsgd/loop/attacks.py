@@ -65,11 +65,11 @@ class Attack:
         self.syncs = 0  # syncs over every worker seen after start_step
         self.generator = torch.Generator().manual_seed(seed)
         self.anchor: list[torch.Tensor] | None = None
-        self.replay: dict[int | None, list[torch.Tensor]] = {}  # per fragment (None: the model)
+        # per fragment (None: the model; "warmup": the warmup's gradients)
+        self.replay: dict[int | str | None, list[torch.Tensor]] = {}
         self.rounds = 0  # contributions rewritten so far
         self._hook = None
         self._trainer = None
-        self.replayed_gradient: list[torch.Tensor] | None = None
 
     def on_step_start(self, trainer, step: int) -> None:
         if trainer.info.rank != self.rank or self._hook is not None:
@@ -110,10 +110,7 @@ class Attack:
             return  # an intermittent attacker sends its true change at this sync
         fragment, params, anchor = self._sent(trainer, step)
         changes = [p - a for p, a in zip(params, anchor, strict=True)]
-        if self.kind == "stale":
-            sent = self.replay.setdefault(fragment, [c.clone() for c in changes])
-        else:
-            sent = self._attacked(changes)
+        sent = self._attacked(changes, fragment)
         for p, a, s in zip(params, anchor, sent, strict=True):
             p.copy_(a + s)
         self.rounds += 1
@@ -128,18 +125,16 @@ class Attack:
         if (self.syncs - 1) % self.every:
             return
         grads = [local_tensor(p.grad) for p in trainer.model.parameters() if p.grad is not None]
-        if self.kind == "stale":
-            if self.replayed_gradient is None:
-                self.replayed_gradient = [g.clone() for g in grads]
-            sent = self.replayed_gradient
-        else:
-            sent = self._attacked([g.clone() for g in grads])
+        sent = self._attacked(grads, "warmup")
         for g, s in zip(grads, sent, strict=True):
             g.copy_(s)
         self.rounds += 1
 
-    def _attacked(self, changes: list[torch.Tensor]) -> list[torch.Tensor]:
-        """What the attack sends in place of `changes` (but `stale`, which replays)."""
+    def _attacked(self, changes: list[torch.Tensor], key) -> list[torch.Tensor]:
+        """What the attack sends in place of `changes` (new tensors); `stale` replays the first
+        it was given under `key` (a fragment, None for the model, "warmup" for gradients)."""
+        if self.kind == "stale":
+            return self.replay.setdefault(key, [c.clone() for c in changes])
         if self.kind == "sign_flip":
             return [c.mul(-self.scale) for c in changes]
         if self.kind == "noise":

@@ -11,12 +11,11 @@ import torch
 import torch.distributed as dist
 
 from localsgd.averaging import CommStats, GradientAverager, SimulatedLink
-from localsgd.averaging.robust import Aggregate
 from localsgd.config import Config
 from localsgd.loop.drift import DriftMeter
 from localsgd.loop.metrics import notice
 from localsgd.loop.plan import SyncPlan
-from localsgd.loop.strategies import build_averager
+from localsgd.loop.strategies import aggregate_of, build_averager
 from localsgd.loop.synchroniser import Synchroniser
 from localsgd.loop.worker import WorkerInfo
 
@@ -88,12 +87,11 @@ def build_synchroniser(
     # untrusted workers: the warmup's gradients combined by the robust rule too; under the mean
     # a NaN/Inf gradient is left out in band (`sync.drop_nonfinite`), but not under fp16 loss
     # scaling, whose every scaler must see an overflow to skip the step together
-    robust = Aggregate(sync.aggregate, sync.clip_multiple, sync.trim_fraction)
     guard = plan.drop_nonfinite and cfg.trainer.precision != "16-mixed"
     grad_averager = (
         GradientAverager(model, replicas, stats=stats, link=link, init_sync=False,
                          drop_nonfinite=guard,
-                         aggregate=robust if sync.aggregate != "mean" else None)
+                         aggregate=aggregate_of(sync) if sync.aggregate != "mean" else None)
         if sync.warmup_steps > 0
         else None
     )  # fmt: skip

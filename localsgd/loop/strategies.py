@@ -75,6 +75,11 @@ def build_schedule(sync: SyncConfig) -> ConstantPeriod:
     return SCHEDULES[sync.schedule](sync)
 
 
+def aggregate_of(sync: SyncConfig) -> Aggregate:
+    """The `sync.aggregate` rule with its keys (`localsgd.averaging.robust`)."""
+    return Aggregate(sync.aggregate, sync.clip_multiple, sync.trim_fraction)
+
+
 def trust_of(
     sync: SyncConfig, plan: SyncPlan, loss_at: Callable[[int], float] | None
 ) -> dict[str, Any]:
@@ -97,7 +102,7 @@ def trust_of(
             exclude_window=sync.exclude_window,
         )
     return {
-        "aggregate": Aggregate(sync.aggregate, sync.clip_multiple, sync.trim_fraction),
+        "aggregate": aggregate_of(sync),
         "judge": judge,
     }
 
