@@ -203,6 +203,11 @@ def main() -> None:
     parser.add_argument("--setting", choices=list(SETTINGS), default="local_sgd")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--only-seeds", type=int, nargs="+", help="run these seeds of --seeds")
+    parser.add_argument(
+        "--seed-list", type=int, nargs="+",
+        help="these seeds instead of 0..--seeds-1 (a check on fresh seeds: pair with --suffix)",
+    )
+    parser.add_argument("--suffix", default="", help="write trust_study_SETTING_SUFFIX.*")
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--rows", nargs="+", choices=list(ROWS), help="these rows only")
@@ -214,9 +219,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.tiny:
         args.seeds, args.steps = 1, 40
-    seeds = list(range(args.seeds))
+    seeds = args.seed_list if args.seed_list is not None else list(range(args.seeds))
     run_seeds = args.only_seeds if args.only_seeds is not None else seeds
-    out = os.path.join(ROOT, "experiments", f"trust_study_{args.setting}")
+    name = f"trust_study_{args.setting}" + (f"_{args.suffix}" if args.suffix else "")
+    out = os.path.join(ROOT, "experiments", name)
     results = {}
     if args.merge and os.path.exists(out + ".json"):
         with open(out + ".json") as f:

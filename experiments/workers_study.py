@@ -1,7 +1,12 @@
-"""DiLoCo against synchronous training as the number of workers M grows (issue 30, item 5,
-"Workers"), with AdamW and with Muon inner steps, on MNIST-1D with virtual workers.
+r"""DiLoCo against synchronous training as the number of workers M grows (issue 30, item 5,
+"Workers"), with AdamW and with Muon inner steps, on MNIST-1D or the Shakespeare LM, with
+virtual workers.
 
     python experiments/workers_study.py --workers 1 2 4 8 16 --seeds 0 1 --steps 1000
+    python experiments/workers_study.py --setting lm --workers 1 4 16 --seeds 0 1 2 --steps 1000
+    # one worker on the 4 windows each of 16 workers steps on (a diagnostic: the LM's reading)
+    python experiments/workers_study.py --setting lm --workers 1 --seeds 0 1 2 --steps 1000 \
+        --rows sync_adamw sync_muon --global-batch 4 --out experiments/workers_study_lm_batch4
 
 Every run is `python -m localsgd.train ... dist.virtual_workers=M` (the M workers as threads of
 one process, bit-identical to M gloo processes: tests/test_virtual.py). The setting of the DiLoCo
@@ -10,6 +15,13 @@ worker's batch 256 / M, and the same number of steps at every M, so every run tr
 number of samples with the same compute. The MLP (78,858 parameters), inner lr 3e-3 for both
 optimizers (Muon's update is scaled to AdamW's RMS: conf/optim/muon.yaml), the cosine schedule,
 H = 32 for DiLoCo (sync=diloco: outer Nesterov, lr 0.7, momentum 0.9, warmed up over 4 rounds).
+
+`--setting lm` (added 2026-12-06, after the MNIST-1D study was seen; fixed before any LM run):
+the Shakespeare study's baby GPT (experiments/lm_shakespeare: 4 layers, width 64, 215k
+parameters), a global batch of 64 windows of 64 characters (the 4-worker study's 4 x 16), inner
+lr 2e-3 for both optimizers with 100 warmup steps and the cosine decay, H = 16 (that study's
+DiLoCo period), the test loss on 1024 validation windows (`make data` builds the corpus).
+
 Rows, all fixed before any was run (nothing tuned):
 
 - `sync_adamw`, `sync_muon`: synchronous training, the gradients all-reduced every step
@@ -33,8 +45,16 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GLOBAL_BATCH = 256
-H = 32
+# per setting: the global batch, DiLoCo's H and the job's overrides
+SETTINGS = {
+    "mnist1d": (256, 32, ["data=mnist1d", "model=mlp", "optim.lr=0.003"]),
+    "lm": (64, 16, [
+        "data=shakespeare", "model=transformer", "model.n_layers=4", "model.n_heads=4",
+        "model.d_model=64", "optim.lr=0.002", "lr_schedule.warmup_steps=100",
+        "trainer.eval_samples=1024", "trainer.eval_batch_size=256", "logger=jsonl",
+    ]),
+}  # fmt: skip
+GLOBAL_BATCH, H = SETTINGS["mnist1d"][:2]  # the setting this run uses: main() sets them
 _OUT = os.path.join(ROOT, "experiments", "workers_study")
 
 
@@ -50,14 +70,14 @@ def rows(steps: int) -> dict[str, list[str]]:
 
 
 def run_one(
-    row: list[str], workers: int, seed: int, steps: int, samples: int, run_dir: str
-) -> dict:
+    row: list[str], workers: int, seed: int, steps: int, samples: int, run_dir: str,
+    setting: str = "mnist1d",
+) -> dict:  # fmt: skip
+    data = [f"data.num_samples={samples}"] if setting == "mnist1d" else []
     overrides = [
-        "data=mnist1d",
-        f"data.num_samples={samples}",
-        "model=mlp",
+        *SETTINGS[setting][2],
+        *data,
         *row,
-        "optim.lr=0.003",
         f"dist.virtual_workers={workers}",
         f"trainer.batch_size={GLOBAL_BATCH // workers}",
         f"trainer.max_steps={steps}",
@@ -137,7 +157,8 @@ def table(results: list[dict]) -> list[str]:
             same = _gaps(results, name, workers, own) if name.startswith("diloco") else []
             adamw = _gaps(results, name, workers, "sync_adamw") if name != "sync_adamw" else []
             lines.append(
-                f"| {workers} | {GLOBAL_BATCH // workers} | {name} | {len(runs)} "
+                f"| {workers} | {runs[0].get('batch_per_worker', 256 // workers)} | {name} "
+                f"| {len(runs)} "
                 f"| {statistics.mean(loss):.4f} ± {spread:.4f} "
                 f"| {statistics.mean(r['test_accuracy'] for r in runs):.3f} "
                 f"| {_pct(same)} | {_pct(adamw)} | {_points(results, name, workers, own)} "
@@ -175,7 +196,14 @@ def main() -> None:
     parser.add_argument("--append", action="store_true", help="add to the results in --out")
     parser.add_argument("--out", default=_OUT)
     parser.add_argument("--render", action="store_true", help="rewrite the .md from the .json")
+    parser.add_argument("--setting", choices=list(SETTINGS), default="mnist1d")
+    parser.add_argument("--global-batch", type=int, help="instead of the setting's (diagnostics)")
     args = parser.parse_args()
+    global GLOBAL_BATCH, H
+    GLOBAL_BATCH, H = SETTINGS[args.setting][:2]
+    GLOBAL_BATCH = args.global_batch or GLOBAL_BATCH
+    default_out = _OUT if args.setting == "mnist1d" else f"{_OUT}_{args.setting}"
+    args.out = default_out if args.out == _OUT else args.out
     if args.render:
         with open(args.out + ".json") as f:
             saved = json.load(f)
@@ -187,9 +215,11 @@ def main() -> None:
             saved = json.load(f)
         results, commands = saved["results"], saved["commands"]
     given = [("steps", args.steps), ("seeds", args.seeds), ("workers", args.workers)]
+    given = [("setting", args.setting)] * (args.setting != "mnist1d") + given
     given += [("samples", args.samples)] if args.samples != 10000 else []
-    given += [("out", os.path.relpath(args.out, ROOT))] if args.out != _OUT else []
+    given += [("out", os.path.relpath(args.out, ROOT))] if args.out != default_out else []
     given += [("rows", args.rows)] if args.rows else []
+    given += [("global-batch", args.global_batch)] if args.global_batch else []
     command = (
         "python experiments/workers_study.py "
         + " ".join(f"--{k} {' '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in given)
@@ -203,10 +233,11 @@ def main() -> None:
                     if args.rows is not None and name not in args.rows:
                         continue
                     run_dir = os.path.join(tmp, f"{name}_m{workers}_s{seed}")
-                    s = run_one(row, workers, seed, args.steps, args.samples, run_dir)
+                    s = run_one(row, workers, seed, args.steps, args.samples, run_dir, args.setting)
                     results.append({
                         "row": name, "workers": workers, "seed": seed,
-                        "batch_per_worker": GLOBAL_BATCH // workers, "samples": args.samples,
+                        "batch_per_worker": GLOBAL_BATCH // workers, "setting": args.setting,
+                        "samples": args.samples if args.setting == "mnist1d" else None,
                         "test_loss": s["test_loss"], "test_accuracy": s["test_accuracy"],
                         "train_loss": s["train_loss"],
                         "comm_rounds": s["comm_rounds"], "comm_bytes": s["comm_bytes"],
@@ -228,11 +259,14 @@ def write(out: str, commands: list[str], results: list[dict]) -> None:
         with open(out + ".md") as f:
             text = f.read()
         reading = text[text.index(READING) :] if READING in text else ""
-    samples = " and ".join(sorted({str(r.get("samples", 10000)) for r in results}))
+    if results and results[0].get("setting", "mnist1d") == "lm":
+        what = "the Shakespeare LM, 215k parameters"
+    else:
+        samples = " and ".join(sorted({str(r.get("samples", 10000)) for r in results}))
+        what = f"MNIST-1D, data.num_samples={samples}"
     with open(out + ".md", "w") as f:
         f.write(
-            "# DiLoCo against sync as the workers grow, AdamW and Muon inner steps (MNIST-1D, "
-            f"data.num_samples={samples})\n\n"
+            f"# DiLoCo against sync as the workers grow, AdamW and Muon inner steps ({what})\n\n"
             "Made by (2 shared CPU cores, virtual workers; the script's docstring gives the "
             f"setting; raw runs: {os.path.basename(out)}.json):\n\n"
             + "".join(f"    {c}\n" for c in commands)
