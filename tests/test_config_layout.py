@@ -73,6 +73,14 @@ OLD_EXPERIMENTS = {
         "sync.score": True,
         "optim.lr": 0.003,
     },  # fmt: skip
+    "sparseloco_nesterov": {
+        "sync.compress": "topk",
+        "sync.period": 16,
+        "sync.topk_density": 46 / 4096,
+        "sync.outer_momentum": 0.5,
+        "sync.outer_nesterov": True,
+        "optim._target_": "torch.optim.AdamW",
+    },  # fmt: skip
     "adaptive_period": {
         "sync.period": 4,
         "sync.warmup_steps": 0,
@@ -271,6 +279,20 @@ def test_a_strategy_experiment_is_its_presets():
         ["sync=diloco", "optim=adamw", "optim.lr=0.003"]
     )
     assert compose_config(["+experiment=adaptive_period"]) == compose_config(["sync=adaptive"])
+
+
+def test_the_sparseloco_nesterov_preset_is_the_bytes_studys_row():
+    """The preset README and docs/studies.md quote the study's figures for is the study's row."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(CONF), "experiments", "lm_shakespeare", "study.py")
+    spec = importlib.util.spec_from_file_location("lm_study", path)
+    study = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(study)
+    row = study.ROWS["sparseloco_h16_k46_sb80_n5"]
+    preset = compose_config(["+experiment=sparseloco_nesterov"])
+    assert preset.sync == compose_config(row).sync
+    assert preset.optim == compose_config(["optim=adamw"]).optim
 
 
 def test_data_and_model_are_target_nodes_whose_own_keys_come_from_one_table():
