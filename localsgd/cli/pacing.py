@@ -17,8 +17,8 @@ NOT_WEIGHTED = {
     "sync.fragments": (lambda p, c: p.streaming, "Streaming DiLoCo's fragments and delays"),
     "sync.aggregate": (
         lambda p, c: p.gathered,
-        "gathered contributions (robust aggregates, sync.score) are combined "
-        "unweighted",
+        "gathered contributions (robust aggregates, sync.score) are combined unweighted, and "
+        "a weight is what a worker reports of itself, which an untrusted worker could inflate",
     ),
 }
 
