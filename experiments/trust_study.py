@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -50,6 +51,9 @@ EXTRA = {
     "mean, 3 workers": (["dist.world_size=3"], ["none"]),
     # scoring with the excluded worker's shard split among the others (sync.excluded_shard)
     "mean+score, reassigned": (["sync.score=true", "sync.excluded_shard=reassign"], ATTACKS),
+    # ... and its share of the global batch too (take_over): the honest workers train on as many
+    # samples a step as the 4 did
+    "mean+score, taken over": (["sync.score=true", "sync.excluded_shard=take_over"], ATTACKS),
     # scoring on a held-out batch of 32 windows: about 5% of an H = 50 round's compute (three
     # forward passes of 32 against 50 steps of 16 x (forward + backward))
     "mean+score, 32 windows": (["sync.score=true", "sync.score_batch=32"], ATTACKS),
@@ -112,6 +116,9 @@ def run_one(setting: str, aggregator: str, attack: str, seed: int, args, run_dir
     path = os.path.join(run_dir, "summary.json")
     if proc.returncode != 0 or not os.path.exists(path):
         last = (proc.stderr.strip().splitlines() or ["?"])[-1]
+        # a run that could not train (bad config, missing data) is no result, unlike divergence
+        if not any(why in proc.stderr for why in ("non-finite loss", "held NaN or Inf")):
+            sys.exit(f"{aggregator}/{attack}/{seed} failed: {last}")
         return {"diverged": True, "why": last[:200]}
     with open(path) as f:
         summary = json.load(f)
@@ -128,6 +135,19 @@ def run_one(setting: str, aggregator: str, attack: str, seed: int, args, run_dir
         "excluded": sorted(int(r) for r in trust.get("excluded", {})),
         "dropped_nonfinite": summary.get("dropped_nonfinite", 0),
     }
+
+
+def _md_commands(out: str) -> list[str]:
+    """The commands a table written before the json kept them names (its first paragraphs)."""
+    if not os.path.exists(out + ".md"):
+        return []
+    with open(out + ".md") as f:
+        head = f.read().split("\n| ")[0]
+    return re.findall(r"`(python experiments/trust_study\.py[^`]*)`", head)
+
+
+def _quoted(arg: str) -> str:
+    return f'"{arg}"' if " " in arg else arg
 
 
 def _kept(trust: dict) -> int:
@@ -223,10 +243,11 @@ def main() -> None:
     run_seeds = args.only_seeds if args.only_seeds is not None else seeds
     name = f"trust_study_{args.setting}" + (f"_{args.suffix}" if args.suffix else "")
     out = os.path.join(ROOT, "experiments", name)
-    results = {}
+    results, commands = {}, []
     if args.merge and os.path.exists(out + ".json"):
         with open(out + ".json") as f:
-            results = json.load(f)["results"]
+            before = json.load(f)
+        results, commands = before["results"], before.get("commands") or _md_commands(out)
     with tempfile.TemporaryDirectory() as tmp:
         for agg, (_, attacks) in ROWS.items():
             if args.rows and agg not in args.rows:
@@ -241,16 +262,19 @@ def main() -> None:
                     print(key, results[key], flush=True)
     if args.tiny:
         return
+    command = " ".join(["python experiments/trust_study.py", *map(_quoted, sys.argv[1:])])
+    commands.append(command)
     with open(out + ".json", "w") as f:
         json.dump({"setting": SETTINGS[args.setting], "steps": args.steps, "seeds": seeds,
-                   "results": results}, f, indent=1)
-    command = " ".join(["python experiments/trust_study.py", *sys.argv[1:]])
+                   "commands": commands, "results": results}, f, indent=1)
     data = "the Shakespeare LM" if args.setting.startswith("lm") else "MNIST-1D"
     lines = [
         f"# Untrusted workers: {args.setting}, 4 workers, {data}, {args.steps} steps, "
         f"seeds {seeds}",
         "",
         f"`{command}` (means over seeds; worker 1 attacks; docs/reliability.md reads it).",
+        *(["", "The runs merged into it, in order: " + "; ".join(f"`{c}`" for c in commands)]
+          if len(commands) > 1 else []),
         "",
         *table(results, seeds),
     ]

@@ -180,8 +180,9 @@ class SyncConfig:
     # or exclude_after bad rounds among its last exclude_window judged ones (null: running
     # only): an attacker that is bad every other round never runs up a streak
     exclude_window: int | None = None
-    # an excluded worker's shard: skip (lost to the run) | reassign (split among the others);
-    # null: reassign when sync.score is on (the trust study: it did better on every setting)
+    # an excluded worker's shard: skip (lost to the run) | reassign (split among the others) |
+    # take_over (its batch too: the global batch stays whole); null: reassign when sync.score
+    # is on (the trust study: it did better than skip on every setting)
     excluded_shard: str | None = None
 
 

@@ -1,4 +1,5 @@
-"""`sync.excluded_shard=reassign`: an excluded worker's shard split among the others."""
+"""`sync.excluded_shard=reassign|take_over`: an excluded worker's shard (and batch) split among
+the others."""
 
 from __future__ import annotations
 
@@ -73,16 +74,50 @@ def test_a_resumed_sampler_trains_on_the_indices_taken_over():
     assert plain.sampler.sources == [] and torch.equal(plain.sampler.indices, _shard_of(2))
 
 
+def test_take_over_splits_the_excluded_workers_batch_too():
+    """`take_over`: worker 1's batch of 4 goes to workers 0, 2, 3 as 2, 1, 1 more samples a
+    step (the group's 16 in all), with its shard as under `reassign`; worker 1's own batch is
+    unchanged. The batch is in the sampler's state: a resumed worker draws the same batches,
+    past the end of its larger epoch, and a state from before loads the plain batch."""
+    trust = SimpleNamespace(excluded={1: 2})
+    sizes = {}
+    for rank in range(WORLD):
+        batches = _batches(rank)
+        ShardReassignment(_shard_of, rank, WORLD, batches, False, batch_size=4).after_sync(
+            trust, step=19
+        )
+        sizes[rank] = len(batches.next()[1])
+        if rank != 1:
+            assert batches.sampler.sources == [1]
+    assert sizes == {0: 6, 1: 4, 2: 5, 3: 5}
+    assert sum(sizes[r] for r in (0, 2, 3)) == WORLD * 4
+    batches = _batches(0)
+    ShardReassignment(_shard_of, 0, WORLD, batches, False, batch_size=4).after_sync(trust, 0)
+    for _ in range(3):
+        batches.next()
+    again = _batches(0)
+    again.load_state_dict(batches.state_dict())
+    for _ in range(8):
+        assert torch.equal(again.next()[1], batches.next()[1])
+    plain = _batches(0)
+    plain.load_state_dict(_batches(0).state_dict())
+    assert plain.sampler.batch_size == 4
+
+
 def test_bad_values_are_refused_in_one_line():
     for overrides, said in (
         (["sync.excluded_shard=give"], "sync.excluded_shard"),
         (["sync.excluded_shard=reassign"], "sync.excluded_shard=reassign needs sync.score=true"),
         (["sync.excluded_shard=reassign", "sync.score=true", "sync.exclude_after=0"],
          "sync.exclude_after >= 1"),
+        (["sync.excluded_shard=take_over"], "sync.excluded_shard=take_over needs sync.score"),
+        (["sync.excluded_shard=take_over", "sync.score=true", "dist.shard_size=2"],
+         "sync.excluded_shard=take_over with dist.shard_size > 1 is not built"),
     ):
         with pytest.raises(ConfigError, match=said):
             validate(compose_config(overrides), 4)
     validate(compose_config(["sync.excluded_shard=reassign", "sync.score=true"]), 4)
+    validate(compose_config(["sync.excluded_shard=take_over", "sync.score=true"]), 4)
 
 
 def test_scoring_reassigns_by_default():
@@ -99,18 +134,25 @@ def test_scoring_reassigns_by_default():
 
 
 @pytest.mark.slow
-@pytest.mark.long  # ~20 s on 2 cores: `make test-long`
+@pytest.mark.long  # ~20 s on 2 cores each: `make test-long`
 @pytest.mark.timeout(240)
-def test_cli_reassigns_the_shard_of_an_excluded_attacker(tmp_path):
+@pytest.mark.parametrize("shard", ["reassign", "take_over"])
+def test_cli_reassigns_the_shard_of_an_excluded_attacker(tmp_path, shard):
     """From the command line: the free rider is excluded at round 2 and rank 0 says that its
-    shard goes to the others from the next step; the run trains on and ends."""
+    shard (and under take_over its batch) goes to the others from the next step; the run
+    trains on and ends."""
     attack = "{_target_:localsgd.loop.attacks.Attack,kind:'zeros',rank:1}"
     args = [*FAST, "dist.world_size=4", "trainer.max_steps=60", "sync.period=10",
-            "sync.score=true", "sync.excluded_shard=reassign", f"trainer.callbacks=[{attack}]",
+            "sync.score=true", f"sync.excluded_shard={shard}", f"trainer.callbacks=[{attack}]",
             f"hydra.run.dir={tmp_path}"]
     proc, left = cli(args)
     assert proc.returncode == 0 and not left, proc.stderr[-2000:]
     said = proc.stdout + proc.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["trust"]["excluded"] == {"1": 2}
-    assert "trust: worker(s) 1's shard is split among workers 0, 2, 3 from step 21" in said
+    if shard == "reassign":
+        assert "trust: worker(s) 1's shard is split among workers 0, 2, 3 from step 21" in said
+    else:
+        batch = compose_config(FAST).trainer.batch_size
+        assert (f"trust: worker(s) 1's shard and batch are split among workers 0, 2, 3 "
+                f"(batches of {batch + (batch + 2) // 3}, ") in said, said[-3000:]

@@ -44,12 +44,12 @@ def validate_trust(cfg: Any, get: Callable[[Any, str], Any]) -> None:
     _require(window is None or window >= after, "sync.exclude_window",
              f"null or an integer >= sync.exclude_after ({after})", window)  # fmt: skip
     shard = get(cfg, "sync.excluded_shard")
-    _require(
-        shard in (None, "skip", "reassign"), "sync.excluded_shard", "skip, reassign or null", shard
-    )
-    if shard == "reassign" and not (get(cfg, "sync.score") and after):
+    _require(shard in (None, "skip", "reassign", "take_over"), "sync.excluded_shard",
+             "skip, reassign, take_over or null", shard)  # fmt: skip
+    moved = shard in ("reassign", "take_over")
+    if moved and not (get(cfg, "sync.score") and after):
         raise ConfigError(
-            "sync.excluded_shard=reassign needs sync.score=true and sync.exclude_after >= 1: "
+            f"sync.excluded_shard={shard} needs sync.score=true and sync.exclude_after >= 1: "
             "only scoring excludes a worker"
         )
     aggregate, drop = get(cfg, "sync.aggregate"), get(cfg, "sync.drop_nonfinite")
@@ -72,14 +72,14 @@ def validate_trust(cfg: Any, get: Callable[[Any, str], Any]) -> None:
             "(torchrun) is not built: the contributions are gathered one per replica group "
             "process through the Manager; run one process per replica group"
         )
-    if shard == "reassign" and get(cfg, "dist.shard_size") > 1:
+    if moved and get(cfg, "dist.shard_size") > 1:
         raise ConfigError(
-            "sync.excluded_shard=reassign with dist.shard_size > 1 is not built (an excluded "
+            f"sync.excluded_shard={shard} with dist.shard_size > 1 is not built (an excluded "
             "worker is a replica group of ranks, each with its own data shard); use skip or null"
         )
-    if ft and shard == "reassign":
+    if ft and moved:
         raise ConfigError(
-            "sync.excluded_shard=reassign with ft=torchft is not built (a worker that heals "
+            f"sync.excluded_shard={shard} with ft=torchft is not built (a worker that heals "
             "takes a peer's sampler, and with it the peer's part of the shard); use skip or null"
         )
     wire = plan.gathered_wire(get(cfg, "sync.comm_dtype"))

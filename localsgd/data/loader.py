@@ -126,8 +126,8 @@ class MemoryBatches:
     def load_state_dict(self, state: dict) -> None:
         self.sampler.load_state_dict(state)
 
-    def reassign(self, extra: torch.Tensor, sources: list[int]) -> None:
-        self.sampler.reassign(extra, sources)
+    def reassign(self, extra: torch.Tensor, sources: list[int], batch_size: int | None = None):
+        self.sampler.reassign(extra, sources, batch_size)
 
     def close(self) -> None:
         pass
@@ -204,8 +204,8 @@ class StreamBatches:
         self.sampler.load_state_dict(state)
         self.close()  # the next batch comes from a loader started at the restored position
 
-    def reassign(self, extra: torch.Tensor, sources: list[int]) -> None:
-        self.sampler.reassign(extra, sources)
+    def reassign(self, extra: torch.Tensor, sources: list[int], batch_size: int | None = None):
+        self.sampler.reassign(extra, sources, batch_size)
         self.close()  # the loader ran ahead on the old shard
 
     def close(self) -> None:

@@ -31,7 +31,7 @@ class ShardSampler:
                 f"({n} samples); lower trainer.batch_size or dist.world_size, use more data, "
                 f"or a less skewed data.partition"
             )
-        self.batch_size = int(batch_size)
+        self.batch_size = self.own_batch_size = int(batch_size)
         self.seed = int(seed)
         self.rank = int(rank)
         self.epoch = 0
@@ -60,12 +60,23 @@ class ShardSampler:
         self.position += self.batch_size
         return self.indices[chosen]
 
-    def reassign(self, extra: torch.Tensor, sources: list[int]) -> None:
+    def reassign(
+        self, extra: torch.Tensor, sources: list[int], batch_size: int | None = None
+    ) -> None:
         """Train on this worker's shard plus `extra` (its parts of the shards of the excluded
-        workers `sources`, replacing any taken over before), from a new epoch that starts now."""
-        self.extra = torch.as_tensor(extra, dtype=torch.int64).cpu().flatten()
+        workers `sources`, replacing any taken over before), from a new epoch that starts now;
+        `batch_size`: its batches from then on (None: its own, as before the reassignment)."""
+        extra = torch.as_tensor(extra, dtype=torch.int64).cpu().flatten()
+        batch_size = self.own_batch_size if batch_size is None else int(batch_size)
+        if not 1 <= batch_size <= len(self.own) + len(extra):
+            raise ValueError(
+                f"a batch of {batch_size} does not fit a shard of {len(self.own) + len(extra)} "
+                "samples"
+            )
+        self.extra = extra
         self.sources = sorted(int(s) for s in sources)
         self.indices = torch.cat([self.own, self.extra])
+        self.batch_size = batch_size
         self.epoch += 1
         self.position = 0
         self._perm = None
@@ -74,6 +85,8 @@ class ShardSampler:
         state = {"epoch": self.epoch, "position": self.position, "num_indices": len(self.own)}
         if self.sources:
             state.update(extra=self.extra.clone(), sources=list(self.sources))
+        if self.batch_size != self.own_batch_size:  # taken over with the shard (take_over)
+            state["batch_size"] = self.batch_size
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -87,6 +100,7 @@ class ShardSampler:
         self.extra = torch.as_tensor(state.get("extra", []), dtype=torch.int64)
         self.sources = [int(s) for s in state.get("sources", [])]
         self.indices = torch.cat([self.own, self.extra]) if self.sources else self.own
+        self.batch_size = int(state.get("batch_size", self.own_batch_size))
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])
         self._perm = None
