@@ -80,7 +80,10 @@ def _two_machines(tmp_path, extra: list[str], run_dir=None) -> list[str]:
 @pytest.mark.parametrize(
     "strategy",
     [
-        [],  # local SGD, SGD with momentum: one state tensor per shard
+        # local SGD, SGD with momentum: one state tensor per shard (~30 s: `make test-long`;
+        # test_a_heal_carries_each_ranks_local_shards_and_the_next_step_matches runs the heal
+        # of each rank's shards in `make test`)
+        pytest.param([], marks=pytest.mark.long),
         # DiLoCo: AdamW's two moments per shard and its step count, the outer momentum
         # (~20 s more: `make test-long`; the heal round trip below covers AdamW's state)
         pytest.param(

@@ -124,6 +124,7 @@ STREAM = [a for a in BASE if not a.startswith(("data", "model"))] + ["model=resn
 
 
 @pytest.mark.slow
+@pytest.mark.long  # ~18 s: `make test-long`; the first test restores a stream mid-epoch in-process
 @pytest.mark.timeout(420)
 def test_streamed_cifar_killed_mid_epoch_resumes_bit_identical(tmp_path):
     fake_cifar(tmp_path / "cifar")  # 200 train images: 100 a rank, 12 batches of 8 an epoch
