@@ -54,13 +54,13 @@ SETTINGS = {
         "trainer.eval_samples=1024", "trainer.eval_batch_size=256", "logger=jsonl",
     ]),
 }  # fmt: skip
-GLOBAL_BATCH, H = SETTINGS["mnist1d"][:2]  # the setting this run uses: main() sets them
 _OUT = os.path.join(ROOT, "experiments", "workers_study")
 
 
-def rows(steps: int) -> dict[str, list[str]]:
+def rows(steps: int, period: int) -> dict[str, list[str]]:
+    """The four rows; `period`: DiLoCo's H (the setting's)."""
     sync = ["sync.period=1", f"sync.warmup_steps={steps}"]
-    diloco = ["sync=diloco", f"sync.period={H}"]
+    diloco = ["sync=diloco", f"sync.period={period}"]
     return {
         "sync_adamw": ["optim=adamw", *sync],
         "sync_muon": ["optim=muon", *sync],
@@ -71,15 +71,17 @@ def rows(steps: int) -> dict[str, list[str]]:
 
 def run_one(
     row: list[str], workers: int, seed: int, steps: int, samples: int, run_dir: str,
-    setting: str = "mnist1d",
+    setting: str = "mnist1d", global_batch: int | None = None,
 ) -> dict:  # fmt: skip
+    """One job; `global_batch`: split among the workers (None: the setting's)."""
+    global_batch = global_batch or SETTINGS[setting][0]
     data = [f"data.num_samples={samples}"] if setting == "mnist1d" else []
     overrides = [
         *SETTINGS[setting][2],
         *data,
         *row,
         f"dist.virtual_workers={workers}",
-        f"trainer.batch_size={GLOBAL_BATCH // workers}",
+        f"trainer.batch_size={global_batch // workers}",
         f"trainer.max_steps={steps}",
         f"trainer.eval_every={steps}",
         "trainer.checkpoint_every=0",
@@ -145,7 +147,7 @@ def table(results: list[dict]) -> list[str]:
         "same optimizer (points, per seed) | train loss (rank 0, last 25 steps) | wall s |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    names = list(rows(1))
+    names = list(rows(1, 1))
     for workers in sorted({r["workers"] for r in results}):
         for name in names:
             runs = [r for r in results if r["row"] == name and r["workers"] == workers]
@@ -199,9 +201,8 @@ def main() -> None:
     parser.add_argument("--setting", choices=list(SETTINGS), default="mnist1d")
     parser.add_argument("--global-batch", type=int, help="instead of the setting's (diagnostics)")
     args = parser.parse_args()
-    global GLOBAL_BATCH, H
-    GLOBAL_BATCH, H = SETTINGS[args.setting][:2]
-    GLOBAL_BATCH = args.global_batch or GLOBAL_BATCH
+    global_batch, period = SETTINGS[args.setting][:2]
+    global_batch = args.global_batch or global_batch
     default_out = _OUT if args.setting == "mnist1d" else f"{_OUT}_{args.setting}"
     args.out = default_out if args.out == _OUT else args.out
     if args.render:
@@ -229,14 +230,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for seed in args.seeds:
             for workers in args.workers:
-                for name, row in rows(args.steps).items():
+                for name, row in rows(args.steps, period).items():
                     if args.rows is not None and name not in args.rows:
                         continue
                     run_dir = os.path.join(tmp, f"{name}_m{workers}_s{seed}")
-                    s = run_one(row, workers, seed, args.steps, args.samples, run_dir, args.setting)
+                    s = run_one(row, workers, seed, args.steps, args.samples, run_dir,
+                                args.setting, global_batch)
                     results.append({
                         "row": name, "workers": workers, "seed": seed,
-                        "batch_per_worker": GLOBAL_BATCH // workers, "setting": args.setting,
+                        "batch_per_worker": global_batch // workers, "setting": args.setting,
                         "samples": args.samples if args.setting == "mnist1d" else None,
                         "test_loss": s["test_loss"], "test_accuracy": s["test_accuracy"],
                         "train_loss": s["train_loss"],
