@@ -15,7 +15,7 @@ sampler. With `take_over` they also take its share of the global batch: the `e *
 step of the `e` excluded workers' batches of `b` are split as evenly as they go (the first
 `e * b mod h` remaining workers one more), so the honest workers train on as many samples a
 step as the whole group did, and the learning rate tuned for that batch still fits; each
-step then costs them `(h + e) / h` times the compute. With `reassign` each keeps its own batch
+step then costs them about `(h + e) / h` times the compute. With `reassign` each keeps its own batch
 and the run trains on `e` workers' samples a step fewer. The verdicts are identical on every
 rank, and so is this split. The sampler's checkpoint carries the indices and the batch taken
 over, so a resumed run trains on the same ones.
