@@ -234,8 +234,8 @@ def main() -> None:
                     if args.rows is not None and name not in args.rows:
                         continue
                     run_dir = os.path.join(tmp, f"{name}_m{workers}_s{seed}")
-                    s = run_one(row, workers, seed, args.steps, args.samples, run_dir,
-                                args.setting, global_batch)
+                    args_one = (args.steps, args.samples, run_dir, args.setting, global_batch)
+                    s = run_one(row, workers, seed, *args_one)
                     results.append({
                         "row": name, "workers": workers, "seed": seed,
                         "batch_per_worker": global_batch // workers, "setting": args.setting,

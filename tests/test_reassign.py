@@ -108,11 +108,15 @@ def test_bad_values_are_refused_in_one_line():
     for overrides, said in (
         (["sync.excluded_shard=give"], "sync.excluded_shard"),
         (["sync.excluded_shard=reassign"], "sync.excluded_shard=reassign needs sync.score=true"),
-        (["sync.excluded_shard=reassign", "sync.score=true", "sync.exclude_after=0"],
-         "sync.exclude_after >= 1"),
+        (
+            ["sync.excluded_shard=reassign", "sync.score=true", "sync.exclude_after=0"],
+            "sync.exclude_after >= 1",
+        ),
         (["sync.excluded_shard=take_over"], "sync.excluded_shard=take_over needs sync.score"),
-        (["sync.excluded_shard=take_over", "sync.score=true", "dist.shard_size=2"],
-         "sync.excluded_shard=take_over with dist.shard_size > 1 is not built"),
+        (
+            ["sync.excluded_shard=take_over", "sync.score=true", "dist.shard_size=2"],
+            "sync.excluded_shard=take_over with dist.shard_size > 1 is not built",
+        ),
     ):
         with pytest.raises(ConfigError, match=said):
             validate(compose_config(overrides), 4)
@@ -126,8 +130,11 @@ def test_scoring_reassigns_by_default():
     from localsgd.data import load_data
     from localsgd.loop.shard import worker_batches
 
-    for overrides, built in (([], False), (["sync.score=true"], True),
-                             (["sync.score=true", "sync.excluded_shard=skip"], False)):
+    for overrides, built in (
+        ([], False),
+        (["sync.score=true"], True),
+        (["sync.score=true", "sync.excluded_shard=skip"], False),
+    ):
         cfg = compose_config([*FAST, *overrides])
         _, reassign = worker_batches(cfg, load_data(cfg.data, seed=0), 1, 4, torch.device("cpu"))
         assert isinstance(reassign, ShardReassignment) is built, overrides
@@ -142,9 +149,16 @@ def test_cli_reassigns_the_shard_of_an_excluded_attacker(tmp_path, shard):
     shard (and under take_over its batch) goes to the others from the next step; the run
     trains on and ends."""
     attack = "{_target_:localsgd.loop.attacks.Attack,kind:'zeros',rank:1}"
-    args = [*FAST, "dist.world_size=4", "trainer.max_steps=60", "sync.period=10",
-            "sync.score=true", f"sync.excluded_shard={shard}", f"trainer.callbacks=[{attack}]",
-            f"hydra.run.dir={tmp_path}"]
+    args = [
+        *FAST,
+        "dist.world_size=4",
+        "trainer.max_steps=60",
+        "sync.period=10",
+        "sync.score=true",
+        f"sync.excluded_shard={shard}",
+        f"trainer.callbacks=[{attack}]",
+        f"hydra.run.dir={tmp_path}",
+    ]
     proc, left = cli(args)
     assert proc.returncode == 0 and not left, proc.stderr[-2000:]
     said = proc.stdout + proc.stderr
@@ -154,8 +168,10 @@ def test_cli_reassigns_the_shard_of_an_excluded_attacker(tmp_path, shard):
         assert "trust: worker(s) 1's shard is split among workers 0, 2, 3 from step 21" in said
     else:
         batch = compose_config(FAST).trainer.batch_size
-        assert (f"trust: worker(s) 1's shard and batch are split among workers 0, 2, 3 "
-                f"(batches of {batch + (batch + 2) // 3}, ") in said, said[-3000:]
+        assert (
+            f"trust: worker(s) 1's shard and batch are split among workers 0, 2, 3 "
+            f"(batches of {batch + (batch + 2) // 3}, "
+        ) in said, said[-3000:]
 
 
 @pytest.mark.slow
@@ -169,8 +185,15 @@ def test_a_run_killed_after_the_batch_was_taken_over_resumes_bit_identical(tmp_p
     attack = "{_target_:localsgd.loop.attacks.Attack,kind:'zeros',rank:1}"
     once = tmp_path / "killed-once"
     kill = f"{{_target_:tests.faults.Fault,spec:'kill:2:35:{once}'}}"
-    args = [*FAST, "dist.world_size=4", "trainer.max_steps=50", "sync.period=10",
-            "sync.score=true", "sync.excluded_shard=take_over", "trainer.checkpoint_every=30"]
+    args = [
+        *FAST,
+        "dist.world_size=4",
+        "trainer.max_steps=50",
+        "sync.period=10",
+        "sync.score=true",
+        "sync.excluded_shard=take_over",
+        "trainer.checkpoint_every=30",
+    ]
     ref, run = tmp_path / "ref", tmp_path / "run"
     proc, left = cli([*args, f"trainer.callbacks=[{attack}]", f"hydra.run.dir={ref}"])
     assert proc.returncode == 0 and not left, proc.stderr[-2000:]
@@ -182,6 +205,7 @@ def test_a_run_killed_after_the_batch_was_taken_over_resumes_bit_identical(tmp_p
     assert proc.returncode == 0 and not left, proc.stderr[-2000:]
     assert "resuming from" in proc.stderr and "step-30" in proc.stderr
     assert same_model(run / "model.pt", ref / "model.pt")
+
     # drift, the workers' distance from the average, counts the excluded attacker's model too,
     # which depends on the attack's in-memory anchor (localsgd.loop.attacks: not checkpointed)
     def records(run_dir):

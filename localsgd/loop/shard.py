@@ -62,8 +62,15 @@ class ShardReassignment:
     `batch_size`: every worker's own batch, whose excluded share the others take over with the
     shard (None: they keep their own batches, `reassign`)."""
 
-    def __init__(self, shard_of: Callable[[int], torch.Tensor], rank: int, world_size: int,
-                 batches, announce: bool, batch_size: int | None = None):
+    def __init__(
+        self,
+        shard_of: Callable[[int], torch.Tensor],
+        rank: int,
+        world_size: int,
+        batches,
+        announce: bool,
+        batch_size: int | None = None,
+    ):
         self.shard_of = shard_of
         self.rank = rank
         self.world_size = world_size
@@ -94,8 +101,10 @@ class ShardReassignment:
             if sizes is None:
                 said = f"shard is split among workers {workers}"
             else:
-                said = (f"shard and batch are split among workers {workers} (batches of "
-                        f"{', '.join(map(str, sizes))})")
+                said = (
+                    f"shard and batch are split among workers {workers} (batches of "
+                    f"{', '.join(map(str, sizes))})"
+                )
             notice(
                 f"trust: worker(s) {names}'s {said} from step {step + 1} (sync.excluded_shard="
                 f"{'reassign' if sizes is None else 'take_over'})"
