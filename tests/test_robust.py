@@ -838,6 +838,13 @@ def test_a_contribution_that_helps_alone_but_spoils_the_mean_is_caught():
     assert trust.scores[1] > sorted(s for s in trust.scores if s is not None)[1]
     assert [e["rank"] for e in trust.events if e["why"] == "bad"] == [1, 1]
     assert trust.excluded == {1: 1}
+    # every metrics line names each worker's last score, and a resumed run's first line too
+    scores = trust.metrics()["trust_scores"]
+    assert scores == trust.scores and all(isinstance(x, float) for x in scores)
+    again = TrustedRound([flat], 4, [None], Aggregate("mean"), Judge(loss_at, 2, 0.5, 3.0, False))
+    again.load_state_dict(trust.state_dict())
+    assert again.metrics() == trust.metrics()
+    assert "trust_scores" not in TrustedRound([flat], 4, [None], Aggregate("median")).metrics()
 
 
 def test_a_checkpoint_with_verdicts_cannot_move_to_another_world_size():

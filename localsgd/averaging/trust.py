@@ -151,7 +151,7 @@ class TrustedRound:
         self.verdicts: list[list[int]] = [[] for _ in range(size)]  # judged rounds, 1: bad
         self.excluded: dict[int, int] = {}  # rank: the round it was excluded at
         self.events: list[dict] = []  # {"round", "step", "rank", "why"}: nonfinite | bad | excluded
-        self.scores: list[float | None] = [None] * size  # the last scored round's
+        self.scores: list[float | None] = [None] * size  # the last scored round's, by worker
 
     def run_(
         self,
@@ -222,6 +222,7 @@ class TrustedRound:
         if workers > self.size:
             self.streaks += [0] * (workers - self.size)
             self.verdicts += [[] for _ in range(workers - self.size)]
+            self.scores += [None] * (workers - self.size)
             self.size = workers
 
     def _judged(self, flats, anchors, rows, keep, round_, step, comm, workers) -> list[int]:
@@ -236,7 +237,9 @@ class TrustedRound:
         scores: list[float | None] = [None] * len(workers)
         for rank in keep:
             scores[rank] = float((before - losses[rank]).mean())
-        self.scores = scores
+        self.scores = [None] * self.size  # by worker (under torchft a place is not a worker)
+        for at, score in enumerate(scores):
+            self.scores[workers[at]] = score
         finite = sorted((scores[r], r) for r in keep if math.isfinite(scores[r]))
         middle = median_of([s for s, _ in finite]) if finite else 0.0
         # the median contribution's per-sample losses (the two middle ones' mean, for an even
@@ -362,14 +365,21 @@ class TrustedRound:
         }
 
     def metrics(self) -> dict:
-        """A metrics line's share: the workers excluded so far (rank: round) and how many
-        contributions were dropped as non-finite or judged bad."""
+        """A metrics line's share: the workers excluded so far (rank: round), how many
+        contributions were dropped as non-finite or judged bad, and with scoring the last scored
+        round's score of each worker's contribution (`trust_scores`, in rank order: the loss
+        change it caused on the held-out batch; null where it was not finite or not scored)."""
         record = self.record()
-        return {
+        line = {
             "excluded": record["excluded"],
             "dropped_nonfinite": len(record["dropped_nonfinite"]),
             "judged_bad": len(record["judged_bad"]),
         }
+        if self.judge is not None:
+            line["trust_scores"] = [
+                s if s is not None and math.isfinite(s) else None for s in self.scores
+            ]
+        return line
 
     @staticmethod
     def lines(events: list[dict]) -> list[str]:
@@ -392,6 +402,7 @@ class TrustedRound:
             "verdicts": [list(v) for v in self.verdicts],
             "excluded": dict(self.excluded),
             "events": [dict(e) for e in self.events],
+            "scores": list(self.scores),  # what the next metrics line says before a new round
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -405,3 +416,5 @@ class TrustedRound:
         self.verdicts += [[] for _ in range(self.size - len(self.verdicts))]
         self.excluded = {int(r): int(at) for r, at in state["excluded"].items()}
         self.events = [dict(e) for e in state["events"]]
+        scores = list(state.get("scores") or [])
+        self.scores = scores + [None] * (self.size - len(scores))
