@@ -367,7 +367,7 @@ class TrustedRound:
     def metrics(self) -> dict:
         """A metrics line's share: the workers excluded so far (rank: round), how many
         contributions were dropped as non-finite or judged bad, and with scoring the last scored
-        round's score of each worker's contribution (`trust_scores`, in rank order: the loss
+        round's score of each worker's contribution (`trust_scores`, by worker: the loss
         change it caused on the held-out batch; null where it was not finite or not scored)."""
         record = self.record()
         line = {
