@@ -853,6 +853,8 @@ def test_a_checkpoint_with_verdicts_cannot_move_to_another_world_size():
     assert SyncPlan.of(compose_config([]).sync).reshard_refusal() is None
     refusal = SyncPlan.of(compose_config(["sync.aggregate=median"]).sync).reshard_refusal()
     assert refusal.startswith("sync.aggregate='median' (the verdicts")
+    scored = SyncPlan.of(compose_config(["sync.score=true"]).sync).reshard_refusal()
+    assert scored.startswith("sync.score=True (the verdicts"), scored  # the key the user set
 
 
 @pytest.mark.slow

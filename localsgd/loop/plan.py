@@ -26,6 +26,7 @@ RESHARD_REFUSED = {
     "sync.eager": "each worker's pseudo-gradient is carried to the next round",
     "sync.fragments": "fragments sync at different steps",
     "sync.aggregate": "the verdicts (bad-round streaks, exclusions) name the old world's ranks",
+    "sync.score": "the verdicts (bad-round streaks, exclusions) name the old world's ranks",
 }
 
 
@@ -237,7 +238,8 @@ class SyncPlan:
             "sync.delay_steps": 0 if self.overlap else self.delay,
             "sync.eager": self.eager,
             "sync.fragments": self.fragments if self.fragments != 1 else 0,
-            "sync.aggregate": self.aggregate if self.gathered else 0,
+            "sync.aggregate": self.aggregate if self.aggregate != "mean" else 0,
+            "sync.score": self.score,  # under the mean, scoring alone gathers and judges
         }
         for key, why in RESHARD_REFUSED.items():
             if values[key]:
