@@ -180,6 +180,10 @@ class SyncConfig:
     # or exclude_after bad rounds among its last exclude_window judged ones (null: running
     # only): an attacker that is bad every other round never runs up a streak
     exclude_window: int | None = None
+    # a worker's first probation_rounds rounds: 2 bad rounds running exclude it (0: none). A
+    # newcomer bad from the start is out in 2 rounds; an honest worker bad 2 rounds running
+    # later (it happened on the Shakespeare LM, after 20 rounds of help) is not
+    probation_rounds: int = 3
     # an excluded worker's shard: skip (lost to the run) | reassign (split among the others) |
     # take_over (its batch too: the global batch stays whole); null: reassign when sync.score
     # is on (the trust study: it did better than skip on every setting)

@@ -118,6 +118,7 @@ def test_bad_values_are_refused_in_one_line():
         ("sync.exclude_after=-1", "sync.exclude_after"),
         ("sync.exclude_window=2", "sync.exclude_window"),  # below sync.exclude_after (3)
         ("sync.score_z=-1", "sync.score_z"),
+        ("sync.probation_rounds=-1", "sync.probation_rounds"),
     ):
         with pytest.raises(ConfigError, match=key):
             validate(compose_config([override]), 4)
@@ -712,6 +713,67 @@ def test_an_attacker_bad_every_other_round_is_excluded_within_a_window(window, e
         again = TrustedRound([flat], 4, [None], Aggregate("mean"), judge)
         again.load_state_dict(trust.state_dict())
         assert again.verdicts == trust.verdicts and again.verdicts[3] == [1, 0, 1, 0, 1]
+
+
+@pytest.mark.parametrize(
+    "bad_rounds, probation, excluded",
+    [((1, 2), 3, {3: 2}), ((1, 2), 0, {}), ((1, 2, 3), 0, {3: 3}), ((5, 6), 3, {}),
+     ((5, 6, 7), 3, {3: 7}), ((2, 3), 3, {})],
+)  # fmt: skip
+def test_a_newcomer_bad_two_rounds_running_is_excluded(bad_rounds, probation, excluded):
+    """`probation_rounds` = P: in a worker's first P rounds two bad rounds running exclude it
+    (`exclude_after=3` elsewhere). Worker 3 sends -5x in `bad_rounds` and an honest change in
+    the others: bad at rounds 1 and 2, it is out at round 2 (at round 3 without probation); bad
+    at 5 and 6, or at 2 and 3 (its fourth round is past probation), it is not."""
+    from localsgd.averaging.trust import TrustedRound
+
+    flat = torch.zeros(2)
+
+    def loss_at(round_):
+        return float((flat - 1).square().sum())
+
+    judge = Judge(loss_at, 3, 0.5, 3.0, False, probation_rounds=probation)
+    trust = TrustedRound([flat], 4, [None], Aggregate("mean"), judge)
+    for round_ in range(max(bad_rounds) + 1):
+        attack = -5.0 if round_ in bad_rounds else 0.6
+        rows = torch.tensor([[0.5, 0.5], [0.6, 0.6], [0.55, 0.55], [attack, attack]])
+        flat.zero_()
+        trust.run_([flat], [torch.zeros(2)], _Gathers(rows), [None], step=round_)
+    assert [e["round"] for e in trust.events if e["why"] == "bad"] == list(bad_rounds)
+    assert trust.excluded == excluded
+    again = TrustedRound([flat], 4, [None], Aggregate("mean"), judge)
+    again.load_state_dict(trust.state_dict())
+    assert again.seen == trust.seen == [max(bad_rounds) + 1] * 4
+    old = {k: v for k, v in trust.state_dict().items() if k != "seen"}  # before probation
+    again.load_state_dict(old)
+    assert again.seen == trust.seen
+
+
+def test_each_contribution_z_against_the_median_is_in_the_metrics():
+    """`trust_z`: by worker, how many standard errors of the paired differences its held-out
+    losses exceed the median contribution's by; the median's own is 0."""
+    from localsgd.averaging.trust import TrustedRound
+
+    flat = torch.zeros(1)
+    gen = torch.Generator().manual_seed(0)
+    gains = {v: 1 + 0.1 * torch.randn(64, generator=gen, dtype=torch.float64)
+             for v in (1.0, 0.0, 0.9, 1.1, 0.95)}  # fmt: skip
+
+    def loss_at(round_):
+        v = round(float(flat[0]), 3)
+        return 10 - v * gains.get(v, torch.ones(64, dtype=torch.float64))
+
+    rows = torch.tensor([[1.0], [0.0], [0.9], [1.1], [0.95]])
+    trust = TrustedRound([flat], 5, [None], Aggregate("mean"), Judge(loss_at, 3, 0.5, 3.0, False))
+    flat.zero_()
+    trust.run_([flat], [torch.zeros(1)], _Gathers(rows), [None], step=0)
+    z = trust.metrics()["trust_z"]
+    diff = (10 - 0.0 * gains[0.0]) - (10 - 0.95 * gains[0.95])  # worker 1 against the median
+    assert z[1] == pytest.approx(float(diff.mean() / (diff.std() / 8)))
+    assert z[4] == 0.0 and z[0] < 0 < z[2]
+    again = TrustedRound([flat], 5, [None], Aggregate("mean"), trust.judge)
+    again.load_state_dict(trust.state_dict())
+    assert again.metrics() == trust.metrics()
 
 
 def test_an_unlucky_honest_contribution_is_not_judged_bad():

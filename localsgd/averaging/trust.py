@@ -23,11 +23,15 @@ its flat buffers (`localsgd.averaging.robust` gathers and combines them):
    LM's first rounds more than an honest change does, and still drag the mean backwards;
    only the leave-one-out test sees that. A bad contribution
    is dropped from its round; `exclude_after` bad rounds running exclude the worker: its
-   contributions are dropped from every later round. At most `(size - 1) // 2` workers are
-   ever excluded (one of 4): everything here assumes an honest majority, and a noisy score
-   must not whittle the group down to one worker. It still takes part in the collectives
-   and receives the model; its shard's data is skipped (not reassigned): what it learns from
-   it never reaches the aggregate. In a round whose median score is not positive, a
+   contributions are dropped from every later round. A worker on probation (its first
+   `probation_rounds` rounds) is excluded after 2 bad rounds running: an honest worker can
+   be really worse than the others for a round or two late in training, when every change is
+   small, and has by then shown rounds of help; a newcomer that is bad from the start has not.
+   At most `(size - 1) // 2` workers are ever excluded (one of 4): everything here assumes an
+   honest majority, and a noisy score must not whittle the group down to one worker. An
+   excluded worker still takes part in the collectives and receives the model; what it learns
+   never reaches the aggregate (what becomes of its shard is the training loop's:
+   `localsgd.loop.shard`). In a round whose median score is not positive, a
    contribution that is not judged bad keeps its streak (the batch cannot tell help there);
 4. the rest is combined by the `Aggregate` rule.
 
@@ -41,14 +45,13 @@ since the last sync, held against an anchor as `compress.LowPrecisionMean` does)
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from localsgd.averaging.comm import Communicator
 from localsgd.averaging.flat import FlatBuffers
+from localsgd.averaging.judge import Judge, paired_z, per_sample, worse
 from localsgd.averaging.robust import (
     PER_COORDINATE,
     Aggregate,
@@ -57,54 +60,6 @@ from localsgd.averaging.robust import (
     median_of,
 )
 from localsgd.averaging.sparse import SparseWire
-
-
-@dataclass(frozen=True)
-class Judge:
-    """Scores contributions and excludes workers (see the module doc). `loss_at(round)`: the
-    loss of the model as it stands now on round `round`'s held-out batch, drawn from the round's
-    seed, the same on every rank: per sample (a 1-D tensor), or one float (then no paired test
-    can be made, and `score_z` is not used). `exclude_after` = 0: score and drop, never
-    exclude. `split_evaluation`: each contribution's losses are evaluated by one rank of the
-    group and all-gathered (about 1/size of the forward passes each, one small collective
-    more); False: every rank evaluates every contribution, with no communication.
-    `exclude_window` = W: a worker is also excluded once `exclude_after` of its last W judged
-    rounds were bad (an attacker bad every other round never runs up a streak); a round whose
-    median score is not positive judges nobody good, so it counts only where it finds one bad."""
-
-    loss_at: Callable[[int], float | torch.Tensor]
-    exclude_after: int = 3
-    score_fraction: float = 0.5
-    score_z: float = 3.0
-    split_evaluation: bool = True
-    exclude_window: int | None = None
-
-    def __post_init__(self):
-        if self.exclude_window is not None and self.exclude_window < self.exclude_after:
-            raise ValueError(
-                f"exclude_window must be None or >= exclude_after ({self.exclude_after}), got "
-                f"{self.exclude_window!r}"
-            )
-        if not self.score_z >= 0:
-            raise ValueError(f"score_z must be >= 0, got {self.score_z!r}")
-        if self.exclude_after < 0:
-            raise ValueError(f"exclude_after must be >= 0, got {self.exclude_after!r}")
-        if not 0 <= self.score_fraction < 1:
-            raise ValueError(f"score_fraction must be in [0, 1), got {self.score_fraction!r}")
-
-
-def _per_sample(loss: float | torch.Tensor) -> torch.Tensor:
-    return torch.as_tensor(loss, dtype=torch.float64).reshape(-1)
-
-
-def _worse(losses: torch.Tensor, reference: torch.Tensor, z: float) -> bool:
-    """Whether `losses` exceed `reference` by more than `z` standard errors of their paired
-    differences (one sample: by anything at all)."""
-    diff = losses - reference
-    gap = float(diff.mean())
-    if diff.numel() < 2:
-        return gap > 0
-    return gap > z * float(diff.std()) / math.sqrt(diff.numel())
 
 
 class TrustedRound:
@@ -152,6 +107,8 @@ class TrustedRound:
         self.excluded: dict[int, int] = {}  # rank: the round it was excluded at
         self.events: list[dict] = []  # {"round", "step", "rank", "why"}: nonfinite | bad | excluded
         self.scores: list[float | None] = [None] * size  # the last scored round's, by worker
+        self.zs: list[float | None] = [None] * size  # ... and its paired z against the median's
+        self.seen = [0] * size  # the rounds each worker took part in (probation_rounds)
 
     def run_(
         self,
@@ -178,6 +135,7 @@ class TrustedRound:
         for at, worker in enumerate(workers):
             if not live[at]:  # under torchft: healing in this round, it holds a peer's copy
                 continue
+            self.seen[worker] += 1
             if not finite[at]:
                 self._event(round_, step, worker, "nonfinite")
                 self._bad(round_, step, worker)
@@ -223,6 +181,8 @@ class TrustedRound:
             self.streaks += [0] * (workers - self.size)
             self.verdicts += [[] for _ in range(workers - self.size)]
             self.scores += [None] * (workers - self.size)
+            self.zs += [None] * (workers - self.size)
+            self.seen += [0] * (workers - self.size)
             self.size = workers
 
     def _judged(self, flats, anchors, rows, keep, round_, step, comm, workers) -> list[int]:
@@ -246,18 +206,22 @@ class TrustedRound:
         # count): what each contribution is held against, sample by sample
         mid = [r for _, r in finite[(len(finite) - 1) // 2 : len(finite) // 2 + 1]]
         reference = torch.stack([losses[r] for r in mid]).mean(0) if mid else None
+        self.zs = [None] * self.size
+        for rank in keep:
+            if reference is not None:
+                self.zs[workers[rank]] = paired_z(losses[rank], reference)
         bad = {}
         for rank in keep:
             s = scores[rank]
             if not math.isfinite(s):
                 bad[rank] = True
             elif middle > 0:  # it helps less than a fraction of what the median helps
-                bad[rank] = s <= judge.score_fraction * middle and _worse(
+                bad[rank] = s <= judge.score_fraction * middle and worse(
                     losses[rank], reference, judge.score_z
                 )
             else:  # the median does not help: only a harm the samples can see counts
                 paired = losses[rank].numel() > 1
-                bad[rank] = paired and s < 0 and _worse(losses[rank], reference, judge.score_z)
+                bad[rank] = paired and s < 0 and worse(losses[rank], reference, judge.score_z)
         alone = [rank for rank in keep if not bad[rank]]
         for rank in self._harmful(flats, anchors, rows, alone, before, middle, round_, comm):
             bad[rank] = True
@@ -297,7 +261,7 @@ class TrustedRound:
         for rank, without in zip(keep, evaluated, strict=True):
             gain = float((before - without).mean())
             harm = float((together - without).mean())
-            if gain > 0 and harm >= judge.score_fraction * gain and _worse(
+            if gain > 0 and harm >= judge.score_fraction * gain and worse(
                 together, without, judge.score_z
             ):
                 harmful.append(rank)
@@ -330,7 +294,7 @@ class TrustedRound:
                 flat.add_(change[i], alpha=self.sign)
         if self.mirror is not None:  # the model computes with its own (sharded) tensors
             self.mirror.show()
-        return _per_sample(self.judge.loss_at(round_))
+        return per_sample(self.judge.loss_at(round_))
 
     def _judged_good(self, worker: int) -> None:
         window = self.judge.exclude_window
@@ -344,9 +308,12 @@ class TrustedRound:
         if window:
             self.verdicts[rank] = [*self.verdicts[rank], 1][-window:]
         often = bool(window) and sum(self.verdicts[rank]) >= n
+        running = n
+        if self.judge is not None and self.seen[rank] <= self.judge.probation_rounds:
+            running = min(n, 2)  # on probation: see the module doc
         # an honest majority is what any of this rests on: never exclude half the workers
         room = len(self.excluded) < (self.size - 1) // 2
-        if n and room and (self.streaks[rank] >= n or often) and rank not in self.excluded:
+        if n and room and (self.streaks[rank] >= running or often) and rank not in self.excluded:
             self.excluded[rank] = round_
             self._event(round_, step, rank, "excluded")
 
@@ -379,6 +346,9 @@ class TrustedRound:
             line["trust_scores"] = [
                 s if s is not None and math.isfinite(s) else None for s in self.scores
             ]
+            # how many standard errors each one's held-out losses exceeded the median
+            # contribution's by (the paired test of `score_z`; null: not finite or not scored)
+            line["trust_z"] = list(self.zs)
         return line
 
     @staticmethod
@@ -403,6 +373,8 @@ class TrustedRound:
             "excluded": dict(self.excluded),
             "events": [dict(e) for e in self.events],
             "scores": list(self.scores),  # what the next metrics line says before a new round
+            "zs": list(self.zs),
+            "seen": list(self.seen),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -418,3 +390,8 @@ class TrustedRound:
         self.events = [dict(e) for e in state["events"]]
         scores = list(state.get("scores") or [])
         self.scores = scores + [None] * (self.size - len(scores))
+        zs = list(state.get("zs") or [])
+        self.zs = zs + [None] * (self.size - len(zs))
+        # a checkpoint from before probation: each worker took part in every round
+        seen = [int(x) for x in state.get("seen") or [self.rounds] * len(self.streaks)]
+        self.seen = seen + [0] * (self.size - len(seen))

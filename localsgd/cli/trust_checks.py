@@ -43,6 +43,8 @@ def validate_trust(cfg: Any, get: Callable[[Any, str], Any]) -> None:
     window = get(cfg, "sync.exclude_window")
     _require(window is None or window >= after, "sync.exclude_window",
              f"null or an integer >= sync.exclude_after ({after})", window)  # fmt: skip
+    probation = get(cfg, "sync.probation_rounds")
+    _require(probation >= 0, "sync.probation_rounds", "an integer >= 0 (0 = none)", probation)
     shard = get(cfg, "sync.excluded_shard")
     _require(shard in (None, "skip", "reassign", "take_over"), "sync.excluded_shard",
              "skip, reassign, take_over or null", shard)  # fmt: skip

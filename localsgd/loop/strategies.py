@@ -100,6 +100,7 @@ def trust_of(
             sync.score_fraction,
             sync.score_z,
             exclude_window=sync.exclude_window,
+            probation_rounds=sync.probation_rounds,
         )
     return {
         "aggregate": aggregate_of(sync),
