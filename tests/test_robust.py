@@ -741,12 +741,43 @@ def test_a_newcomer_bad_two_rounds_running_is_excluded(bad_rounds, probation, ex
         trust.run_([flat], [torch.zeros(2)], _Gathers(rows), [None], step=round_)
     assert [e["round"] for e in trust.events if e["why"] == "bad"] == list(bad_rounds)
     assert trust.excluded == excluded
+    said = [line for line in TrustedRound.lines(trust.events) if "excluded" in line]
+    assert len(said) == len(excluded)
+    assert all(("on probation" in line) == (bad_rounds == (1, 2)) for line in said)
     again = TrustedRound([flat], 4, [None], Aggregate("mean"), judge)
     again.load_state_dict(trust.state_dict())
     assert again.seen == trust.seen == [max(bad_rounds) + 1] * 4
     old = {k: v for k, v in trust.state_dict().items() if k != "seen"}  # before probation
     again.load_state_dict(old)
     assert again.seen == trust.seen
+
+
+def test_scattered_bad_rounds_where_no_change_helps_do_not_add_up():
+    """Every change raises the held-out loss (the per-sample loss is (v - t_i)^2 for targets
+    t_i around 0, from the anchor v = 0), so the median does not help. Worker 3 is judged bad
+    in rounds 1, 3 and 5 (+1.0, ~10 standard errors worse than the median's +0.3) and not in
+    the rounds between, which end its run: it is never excluded. (Rounds between that kept its
+    streak excluded such an honest worker of plain local SGD at round 20, on the trust study's
+    seed 8.)"""
+    from localsgd.averaging.trust import TrustedRound
+
+    flat = torch.zeros(1)
+    targets = torch.randn(256, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+
+    def loss_at(round_):
+        return (float(flat[0]) - targets).square()
+
+    judge = Judge(loss_at, 3, 0.5, 3.0, False, probation_rounds=0)
+    trust = TrustedRound([flat], 4, [None], Aggregate("mean"), judge)
+    for round_ in range(7):
+        rows = torch.tensor([[0.3], [0.3], [0.3], [1.0 if round_ % 2 else 0.3]])
+        flat.zero_()
+        trust.run_([flat], [torch.zeros(1)], _Gathers(rows), [None], step=round_)
+    assert all(s is not None and s < 0 for s in trust.scores), trust.scores
+    assert [(e["rank"], e["round"]) for e in trust.events if e["why"] == "bad"] == [
+        (3, 1), (3, 3), (3, 5)
+    ]
+    assert trust.excluded == {}
 
 
 def test_each_contribution_z_against_the_median_is_in_the_metrics():

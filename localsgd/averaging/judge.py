@@ -20,8 +20,8 @@ class Judge:
     group and all-gathered (about 1/size of the forward passes each, one small collective
     more); False: every rank evaluates every contribution, with no communication.
     `exclude_window` = W: a worker is also excluded once `exclude_after` of its last W judged
-    rounds were bad (an attacker bad every other round never runs up a streak); a round whose
-    median score is not positive judges nobody good, so it counts only where it finds one bad.
+    rounds were bad (an attacker bad every other round never runs up a streak); every round it
+    is scored in counts, bad or not.
     `probation_rounds` = P: in a worker's first P rounds, min(2, `exclude_after`) bad rounds
     running exclude it (a newcomer has shown nothing yet; see the module doc of `trust`)."""
 

@@ -31,8 +31,11 @@ its flat buffers (`localsgd.averaging.robust` gathers and combines them):
    honest majority, and a noisy score must not whittle the group down to one worker. An
    excluded worker still takes part in the collectives and receives the model; what it learns
    never reaches the aggregate (what becomes of its shard is the training loop's:
-   `localsgd.loop.shard`). In a round whose median score is not positive, a
-   contribution that is not judged bad keeps its streak (the batch cannot tell help there);
+   `localsgd.loop.shard`). A round a contribution is not judged bad in ends its run of bad
+   rounds, whatever the median: under plain local SGD each worker's change alone can raise
+   the held-out loss for tens of rounds (each local model is worse than their average), and an
+   honest worker's scattered bad rounds there added up to an exclusion when such rounds kept
+   the streak;
 4. the rest is combined by the `Aggregate` rule.
 
 Every rank holds the same gathered bytes, evaluates the same model on the same batch and runs
@@ -231,7 +234,7 @@ class TrustedRound:
             if bad[rank]:
                 self._event(round_, step, worker, "bad")
                 self._bad(round_, step, worker)
-            elif middle > 0:
+            else:  # any round it is not judged bad in ends its run (see the module doc)
                 self.streaks[worker] = 0
                 self._judged_good(worker)
             if not bad[rank] and worker not in self.excluded:
@@ -316,6 +319,8 @@ class TrustedRound:
         if n and room and (self.streaks[rank] >= running or often) and rank not in self.excluded:
             self.excluded[rank] = round_
             self._event(round_, step, rank, "excluded")
+            if running < n and self.streaks[rank] < n and not often:
+                self.events[-1]["probation"] = True
 
     def _event(self, round_: int, step: int, rank: int, why: str) -> None:
         self.events.append({"round": round_, "step": step, "rank": rank, "why": why})
@@ -361,6 +366,8 @@ class TrustedRound:
         }
         return [
             f"trust: worker {e['rank']} at round {e['round']} (step {e['step']}): {what[e['why']]}"
+            + (" (2 bad rounds running on probation: sync.probation_rounds)"
+               if e.get("probation") else "")  # fmt: skip
             for e in events
             if e["why"] in what
         ]
