@@ -4,8 +4,9 @@ Each run is `python -m localsgd.train` (4 CPU workers, the MLP, local SGD with k
 steps: 40 rounds), worker 1 running one attack of `localsgd.loop.attacks` from the first step
 (none: the clean run). The aggregators are `sync.aggregate=mean|clip|trimmed_mean|median` at
 their defaults (clip 2x the median norm, trim 0.25), and the mean and the median with
-`sync.score=true` (exclude after 2 bad rounds, score fraction 0.5). Nothing was tuned on these
-runs: every key is at the default it had before the first run. `--setting diloco` repeats it
+`sync.score=true` (exclude after 3 bad rounds running, 2 in a worker's first 3 rounds:
+`sync.probation_rounds`; score fraction 0.5). The keys were at their defaults; how each default
+came to be, and on which runs, is in docs/reliability.md. `--setting diloco` repeats it
 under DiLoCo (inner AdamW, H = 10), a setting the defaults were not chosen on either;
 `--setting streaming_diloco` under Streaming DiLoCo (2 fragments, H = 20, blocking: a fragment
 sync every 10 steps, each fragment's rounds robust and scored on their own).

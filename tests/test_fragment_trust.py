@@ -275,8 +275,9 @@ def _attack(kind: str, rank: int = 1) -> str:
 def test_cli_streaming_diloco_with_a_robust_aggregate_drops_and_excludes(tmp_path):
     """From the command line, Streaming DiLoCo (2 fragments, blocking, α = 0) under the median:
     a NaN attacker's fragment contributions are dropped at every fragment sync and the run
-    trains on, naming worker 1; scored, a sign-flipping attacker is excluded at its third bad
-    fragment round and named in the log, the metrics and the summary."""
+    trains on, naming worker 1; scored, a sign-flipping attacker is excluded at its second bad
+    fragment round (on probation: `sync.probation_rounds`) and named in the log, the metrics
+    and the summary."""
     common = [*STREAMING, "trainer.max_steps=40", "trainer.log_every=10",
               "sync.check_replicas=true"]  # replicas compared bit for bit after every sync
     runs = {"nan": [*common, _attack("nan")],
@@ -294,11 +295,11 @@ def test_cli_streaming_diloco_with_a_robust_aggregate_drops_and_excludes(tmp_pat
     assert "trust: worker 1 at round 0 (step 0): its contribution held NaN/Inf" in said["nan"]
     assert nan["test_loss"] == nan["test_loss"]  # finite: trained on
     scored = json.loads((tmp_path / "scored" / "summary.json").read_text())
-    assert scored["trust"]["excluded"] == {"1": 2}, scored["trust"]
-    assert "trust: worker 1 at round 2 (step 10): excluded" in said["scored"]
+    assert scored["trust"]["excluded"] == {"1": 1}, scored["trust"]
+    assert "trust: worker 1 at round 1 (step 5): excluded" in said["scored"]
     lines = [json.loads(x) for x in
              (tmp_path / "scored" / "metrics.jsonl").read_text().splitlines()]
-    assert any(line.get("excluded") == {"1": 2} for line in lines)
+    assert any(line.get("excluded") == {"1": 1} for line in lines)
 
 
 @pytest.mark.slow

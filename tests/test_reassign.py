@@ -145,7 +145,8 @@ def test_scoring_reassigns_by_default():
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("shard", ["reassign", "take_over"])
 def test_cli_reassigns_the_shard_of_an_excluded_attacker(tmp_path, shard):
-    """From the command line: the free rider is excluded at round 2 and rank 0 says that its
+    """From the command line: the free rider is excluded at round 1 (its second bad round, on
+    probation: `sync.probation_rounds`) and rank 0 says that its
     shard (and under take_over its batch) goes to the others from the next step; the run
     trains on and ends."""
     attack = "{_target_:localsgd.loop.attacks.Attack,kind:'zeros',rank:1}"
@@ -163,9 +164,9 @@ def test_cli_reassigns_the_shard_of_an_excluded_attacker(tmp_path, shard):
     assert proc.returncode == 0 and not left, proc.stderr[-2000:]
     said = proc.stdout + proc.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["trust"]["excluded"] == {"1": 2}
+    assert summary["trust"]["excluded"] == {"1": 1}
     if shard == "reassign":
-        assert "trust: worker(s) 1's shard is split among workers 0, 2, 3 from step 21" in said
+        assert "trust: worker(s) 1's shard is split among workers 0, 2, 3 from step 11" in said
     else:
         batch = compose_config(FAST).trainer.batch_size
         assert (

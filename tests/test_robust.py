@@ -569,8 +569,8 @@ def test_cli_drops_nan_and_excludes_an_attacker(tmp_path):
     every sync and trains on, plain and as DiLoCo over int8, naming it in the log and the
     summary; `sync.drop_nonfinite=false` (the unguarded all-reduce) stops on the poisoned
     loss; the scored median excludes a sign-flipping attacker, named in the metrics and the
-    summary: every one of its contributions dropped, and excluded at its third
-    bad round (`sync.exclude_after`, 3)."""
+    summary: every one of its contributions dropped, and excluded at its second bad round (on
+    probation, `sync.probation_rounds`: its first rounds)."""
     common = [*FAST, "dist.world_size=4", "trainer.max_steps=60", "sync.period=10",
               "trainer.log_every=10"]
     runs = {
@@ -598,13 +598,14 @@ def test_cli_drops_nan_and_excludes_an_attacker(tmp_path):
         lines = [json.loads(x) for x in
                  (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
         assert [x["dropped_nonfinite"] for x in lines if "loss" in x][-1] == 6
-    assert "trust: worker 1 at round 2 (step 20): excluded" in said["scored"]
+    assert "trust: worker 1 at round 1 (step 10): excluded" in said["scored"]
+    assert "(2 bad rounds running on probation: sync.probation_rounds)" in said["scored"]
     scored = json.loads((tmp_path / "scored" / "summary.json").read_text())
-    assert scored["trust"]["excluded"] == {"1": 2}
-    assert [r for w, r in scored["trust"]["judged_bad"] if w == 1] == [0, 1, 2]
+    assert scored["trust"]["excluded"] == {"1": 1}
+    assert [r for w, r in scored["trust"]["judged_bad"] if w == 1] == [0, 1]
     metrics = (tmp_path / "scored" / "metrics.jsonl").read_text().splitlines()
     lines = [json.loads(x) for x in metrics]
-    assert any(line.get("excluded") == {"1": 2} for line in lines)
+    assert any(line.get("excluded") == {"1": 1} for line in lines)
 
 
 class _Gathers:
