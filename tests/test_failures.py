@@ -81,6 +81,7 @@ def _torchrun(nodes: int, port: int, extra: list[str]) -> list[str]:
     ]
 
 
+@pytest.mark.long  # ~32 s on 2 cores: `make test-long` (one-node torchrun stays in `make test`)
 @pytest.mark.timeout(240)
 def test_torchrun_two_nodes_train_into_one_run_directory(tmp_path):
     run_dir = tmp_path / "run"

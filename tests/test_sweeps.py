@@ -107,6 +107,7 @@ def test_report_refuses_a_directory_without_runs(tmp_path, capsys):
     assert "no finished run" in capsys.readouterr().err
 
 
+@pytest.mark.long  # ~19 s on 2 cores: `make test-long`
 @pytest.mark.timeout(300)
 def test_submitit_local_launcher_reproduces_the_basic_launcher_job(basic_sweep, tmp_path):
     """A job in its own fresh process (submitit) equals the same job run after others in one
