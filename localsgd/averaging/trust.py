@@ -210,9 +210,8 @@ class TrustedRound:
         mid = [r for _, r in finite[(len(finite) - 1) // 2 : len(finite) // 2 + 1]]
         reference = torch.stack([losses[r] for r in mid]).mean(0) if mid else None
         self.zs = [None] * self.size
-        for rank in keep:
-            if reference is not None:
-                self.zs[workers[rank]] = paired_z(losses[rank], reference)
+        for rank in keep if reference is not None else []:
+            self.zs[workers[rank]] = paired_z(losses[rank], reference)
         bad = {}
         for rank in keep:
             s = scores[rank]
@@ -319,7 +318,7 @@ class TrustedRound:
         if n and room and (self.streaks[rank] >= running or often) and rank not in self.excluded:
             self.excluded[rank] = round_
             self._event(round_, step, rank, "excluded")
-            if running < n and self.streaks[rank] < n and not often:
+            if self.streaks[rank] < n and not often:  # only probation's shorter run did it
                 self.events[-1]["probation"] = True
 
     def _event(self, round_: int, step: int, rank: int, why: str) -> None:
