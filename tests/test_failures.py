@@ -134,6 +134,7 @@ def test_torchrun_two_nodes_train_into_one_run_directory(tmp_path):
     assert not survivors(tag)
 
 
+@pytest.mark.long  # ~18 s on 2 cores with its reference run: `make test-long`
 @pytest.mark.timeout(240)
 def test_torchrun_restart_resumes_and_matches_an_uninterrupted_run(tmp_path, reference_run):
     run_dir = tmp_path / "run"
@@ -149,7 +150,8 @@ def test_torchrun_restart_resumes_and_matches_an_uninterrupted_run(tmp_path, ref
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("kind", ["raise", "kill"])
+# the kill (~10 s) in `make test-long`: a raise already shows torchrun ending the job on a rank
+@pytest.mark.parametrize("kind", ["raise", pytest.param("kill", marks=pytest.mark.long)])
 def test_torchrun_worker_failure_ends_the_job_naming_the_rank(tmp_path, kind):
     started = time.monotonic()
     proc, left = run(

@@ -198,6 +198,7 @@ def test_comm_disabled_runs_no_collective_at_all():
     assert results[0]["summary"]["comm_bytes"] == 0 and results[0]["summary"]["steps"] == 12
 
 
+@pytest.mark.long  # a benchmark at toy size: `make test-long`
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_benchmark_suite_runs_at_tiny_size(tmp_path):

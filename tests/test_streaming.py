@@ -162,6 +162,7 @@ def test_max_epochs_counts_passes_over_the_smallest_shard(tmp_path):
     assert summary["steps"] == 2 * (min(shards) // 8)
 
 
+@pytest.mark.long  # a benchmark at toy size: `make test-long`
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_dataloader_benchmark_runs_at_tiny_size(tmp_path):
