@@ -37,6 +37,18 @@ def override(spec: str) -> str:
     return f"trainer.callbacks=[{{_target_:tests.faults.Fault,spec:'{spec}'}}]"
 
 
+def with_fault(args: list[str], spec: str) -> list[str]:
+    """`args` with the fault `spec` injected: added to a `trainer.callbacks=[...]` list already
+    there (an attack, say), which a second `trainer.callbacks=` would silently replace."""
+    entry = override(spec).removeprefix("trainer.callbacks=[").removesuffix("]")
+    for i, arg in enumerate(args):
+        if arg.startswith("trainer.callbacks=[") and arg.endswith("]"):
+            listed = arg.removeprefix("trainer.callbacks=[").removesuffix("]")
+            both = f"{listed},{entry}" if listed.strip() else entry
+            return [*args[:i], f"trainer.callbacks=[{both}]", *args[i + 1 :]]
+    return [*args, override(spec)]
+
+
 class Fault:
     def __init__(self, spec: str):
         kind, rank, step, *once = spec.split(":", 3)

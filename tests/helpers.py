@@ -111,7 +111,7 @@ def run(
     processes it left behind."""
     full_env, tag = tagged_env(env)
     if fault:
-        cmd = [*cmd, faults.override(fault)]
+        cmd = faults.with_fault(cmd, fault)
     proc = subprocess.run(
         cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout
     )
@@ -136,7 +136,7 @@ def cli(
     shell sees them, Ctrl-C, a killed launcher and the installed script are tested that way too.
     """
     if fault:
-        args = [*args, faults.override(fault)]
+        args = faults.with_fault(args, fault)
     if fresh:
         return run([sys.executable, "-m", "localsgd.train", *args], None, timeout, env, cwd)
     full_env, tag = tagged_env(env)

@@ -223,3 +223,19 @@ def test_outside_the_tested_set_multiprocessing_starts_the_preloaded_server():
     expected = [found["server"], "set before the launch", True]
     assert found["origins"] == [expected, expected]
     assert _all_gone(tag, within_s=10)
+
+
+def test_a_fault_joins_the_callbacks_a_command_already_lists():
+    """`cli(args, fault=...)` adds its Fault to a `trainer.callbacks=[...]` already in `args`
+    (an attack): a second `trainer.callbacks=` override would replace the first, and a test
+    would kill a run that, unseen, had no attacker."""
+    from tests.faults import with_fault
+    from tests.helpers import compose_config
+
+    attack = "trainer.callbacks=[{_target_:localsgd.loop.attacks.Attack,kind:nan,rank:1}]"
+    args = with_fault(["sync.period=4", attack], "kill:1:9")
+    targets = [c["_target_"] for c in compose_config(args).trainer.callbacks]
+    assert targets == ["localsgd.loop.attacks.Attack", "tests.faults.Fault"]
+    alone = compose_config(with_fault(["trainer.callbacks=[]"], "kill:1:9")).trainer.callbacks
+    assert [c["_target_"] for c in alone] == ["tests.faults.Fault"]
+    assert with_fault(["sync.period=4"], "raise:0:3")[-1].startswith("trainer.callbacks=[")

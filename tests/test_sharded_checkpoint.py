@@ -344,8 +344,7 @@ def test_a_scored_sharded_sparseloco_run_killed_and_resumed_ends_bit_identical(t
     """Untrusted workers over sharded replica groups and SparseLoCo's top-k wire, the second
     group's rank 3 sending NaN (the whole group's contribution dropped, whatever its other
     values): the verdicts and residuals travel in the checkpoint, and a run killed after step
-    16 resumes to the same bits and verdicts. (The kill goes in the same callbacks list as the
-    attack: `cli(fault=...)` would replace the list.)"""
+    16 resumes to the same bits and verdicts."""
     attack = "{_target_:localsgd.loop.attacks.Attack,kind:nan,rank:3}"
     kill = "{_target_:tests.faults.Fault,spec:'kill:1:18'}"
     args = JOB + SHARDED + ["+experiment=untrusted_sparseloco", "sync.period=4",
