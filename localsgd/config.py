@@ -156,6 +156,10 @@ class SyncConfig:
     # worker, a slow worker computing fewer of the round's steps instead of holding up the
     # others, and averages weigh each worker by the samples it trained on (localsgd.loop.pacing)
     inner_time_s: float | None = None
+    # how a budget's round merges the workers' changes: normalized (each worker's change scaled
+    # to the round's most samples, so a slow worker's short change does not shrink the mean:
+    # FedNova's normalized averaging) | weighted (the changes as they are, weighed by samples)
+    budget_merge: str = "normalized"
     # Workers you cannot trust (localsgd.averaging.robust, docs/reliability.md): how each sync
     # combines the workers' contributions (changes since the last sync; DiLoCo's pseudo-
     # gradients). mean: today's all-reduce; clip | trimmed_mean | median all-gather them

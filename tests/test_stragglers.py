@@ -13,6 +13,16 @@ from localsgd.averaging import OuterAverager, PeriodicAverager
 from tests.helpers import FAST, cli, refusal, run_distributed, same_model
 
 WEIGHTS = [1.0, 2.0, 5.0]  # samples each of 3 workers trained on this round
+NAMES = (
+    "local_sgd", "diloco", "diloco_int8", "diloco_bf16",
+    "local_sgd_normalized", "diloco_normalized", "diloco_int8_normalized",
+)  # fmt: skip
+
+
+def _inner_steps(model: torch.nn.Module, rank: int) -> None:
+    with torch.no_grad():  # this worker's own moves away from the anchor
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(rank)))
 
 
 def _model(rank: int) -> torch.nn.Module:
@@ -23,22 +33,24 @@ def _model(rank: int) -> torch.nn.Module:
 def _weighted_worker(rank: int, world: int, weights: list[float]) -> dict:
     torch.set_num_threads(1)
     out = {}
-    for name in ("local_sgd", "diloco", "diloco_int8", "diloco_bf16"):
+    for name in NAMES:
         model = _model(rank)
         before = [p.detach().clone() for p in model.parameters()]
-        if name.startswith("diloco"):
-            wire = {"diloco": "float32", "diloco_int8": "int8", "diloco_bf16": "bfloat16"}[name]
+        wire = "int8" if "int8" in name else "bfloat16" if "bf16" in name else "float32"
+        if name.startswith("diloco") or name == "local_sgd_normalized":
             # anchored on rank 0's model
-            averager = OuterAverager(1, module=model, comm_dtype=wire, quant_block_size=8)
+            if name.startswith("diloco"):
+                averager = OuterAverager(1, module=model, comm_dtype=wire, quant_block_size=8)
+            else:
+                averager = PeriodicAverager(1, module=model, round_starts=True)
             anchor = [p.detach().clone() for p in model.parameters()]
-            with torch.no_grad():  # this worker's inner steps
-                for p in model.parameters():
-                    p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(rank)))
+            _inner_steps(model, rank)
             before = [p.detach().clone() for p in model.parameters()]
         else:
             averager = PeriodicAverager(1, module=model)
             anchor = None
         averager.weighted = True
+        averager.normalized = name.endswith("normalized")
         averager.contribution = weights[rank]
         averager.maybe_average()
         out[name] = {
@@ -89,6 +101,32 @@ def test_a_weighted_round_is_the_samples_weighted_mean_computed_in_one_process()
             unweighted = sum(deltas) / len(deltas)
             assert (unweighted - weighted).abs().max() > 10 * tol
             assert all(torch.equal(r[name]["after"][i], runs[0][name]["after"][i]) for r in runs)
+    # normalized (sync.budget_merge=normalized, the default): each worker's change scaled by the
+    # largest weight over its own before the weighted mean, i.e. the changes summed x max / total
+    scale, far = max(WEIGHTS) / total, 0.0
+    for i in range(4):
+        anchor = runs[0]["local_sgd_normalized"]["anchor"][i]
+        expected = anchor + scale * sum(
+            r["local_sgd_normalized"]["before"][i] - anchor for r in runs
+        )
+        for r in runs:
+            got = r["local_sgd_normalized"]["after"][i]
+            torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+            assert torch.equal(got, runs[0]["local_sgd_normalized"]["after"][i])
+        anchor = runs[0]["diloco_normalized"]["anchor"][i]
+        delta = scale * sum(anchor - r["diloco_normalized"]["before"][i] for r in runs)
+        expected = anchor - 0.7 * (delta + 0.9 * delta)
+        for r in runs:
+            got = r["diloco_normalized"]["after"][i]
+            torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+        anchor = runs[0]["diloco_int8_normalized"]["anchor"][i]
+        deltas = [anchor - r["diloco_int8_normalized"]["before"][i] for r in runs]
+        got = (anchor - runs[0]["diloco_int8_normalized"]["after"][i]) / (0.7 * 1.9)
+        # within the wire's rounding of changes up to 5x larger, far from the weighted mean
+        assert (got - scale * sum(deltas)).abs().max() < 0.1
+        weighted = sum(w / total * d for w, d in zip(WEIGHTS, deltas, strict=True))
+        far = max(far, (got - weighted).abs().max().item())
+    assert far > 1.0
     for r in runs:
         assert r["local_sgd"]["round_weights"] == WEIGHTS
         params = sum(p.numel() for p in r["local_sgd"]["before"])
@@ -101,15 +139,41 @@ def test_equal_weights_give_the_plain_mean_bit_for_bit():
     equal = run_distributed(_weighted_worker, 3, [4.0, 4.0, 4.0], timeout_s=60)
     plain = run_distributed(_plain_worker, 3, timeout_s=60)
     for weighted, unweighted in zip(equal, plain, strict=True):
-        for got, ref in zip(weighted["local_sgd"]["after"], unweighted, strict=True):
-            assert torch.equal(got, ref)
+        for name in ("local_sgd", "local_sgd_normalized"):
+            for got, ref in zip(weighted[name]["after"], unweighted[name], strict=True):
+                assert torch.equal(got, ref)
 
 
-def _plain_worker(rank: int, world: int) -> list[torch.Tensor]:
+def _plain_worker(rank: int, world: int) -> dict[str, list[torch.Tensor]]:
     torch.set_num_threads(1)
-    model = _model(rank)
-    PeriodicAverager(1, module=model).maybe_average()
-    return [p.detach().clone() for p in model.parameters()]
+    out = {}
+    for name, starts in (("local_sgd", False), ("local_sgd_normalized", True)):
+        model = _model(rank)
+        averager = PeriodicAverager(1, module=model, round_starts=starts)
+        if starts:
+            _inner_steps(model, rank)
+        averager.maybe_average()
+        out[name] = [p.detach().clone() for p in model.parameters()]
+    return out
+
+
+def _unscalable_worker(rank: int, world: int) -> str:
+    torch.set_num_threads(1)
+    averager = PeriodicAverager(1, module=_model(rank))  # the plain mean keeps no round start
+    averager.weighted = averager.normalized = True
+    averager.contribution = WEIGHTS[rank]
+    try:
+        averager.maybe_average()
+    except ValueError as e:
+        return str(e)
+    return "averaged"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_a_normalized_round_over_a_reducer_without_the_round_start_is_refused():
+    for said in run_distributed(_unscalable_worker, 3, timeout_s=60):
+        assert "does not keep: build the averager with round_starts=True" in said
 
 
 JOB = FAST + [
@@ -209,6 +273,7 @@ def test_a_paced_run_resumed_at_another_world_size_starts_a_new_round(tmp_path):
         (["comm.simulate.step_s=0.1"], "models nothing without comm.simulate.worker_speed"),
         (["sync.inner_time_s=1", "sync.overlap=true"], "with sync.overlap"),
         (["sync.inner_time_s=1", "sync.aggregate=median"], "with sync.aggregate (gathered"),
+        (["sync.budget_merge=fednova"], "sync.budget_merge must be one of normalized, weighted"),
     ],
 )
 @pytest.mark.timeout(30)

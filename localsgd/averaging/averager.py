@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.model_averaging.averagers import ModelAverager
 
 from localsgd.averaging.comm import CommStats, Communicator
-from localsgd.averaging.flat import FlatBuffers, averaged_tensors, holds_dtensor
+from localsgd.averaging.flat import FlatBuffers, averaged_tensors, holds_dtensor, param_lead
 from localsgd.averaging.reduce import Reducer
 
 # Called after every average with the level's communicator: e.g. averaging optimizer state.
@@ -127,6 +127,12 @@ class Averager(ModelAverager):
         # over every round so far
         self.weighted = False
         self.contribution = 0.0
+        # ... and with `normalized`, each rank's change since the last average (its pseudo-
+        # gradient) is first scaled by the round's largest weight over its own: the weighted
+        # mean is then the samples-weighted mean change per sample times the most samples any
+        # rank trained on (FedNova's normalized averaging), so a slow rank's short change does
+        # not shrink it. Equal weights leave the plain mean, bit for bit.
+        self.normalized = False
         self.round_weights: list[float] | None = None
         self.wait_s = 0.0
         self.contributed = 0.0
@@ -282,12 +288,17 @@ class Averager(ModelAverager):
             self.round_weights = comm.weigh(self.contribution, buffers[0].device)
             self.wait_s += time.perf_counter() - start
             self.contributed += sum(self.round_weights)
+            if self.normalized and comm.share:  # unequal weights, this rank's above 0
+                self._scale_change(max(self.round_weights))
         if observed:
             self._global_hooks("before")
         if delayed:
             self.reducer.launch_(buffers, comm)
         else:
-            self.reducer.reduce_(buffers, comm, level, self.step)
+            try:
+                self.reducer.reduce_(buffers, comm, level, self.step)
+            finally:
+                self.reducer.change_scale = None
             self._run_hooks(comm)
         if observed:
             self._global_hooks("after")
@@ -317,6 +328,17 @@ class Averager(ModelAverager):
             n = len(self.flat.tensors) - self.extra_count
             for t, v in zip(self.flat.tensors[n:], self.flat.views[n:], strict=True):
                 t.copy_(v)
+
+    def _scale_change(self, largest: float) -> None:
+        """Ask the reducer to scale this rank's change by `largest` over its own weight (see
+        `normalized`), over the parameters."""
+        if not self.reducer.scales_changes:
+            raise ValueError(
+                f"normalized weighted rounds scale each change since the last average, which "
+                f"{type(self.reducer).__name__} does not keep: build the averager with "
+                "round_starts=True, or set normalized=False"
+            )
+        self.reducer.change_scale = (largest / self.contribution, param_lead(self.flat))
 
     def _global_hooks(self, when: str) -> None:
         for hook in self.global_hooks:

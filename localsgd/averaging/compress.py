@@ -35,7 +35,7 @@ from localsgd.averaging.quantize import (
     BlockCodec,
     QuantizedWire,
 )
-from localsgd.averaging.reduce import Reducer
+from localsgd.averaging.reduce import Reducer, scale_change_
 from localsgd.averaging.sparse import SparseWire, TopKCodec
 
 COMM_DTYPES = {
@@ -149,6 +149,7 @@ class LowPrecisionMean(Reducer):
     """
 
     anchored = True
+    scales_changes = True
 
     def __init__(
         self,
@@ -185,10 +186,11 @@ class LowPrecisionMean(Reducer):
             load_residuals(self.residuals, convert(old))
 
     def reduce_(self, buffers: list[torch.Tensor], comm: Communicator, level: int, step: int):
-        for flat, anchor, low, residual in zip(
-            buffers, self.anchors[level], self.low, self.residuals, strict=True
+        for g, (flat, anchor, low, residual) in enumerate(
+            zip(buffers, self.anchors[level], self.low, self.residuals, strict=True)
         ):
             flat.sub_(anchor)  # the change since this group's last sync: small, so bf16 suffices
+            scale_change_(flat, g, self.change_scale)
             lossy_mean_(flat, comm, low, residual, self.feedback_decay)
             flat.add_(anchor)
         for anchors in self.anchors[: level + 1]:

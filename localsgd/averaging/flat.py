@@ -212,6 +212,16 @@ class FlatBuffers:
         return convert
 
 
+def param_lead(flat: FlatBuffers) -> list[int]:
+    """How many leading elements of each buffer are parameters: `averaged_tensors` lists the
+    parameters first, so they lead every buffer; counted from the slots, which hold what this
+    rank has of each (a sharded parameter's local shard)."""
+    lead = [0] * len(flat.buffers)
+    for t, (g, _, numel) in zip(flat.tensors, flat.slots, strict=True):
+        lead[g] += numel if isinstance(t, torch.nn.Parameter) else 0
+    return lead
+
+
 def is_dtensor(t: torch.Tensor) -> bool:
     """Whether `t` is a DTensor (e.g. an FSDP2 shard). Read from `sys.modules`: no DTensor
     exists before its module is imported, and importing it costs ~0.6 s a process here, which

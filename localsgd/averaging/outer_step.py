@@ -20,9 +20,9 @@ from localsgd.averaging.compress import (
     residual_buffers,
     wire_buffers,
 )
-from localsgd.averaging.flat import FlatBuffers, Relayout
+from localsgd.averaging.flat import FlatBuffers, Relayout, param_lead
 from localsgd.averaging.offload import host_clone, host_empty_like
-from localsgd.averaging.reduce import Reducer
+from localsgd.averaging.reduce import Reducer, scale_change_
 
 if TYPE_CHECKING:
     from localsgd.averaging.trust import TrustedRound
@@ -61,6 +61,7 @@ class OuterStep(Reducer):
     the anchor and outer momentum in host memory, the outer step run there (`offload`)."""
 
     anchored = True
+    scales_changes = True
 
     def __init__(
         self,
@@ -84,11 +85,7 @@ class OuterStep(Reducer):
         self.anchors: list[torch.Tensor] = []
         self.param_numels: list[int] = []
         outer_params = []
-        # averaged_tensors lists parameters first, so they lead every buffer; counted from the
-        # slots, which hold what this rank has of each (a sharded parameter's local shard)
-        lead = [0] * len(flat.buffers)
-        for t, (g, _, numel) in zip(flat.tensors, flat.slots, strict=True):
-            lead[g] += numel if isinstance(t, torch.nn.Parameter) else 0
+        lead = param_lead(flat)
         # host: where the mean pseudo-gradient lands for the outer step (see `offload`)
         self.staging = [host_empty_like(b) for b in flat.buffers] if host else []
         for g, (buffer, n) in enumerate(zip(flat.buffers, lead, strict=True)):
@@ -111,23 +108,27 @@ class OuterStep(Reducer):
         plain = self.warmup_steps > 0 and step == self.warmup_steps
         staging = self.staging or [None] * len(buffers)
         if self.trust is not None:  # (sync.outer_state=cpu with a robust aggregate: refused)
+            if self.change_scale is not None:
+                raise ValueError("a weighted round's scaled changes with a robust aggregate")
             for flat, anchor in zip(buffers, self.anchors, strict=True):
                 torch.sub(anchor, flat, out=flat)  # pseudo-gradient
             self.trust.run_(buffers, self.anchors, comm, self.residuals, step)
             means = buffers
         else:
             means = []
-            for flat, anchor, low, residual, stage in zip(
-                buffers, self.anchors, self.low, self.residuals, staging, strict=True
+            for g, (flat, anchor, low, residual, stage) in enumerate(
+                zip(buffers, self.anchors, self.low, self.residuals, staging, strict=True)
             ):
                 if stage is None:
                     torch.sub(anchor, flat, out=flat)  # pseudo-gradient
+                    scale_change_(flat, g, self.change_scale)
                     lossy_mean_(flat, comm, low, residual, self.feedback_decay)
                     means.append(flat)
                 else:  # the same arithmetic on the host; the wire stays on the device
                     stage.copy_(flat)
                     torch.sub(anchor, stage, out=stage)
                     flat.copy_(stage)
+                    scale_change_(flat, g, self.change_scale)
                     lossy_mean_(flat, comm, low, residual, self.feedback_decay)
                     means.append(stage.copy_(flat))
         # the common pseudo-gradient moves the anchor, which every rank copies

@@ -11,6 +11,7 @@ from localsgd.averaging.compress import LowPrecisionMean, comm_dtype_of
 from localsgd.averaging.flat import FlatBuffers
 from localsgd.averaging.overlap import DelayedMean
 from localsgd.averaging.quantize import DEFAULT_BLOCK_SIZE
+from localsgd.averaging.reduce import RoundStartMean
 from localsgd.averaging.robust import Aggregate
 from localsgd.averaging.robust_mean import RobustMean
 from localsgd.averaging.schedule import ConstantPeriod
@@ -48,6 +49,10 @@ class PeriodicAverager(Averager):
     the last sync and combines them robustly, dropping non-finite ones; `judge` scores and
     excludes workers (`localsgd.averaging.trust`). None: the plain all-reduced mean.
 
+    `round_starts=True` keeps, with the plain fp32 mean, the state after each average
+    (`reduce.RoundStartMean`: one more copy of the buffers), which normalized weighted rounds
+    need (`Averager.normalized`); the other reducers hold it already.
+
     `init_sync=True` gives every rank rank 0's tensors when they are bound, as DDP does when
     built; None (the default) does so only where replicas that start apart would never meet: a
     reducer that keeps an anchor (low-precision changes, an outer optimizer). torch's averager
@@ -76,6 +81,7 @@ class PeriodicAverager(Averager):
         judge: Judge | None = None,
         error_feedback_decay: float = 1.0,
         drop_nonfinite: bool = True,
+        round_starts: bool = False,
     ):
         if period < 1:
             raise ValueError(f"period must be an integer >= 1, got {period!r}")
@@ -114,6 +120,11 @@ class PeriodicAverager(Averager):
                     error_feedback=error_feedback,
                     feedback_decay=error_feedback_decay,
                 )
+
+        elif reducer is None and round_starts:
+
+            def reducer(flat: FlatBuffers) -> RoundStartMean:
+                return RoundStartMean(flat.buffers)
 
         self.comm_dtype = dtype
         self.last_average = warmup_steps - self.schedule.period_at(warmup_steps)

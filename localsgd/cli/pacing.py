@@ -10,6 +10,8 @@ from localsgd.cli.fault_tolerance import replica_group_processes
 from localsgd.config import ConfigError
 from localsgd.loop.plan import SyncPlan
 
+BUDGET_MERGES = ("normalized", "weighted")  # localsgd.averaging.averager.Averager.normalized
+
 # what a weighted round cannot run with yet: key -> (the plan or config has it, why)
 NOT_WEIGHTED = {
     "sync.levels": (lambda p, c: bool(p.levels), "each level's average would need its own weights"),
@@ -27,6 +29,11 @@ def validate_pacing(cfg: Any, get: Callable[[Any, str], Any], ws: int | None) ->
     budget = get(cfg, "sync.inner_time_s")
     if budget is not None and not (_number(budget) and budget > 0):
         raise ConfigError(f"sync.inner_time_s must be > 0 (seconds), or null, got {budget!r}")
+    merge = get(cfg, "sync.budget_merge")
+    if merge not in BUDGET_MERGES:
+        raise ConfigError(
+            f"sync.budget_merge must be one of {', '.join(BUDGET_MERGES)}, got {merge!r}"
+        )
     speeds = get(cfg, "comm.simulate.worker_speed")
     step = get(cfg, "comm.simulate.step_s")
     if speeds is not None:

@@ -226,6 +226,8 @@ def build_averager(
             error_feedback_decay=sync.error_feedback_decay,
             quant_block_size=sync.quant_block_size,
             drop_nonfinite=plan.drop_nonfinite,
+            # a budget's normalized merge scales each change since the last average
+            round_starts=sync.inner_time_s is not None and sync.budget_merge == "normalized",
             **trust,
         )
     mode = sync.optimizer_state

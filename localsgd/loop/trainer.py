@@ -85,6 +85,7 @@ class Trainer:
         # and the averages weighted by the samples each worker trained on
         self.pacer = build_pacer(c, info.rank)
         self.sync.averager.weighted = c.sync.inner_time_s is not None
+        self.sync.averager.normalized = c.sync.budget_merge == "normalized"
         # after the averager: its flat-buffer views are what gets compiled
         self.recipe = Recipe.from_config(self.model, device, c.trainer, self.sharding.sharded)
         torch.manual_seed(c.seed + 1000 * info.rank + 1)  # dropout etc. differ per rank
