@@ -70,10 +70,11 @@ def _rounds(rank, rule, comm_dtype="float32", error_feedback=False):
     return out
 
 
-def _scored(rank, split):
-    """Scoring over fragments: rank 3 moves away from the all-ones model (10x), the others
-    towards it; the loss is the distance to it. What every call of the judge's loss saw, the
-    verdicts, and whether the unsynced fragment's local values came back exactly."""
+def _scored(rank, split, exclude_after=2, bad_from=0):
+    """Scoring over fragments: rank 3 moves away from the all-ones model (10x) from step
+    `bad_from` on, the others towards it; the loss is the distance to it. What every call of the
+    judge's loss saw, the verdicts, and whether the unsynced fragment's local values came back
+    exactly."""
     model = _net()
     seen = []
 
@@ -83,14 +84,16 @@ def _scored(rank, split):
         seen.append(value)
         return value
 
-    judge = Judge(loss_at, exclude_after=2, score_fraction=0.5, split_evaluation=split)
+    judge = Judge(loss_at, exclude_after=exclude_after, score_fraction=0.5,
+                  split_evaluation=split)
     avg = StreamingAverager(2, module=model, fragments=2, aggregate=Aggregate("mean"),
                             judge=judge, outer_lr=1.0, outer_momentum=0.0, outer_nesterov=False)
     kept_exactly = []
     for step in range(4):
         with torch.no_grad():
             for p in model.parameters():
-                p.add_((1.0 - p) * 0.1 * (-10.0 if rank == 3 else 1.0 + 0.1 * rank))
+                bad = rank == 3 and step >= bad_from
+                p.add_((1.0 - p) * 0.1 * (-10.0 if bad else 1.0 + 0.1 * rank))
         g, s, e = _region(avg, 1 - step % 2)  # the fragment that does not sync now
         other = avg.flat.buffers[g][s:e].clone()
         avg.maybe_average()
@@ -110,6 +113,7 @@ def _worker(rank, world_size):
     out["int8"] = _rounds(rank, "median", comm_dtype="int8", error_feedback=True)
     out["scored"] = _scored(rank, split=False)
     out["scored_split"] = _scored(rank, split=True)
+    out["scored_late"] = _scored(rank, split=False, exclude_after=3, bad_from=2)
     return out
 
 
@@ -174,6 +178,11 @@ def test_robust_fragments_across_processes():
         assert all(torch.equal(x["anchor"], scored[0]["anchor"]) for x in scored)
         assert all(all(x["kept_exactly"]) for x in scored)
         assert all(x["reloaded"] for x in scored)
+    # bad from its second round of each fragment (rounds 2 and 3), while its first rounds were
+    # honest: probation counts each fragment's first 3 rounds (6 fragment rounds), so 2 bad
+    # rounds running exclude it at round 3, not exclude_after=3 of them
+    late = [r["scored_late"] for r in results]
+    assert all(x["excluded"] == {3: 3} for x in late), late[0]["events"]
     # every rank evaluating everything saw the same losses: the model judged is the same on
     # every rank (the other fragment at its anchor), though the local models differ
     seen = [r["scored"]["seen"] for r in results]

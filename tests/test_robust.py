@@ -905,26 +905,29 @@ def test_a_harmful_contribution_is_caught_when_the_median_does_not_help():
     assert trust.excluded == {3: 1}
 
 
-def test_a_contribution_that_helps_alone_but_spoils_the_mean_is_caught():
+@pytest.mark.parametrize("rule", ["mean", "median"])
+def test_a_contribution_that_helps_alone_but_spoils_the_mean_is_caught(rule):
     """The Shakespeare LM's second round, in one dimension: worker 1's flipped change (-10x)
     lowers the loss applied alone, more than the honest ones do, so it scores above the median;
     but the mean with it moves backwards and raises the loss on every sample. Left out, the
     others' mean gains; put back, it undoes more than half that gain: judged bad every round,
-    excluded after 2, and the round's aggregate is the honest workers' mean. Scored alone only,
-    it would never be judged bad."""
+    excluded after 2, and the round's aggregate is the honest workers' mean (their median: the
+    same here). Scored alone only, it would never be judged bad; under the median, whose
+    aggregate it does not move (0.95 with it, as good as the honest mean), neither would it be
+    when held against the median rather than the mean."""
     from localsgd.averaging.trust import TrustedRound
 
     flat = torch.zeros(1)
     gen = torch.Generator().manual_seed(2)
     noise = torch.randn(256, generator=gen, dtype=torch.float64)
     # the loss factor at each point the round evaluates (others: 1.5)
-    at = {0.0: 1.0, 1.0: 0.5, 1.1: 0.5, 0.9: 0.5, -10.0: 0.3, -1.75: 2.0}
+    at = {0.0: 1.0, 1.0: 0.5, 1.1: 0.5, 0.9: 0.5, 0.95: 0.5, -10.0: 0.3, -1.75: 2.0}
 
     def loss_at(round_):
         return at.get(round(float(flat[0]), 3), 1.5) * (1 + 0.1 * noise)
 
     rows = torch.tensor([[1.0], [-10.0], [1.1], [0.9]])
-    trust = TrustedRound([flat], 4, [None], Aggregate("mean"), Judge(loss_at, 2, 0.5, 3.0, False))
+    trust = TrustedRound([flat], 4, [None], Aggregate(rule), Judge(loss_at, 2, 0.5, 3.0, False))
     for _ in range(2):
         flat.zero_()
         trust.run_([flat], [torch.zeros(1)], _Gathers(rows), [None], step=0)

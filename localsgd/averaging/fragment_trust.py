@@ -24,7 +24,11 @@ streaks and exclusions are per worker, so a worker excluded by one fragment's ro
 from every fragment's: an attacker is one worker, not one fragment, and it sends every fragment
 from the same model. A streak therefore runs across fragments (`exclude_after` bad fragment
 rounds running), so an attacker judged bad at every sync is excluded within `exclude_after`
-fragment syncs, a fraction `exclude_after / P` of one period.
+fragment syncs, a fraction `exclude_after / P` of one period. Probation
+(`Judge.probation_rounds`) counts each fragment's first rounds: a worker's first
+`probation_rounds` x P fragment rounds. Its first round of each fragment is its first change
+of that part of the model, so a worker whose contributions of every fragment turn bad once it
+has sent each one (a replay of its first rounds, say) is still a newcomer there.
 
 **Scoring** (`Judge`). A fragment's candidate change is evaluated on the whole model, so the
 model evaluated must be the same on every rank: during the round every other fragment is set
@@ -41,6 +45,7 @@ Only the blocking, anchored schedule is built (`refusal` says why each other one
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -99,6 +104,8 @@ class TrustedFragments(Fragments):
         decay = feedback_decay
         # sharded parameters (mirror mode): verdicts reduced across the shard group, and the
         # model the judge evaluates written into the shards (`TrustedRound`)
+        if judge is not None:  # probation counts each fragment's first rounds (module doc)
+            judge = replace(judge, probation_rounds=judge.probation_rounds * len(self.sent))
         self.trust = TrustedRound(
             self.sent[0], size, self.low[0], aggregate, judge, -1, decay, mirror=flat
         )
