@@ -171,6 +171,7 @@ def test_torchrun_worker_failure_ends_the_job_naming_the_rank(tmp_path, kind):
     assert not left
 
 
+@pytest.mark.long  # ~9 s: SIGTERM to every worker is `make test`'s (tests/test_interrupt.py)
 @pytest.mark.timeout(180)
 def test_torchrun_forwards_sigterm_and_the_workers_checkpoint_at_an_agreed_step(tmp_path):
     run_dir = tmp_path / "run"

@@ -70,7 +70,7 @@ def _collapse(seq: list[int]) -> list[int]:
         [],
         ["sync.outer=diloco", "optim=adamw", "optim.lr=0.003"],
         [*STREAMING, "sync.delay_steps=1"],
-        [*STREAMING, "sync.eager=true"],
+        pytest.param([*STREAMING, "sync.eager=true"], marks=pytest.mark.long),
         pytest.param(SPARSELOCO, marks=pytest.mark.long),
         pytest.param([*SPARSELOCO, "sync.fragments=2", "sync.delay_steps=1"],
                      marks=pytest.mark.long),  # fmt: skip

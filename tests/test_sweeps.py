@@ -156,6 +156,7 @@ def test_optuna_search_maximises_the_returned_test_accuracy(tmp_path):
     assert 0.01 <= best["best_params"]["optim.lr"] <= 1.0
 
 
+@pytest.mark.long  # ~5 s more: the maximising search stays in `make test`
 @pytest.mark.timeout(300)
 def test_optuna_search_minimises_the_optimized_metric(tmp_path):
     """`optimized_metric` names what each job returns and `direction` which way is better: two
