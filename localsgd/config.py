@@ -154,7 +154,8 @@ class SyncConfig:
     bucket_mb: float = 25.0  # a launched (delay_steps >= 1) fp32 average: buckets of this many MiB
     # per-worker step counts: each round's inner phase lasts at most this many seconds per
     # worker, a slow worker computing fewer of the round's steps instead of holding up the
-    # others, and averages weigh each worker by the samples it trained on (localsgd.loop.pacing)
+    # others, and averages weigh each worker by the samples it trained on (localsgd.loop.pacing;
+    # how: budget_merge)
     inner_time_s: float | None = None
     # how a budget's round merges the workers' changes: normalized (each worker's change scaled
     # to the round's most samples, so a slow worker's short change does not shrink the mean:

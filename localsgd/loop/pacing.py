@@ -9,8 +9,9 @@ learning-rate schedule stay where they are. A tick either computes a step or idl
   round's other ticks. A slow worker then does fewer steps instead of holding up the others,
   which arrive at the sync after about T (Async Local-SGD's DyLU: steps in proportion to speed),
   and the average weighs each worker by the samples it trained on this round
-  (`Averager.weighted`). With every worker on time nobody idles, every weight is equal and the
-  average is the plain mean, bit for bit.
+  (`Averager.weighted`), each change first scaled to the round's most samples
+  (`sync.budget_merge=normalized`, `Averager.normalized`). With every worker on time nobody
+  idles, every weight is equal and the average is the plain mean, bit for bit.
 - `comm.simulate.worker_speed` = [s_0, s_1, ...] with `comm.simulate.step_s` = t: worker r's
   step takes s_r * t seconds (it sleeps out what its compute did not take), as the link
   simulation makes each collective last what its bytes would. The time in a round is then the
