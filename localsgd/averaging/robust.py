@@ -42,6 +42,7 @@ from localsgd.averaging.finite import all_finite
 from localsgd.averaging.quantize import GatheredWire
 
 AGGREGATES = ("mean", "clip", "trimmed_mean", "median")
+COORDINATE_RULES = ("trimmed_mean", "median")  # per coordinate: each hides one outlier
 
 
 @dataclass(frozen=True)

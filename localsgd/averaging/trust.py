@@ -57,6 +57,7 @@ from localsgd.averaging.comm import Communicator
 from localsgd.averaging.flat import FlatBuffers
 from localsgd.averaging.judge import Judge, paired_z, per_sample, worse
 from localsgd.averaging.robust import (
+    COORDINATE_RULES,
     PER_COORDINATE,
     Aggregate,
     GatheredContributions,
@@ -65,7 +66,6 @@ from localsgd.averaging.robust import (
 )
 from localsgd.averaging.sparse import SparseWire
 
-COORDINATE_RULES = ("median", "trimmed_mean")  # hide one outlier per coordinate: `_harmful`
 MEAN = Aggregate("mean")
 
 
@@ -95,7 +95,7 @@ class TrustedRound:
     ):
         # `decay`: error feedback's beta (`compress`), for a low-precision wire's residuals;
         # `shards`: the shard group, given where the buffers are no `FlatBuffers` (gradients)
-        if aggregate.rule in ("median", "trimmed_mean") and any(
+        if aggregate.rule in COORDINATE_RULES and any(
             isinstance(w, SparseWire) for w in low
         ):
             raise ValueError(f"aggregate {aggregate.rule} over top-k messages: {PER_COORDINATE}")

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from localsgd.averaging.outer_step import OUTER_DEFAULTS
-from localsgd.averaging.robust import PER_COORDINATE
+from localsgd.averaging.robust import COORDINATE_RULES, PER_COORDINATE
 
 # sync key: why its per-worker state cannot move to another world size (`SyncPlan.reshard_refusal`)
 RESHARD_REFUSED = {
@@ -177,7 +177,7 @@ class SyncPlan:
              "warmup's gradients are torchft's all-reduce, which no rule can judge"),
             (self.optimizer_state in ("average", "desloc"), f"sync.optimizer_state="
              f"{self.optimizer_state}: the optimizer state is averaged by the plain mean"),
-            (self.compress != "none" and self.aggregate in ("median", "trimmed_mean"),
+            (self.compress != "none" and self.aggregate in COORDINATE_RULES,
              f"sync.compress={self.compress}: {PER_COORDINATE}"),
             (self.schedule == "adaptive", "sync.schedule=adaptive: its loss rides in the "
              "averaged buffers"),
