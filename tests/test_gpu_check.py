@@ -80,6 +80,7 @@ def test_a_failing_check_is_one_fail_line_and_the_rest_still_run(capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # ~5 s, beside the whole check at CPU size (above): `make test-long`
 @pytest.mark.timeout(120)
 def test_a_check_past_the_budget_fails_the_whole_run_and_leaves_no_process():
     from tests.helpers import survivors, tagged_env

@@ -125,6 +125,7 @@ def test_a_single_run_shorter_than_eval_every_gets_its_loss_curves(tmp_path, cap
     assert path == str(run / "loss_vs_step.png") and _png_size(run / "loss_vs_step.png")[0] > 300
 
 
+@pytest.mark.long  # ~5 s of plotting: `make test-long` (the plot itself is checked above)
 @pytest.mark.timeout(60)
 def test_many_panels_with_long_titles_do_not_overlap(tmp_path, monkeypatch):
     """Seven settings besides the period: seven panels, titled by long labels. They were one row
