@@ -29,6 +29,11 @@ experiments/OUT.{md,json} (`--out`, straggler_study by default).
         --slow 1 1 2 4 --out straggler_study_two_slow     # the setting nothing was chosen on
     python experiments/straggler_study.py --setting lm --steps 400 --step-s 0.25 --seeds 0 1 \
         --conditions free budget "budget, weighted" --out straggler_study_lm   # ~15 min
+    python experiments/straggler_study.py --steps 600 --step-s 0.015 --strategies \
+        "Streaming DiLoCo H=48 P=4" --conditions free blocking budget "budget, weighted" \
+        --out straggler_study_streaming     # the fragments' weighted rounds, ~5 min
+    python experiments/straggler_study.py --setting lm --steps 400 --step-s 0.25 --strategies \
+        "LM Streaming DiLoCo H=16 P=4" --conditions free budget --out straggler_study_lm_streaming
     python experiments/straggler_study.py --tiny     # smoke test: 1 seed, a few steps
 """
 
@@ -47,6 +52,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STRATEGIES = {  # name: (overrides, H)
     "local SGD H=16": (["sync.period=16"], 16),
     "DiLoCo H=50": (["+experiment=diloco", "sync.outer_warmup_rounds=0"], 50),
+    # each of 4 fragments weighs the samples since its own sync (blocking: the weighted rounds
+    # are the blocking ones)
+    "Streaming DiLoCo H=48 P=4": (
+        ["+experiment=streaming_diloco", "sync.delay_steps=0", "sync.merge_alpha=0",
+         "sync.outer_warmup_rounds=0"],
+        48,
+    ),  # fmt: skip
 }
 # --setting lm: the Shakespeare LM of the chaos and trust studies (a 215k-parameter GPT, inner
 # AdamW) under DiLoCo with H = 16, a setting the merges were not compared on first
@@ -59,7 +71,14 @@ SETTINGS = {  # name: (overrides, strategies, batch per worker, what the table s
     "mnist1d": (["data=mnist1d", "model=mlp"], STRATEGIES, 32, "MNIST-1D"),
     "lm": (
         LM,
-        {"LM DiLoCo H=16": (["sync=diloco", "sync.period=16", "sync.outer_warmup_rounds=0"], 16)},
+        {
+            "LM DiLoCo H=16": (["sync=diloco", "sync.period=16", "sync.outer_warmup_rounds=0"], 16),
+            "LM Streaming DiLoCo H=16 P=4": (
+                ["sync=streaming_diloco", "sync.period=16", "sync.fragments=4",
+                 "sync.delay_steps=0", "sync.merge_alpha=0", "sync.outer_warmup_rounds=0"],
+                16,
+            ),  # fmt: skip
+        },
         16,
         "the Shakespeare LM",
     ),
@@ -148,6 +167,10 @@ def main() -> None:
         "--conditions", nargs="+", choices=CONDITIONS, default=list(CONDITIONS),
         help="these conditions only (free is always run: every ratio is against it)",
     )  # fmt: skip
+    parser.add_argument(
+        "--strategies", nargs="+", default=None,
+        help="these strategies of the setting (default: all but Streaming DiLoCo)",
+    )  # fmt: skip
     parser.add_argument("--tiny", action="store_true")
     args = parser.parse_args()
     if len(args.slow) != 4 or min(args.slow) < 1:
@@ -158,6 +181,13 @@ def main() -> None:
     if "free, same samples" in conditions and "budget" not in conditions:
         parser.error("--conditions 'free, same samples' needs budget (it reads its samples)")
     _, strategies, batch, what = SETTINGS[args.setting]
+    if args.strategies is None:  # the committed study's two; the others by name
+        args.strategies = [name for name in strategies if "Streaming" not in name]
+    if args.strategies:
+        unknown = [name for name in args.strategies if name not in strategies]
+        if unknown:
+            parser.error(f"--strategies must name some of {list(strategies)}, got {unknown}")
+        strategies = {name: strategies[name] for name in args.strategies}
     runs: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         for seed in args.seeds:

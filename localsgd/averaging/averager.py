@@ -127,6 +127,9 @@ class Averager(ModelAverager):
         # over every round so far
         self.weighted = False
         self.contribution = 0.0
+        # all the samples this rank has trained on: a fragment's weight is what it gained since
+        # that fragment's last sync (`StreamingAverager`)
+        self.samples_trained = 0.0
         # ... and with `normalized`, each rank's change since the last average (its pseudo-
         # gradient) is first scaled by the round's largest weight over its own: the weighted
         # mean is then the samples-weighted mean change per sample times the most samples any

@@ -116,9 +116,19 @@ class TrustedFragments(Fragments):
         # the other fragments' local values while a judge evaluates fragment p on the anchors
         self.stash = [b.detach().clone() for b in flat.buffers] if judge is not None else []
 
-    def blocking(self, p: int, buffers: Tensors, comm: Communicator, alpha: float, plain: bool):
+    def blocking(
+        self,
+        p: int,
+        buffers: Tensors,
+        comm: Communicator,
+        alpha: float,
+        plain: bool,
+        scale: float | None = None,
+    ):
         if alpha:  # refused when the averager is built (`refusal`)
             raise ValueError("a robust aggregate over fragments needs merge_alpha=0")
+        if scale is not None:  # `StreamingAverager._weigh` refuses weighted robust rounds
+            raise ValueError("a robust aggregate over fragments combines contributions unweighted")
         regions = self.regions[p]
         # the pseudo-gradient in place in the model's own region, as OuterStep computes it, so
         # the judge moves the model by writing there

@@ -275,8 +275,21 @@ class Fragments(Reducer):
 
     # --- one round -----------------------------------------------------------------------------
 
-    def blocking(self, p: int, buffers: Tensors, comm: Communicator, alpha: float, plain: bool):
+    def blocking(
+        self,
+        p: int,
+        buffers: Tensors,
+        comm: Communicator,
+        alpha: float,
+        plain: bool,
+        scale: float | None = None,
+    ):
+        """Fragment p's round, blocking; `scale` multiplies this rank's pseudo-gradient over
+        the parameters first (a normalized weighted round: `StreamingAverager`)."""
         self._load(p, buffers, self.sent[p])
+        if scale is not None:
+            for (_, s, n, _), piece in zip(self.regions[p], self.sent[p], strict=True):
+                piece[: n - s].mul_(scale)
         self.exchange(p, self.sent[p], comm, blocking=True)
         if self.eager:  # what every rank received, for common_tensors
             for r, d in zip(self.received[p], self.sent[p], strict=True):

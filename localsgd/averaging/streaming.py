@@ -81,6 +81,7 @@ a host staging copy of the fragments' wire (`localsgd.averaging.offload`; the sa
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
@@ -235,6 +236,8 @@ class StreamingAverager(Averager):
             if size not in by_size:
                 by_size[size] = comm.subgroups(size)
         self.inner_periods = list(inner)
+        # weighted rounds: the samples this rank had trained on at each fragment's last sync
+        self.synced_samples = [0.0] * fragments
         super().__init__(
             [*(by_size[size] for size in inner.values()), comm],
             process_group,
@@ -340,6 +343,8 @@ class StreamingAverager(Averager):
         self.merged, self.last_fragment, step = False, None, self.step
         self.received = None
         buffers = self.flat.buffers
+        if step < self.warmup_steps:  # synchronous: every fragment's change starts after it
+            self.synced_samples = [self.samples_trained] * self.fragments
         level = self.inner_level_at(step)
         if level is not None:
             self._inner_average(level)
@@ -355,6 +360,7 @@ class StreamingAverager(Averager):
             before = self.stats.bytes
             # fragment p's first sync after a warmup is a plain average
             plain = self.warmup_steps > 0 and step == self.warmup_steps + p * self.offset
+            scale = self._weigh(p) if self.weighted else None  # refuses what it cannot weigh
             if self.delay:
                 frags.launch(p, buffers, self.comm, step, plain)
             else:
@@ -362,7 +368,10 @@ class StreamingAverager(Averager):
                 if self.eager and not plain:
                     got = frags.eager_round(p, buffers, self.comm, self.alpha, step)
                 else:
-                    frags.blocking(p, buffers, self.comm, self.alpha, plain)
+                    try:
+                        frags.blocking(p, buffers, self.comm, self.alpha, plain, scale)
+                    finally:
+                        self.comm.unweigh()
                     got = True
                 if got:
                     self._merged(p)
@@ -372,6 +381,37 @@ class StreamingAverager(Averager):
         self.all_in_sync = self.merged and self.fragments == 1 and self._replaces
         self.step += 1
         return p is not None or level is not None
+
+    def _weigh(self, p: int) -> float | None:
+        """Fragment p's weighted round (per-worker step counts): every rank's weight is the
+        samples it trained on since p's last sync, over which p's pseudo-gradient grew. Returns
+        the factor of this rank's pseudo-gradient under `normalized` (the round's largest weight
+        over its own, as `Averager` scales a whole model's change), or None."""
+        if isinstance(self.frags, TrustedFragments):
+            raise ValueError(
+                "weighted rounds weigh each worker by the samples it reports, and a robust "
+                "aggregate over fragments combines the contributions unweighted (an untrusted "
+                "worker could inflate its weight): set weighted=False"
+            )
+        if self.delay or self.eager or self.alpha or self.inner_periods:
+            raise ValueError(
+                "weighted rounds are the blocking fragment rounds: they need delay_steps=0, "
+                "merge_alpha=0, eager=False and no inner_levels (or set weighted=False)"
+            )
+        own = self.samples_trained - self.synced_samples[p]
+        self.synced_samples[p] = self.samples_trained
+        start = time.perf_counter()
+        self.round_weights = self.comm.weigh(own, self.flat.buffers[0].device)
+        self.wait_s += time.perf_counter() - start
+        self.contributed += sum(self.round_weights)
+        if not (self.normalized and self.comm.share):  # equal weights, or none trained here
+            return None
+        if not self.outer:
+            raise ValueError(
+                "normalized weighted rounds scale each pseudo-gradient, and plain streaming "
+                "(outer=False) sends the values themselves: set normalized=False"
+            )
+        return max(self.round_weights) / own
 
     def _inner_average(self, level: int) -> None:
         comm, before = self.levels[level], self.stats.bytes
@@ -414,7 +454,11 @@ class StreamingAverager(Averager):
         if self.outer and not self.eager:
             for p in range(self.fragments):
                 plain = self.warmup_steps > 0 and self.step <= self.warmup_steps + p * self.offset
-                frags.blocking(p, buffers, self.comm, 0.0, plain)
+                scale = self._weigh(p) if self.weighted else None
+                try:
+                    frags.blocking(p, buffers, self.comm, 0.0, plain, scale)
+                finally:
+                    self.comm.unweigh()
         else:
             for flat in buffers:
                 self.comm.mean_(flat)
@@ -449,7 +493,10 @@ class StreamingAverager(Averager):
         return out
 
     def state_dict(self) -> dict:
-        return {**super().state_dict(), "fragments": self.fragments}
+        state = {**super().state_dict(), "fragments": self.fragments}
+        if self.weighted:
+            state["synced_samples"] = list(self.synced_samples)
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         if int(state.get("fragments", self.fragments)) != self.fragments:
@@ -457,3 +504,5 @@ class StreamingAverager(Averager):
                 f"the checkpoint has fragments={state['fragments']}, this run {self.fragments}"
             )
         super().load_state_dict(state)
+        if "synced_samples" in state:
+            self.synced_samples = [float(n) for n in state["synced_samples"]]

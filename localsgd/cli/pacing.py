@@ -12,11 +12,28 @@ from localsgd.loop.plan import SyncPlan
 
 BUDGET_MERGES = ("normalized", "weighted")  # localsgd.averaging.averager.Averager.normalized
 
-# what a weighted round cannot run with yet: key -> (the plan or config has it, why)
+# what a weighted round cannot run with yet: key -> (the plan has it, given sync.budget_merge;
+# why)
 NOT_WEIGHTED = {
     "sync.levels": (lambda p, c: bool(p.levels), "each level's average would need its own weights"),
     "sync.overlap": (lambda p, c: p.overlap, "an average is in flight while workers idle"),
-    "sync.fragments": (lambda p, c: p.streaming, "Streaming DiLoCo's fragments and delays"),
+    # Streaming DiLoCo's blocking fragment rounds are weighted (each fragment by the samples
+    # since its own last sync); what moves a fragment outside its round is not
+    "sync.delay_steps": (
+        lambda p, c: p.delay > 0 and not p.overlap,
+        "a delayed fragment is launched and merged steps apart, and the weighted round is the "
+        "blocking one",
+    ),
+    "sync.eager": (lambda p, c: p.eager, "each worker steps its own fresh pseudo-gradient"),
+    "sync.merge_alpha": (
+        lambda p, c: p.merge_alpha != 0,
+        "a merge keeps part of each worker's own values, which a slow worker has moved less",
+    ),
+    "sync.outer": (
+        lambda p, c: p.fragments != 1 and p.outer == "none" and c == "normalized",
+        "plain streaming sends the values, not a change to scale; sync.budget_merge=weighted "
+        "weighs them as they are",
+    ),
     "sync.aggregate": (
         lambda p, c: p.gathered,
         "gathered contributions (robust aggregates, sync.score) are combined unweighted, and "
@@ -60,12 +77,18 @@ def validate_pacing(cfg: Any, get: Callable[[Any, str], Any], ws: int | None) ->
         )
     if budget is None:
         return
-    plan, dtype = SyncPlan.of(get(cfg, "sync")), get(cfg, "sync.comm_dtype")
+    plan = SyncPlan.of(get(cfg, "sync"))
     for key, (is_set, why) in NOT_WEIGHTED.items():
-        if is_set(plan, dtype):
+        if is_set(plan, merge):
             raise ConfigError(
                 f"sync.inner_time_s with {key} ({why}) is not built; set sync.inner_time_s=null"
             )
+    if get(cfg, "ft.backend") == "torchft" and plan.fragments != 1:
+        raise ConfigError(
+            f"sync.inner_time_s with ft=torchft and sync.fragments={plan.fragments} is not "
+            "built: a failed fragment round would have to put back that fragment's sample "
+            "count; use sync.fragments=1, or set sync.inner_time_s=null"
+        )
     if get(cfg, "ft.backend") == "torchft" and replica_group_processes() > 1:
         raise ConfigError(
             f"sync.inner_time_s with ft=torchft and replica groups of {replica_group_processes()} "

@@ -47,6 +47,7 @@ class Pacer:
         self.step_s = step_s  # None: the wall clock
         self.round_seconds = 0.0  # modelled (or measured) seconds computed in this round
         self.round_samples = 0  # samples trained on in this round: the average's weight
+        self.samples = 0  # ... and in every round (a fragment weighs what it gained since its sync)
         self.computed_steps = 0
         self.idle_steps = 0
         self.predicted: float | None = None  # wall clock: a step's predicted seconds
@@ -88,6 +89,7 @@ class Pacer:
             self.predicted = took if self.predicted is None else 0.5 * (self.predicted + took)
         self.round_seconds += took
         self.round_samples += samples
+        self.samples += samples
         self.computed_steps += 1
 
     def idle(self) -> None:
@@ -103,6 +105,7 @@ class Pacer:
         return {
             "round_seconds": self.round_seconds,
             "round_samples": self.round_samples,
+            "samples": self.samples,
             "computed_steps": self.computed_steps,
             "idle_steps": self.idle_steps,
         }
@@ -110,6 +113,7 @@ class Pacer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.round_seconds = float(state["round_seconds"])
         self.round_samples = int(state["round_samples"])
+        self.samples = int(state.get("samples", 0))
         self.computed_steps = int(state["computed_steps"])
         self.idle_steps = int(state["idle_steps"])
         self.round_start = time.perf_counter() - (0.0 if self.modelled else self.round_seconds)
@@ -122,11 +126,16 @@ def new_round(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def build_pacer(cfg: Any, rank: int) -> Pacer:
-    """The `sync.inner_time_s` / `comm.simulate.worker_speed` pacing of worker `rank`."""
+    """The `sync.inner_time_s` / `comm.simulate.worker_speed` pacing of worker `rank`. Streaming
+    DiLoCo's P fragments sync in turn, every period / P steps: each of those rounds gets 1/P
+    of the budget, a period's P rounds the whole of it."""
     sim = cfg.comm.simulate
     speeds = sim.worker_speed
+    budget = cfg.sync.inner_time_s
+    if budget is not None:
+        budget /= cfg.sync.fragments
     return Pacer(
-        cfg.sync.inner_time_s,
+        budget,
         float(speeds[rank]) if speeds else 1.0,
         sim.step_s if speeds else None,
     )

@@ -207,8 +207,9 @@ class Trainer:
         else:
             pacer.idle()
         self.sync.averager.contribution = pacer.round_samples  # the weight, when weighted
+        self.sync.averager.samples_trained = pacer.samples
         self.sync.after_step(loss)  # the model average, when due
-        if self.in_sync:
+        if self.in_sync or self.merged:  # merged: one of Streaming DiLoCo's fragments
             pacer.new_round()
         for callback in self.callbacks:
             if hasattr(callback, "on_step_end"):
