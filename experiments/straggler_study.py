@@ -32,6 +32,9 @@ experiments/OUT.{md,json} (`--out`, straggler_study by default).
     python experiments/straggler_study.py --steps 600 --step-s 0.015 --strategies \
         "Streaming DiLoCo H=48 P=4" --conditions free blocking budget "budget, weighted" \
         --out straggler_study_streaming     # the fragments' weighted rounds, ~5 min
+    python experiments/straggler_study.py --steps 600 --step-s 0.015 --strategies \
+        "Streaming DiLoCo H=48 P=4 tau=1" --conditions free blocking budget "budget, weighted" \
+        --out straggler_study_streaming_delayed
     python experiments/straggler_study.py --setting lm --steps 400 --step-s 0.25 --strategies \
         "LM Streaming DiLoCo H=16 P=4" --conditions free budget --out straggler_study_lm_streaming
     python experiments/straggler_study.py --tiny     # smoke test: 1 seed, a few steps
@@ -59,6 +62,13 @@ STRATEGIES = {  # name: (overrides, H)
          "sync.outer_warmup_rounds=0"],
         48,
     ),  # fmt: skip
+    # ... each round a step late, overlapping the next step (the paper's τ = 1; α = 0, as the
+    # normalized merge needs): weighted by the samples since the fragment's merge
+    "Streaming DiLoCo H=48 P=4 tau=1": (
+        ["+experiment=streaming_diloco", "sync.delay_steps=1", "sync.merge_alpha=0",
+         "sync.outer_warmup_rounds=0"],
+        48,
+    ),  # fmt: skip
 }
 # --setting lm: the Shakespeare LM of the chaos and trust studies (a 215k-parameter GPT, inner
 # AdamW) under DiLoCo with H = 16, a setting the merges were not compared on first
@@ -76,6 +86,11 @@ SETTINGS = {  # name: (overrides, strategies, batch per worker, what the table s
             "LM Streaming DiLoCo H=16 P=4": (
                 ["sync=streaming_diloco", "sync.period=16", "sync.fragments=4",
                  "sync.delay_steps=0", "sync.merge_alpha=0", "sync.outer_warmup_rounds=0"],
+                16,
+            ),  # fmt: skip
+            "LM Streaming DiLoCo H=16 P=4 tau=1": (
+                ["sync=streaming_diloco", "sync.period=16", "sync.fragments=4",
+                 "sync.delay_steps=1", "sync.merge_alpha=0", "sync.outer_warmup_rounds=0"],
                 16,
             ),  # fmt: skip
         },

@@ -48,3 +48,37 @@ def test_drift_is_mean_distance_to_the_average_with_a_reused_scratch():
         assert r["drifts"] == pytest.approx([expected, expected], rel=1e-5)
         assert r["same_scratch"]  # no allocation per average
         assert r["empty_take"] is None  # nothing since the last take
+
+
+def _unblocked_worker(rank, world_size, flag):
+    """Rank 0 measures an average's drift and says so through a file; rank 1 measures only
+    once it has read that, so a blocking all-reduce in `after()` would never return."""
+    import os
+    import time
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    averager = PeriodicAverager(1, module=model)
+    meter = DriftMeter(averager.flat.buffers)
+    meter.before(averager.flat.buffers)
+    with torch.no_grad():
+        averager.flat.buffers[0].add_(float(rank))
+    if rank == 0:
+        meter.after(averager.flat.buffers)
+        open(flag, "w").close()
+    else:
+        deadline = time.monotonic() + 20
+        while not os.path.exists(flag):
+            if time.monotonic() > deadline:
+                return "rank 0 never returned from after()"
+            time.sleep(0.01)
+        meter.after(averager.flat.buffers)
+    return meter.take()
+
+
+@pytest.mark.timeout(60)
+def test_measuring_drift_waits_for_no_other_worker_until_it_is_read(tmp_path):
+    """A delayed average is merged a step after its launch: a blocking collective there would
+    hold every worker until the slowest arrives, a second time each round."""
+    results = run_distributed(_unblocked_worker, 2, str(tmp_path / "flag"), timeout_s=50)
+    assert results[0] == results[1] and isinstance(results[0], float), results

@@ -1,7 +1,7 @@
-"""Slow workers under Streaming DiLoCo: each fragment's blocking round weighs every worker by
-the samples it trained on since that fragment's own last sync (`StreamingAverager._weigh`), the
-time budget is spread over the period's fragment rounds (`build_pacer`), and equal weights leave
-today's bits."""
+"""Slow workers under Streaming DiLoCo: each fragment's round, blocking or delayed, weighs
+every worker by the samples it trained on since that fragment's values last started from the
+global ones (`StreamingAverager._weigh`), the time budget is spread over the period's fragment
+rounds (`build_pacer`), and equal weights leave today's bits."""
 
 from __future__ import annotations
 
@@ -32,16 +32,21 @@ def _move(model: torch.nn.Module, rank: int, step: int) -> None:
 
 def _streaming_worker(rank: int, world: int, modes: list[str], trained: list[list[float]]):
     """Per mode, three syncs of a 2-fragment averager (H = 2: fragment 0 after steps 0 and 2,
-    fragment 1 after step 1); a mode is plain (unweighted), weighted or normalized."""
+    fragment 1 after step 1)."""
     torch.set_num_threads(1)
     return {mode: _three_syncs(rank, mode, trained) for mode in modes}
 
 
 def _three_syncs(rank: int, mode: str, trained: list[list[float]]) -> dict:
+    """`mode`: plain, weighted or normalized, and "_delayed": each fragment launched after its
+    step and merged a step later (τ = 1)."""
     model = _model(rank)
-    averager = StreamingAverager(2, module=model, fragments=2)  # anchored on rank 0's model
-    averager.weighted = mode != "plain"
-    averager.normalized = mode == "normalized"
+    delay = 1 if mode.endswith("_delayed") else 0
+    wire = "int8" if "_int8" in mode else "float32"
+    averager = StreamingAverager(2, module=model, fragments=2, delay_steps=delay,
+                                 comm_dtype=wire, quant_block_size=8)  # fmt: skip
+    averager.weighted = not mode.startswith("plain")  # anchored on rank 0's model
+    averager.normalized = mode.startswith("normalized")
     out: dict = {"anchor": [p.detach().clone() for p in model.parameters()], "syncs": []}
     samples = 0.0
     for step in range(3):
@@ -65,36 +70,55 @@ def _outer_step(anchor: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     return anchor - LR * (delta + MOMENTUM * delta)
 
 
+MODES = ["weighted", "normalized", "weighted_delayed", "normalized_delayed"]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_each_fragment_weighs_the_samples_since_its_own_last_sync():
-    runs = run_distributed(_streaming_worker, 3, ["weighted", "normalized"], TRAINED, timeout_s=60)
-    weighted, normalized = [r["weighted"] for r in runs], [r["normalized"] for r in runs]
+    low = "weighted_int8_delayed"  # the int8 messages gathered now, decoded at the merge
+    runs = run_distributed(_streaming_worker, 3, [*MODES, low], TRAINED, timeout_s=60)
+    by_mode = {mode: [r[mode] for r in runs] for mode in MODES}
+    weighted = by_mode["weighted"]
     # fragment 0 (the first Linear) at step 0: what each trained before it; fragment 1 (the
-    # second Linear) at step 1: everything since the start; fragment 0 at step 2: since step 0
+    # second Linear) at step 1: everything since the start; fragment 0 at step 2: since step 0,
+    # or delayed, since its merge after step 1 (the steps in flight were replaced)
     first, second = TRAINED[0], [a + b for a, b in zip(TRAINED[0], TRAINED[1], strict=True)]
     again = [b + c for b, c in zip(TRAINED[1], TRAINED[2], strict=True)]
-    for r in weighted + normalized:
-        assert [s["round_weights"] for s in r["syncs"]] == [first, second, again]
-    for runs, step, weights, tensors in (
-        (weighted, 0, first, (0, 1)),
-        (weighted, 1, second, (2, 3)),
-        (normalized, 0, first, (0, 1)),
-        (normalized, 1, second, (2, 3)),
-    ):
-        total = sum(weights)
+    for mode, group in by_mode.items():
+        third = TRAINED[2] if mode.endswith("_delayed") else again
+        for r in group:
+            assert [s["round_weights"] for s in r["syncs"]] == [first, second, third], mode
+    cases = []
+    for mode in MODES:  # (mode, the sync launching, the sync merging, weights, tensors)
+        merge = 1 if mode.endswith("_delayed") else 0
+        cases += [(mode, 0, merge, first, (0, 1)), (mode, 1, 1 + merge, second, (2, 3))]
+    for mode, launch, merge, weights, tensors in cases:
+        group, total = by_mode[mode], sum(weights)
         for i in tensors:
-            anchor = runs[0]["anchor"][i]
-            changes = [anchor - r["syncs"][step]["before"][i] for r in runs]
-            if runs is weighted:  # the samples-weighted mean pseudo-gradient
+            anchor = group[0]["anchor"][i]
+            changes = [anchor - r["syncs"][launch]["before"][i] for r in group]
+            if mode.startswith("weighted"):  # the samples-weighted mean pseudo-gradient
                 delta = sum(w / total * d for w, d in zip(weights, changes, strict=True))
             else:  # each scaled to the round's most samples first: the sum x max / total
                 delta = max(weights) / total * sum(changes)
             expected = _outer_step(anchor, delta)
-            for r in runs:
-                got = r["syncs"][step]["after"][i]
+            for r in group:
+                got = r["syncs"][merge]["after"][i]
                 torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
-                assert torch.equal(got, runs[0]["syncs"][step]["after"][i])
+                assert torch.equal(got, group[0]["syncs"][merge]["after"][i])
+    # the int8 wire, launched: each message decoded at the merge and scaled by its sender's
+    # weight from the launch, within the wire's rounding of the formula, far from the plain mean
+    group, total = [r[low] for r in runs], sum(first)
+    for i in (0, 1):
+        anchor = group[0]["anchor"][i]
+        changes = [anchor - r["syncs"][0]["before"][i] for r in group]
+        got = (anchor - group[0]["syncs"][1]["after"][i]) / (LR * (1 + MOMENTUM))
+        mean = sum(w / total * d for w, d in zip(first, changes, strict=True))
+        assert (got - mean).abs().max() < 0.02
+        assert (got - sum(changes) / 3).abs().max() > 0.2
+        assert all(torch.equal(r["syncs"][1]["after"][i], group[0]["syncs"][1]["after"][i])
+                   for r in group)  # fmt: skip
     # the other fragment is left as each worker holds it
     for r in weighted:
         for i in (2, 3):
@@ -105,11 +129,12 @@ def test_each_fragment_weighs_the_samples_since_its_own_last_sync():
 @pytest.mark.timeout(60)
 def test_equal_fragment_weights_give_the_unweighted_rounds_bit_for_bit():
     equal = [[4.0] * 3] * 3
-    runs = run_distributed(_streaming_worker, 3, ["plain", "weighted", "normalized"], equal,
-                           timeout_s=60)  # fmt: skip
-    for mode in ("weighted", "normalized"):
+    modes = ["plain", "plain_delayed", *MODES]
+    runs = run_distributed(_streaming_worker, 3, modes, equal, timeout_s=60)
+    for mode in MODES:
+        plain = "plain_delayed" if mode.endswith("_delayed") else "plain"
         for r in runs:
-            for gs, ps in zip(r[mode]["syncs"], r["plain"]["syncs"], strict=True):
+            for gs, ps in zip(r[mode]["syncs"], r[plain]["syncs"], strict=True):
                 assert all(torch.equal(a, b) for a, b in zip(gs["after"], ps["after"], strict=True))
 
 
@@ -131,35 +156,58 @@ STREAMING = FAST + [
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_the_cli_paces_streaming_fragments_and_resumes_exactly(tmp_path):
+@pytest.mark.parametrize("delay", [0, 1])
+def test_the_cli_paces_streaming_fragments_and_resumes_exactly(delay, tmp_path):
     """Fragment rounds every 4 steps, each with 4 steps' budget: worker 3 (three times slower)
-    computes 1 of each round's 4 steps; a fragment weighs the 2 rounds since its last sync."""
+    computes 1 of each round's 4 steps. Blocking, a fragment weighs the 8 ticks since its last
+    round; delayed by a step, the 7 since its merge."""
+    job = STREAMING + [f"sync.delay_steps={delay}"]
     whole, half = tmp_path / "whole", tmp_path / "half"
-    proc, _ = cli(STREAMING + ["sync.check_replicas=true", "trainer.checkpoint_every=0",
-                               f"hydra.run.dir={whole}"])  # fmt: skip
+    proc, _ = cli(job + ["sync.check_replicas=true", "trainer.checkpoint_every=0",
+                         f"hydra.run.dir={whole}"])  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((whole / "summary.json").read_text())
     assert summary["computed_steps"] == 32 and summary["replica_checks"] > 0
-    # the final average after step 31 syncs fragment 0 (last synced after step 24: 7 ticks,
-    # worker 3 computing 1 in each of its 2 rounds), then fragment 1 (after step 28: 3 ticks,
-    # worker 3 computing 1), whose weights are the last
-    assert summary["round_weights"] == [3 * 32] * 3 + [1 * 32]
     lines = (whole / "metrics.jsonl").read_text().splitlines()
     weights = [json.loads(line).get("round_weights") for line in lines]
-    assert [8 * 32] * 3 + [2 * 32] in weights  # a period's 2 rounds: 8 ticks, 2 computed
-    proc, _ = cli(STREAMING + ["trainer.max_steps=16", "trainer.checkpoint_every=16",
-                               f"hydra.run.dir={half}"])  # fmt: skip
+    # worker 3 computes the first tick after each launch (of 4), so blocking 2 of a fragment's
+    # 8; delayed, the one after its own launch trains while the round is in flight and is
+    # replaced at the merge, so 1 of the 7 since
+    expected = [[8 * 32] * 3 + [2 * 32], [7 * 32] * 3 + [1 * 32]][delay]
+    assert expected in weights
+    if not delay:
+        # the final average after step 31 syncs fragment 0 (last synced after step 24), then
+        # fragment 1 (after step 28: 3 ticks, worker 3 computing 1), whose weights are the last
+        assert summary["round_weights"] == [3 * 32] * 3 + [1 * 32]
+    proc, _ = cli(job + ["trainer.max_steps=16", "trainer.checkpoint_every=16",
+                         f"hydra.run.dir={half}"])  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    proc, _ = cli(STREAMING + ["trainer.checkpoint_every=16", f"hydra.run.dir={half}"])
+    proc, _ = cli(job + ["trainer.checkpoint_every=16", f"hydra.run.dir={half}"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert same_model(whole / "model.pt", half / "model.pt")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_the_streaming_experiment_as_it_is_runs_a_weighted_budget(tmp_path):
+    """+experiment=streaming_diloco's own merge (a step late, mixed half-half) with the
+    samples-weighted merge: its anchors agree on every rank after every round."""
+    run = tmp_path / "run"
+    args = [a for a in STREAMING if not a.startswith(("sync=", "sync.delay", "sync.merge_alpha"))]
+    proc, _ = cli(args + ["sync=streaming_diloco", "sync.period=8", "sync.budget_merge=weighted",
+                          "sync.check_replicas=true", "trainer.checkpoint_every=0",
+                          f"hydra.run.dir={run}"])  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    weights = summary["round_weights"]
+    assert summary["replica_checks"] > 0 and weights[3] < weights[0]
 
 
 @pytest.mark.parametrize(
     "extra, named",
     [
-        (["sync.delay_steps=1"], "with sync.delay_steps (a delayed fragment"),
-        (["sync.merge_alpha=0.5"], "with sync.merge_alpha"),
+        (["sync.merge_alpha=0.5"], "with sync.merge_alpha (a mixed merge"),
+        (["sync.eager=true"], "with sync.eager"),
         (["sync.outer=none"], "with sync.outer (plain streaming sends the values"),
         (["ft=torchft"], "with ft=torchft and sync.fragments=2 is not built"),
     ],
@@ -191,10 +239,11 @@ def test_a_weighted_round_over_robust_fragments_is_refused_not_ignored():
         assert "combines the contributions unweighted" in said
 
 
-def _delayed_weighted_worker(rank: int, world: int) -> str:
+def _mixed_normalized_worker(rank: int, world: int) -> str:
     torch.set_num_threads(1)
-    averager = StreamingAverager(2, module=_model(rank), fragments=2, delay_steps=1)
-    averager.weighted = True
+    averager = StreamingAverager(2, module=_model(rank), fragments=2, delay_steps=1,
+                                 merge_alpha=0.5)  # fmt: skip
+    averager.weighted = averager.normalized = True
     try:
         averager.maybe_average()
     except ValueError as e:
@@ -204,6 +253,6 @@ def _delayed_weighted_worker(rank: int, world: int) -> str:
 
 @pytest.mark.slow
 @pytest.mark.timeout(60)
-def test_a_weighted_round_of_a_delayed_fragment_is_refused_not_ignored():
-    for said in run_distributed(_delayed_weighted_worker, 2, timeout_s=60):
-        assert "weighted rounds are the blocking fragment rounds" in said
+def test_a_normalized_round_with_a_mixed_merge_is_refused_not_ignored():
+    for said in run_distributed(_mixed_normalized_worker, 2, timeout_s=60):
+        assert "normalized ones merge_alpha=0" in said

@@ -146,6 +146,9 @@ class Averager(ModelAverager):
         self.global_hooks: list[GlobalSyncHook] = []
         self.all_in_sync = True  # every rank holds the same tensors (right after a full average)
         self.merged = False  # this step applied a delayed average (overlap, streaming merges)
+        # this step started a round over every rank, blocking or launched: where a budget's
+        # round ends (`localsgd.loop.pacing`), as every worker must be there
+        self.started_round = False
         if module is not None:
             self._bind(parameters_of(module.parameters()), averaged_tensors(module))
 
@@ -264,6 +267,7 @@ class Averager(ModelAverager):
         self.all_in_sync = (
             level is not None and not self.reducer.delays and self.levels[level] is self.comm
         )
+        self.started_round = level is not None and self.levels[level] is self.comm
         self.step += 1
         return level is not None
 

@@ -232,20 +232,21 @@ class Communicator:
             wire.div_(self.size)
             dist.all_reduce(wire, group=self.group)
         if guard is not None:
-            self._settle(guard)
+            self._settle(guard, self.share)
         if through is not None:
             flat.copy_(wire)
         self._account(start, _nbytes(wire))
 
-    def _settle(self, guard: NonFiniteGuard) -> None:
-        """After a guarded reduction: the mean of the finite contributions (see finite.py)."""
+    def _settle(self, guard: NonFiniteGuard, share: float | None) -> None:
+        """After a guarded reduction: the mean of the finite contributions (see finite.py);
+        `share`: this rank's, in a weighted round."""
 
         def all_reduce(slots: torch.Tensor) -> None:
             begin = time.perf_counter()
             dist.all_reduce(slots, group=self.group)
             self._account(begin, _nbytes(slots))
 
-        scale = self.share if self.share is not None else 1.0 / self.size
+        scale = share if share is not None else 1.0 / self.size
         rank = dist.get_rank(self.group)
         self._drop(guard.settle(scale, rank, self.size, all_reduce))
 
@@ -261,9 +262,11 @@ class Communicator:
         """Start averaging each of `pieces` in place, asynchronously, one all-reduce each; the
         caller must `wait()` the result before reading them. `through`, one preallocated buffer
         of another dtype per piece, carries the communication in that precision (bytes counted
-        at it), exactly as `mean_(piece, through=...)` does: the same bits."""
+        at it), exactly as `mean_(piece, through=...)` does: the same bits. A weighted round's
+        shares are the ones set at the launch."""
         start = time.perf_counter()
-        op = dist.ReduceOp.AVG if self.use_avg else dist.ReduceOp.SUM
+        share = self.share  # a weighted round may end (`unweigh`) before the wait
+        op = dist.ReduceOp.AVG if self.use_avg and share is None else dist.ReduceOp.SUM
         wires = pieces if through is None else [
             t.copy_(p) for t, p in zip(through, pieces, strict=True)
         ]  # fmt: skip
@@ -271,7 +274,9 @@ class Communicator:
         guard = NonFiniteGuard(wires) if self.guard else None
         works = []
         for wire in wires:
-            if not self.use_avg:
+            if share is not None:
+                wire.mul_(share)
+            elif not self.use_avg:
                 wire.div_(self.size)
             works.append(dist.all_reduce(wire, op=op, group=self.group, async_op=True))
         nbytes = sum(_nbytes(w) for w in wires)
@@ -280,7 +285,7 @@ class Communicator:
 
         def finish() -> None:
             if guard is not None:
-                self._settle(guard)
+                self._settle(guard, share)
             if through is not None:
                 for piece, wire in zip(pieces, wires, strict=True):
                     piece.copy_(wire)
@@ -301,6 +306,7 @@ class Communicator:
         what is left. `residuals` (error feedback) as in `quantized_mean_`, filled at launch."""
         start = time.perf_counter()
         residuals = residuals if residuals is not None else [None] * len(pieces)
+        weights = self.weights  # a weighted round's, as set at the launch
         works = []
         for piece, wire, residual in zip(pieces, wires, residuals, strict=True):
             wire.encode_(piece)
@@ -314,7 +320,7 @@ class Communicator:
 
         def decode() -> None:
             for piece, wire in zip(pieces, wires, strict=True):
-                self._average_gathered(piece, wire)
+                self._average_gathered(piece, wire, weights)
 
         return PendingMean(self, works, nbytes, start, decode)
 
@@ -358,14 +364,14 @@ class Communicator:
         if residual is not None:
             residual.copy_(flat).sub_(wire.decode(wire.send))
         _gather_into(wire.gathered(self.size), wire.send, self.group)
-        self._average_gathered(flat, wire)
+        self._average_gathered(flat, wire, self.weights)
         self._account(start, wire.nbytes)
 
-    def _average_gathered(self, flat: torch.Tensor, wire: QuantizedWire) -> None:
+    def _average_gathered(
+        self, flat: torch.Tensor, wire: QuantizedWire, weights: list[float] | None
+    ) -> None:
         gathered = wire.gathered(self.size)
-        self._drop(
-            decode_mean_(flat, wire, gathered, self.size, self.size, self.guard, self.weights)
-        )
+        self._drop(decode_mean_(flat, wire, gathered, self.size, self.size, self.guard, weights))
 
 
 def decode_mean_(

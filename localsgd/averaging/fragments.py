@@ -213,15 +213,18 @@ class Fragments(Reducer):
 
     # --- the arithmetic ------------------------------------------------------------------------
 
-    def _load(self, p: int, buffers: Tensors, out: Tensors) -> None:
-        """`anchor - local` (outer) or `local` (plain) of fragment p into `out`."""
-        for (g, s, _, e), o in zip(self.regions[p], out, strict=True):
+    def _load(self, p: int, buffers: Tensors, out: Tensors, scale: float | None = None) -> None:
+        """`anchor - local` (outer) or `local` (plain) of fragment p into `out`; times `scale`
+        over the parameters, if given (a pseudo-gradient: outer only)."""
+        for (g, s, n, e), o in zip(self.regions[p], out, strict=True):
             if self.host:  # the anchor staged through `out`: the same difference
                 o.copy_(self.anchors[g][s:e]).sub_(buffers[g][s:e])
             elif self.anchored:
                 torch.sub(self.anchors[g][s:e], buffers[g][s:e], out=o)
             else:
                 o.copy_(buffers[g][s:e])
+            if scale is not None:
+                o[: n - s].mul_(scale)
 
     def _outer(self, p: int, grads: Tensors, plain: bool) -> Tensors | None:
         """Step fragment p's anchor by the (mean) pseudo-gradient `grads`; floating-point
@@ -286,10 +289,7 @@ class Fragments(Reducer):
     ):
         """Fragment p's round, blocking; `scale` multiplies this rank's pseudo-gradient over
         the parameters first (a normalized weighted round: `StreamingAverager`)."""
-        self._load(p, buffers, self.sent[p])
-        if scale is not None:
-            for (_, s, n, _), piece in zip(self.regions[p], self.sent[p], strict=True):
-                piece[: n - s].mul_(scale)
+        self._load(p, buffers, self.sent[p], scale)
         self.exchange(p, self.sent[p], comm, blocking=True)
         if self.eager:  # what every rank received, for common_tensors
             for r, d in zip(self.received[p], self.sent[p], strict=True):
@@ -297,8 +297,17 @@ class Fragments(Reducer):
         glob = self._outer(p, self.sent[p], plain) if self.anchored else None
         self._merge(p, buffers, alpha, glob_on_device=glob)
 
-    def launch(self, p: int, buffers: Tensors, comm: Communicator, step: int, plain: bool):
-        self._load(p, buffers, self.sent[p])
+    def launch(
+        self,
+        p: int,
+        buffers: Tensors,
+        comm: Communicator,
+        step: int,
+        plain: bool,
+        scale: float | None = None,
+    ):
+        """Fragment p's round, launched (merged by `finish`); `scale` as in `blocking`."""
+        self._load(p, buffers, self.sent[p], scale)
         if self.progress:
             for (g, s, _, e), origin in zip(self.regions[p], self.origins[p], strict=True):
                 origin.copy_(buffers[g][s:e])

@@ -352,6 +352,7 @@ class StreamingAverager(Averager):
         if q is not None and frags.holding[q] and frags.pending_step[q] == step - self.delay:
             self._global_hooks("before")
             frags.finish(q, buffers, self.alpha)
+            self._merged_samples(q)
             if not self.outer and self.launching(step) == q:  # the launch reuses q's wire
                 self.received = [t.clone() for t in frags.sent[q]]
             self._merged(q)
@@ -360,9 +361,12 @@ class StreamingAverager(Averager):
             before = self.stats.bytes
             # fragment p's first sync after a warmup is a plain average
             plain = self.warmup_steps > 0 and step == self.warmup_steps + p * self.offset
-            scale = self._weigh(p) if self.weighted else None  # refuses what it cannot weigh
+            scale = self._weigh(p, launched=self.delay > 0) if self.weighted else None
             if self.delay:
-                frags.launch(p, buffers, self.comm, step, plain)
+                try:  # the launched exchange keeps the round's weights
+                    frags.launch(p, buffers, self.comm, step, plain, scale)
+                finally:
+                    self.comm.unweigh()
             else:
                 self._global_hooks("before")
                 if self.eager and not plain:
@@ -379,39 +383,47 @@ class StreamingAverager(Averager):
                     self._global_hooks("after")
             self._count(self.widest, before)
         self.all_in_sync = self.merged and self.fragments == 1 and self._replaces
+        self.started_round = p is not None
         self.step += 1
         return p is not None or level is not None
 
-    def _weigh(self, p: int) -> float | None:
+    def _weigh(self, p: int, launched: bool = False) -> float | None:
         """Fragment p's weighted round (per-worker step counts): every rank's weight is the
-        samples it trained on since p's last sync, over which p's pseudo-gradient grew. Returns
-        the factor of this rank's pseudo-gradient under `normalized` (the round's largest weight
-        over its own, as `Averager` scales a whole model's change), or None."""
+        samples it trained on since p's values last started from the global ones (its last
+        merge; under merge_rule="progress", which keeps the steps trained while a round was in
+        flight, its last launch), over which p's pseudo-gradient grew. Returns the factor of
+        this rank's pseudo-gradient under `normalized` (the round's largest weight over its
+        own, as `Averager` scales a whole model's change), or None."""
         if isinstance(self.frags, TrustedFragments):
             raise ValueError(
                 "weighted rounds weigh each worker by the samples it reports, and a robust "
                 "aggregate over fragments combines the contributions unweighted (an untrusted "
                 "worker could inflate its weight): set weighted=False"
             )
-        if self.delay or self.eager or self.alpha or self.inner_periods:
+        if not self.outer or self.eager or self.inner_periods or (self.normalized and self.alpha):
             raise ValueError(
-                "weighted rounds are the blocking fragment rounds: they need delay_steps=0, "
-                "merge_alpha=0, eager=False and no inner_levels (or set weighted=False)"
+                "weighted rounds need an outer step (outer=True: the final average of plain "
+                "streaming is one unweighted mean), eager=False and no inner_levels, and "
+                "normalized ones merge_alpha=0 (a mixed merge leaves part of each worker's own "
+                "values in its next pseudo-gradient, which its samples did not make): set "
+                "weighted=False"
             )
         own = self.samples_trained - self.synced_samples[p]
-        self.synced_samples[p] = self.samples_trained
+        if not launched or self.progress:
+            self.synced_samples[p] = self.samples_trained
         start = time.perf_counter()
         self.round_weights = self.comm.weigh(own, self.flat.buffers[0].device)
         self.wait_s += time.perf_counter() - start
         self.contributed += sum(self.round_weights)
         if not (self.normalized and self.comm.share):  # equal weights, or none trained here
             return None
-        if not self.outer:
-            raise ValueError(
-                "normalized weighted rounds scale each pseudo-gradient, and plain streaming "
-                "(outer=False) sends the values themselves: set normalized=False"
-            )
         return max(self.round_weights) / own
+
+    def _merged_samples(self, p: int) -> None:
+        """A launched round of p merged: with "mix" its values start again from the global
+        ones (the steps since the launch are replaced, or at α > 0 mostly)."""
+        if self.weighted and not self.progress:
+            self.synced_samples[p] = self.samples_trained
 
     def _inner_average(self, level: int) -> None:
         comm, before = self.levels[level], self.stats.bytes
@@ -451,6 +463,7 @@ class StreamingAverager(Averager):
                 frags.drop(p)
             elif frags.holding[p]:
                 frags.finish(p, buffers, self.alpha)
+                self._merged_samples(p)
         if self.outer and not self.eager:
             for p in range(self.fragments):
                 plain = self.warmup_steps > 0 and self.step <= self.warmup_steps + p * self.offset

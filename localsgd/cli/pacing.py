@@ -17,22 +17,19 @@ BUDGET_MERGES = ("normalized", "weighted")  # localsgd.averaging.averager.Averag
 NOT_WEIGHTED = {
     "sync.levels": (lambda p, c: bool(p.levels), "each level's average would need its own weights"),
     "sync.overlap": (lambda p, c: p.overlap, "an average is in flight while workers idle"),
-    # Streaming DiLoCo's blocking fragment rounds are weighted (each fragment by the samples
-    # since its own last sync); what moves a fragment outside its round is not
-    "sync.delay_steps": (
-        lambda p, c: p.delay > 0 and not p.overlap,
-        "a delayed fragment is launched and merged steps apart, and the weighted round is the "
-        "blocking one",
-    ),
+    # Streaming DiLoCo's fragment rounds, blocking or delayed, are weighted (each fragment by
+    # the samples since its values last started from the global ones)
     "sync.eager": (lambda p, c: p.eager, "each worker steps its own fresh pseudo-gradient"),
     "sync.merge_alpha": (
-        lambda p, c: p.merge_alpha != 0,
-        "a merge keeps part of each worker's own values, which a slow worker has moved less",
+        lambda p, c: p.merge_alpha != 0 and c == "normalized",
+        "a mixed merge leaves part of each worker's own values in its next pseudo-gradient, "
+        "which the normalized merge would scale as if its samples had made it; "
+        "sync.budget_merge=weighted weighs it as it is",
     ),
     "sync.outer": (
-        lambda p, c: p.fragments != 1 and p.outer == "none" and c == "normalized",
-        "plain streaming sends the values, not a change to scale; sync.budget_merge=weighted "
-        "weighs them as they are",
+        lambda p, c: p.streaming and p.outer == "none",
+        "plain streaming sends the values, not a change to scale, and its final average is "
+        "one mean of the whole model, where each fragment would need its own weights",
     ),
     "sync.aggregate": (
         lambda p, c: p.gathered,

@@ -12,7 +12,10 @@ import torch.distributed as dist
 
 class DriftMeter:
     """Measures drift around each average with one extra scalar all-reduce, nothing in between:
-    an averager's global-sync hook (`Averager.global_hooks`), given the flat buffers.
+    an averager's global-sync hook (`Averager.global_hooks`), given the flat buffers. The
+    all-reduce is launched and waited for only when the drift is read (`take`, `state_dict`):
+    a delayed average is merged a step after its launch, and a blocking collective there would
+    make every worker wait for the slowest a second time each round.
 
     The flat buffers are averaged in place, so x_i is gone once the average is done: `before()`
     copies it into a scratch buffer allocated once here (one model-sized copy, never reallocated);
@@ -37,7 +40,8 @@ class DriftMeter:
         self.transient = shard_group is not None
         self.scratch = [] if self.transient else [torch.empty_like(b) for b in buffers]
         device = buffers[0].device if buffers else torch.device("cpu")
-        self.norm = torch.zeros((), dtype=torch.float64, device=device)
+        self.device = device
+        self.pending: list[tuple[dist.Work, torch.Tensor]] = []  # launched, not yet summed
         # drift summed over the averages since the last `take()`, kept on the device so that no
         # average has to wait for a `.item()`
         self.total = torch.zeros((), dtype=torch.float64, device=device)
@@ -50,7 +54,7 @@ class DriftMeter:
             scratch.copy_(flat)
 
     def after(self, buffers: list[torch.Tensor]) -> None:
-        squared = self.norm.zero_()
+        squared = torch.zeros((), dtype=torch.float64, device=self.device)
         for scratch, flat in zip(self.scratch, buffers, strict=True):
             scratch.sub_(flat)
             # fp32 norm (torch reduces it blockwise, and its terms are all positive, so it does not
@@ -59,14 +63,22 @@ class DriftMeter:
         if self.shard_group is not None:  # the whole model's distance, over its shards
             dist.all_reduce(squared, group=self.shard_group)
         distance = squared.sqrt_()
-        dist.all_reduce(distance, group=self.group)  # the one extra (scalar) collective
-        self.total += distance / self.world_size
+        # the one extra (scalar) collective
+        self.pending.append((dist.all_reduce(distance, group=self.group, async_op=True), distance))
         self.count += 1
         if self.transient:
             self.scratch = []
 
+    def _settle(self) -> None:
+        """Sum the launched all-reduces into `total`."""
+        for work, distance in self.pending:
+            work.wait()
+            self.total += distance / self.world_size
+        self.pending.clear()
+
     def take(self) -> float | None:
         """Mean drift over the averages since the last call (None if there was none); resets."""
+        self._settle()
         if self.count == 0:
             return None
         value = (self.total / self.count).item()
@@ -76,6 +88,7 @@ class DriftMeter:
 
     def state_dict(self) -> dict:
         """The drift pending for the next log line, so a resumed run logs what it would have."""
+        self._settle()
         return {"total": self.total.detach().clone(), "count": self.count}
 
     def load_state_dict(self, state: dict) -> None:

@@ -209,7 +209,8 @@ class Trainer:
         self.sync.averager.contribution = pacer.round_samples  # the weight, when weighted
         self.sync.averager.samples_trained = pacer.samples
         self.sync.after_step(loss)  # the model average, when due
-        if self.in_sync or self.merged:  # merged: one of Streaming DiLoCo's fragments
+        # a round every worker must reach (a fragment's, launched or blocking) ends the budget's
+        if self.in_sync or self.sync.averager.started_round:
             pacer.new_round()
         for callback in self.callbacks:
             if hasattr(callback, "on_step_end"):
