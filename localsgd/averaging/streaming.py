@@ -93,6 +93,7 @@ from localsgd.averaging.comm import CommStats, Communicator, SimulatedLink
 from localsgd.averaging.compress import CommFormat, comm_dtype_of
 from localsgd.averaging.flat import FlatBuffers, averaged_tensors
 from localsgd.averaging.fragment_trust import TrustedFragments, refusal
+from localsgd.averaging.fragment_weights import FragmentSamples, weighing_refusal
 from localsgd.averaging.fragments import Fragments, Tensors, fragment_ids
 from localsgd.averaging.hierarchical import level_by_period
 from localsgd.averaging.offload import check_outer_state
@@ -236,8 +237,7 @@ class StreamingAverager(Averager):
             if size not in by_size:
                 by_size[size] = comm.subgroups(size)
         self.inner_periods = list(inner)
-        # weighted rounds: the samples this rank had trained on at each fragment's last sync
-        self.synced_samples = [0.0] * fragments
+        self.fragment_samples = FragmentSamples(fragments, progress)  # weighted rounds
         super().__init__(
             [*(by_size[size] for size in inner.values()), comm],
             process_group,
@@ -344,7 +344,7 @@ class StreamingAverager(Averager):
         self.received = None
         buffers = self.flat.buffers
         if step < self.warmup_steps:  # synchronous: every fragment's change starts after it
-            self.synced_samples = [self.samples_trained] * self.fragments
+            self.fragment_samples.restart(self.samples_trained)
         level = self.inner_level_at(step)
         if level is not None:
             self._inner_average(level)
@@ -388,29 +388,16 @@ class StreamingAverager(Averager):
         return p is not None or level is not None
 
     def _weigh(self, p: int, launched: bool = False) -> float | None:
-        """Fragment p's weighted round (per-worker step counts): every rank's weight is the
-        samples it trained on since p's values last started from the global ones (its last
-        merge; under merge_rule="progress", which keeps the steps trained while a round was in
-        flight, its last launch), over which p's pseudo-gradient grew. Returns the factor of
-        this rank's pseudo-gradient under `normalized` (the round's largest weight over its
-        own, as `Averager` scales a whole model's change), or None."""
-        if isinstance(self.frags, TrustedFragments):
-            raise ValueError(
-                "weighted rounds weigh each worker by the samples it reports, and a robust "
-                "aggregate over fragments combines the contributions unweighted (an untrusted "
-                "worker could inflate its weight): set weighted=False"
-            )
-        if not self.outer or self.eager or self.inner_periods or (self.normalized and self.alpha):
-            raise ValueError(
-                "weighted rounds need an outer step (outer=True: the final average of plain "
-                "streaming is one unweighted mean), eager=False and no inner_levels, and "
-                "normalized ones merge_alpha=0 (a mixed merge leaves part of each worker's own "
-                "values in its next pseudo-gradient, which its samples did not make): set "
-                "weighted=False"
-            )
-        own = self.samples_trained - self.synced_samples[p]
-        if not launched or self.progress:
-            self.synced_samples[p] = self.samples_trained
+        """Fragment p's weighted round (`fragment_weights`): every rank's samples since p's
+        values last started from the global ones. Returns the factor of this rank's
+        pseudo-gradient under `normalized` (the round's largest weight over its own, as
+        `Averager` scales a whole model's change), or None."""
+        robust = isinstance(self.frags, TrustedFragments)
+        why = weighing_refusal(self.outer, self.eager, bool(self.inner_periods), self.normalized,
+                               self.alpha, robust)  # fmt: skip
+        if why:
+            raise ValueError(why)
+        own = self.fragment_samples.weight(p, self.samples_trained, launched)
         start = time.perf_counter()
         self.round_weights = self.comm.weigh(own, self.flat.buffers[0].device)
         self.wait_s += time.perf_counter() - start
@@ -420,10 +407,8 @@ class StreamingAverager(Averager):
         return max(self.round_weights) / own
 
     def _merged_samples(self, p: int) -> None:
-        """A launched round of p merged: with "mix" its values start again from the global
-        ones (the steps since the launch are replaced, or at α > 0 mostly)."""
-        if self.weighted and not self.progress:
-            self.synced_samples[p] = self.samples_trained
+        if self.weighted:
+            self.fragment_samples.merged(p, self.samples_trained)
 
     def _inner_average(self, level: int) -> None:
         comm, before = self.levels[level], self.stats.bytes
@@ -508,7 +493,7 @@ class StreamingAverager(Averager):
     def state_dict(self) -> dict:
         state = {**super().state_dict(), "fragments": self.fragments}
         if self.weighted:
-            state["synced_samples"] = list(self.synced_samples)
+            state["synced_samples"] = list(self.fragment_samples.at)
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -518,4 +503,4 @@ class StreamingAverager(Averager):
             )
         super().load_state_dict(state)
         if "synced_samples" in state:
-            self.synced_samples = [float(n) for n in state["synced_samples"]]
+            self.fragment_samples.at = [float(n) for n in state["synced_samples"]]
