@@ -34,7 +34,7 @@ experiments/OUT.{md,json} (`--out`, straggler_study by default).
         --out straggler_study_streaming     # the fragments' weighted rounds, ~5 min
     python experiments/straggler_study.py --steps 600 --step-s 0.015 --strategies \
         "Streaming DiLoCo H=48 P=4 tau=1" --conditions free blocking budget "budget, weighted" \
-        --out straggler_study_streaming_delayed
+        --out straggler_study_streaming_delayed   # and "... tau=1 fp4": the 4-bit wire
     python experiments/straggler_study.py --setting lm --steps 400 --step-s 0.25 --strategies \
         "LM Streaming DiLoCo H=16 P=4" --conditions free budget --out straggler_study_lm_streaming
     python experiments/straggler_study.py --tiny     # smoke test: 1 seed, a few steps
@@ -67,6 +67,12 @@ STRATEGIES = {  # name: (overrides, H)
     "Streaming DiLoCo H=48 P=4 tau=1": (
         ["+experiment=streaming_diloco", "sync.delay_steps=1", "sync.merge_alpha=0",
          "sync.outer_warmup_rounds=0"],
+        48,
+    ),  # fmt: skip
+    # ... on the paper's 4-bit wire with error feedback
+    "Streaming DiLoCo H=48 P=4 tau=1 fp4": (
+        ["+experiment=streaming_diloco", "sync.delay_steps=1", "sync.merge_alpha=0",
+         "sync.outer_warmup_rounds=0", "sync.comm_dtype=float4_e2m1", "sync.error_feedback=true"],
         48,
     ),  # fmt: skip
 }
