@@ -13,7 +13,7 @@ from localsgd.loop.plan import SyncPlan
 BUDGET_MERGES = ("normalized", "weighted")  # localsgd.averaging.averager.Averager.normalized
 
 # what a weighted round cannot run with yet: key -> (the plan has it, given sync.budget_merge;
-# why)
+# why[; what to set instead of sync.inner_time_s=null])
 NOT_WEIGHTED = {
     "sync.levels": (lambda p, c: bool(p.levels), "each level's average would need its own weights"),
     "sync.overlap": (lambda p, c: p.overlap, "an average is in flight while workers idle"),
@@ -23,8 +23,8 @@ NOT_WEIGHTED = {
     "sync.merge_alpha": (
         lambda p, c: p.merge_alpha != 0 and c == "normalized",
         "a mixed merge leaves part of each worker's own values in its next pseudo-gradient, "
-        "which the normalized merge would scale as if its samples had made it; "
-        "sync.budget_merge=weighted weighs it as it is",
+        "which the normalized merge would scale as if its samples had made it",
+        "set sync.merge_alpha=0, or sync.budget_merge=weighted (which weighs it as it is)",
     ),
     "sync.outer": (
         lambda p, c: p.streaming and p.outer == "none",
@@ -75,10 +75,11 @@ def validate_pacing(cfg: Any, get: Callable[[Any, str], Any], ws: int | None) ->
     if budget is None:
         return
     plan = SyncPlan.of(get(cfg, "sync"))
-    for key, (is_set, why) in NOT_WEIGHTED.items():
+    for key, (is_set, why, *fix) in NOT_WEIGHTED.items():
         if is_set(plan, merge):
             raise ConfigError(
-                f"sync.inner_time_s with {key} ({why}) is not built; set sync.inner_time_s=null"
+                f"sync.inner_time_s with {key} ({why}) is not built; "
+                f"{fix[0] if fix else 'set sync.inner_time_s=null'}"
             )
     if get(cfg, "ft.backend") == "torchft" and plan.fragments != 1:
         raise ConfigError(
