@@ -54,6 +54,9 @@ class DriftMeter:
             scratch.copy_(flat)
 
     def after(self, buffers: list[torch.Tensor]) -> None:
+        # the last average's all-reduce, launched a round ago, is done: summing it here keeps
+        # one in flight on ranks that never log (only rank 0 reads `take`)
+        self._settle()
         squared = torch.zeros((), dtype=torch.float64, device=self.device)
         for scratch, flat in zip(self.scratch, buffers, strict=True):
             scratch.sub_(flat)
