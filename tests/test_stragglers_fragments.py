@@ -156,7 +156,8 @@ STREAMING = FAST + [
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("delay", [0, 1])
+# blocking in `make test-long`: its rounds' formula and weights are tested above, in-process
+@pytest.mark.parametrize("delay", [pytest.param(0, marks=pytest.mark.long), 1])
 def test_the_cli_paces_streaming_fragments_and_resumes_exactly(delay, tmp_path):
     """Fragment rounds every 4 steps, each with 4 steps' budget: worker 3 (three times slower)
     computes 1 of each round's 4 steps. Blocking, a fragment weighs the 8 ticks since its last
