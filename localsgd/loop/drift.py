@@ -56,7 +56,7 @@ class DriftMeter:
     def after(self, buffers: list[torch.Tensor]) -> None:
         # the last average's all-reduce, launched a round ago, is done: summing it here keeps
         # one in flight on ranks that never log (only rank 0 reads `take`)
-        self._settle()
+        self.wait()
         squared = torch.zeros((), dtype=torch.float64, device=self.device)
         for scratch, flat in zip(self.scratch, buffers, strict=True):
             scratch.sub_(flat)
@@ -72,8 +72,8 @@ class DriftMeter:
         if self.transient:
             self.scratch = []
 
-    def _settle(self) -> None:
-        """Sum the launched all-reduces into `total`."""
+    def wait(self) -> None:
+        """Wait for the launched all-reduces and sum them into `total`."""
         for work, distance in self.pending:
             work.wait()
             self.total += distance / self.world_size
@@ -81,7 +81,7 @@ class DriftMeter:
 
     def take(self) -> float | None:
         """Mean drift over the averages since the last call (None if there was none); resets."""
-        self._settle()
+        self.wait()
         if self.count == 0:
             return None
         value = (self.total / self.count).item()
@@ -91,7 +91,7 @@ class DriftMeter:
 
     def state_dict(self) -> dict:
         """The drift pending for the next log line, so a resumed run logs what it would have."""
-        self._settle()
+        self.wait()
         return {"total": self.total.detach().clone(), "count": self.count}
 
     def load_state_dict(self, state: dict) -> None:

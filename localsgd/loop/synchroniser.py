@@ -285,6 +285,8 @@ class Synchroniser:
             self._driver.average()
             self.in_sync = True
             self.check_replicas(self.averager.step - 1, dist.get_rank())
+        if self.drift is not None:  # no collective left in flight when the workers exit
+            self.drift.wait()
 
     def writes_results(self, rank: int) -> bool:
         """Whether this worker evaluates the final model and writes `model.pt` and the summary:
