@@ -219,41 +219,34 @@ def test_fragment_pacing_that_cannot_hold_is_refused_in_one_line(extra, named, t
     assert named in line, line
 
 
-def _robust_weighted_worker(rank: int, world: int) -> str:
+def _unweighable_worker(rank: int, world: int) -> dict[str, str]:
+    """What a weighted round says over robust fragments, and a normalized one over a delayed
+    mixed merge."""
     from localsgd.averaging.robust import Aggregate
 
     torch.set_num_threads(1)
-    averager = StreamingAverager(2, module=_model(rank), fragments=2, aggregate=Aggregate("median"))
-    averager.weighted = True
-    averager.samples_trained = 1.0 + rank
-    try:
-        averager.maybe_average()
-    except ValueError as e:
-        return str(e)
-    return "averaged"
+    averagers = {
+        "robust": StreamingAverager(2, module=_model(rank), fragments=2,
+                                    aggregate=Aggregate("median")),
+        "mixed": StreamingAverager(2, module=_model(rank), fragments=2, delay_steps=1,
+                                   merge_alpha=0.5),
+    }  # fmt: skip
+    said = {}
+    for name, averager in averagers.items():
+        averager.weighted = True
+        averager.normalized = name == "mixed"
+        averager.samples_trained = 1.0 + rank
+        try:
+            averager.maybe_average()
+            said[name] = "averaged"
+        except ValueError as e:
+            said[name] = str(e)
+    return said
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(60)
-def test_a_weighted_round_over_robust_fragments_is_refused_not_ignored():
-    for said in run_distributed(_robust_weighted_worker, 2, timeout_s=60):
-        assert "combines the contributions unweighted" in said
-
-
-def _mixed_normalized_worker(rank: int, world: int) -> str:
-    torch.set_num_threads(1)
-    averager = StreamingAverager(2, module=_model(rank), fragments=2, delay_steps=1,
-                                 merge_alpha=0.5)  # fmt: skip
-    averager.weighted = averager.normalized = True
-    try:
-        averager.maybe_average()
-    except ValueError as e:
-        return str(e)
-    return "averaged"
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(60)
-def test_a_normalized_round_with_a_mixed_merge_is_refused_not_ignored():
-    for said in run_distributed(_mixed_normalized_worker, 2, timeout_s=60):
-        assert "normalized ones merge_alpha=0" in said
+def test_weighted_rounds_the_core_cannot_weigh_are_refused_not_ignored():
+    for said in run_distributed(_unweighable_worker, 2, timeout_s=60):
+        assert "combines the contributions unweighted" in said["robust"]
+        assert "normalized ones merge_alpha=0" in said["mixed"]
