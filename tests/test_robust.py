@@ -233,6 +233,34 @@ def _worker(rank, world_size):
             "model": avg.flat.buffers[0].clone(), "calls": calls[0],
             "reloaded": again.reducer.trust.state_dict() == trust.state_dict(),
         }
+    #    With per-sample losses, the evaluations split by samples (`Judge.batch`): the same
+    #    verdicts, scores and bits as every rank evaluating the whole batch, in a quarter of
+    #    the samples on each rank.
+    for batch in (8, None):
+        model = _Net()
+        weights = torch.rand(8, 3, 6, generator=torch.Generator().manual_seed(5)) + 0.5
+        evaluated = [0]
+
+        def loss_at(round_, samples=slice(None), model=model, weights=weights, n=evaluated):
+            with torch.no_grad():  # sample i: a weighted distance to the all-ones model, alone
+                rows = weights[samples]
+                n[0] += len(rows)
+                return torch.stack([((model.fc.weight - 1) * w).square().sum() for w in rows])
+
+        judge = Judge(loss_at, exclude_after=2, split_evaluation=batch is not None, batch=batch)
+        avg = OuterAverager(1, module=model, aggregate=Aggregate("mean"), judge=judge,
+                            outer_lr=1.0, outer_momentum=0.0, outer_nesterov=False)
+        for _ in range(4):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_((1.0 - p) * 0.1 * (-10.0 if rank == 3 else 1.0 + 0.1 * rank))
+            avg.maybe_average()
+        trust = avg.reducer.trust
+        out["by_samples" if batch else "whole_batch"] = {
+            "excluded": dict(trust.excluded), "events": list(trust.events),
+            "scores": list(trust.scores), "zs": list(trust.zs),
+            "model": avg.flat.buffers[0].clone(), "samples": evaluated[0],
+        }
     # 3. a low-bit wire with error feedback: each contribution decoded, then the median; rank 2
     #    sends Inf
     model = _Net()
@@ -397,6 +425,14 @@ def test_untrusted_workers_across_processes():
         # aggregate on every rank (22 passes in 4 rounds), against the anchor, at most one
         # contribution and the aggregate (12 at most)
         assert u["calls"] == 22 and v["calls"] <= 12, (v["calls"], u["calls"])
+    for r in results:
+        whole, split = r["whole_batch"], r["by_samples"]
+        assert whole["excluded"] == {3: 1} and split["excluded"] == whole["excluded"]
+        for key in ("events", "scores", "zs"):
+            assert split[key] == whole[key], key
+        assert torch.equal(split["model"], whole["model"])
+        # 22 evaluations of the 8 samples (see above) on every rank, against 2 samples each
+        assert whole["samples"] == 22 * 8 and split["samples"] == 22 * 2, split["samples"]
     low = [r["int8"] for r in results]
     assert all(torch.isfinite(x["model"]).all() for x in low)
     assert all(torch.equal(x["model"], low[0]["model"]) for x in low)

@@ -15,8 +15,13 @@ same change, with `PeriodicAverager(1, module=..., aggregate=..., judge=...).ave
                 every rank's change all-gathered, then the rule (`sync.aggregate`)
   mean+score, median+score
                 plus the scoring (`sync.score`): the loss on a held-out batch of
-                `--score-batch` windows of the anchor and of each contribution (and, in a
-                round whose aggregate gains too little, of the aggregate without each one)
+                `--score-batch` windows of the anchor, of each contribution and of the
+                aggregate (and, in a round whose aggregate gains too little, of the aggregate
+                without each one), each evaluation split by samples across the ranks
+                (`Judge.batch`, what `sync.score` does)
+  mean+score, by candidate
+                the same, each contribution evaluated whole by one rank, the anchor and the
+                aggregate by every rank (no `Judge.batch`: how sync.score ran before 2026-12-06)
 
 A `dist.barrier()` comes before each timed call and a rep's time is the max over ranks. Per
 method it prints the median sync time and the round's extra wall time against the mean,
@@ -53,13 +58,14 @@ from localsgd.averaging import Aggregate, Judge, PeriodicAverager, StreamingAver
 from localsgd.models.transformer import GPT  # noqa: E402
 
 VOCAB, CONTEXT = 84, 64
-METHODS = {  # name: (aggregate rule or None for the all-reduced mean, scored)
-    "mean": (None, False),
-    "clip": ("clip", False),
-    "trimmed_mean": ("trimmed_mean", False),
-    "median": ("median", False),
-    "mean+score": ("mean", True),
-    "median+score": ("median", True),
+METHODS = {  # name: (aggregate rule or None for the all-reduced mean, scored: how)
+    "mean": (None, None),
+    "clip": ("clip", None),
+    "trimmed_mean": ("trimmed_mean", None),
+    "median": ("median", None),
+    "mean+score": ("mean", "samples"),
+    "median+score": ("median", "samples"),
+    "mean+score, by candidate": ("mean", "candidate"),
 }
 
 
@@ -73,10 +79,11 @@ def _held_out(model: GPT, batch: int):
     x = torch.randint(VOCAB, (batch, CONTEXT + 1), generator=gen)
 
     @torch.no_grad()
-    def loss_at(round_: int) -> torch.Tensor:
-        logits = model(x[:, :-1])
-        losses = F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten(), reduction="none")
-        return losses.view(batch, -1).mean(1).double()
+    def loss_at(round_: int, samples: slice = slice(None)) -> torch.Tensor:
+        part = x[samples]
+        logits = model(part[:, :-1])
+        losses = F.cross_entropy(logits.flatten(0, 1), part[:, 1:].flatten(), reduction="none")
+        return losses.view(len(part), -1).mean(1).double()
 
     return loss_at
 
@@ -97,7 +104,8 @@ def _worker(
     copies, averagers = {}, {}
     for name, (rule, scored) in METHODS.items():
         model = _model()
-        judge = Judge(_held_out(model, score_batch)) if scored else None
+        batch = score_batch if scored == "samples" else None
+        judge = Judge(_held_out(model, score_batch), batch=batch) if scored else None
         aggregate = Aggregate(rule) if rule is not None else None
         copies[name] = model
         averagers[name] = _averager(model, fragments, aggregate=aggregate, judge=judge)

@@ -19,21 +19,28 @@ class Judge:
     exclude. `split_evaluation`: each contribution's losses are evaluated by one rank of the
     group and all-gathered (about 1/size of the forward passes each, one small collective
     more); False: every rank evaluates every contribution, with no communication.
+    `batch`: the held-out batch's length; given, `loss_at(round, samples)` must also take a
+    slice of it and evaluate only those samples, and the group splits each evaluation by
+    samples instead (`held_out`: at 4 ranks each runs half the forward passes it would by
+    candidate).
     `exclude_window` = W: a worker is also excluded once `exclude_after` of its last W judged
     rounds were bad (an attacker bad every other round never runs up a streak); every round it
     is scored in counts, bad or not.
     `probation_rounds` = P: in a worker's first P rounds, min(2, `exclude_after`) bad rounds
     running exclude it (a newcomer has shown nothing yet; see the module doc of `trust`)."""
 
-    loss_at: Callable[[int], float | torch.Tensor]
+    loss_at: Callable[..., float | torch.Tensor]
     exclude_after: int = 3
     score_fraction: float = 0.5
     score_z: float = 3.0
     split_evaluation: bool = True
     exclude_window: int | None = None
     probation_rounds: int = 3
+    batch: int | None = None
 
     def __post_init__(self):
+        if self.batch is not None and not self.batch >= 1:
+            raise ValueError(f"batch must be None or an integer >= 1, got {self.batch!r}")
         if self.exclude_window is not None and self.exclude_window < self.exclude_after:
             raise ValueError(
                 f"exclude_window must be None or >= exclude_after ({self.exclude_after}), got "

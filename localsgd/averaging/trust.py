@@ -55,7 +55,8 @@ import torch.distributed as dist
 
 from localsgd.averaging.comm import Communicator
 from localsgd.averaging.flat import FlatBuffers
-from localsgd.averaging.judge import Judge, paired_z, per_sample, worse
+from localsgd.averaging.held_out import HeldOutLosses
+from localsgd.averaging.judge import Judge, paired_z, worse
 from localsgd.averaging.robust import (
     COORDINATE_RULES,
     PER_COORDINATE,
@@ -106,6 +107,7 @@ class TrustedRound:
         self.norms: list[float] | None = None  # sharded clip: each row's whole norm, this round
         self.aggregate = aggregate
         self.judge = judge
+        self.held_out = HeldOutLosses(judge, sign, self.mirror) if judge is not None else None
         self.sign = sign
         self.size = size
         self.rounds = 0
@@ -199,10 +201,8 @@ class TrustedRound:
         """`keep` (places in the gather) less the contributions judged bad; `workers[at]`: the
         worker whose contribution is at place `at` (the scores and streaks are by worker)."""
         judge = self.judge
-        before = self._loss_of(flats, anchors, None, round_)
-        evaluated = self._losses(
-            flats, anchors, [[r[at] for r in rows] for at in keep], round_, comm, before
-        )
+        changes = [[r[at] for r in rows] for at in keep]
+        before, *evaluated = self.held_out.of(flats, anchors, [None, *changes], round_, comm)
         losses: dict[int, torch.Tensor] = dict(zip(keep, evaluated, strict=True))
         scores: list[float | None] = [None] * len(workers)
         for rank in keep:
@@ -264,12 +264,12 @@ class TrustedRound:
         if len(keep) < 2:
             return []
         combine = self._mean if self.aggregate.rule in COORDINATE_RULES else self._combine
-        together = self._loss_of(flats, anchors, combine(rows, keep), round_)
+        (together,) = self.held_out.of(flats, anchors, [combine(rows, keep)], round_, comm)
         if float((before - together).mean()) >= judge.score_fraction * max(middle, 0.0):
             return []
         rests = [[r for r in keep if r != rank] for rank in keep]
-        evaluated = self._losses(
-            flats, anchors, [combine(rows, rest) for rest in rests], round_, comm, before
+        evaluated = self.held_out.of(
+            flats, anchors, [combine(rows, rest) for rest in rests], round_, comm
         )
         harmful = []
         for rank, without in zip(keep, evaluated, strict=True):
@@ -280,35 +280,6 @@ class TrustedRound:
             ):
                 harmful.append(rank)
         return harmful
-
-    def _losses(self, flats, anchors, changes, round_, comm, before) -> list[torch.Tensor]:
-        """`_loss_of` each of `changes`, evaluated once in the group: change j by rank
-        j % size, the results all-gathered (float64, counted in `comm_bytes`): each rank runs
-        about 1/size of the forward passes. `before` (the anchor's losses, which every rank
-        evaluates) gives the batch's length."""
-        size = comm.size
-        if size == 1 or not self.judge.split_evaluation or not comm.splits_work:
-            return [self._loss_of(flats, anchors, change, round_) for change in changes]
-        slots = -(-len(changes) // size)
-        mine = torch.zeros(slots, before.numel(), dtype=torch.float64)
-        for slot, change in enumerate(changes[comm.rank :: size]):
-            mine[slot] = self._loss_of(flats, anchors, change, round_)
-        device = flats[0].device
-        everyone = torch.empty(size * mine.numel(), dtype=torch.float64, device=device)
-        comm.all_gather_(everyone, mine.view(-1).to(device))
-        everyone = everyone.cpu().view(size, slots, -1)
-        return [everyone[j % size, j // size] for j in range(len(changes))]
-
-    def _loss_of(self, flats, anchors, change, round_) -> torch.Tensor:
-        """The held-out losses of the model moved from the anchor by `change` (one tensor per
-        flat buffer, in the contribution's sign; None: the anchor itself)."""
-        for i, (flat, anchor) in enumerate(zip(flats, anchors, strict=True)):
-            flat.copy_(anchor)
-            if change is not None:
-                flat.add_(change[i], alpha=self.sign)
-        if self.mirror is not None:  # the model computes with its own (sharded) tensors
-            self.mirror.show()
-        return per_sample(self.judge.loss_at(round_))
 
     def _judged_good(self, worker: int) -> None:
         window = self.judge.exclude_window

@@ -58,14 +58,20 @@ def held_out_loss(
     batch_size: int,
     device: torch.device,
     autocast: Callable[[], AbstractContextManager],
+    samples: slice | None = None,
 ) -> torch.Tensor:
     """The model's loss per sample (float64, on the CPU; a sequence's mean over its tokens),
     as it stands, on `batch_size` samples of `test` drawn from round `round_`'s seed: the same
     batch on every rank, a different one each round (`sync.score`, localsgd.averaging.trust).
     Drawn from the test split, which no worker trains on; the final evaluation uses the whole
-    split, so a scored run's verdicts have seen part of it."""
+    split, so a scored run's verdicts have seen part of it. `samples`: only that part of the
+    batch (the judge splits an evaluation by samples across the group)."""
     gen = torch.Generator().manual_seed(seed * 1_000_003 + round_)
     picks = torch.randint(len(test), (batch_size,), generator=gen).tolist()
+    if samples is not None:
+        picks = picks[samples]
+        if not picks:
+            return torch.zeros(0, dtype=torch.float64)
     x, y = default_collate([test[i] for i in picks])
     training = model.training
     model.eval()

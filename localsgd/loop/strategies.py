@@ -101,6 +101,7 @@ def trust_of(
             sync.score_z,
             exclude_window=sync.exclude_window,
             probation_rounds=sync.probation_rounds,
+            batch=sync.score_batch,
         )
     return {
         "aggregate": aggregate_of(sync),

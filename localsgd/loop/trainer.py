@@ -263,8 +263,9 @@ class Trainer:
         )
         return evaluate(self.model, batches, self.recipe.autocast, task_of(self.data))
 
-    def held_out_loss(self, round_: int) -> float:
-        """The model's loss, as it stands, on round `round_`'s held-out batch (`sync.score`)."""
+    def held_out_loss(self, round_: int, samples: slice | None = None) -> torch.Tensor:
+        """The model's per-sample losses, as it stands, on round `round_`'s held-out batch
+        (`sync.score`), or on its `samples`."""
         return held_out_loss(
             self.model,
             self.data.test,
@@ -273,6 +274,7 @@ class Trainer:
             self.cfg.sync.score_batch,
             self.device,
             self.recipe.autocast,
+            samples,
         )
 
     def comm_record(self) -> dict[str, Any]:
