@@ -58,6 +58,14 @@ EXTRA = {
     # scoring on a held-out batch of 32 windows: about 5% of an H = 50 round's compute (three
     # forward passes of 32 against 50 steps of 16 x (forward + backward))
     "mean+score, 32 windows": (["sync.score=true", "sync.score_batch=32"], ATTACKS),
+    # the noise floor of a clean run: worker 1 honest but sending 1.0001 times its change at
+    # every sync (a sign flip of scale -1.0001), a nudge no rule here acts on; how far the final
+    # loss of a seed moves under it is how far any other row's can move for no reason of its own
+    "mean, nudged 1e-4": (
+        ["trainer.callbacks=[{_target_:localsgd.loop.attacks.Attack,kind:sign_flip,rank:1,"
+         "scale:-1.0001}]"],
+        ["none"],
+    ),
 }
 MNIST1D = ["data=mnist1d", "model=mlp"]
 # the Shakespeare LM of experiments/lm_shakespeare (a 215k-parameter GPT, inner AdamW) under

@@ -174,6 +174,8 @@ class SyncConfig:
     # samples drawn from the round's seed; a bad one is dropped from its round, and
     # exclude_after bad rounds running (0 = never) exclude its worker for good
     score: bool = False
+    # each rank evaluates every candidate on 1/size of it: about score_batch x (size + 2) / size
+    # forward passes a round, against period x batch_size forward and backward ones
     score_batch: int = 256
     score_fraction: float = 0.5  # bad: score <= this x the round's median score (when > 0)
     # ... and its per-sample losses worse than the median contribution's by more than score_z

@@ -88,6 +88,7 @@ def test_first_ctrl_c_stops_at_a_sync_with_a_checkpoint_and_resumes(tmp_path):
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == stopped + 1
 
 
+@pytest.mark.long  # make test-long: the first Ctrl-C's stop and resume stays in make test
 @pytest.mark.timeout(180)
 def test_second_ctrl_c_aborts_at_once_without_a_traceback(tmp_path):
     run_dir = tmp_path / "run"
@@ -150,6 +151,7 @@ def test_sigterm_to_every_process_of_the_job_stops_with_a_checkpoint_and_resumes
     assert re.search(rf"resuming from \S*step-{stopped}\b", resumed.stderr), resumed.stderr[-2000:]
 
 
+@pytest.mark.long  # make test-long: a rare failure of the harness itself
 @pytest.mark.timeout(120)
 def test_a_killed_forkserver_is_named_in_one_line_and_the_workers_are_stopped(tmp_path):
     run_dir = tmp_path / "run"

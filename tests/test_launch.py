@@ -201,6 +201,7 @@ def _launch_outside_the_tested_set() -> None:
     print(json.dumps(found))
 
 
+@pytest.mark.long  # make test-long: every CLI test forks from the preloaded server
 @pytest.mark.timeout(90)
 def test_outside_the_tested_set_multiprocessing_starts_the_preloaded_server():
     env, tag = tagged_env({forkserver.ENV: None})

@@ -197,6 +197,7 @@ def _compile_worker(rank, world_size, compiled, eager):
     return out
 
 
+@pytest.mark.long  # make test-long: the sharded recipe's compile stays (test_sharded_recipe.py)
 @pytest.mark.timeout(240)
 def test_compile_trains_the_same_model_through_torch_compile():
     base = TINY + ["trainer.batch_size=16", "trainer.max_steps=3"]

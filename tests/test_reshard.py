@@ -44,7 +44,9 @@ def _mean(tensors):
 @pytest.mark.parametrize(
     "before,after,extra",
     [
-        (4, 2, ["sync.outer=diloco", "optim=adamw", "optim.lr=0.01"]),
+        # shrinking DiLoCo: its 2 -> 1 between syncs below stays in make test
+        pytest.param(4, 2, ["sync.outer=diloco", "optim=adamw", "optim.lr=0.01"],
+                     marks=pytest.mark.long),
         (2, 4, []),
     ],
 )

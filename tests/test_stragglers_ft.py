@@ -26,7 +26,11 @@ DILOCO_INT4 = ["sync.outer=diloco", "optim=adamw", "optim.lr=0.003", "sync.comm_
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("strategy", [[], DILOCO_INT4], ids=["post_local_sgd", "diloco_int4"])
+@pytest.mark.parametrize(
+    "strategy",
+    [[], pytest.param(DILOCO_INT4, marks=pytest.mark.long)],  # int4 gathered under ft: long
+    ids=["post_local_sgd", "diloco_int4"],
+)
 def test_weighted_rounds_through_torchft_are_the_plain_paths_bit_for_bit(tmp_path, strategy):
     """The paced job through torch.distributed and through torchft's Manager: the same weights
     (the slow worker's 16 samples a round against 48), the same weighted sums (an fp32 all-reduce

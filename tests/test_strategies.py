@@ -360,6 +360,7 @@ def test_trainer_with_hierarchical_levels_and_adaptive_period():
     assert adaptive_runs[0]["rounds"] == sum(adaptive_runs[0]["in_sync"])
 
 
+@pytest.mark.long  # make test-long: DiLoCo's exact resume stays (tests/test_comm_frontier_cli.py)
 @pytest.mark.timeout(300)
 def test_diloco_adaptive_bf16_run_resumes_bit_identical_after_a_kill(tmp_path):
     from tests.helpers import BASE, killed_and_resumed

@@ -75,6 +75,7 @@ def test_ring_sum_has_gloos_bits(dtype):
     assert differs
 
 
+@pytest.mark.long  # make test-long: the ring's bits below the segment size stay
 def test_ring_sum_has_gloos_bits_past_the_segment_size():
     """8M fp32 values (32 MB) over 3 ranks: gloo cuts the ring into segments of at most 1 MiB,
     which moves the chunks' boundaries; the virtual sum follows them."""
