@@ -165,6 +165,7 @@ def test_a_worker_lost_for_good_leaves_the_others_to_finish(tmp_path, victim):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # the killed workers above are named in one line too
 @pytest.mark.timeout(120)
 def test_a_killed_peer_is_one_line_of_its_own_without_torchft_tracebacks(tmp_path):
     """Worker 1 SIGKILLed at step 33 with a delayed round (sync.delay_steps=1): the survivors'

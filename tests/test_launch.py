@@ -94,9 +94,10 @@ def test_the_cli_forks_its_workers_server_and_a_sigkilled_launcher_takes_all_wit
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize(  # the public fallback's case (~7 s) in `make test-long`
+@pytest.mark.parametrize(
     "kind",
-    [k if k == "forked" else pytest.param(k, marks=pytest.mark.long) for k in forkserver.KINDS],
+    # all in `make test-long`: the sigkilled launcher above takes its workers with it
+    [pytest.param(k, marks=pytest.mark.long) for k in forkserver.KINDS],
 )
 def test_workers_that_touch_no_peer_still_die_with_a_sigkilled_launcher(kind):
     env, tag = tagged_env({forkserver.ENV: kind})

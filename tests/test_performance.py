@@ -226,6 +226,7 @@ def test_benchmark_suite_runs_at_tiny_size(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # a benchmark at toy size, as the others here
 @pytest.mark.timeout(120)
 def test_averaging_benchmark_times_both_hierarchical_levels_at_world_4():
     from experiments.bench import averaging
