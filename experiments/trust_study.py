@@ -55,8 +55,9 @@ EXTRA = {
     # ... and its share of the global batch too (take_over): the honest workers train on as many
     # samples a step as the 4 did
     "mean+score, taken over": (["sync.score=true", "sync.excluded_shard=take_over"], ATTACKS),
-    # scoring on a held-out batch of 32 windows: about 5% of an H = 50 round's compute (three
-    # forward passes of 32 against 50 steps of 16 x (forward + backward))
+    # scoring on a held-out batch of 32 windows: about 5% of an H = 50 round's compute when
+    # chosen (three forward passes of 32 against 50 steps of 16 x (forward + backward)); with
+    # the evaluations split by samples since 2026-12-06, 1.5 passes at 4 workers
     "mean+score, 32 windows": (["sync.score=true", "sync.score_batch=32"], ATTACKS),
     # the noise floor of a clean run: worker 1 honest but sending 1.0001 times its change at
     # every sync (a sign flip of scale -1.0001), a nudge no rule here acts on; how far the final

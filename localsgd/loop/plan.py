@@ -166,7 +166,8 @@ class SyncPlan:
              "each worker's own progress, so a poisoned replica is never replaced"),
             (bool(self.levels), "sync.levels: an inner level's plain mean would carry one "
              "worker's contribution into its whole group before a robust round could judge it, "
-             "and judging inside small groups has no honest majority (not built)"),
+             "and judging inside small groups has no honest majority (a worker of several "
+             "devices is a replica group: dist.shard_size, judged as one worker)"),
             (self.fragments != 1 and self.outer == "none", f"sync.outer=none with sync."
              f"fragments={self.fragments}: plain streaming sends the values themselves, not "
              "pseudo-gradients from an anchor every rank holds (use sync.outer=diloco)"),
