@@ -234,11 +234,11 @@ def _worker(rank, world_size):
             "reloaded": again.reducer.trust.state_dict() == trust.state_dict(),
         }
     #    With per-sample losses, the evaluations split by samples (`Judge.batch`): the same
-    #    verdicts, scores and bits as every rank evaluating the whole batch, in a quarter of
-    #    the samples on each rank.
-    for batch in (8, None):
+    #    verdicts, scores and bits as every rank evaluating the whole batch, in about a quarter
+    #    of the samples on each rank (10 samples: parts of 2, 3, 2, 3, padded in the gather).
+    for batch in (10, None):
         model = _Net()
-        weights = torch.rand(8, 3, 6, generator=torch.Generator().manual_seed(5)) + 0.5
+        weights = torch.rand(10, 3, 6, generator=torch.Generator().manual_seed(5)) + 0.5
         evaluated = [0]
 
         def loss_at(round_, samples=slice(None), model=model, weights=weights, n=evaluated):
@@ -431,8 +431,11 @@ def test_untrusted_workers_across_processes():
         for key in ("events", "scores", "zs"):
             assert split[key] == whole[key], key
         assert torch.equal(split["model"], whole["model"])
-        # 22 evaluations of the 8 samples (see above) on every rank, against 2 samples each
-        assert whole["samples"] == 22 * 8 and split["samples"] == 22 * 2, split["samples"]
+    # 22 evaluations of the 10 samples (see above) on every rank, against its part of them
+    for rank, r in enumerate(results):
+        part = (2, 3, 2, 3)[rank]
+        assert r["whole_batch"]["samples"] == 22 * 10
+        assert r["by_samples"]["samples"] == 22 * part, r["by_samples"]["samples"]
     low = [r["int8"] for r in results]
     assert all(torch.isfinite(x["model"]).all() for x in low)
     assert all(torch.equal(x["model"], low[0]["model"]) for x in low)
