@@ -108,7 +108,6 @@ class TrustedRound:
         self.aggregate = aggregate
         self.judge = judge
         self.held_out = HeldOutLosses(judge, sign, self.mirror) if judge is not None else None
-        self.sign = sign
         self.size = size
         self.rounds = 0
         self.streaks = [0] * size  # bad rounds running, per rank
