@@ -16,6 +16,9 @@ whose collective traffic is blocked but whose control traffic is not. It is not 
 network level (that needs rules on the shared loopback); its peers see the same thing: no
 bytes from it, and a lighthouse that still hears it.
 
+`wait:RANK:STEP:FILE` makes rank RANK wait at step STEP until FILE exists (at most 120 s): a
+live group that must not finish before a restarted one is back (`Arrival` writes FILE).
+
 From the command line: `trainer.callbacks=[{_target_:tests.faults.Fault,spec:'kill:1:7'}]`
 (`override(spec)` writes that), run from the repository root so that `tests` is importable.
 """
@@ -56,6 +59,8 @@ class Fault:
         self.once = once[0] if once else None
         if kind in ("freeze", "partition"):
             self.freeze_s, self.once = float(once[0]), None
+        if kind == "wait":  # the file is what it waits for, not a once-file
+            self.wait_for, self.once = once[0], None
         self._poison = None
 
     def fires(self, trainer, step: int) -> bool:
@@ -83,6 +88,10 @@ class Fault:
             deadline = time.monotonic() + 10.0
             while not stop.signalled() and time.monotonic() < deadline:
                 time.sleep(0.001)
+        if self.kind == "wait":
+            deadline = time.monotonic() + 120.0
+            while not os.path.exists(self.wait_for) and time.monotonic() < deadline:
+                time.sleep(0.05)
         if self.kind in ("freeze", "partition"):
             self._hold_next_round(trainer.sync.fault_tolerance.rounds.comm)
         if self.kind == "nan":
@@ -118,6 +127,17 @@ class Fault:
         else:
             self._poison.remove()
         self._poison = None
+
+
+class Arrival:
+    """Writes `marks` when a worker process builds its callbacks after `after` exists: a
+    worker restarted after a fault whose once-file is `after` says it is back, before it asks
+    for its first torchft round (a `wait` fault of a live group waits for `marks`)."""
+
+    def __init__(self, after: str, marks: str):
+        if os.path.exists(after):
+            with open(marks, "a"):
+                pass
 
 
 class Snapshot:

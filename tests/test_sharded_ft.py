@@ -9,7 +9,6 @@ import json
 
 import pytest
 
-from tests import faults
 from tests.helpers import FAST, survivors, tagged_env, torchrun_machine
 
 pytest.importorskip("torchft")
@@ -99,16 +98,21 @@ def test_a_sharded_group_killed_and_restarted_heals_each_shard_from_the_live_gro
     ranks each take their own shard of the model and optimizer state from group 0's rank of the
     same index, and train on: participants 2 -> 1 -> 2, one heal, every sync's shards checked
     bit-identical across the groups; checkpoints every 40 steps, written by group 0."""
-    once = tmp_path / "killed-once"
+    once, back = tmp_path / "killed-once", tmp_path / "group-1-back"
+    # group 0 waits at step 20 until torchrun has restarted group 1 (the restarted processes
+    # write `back` before their first round), so it cannot finish first, however slow the
+    # restart (a slow simulated link kept it training before: under load, not long enough)
+    fault = "{_target_:tests.faults.Fault,spec:'%s'}"
+    callbacks = [fault % f"kill:2:10:{once}", fault % f"wait:0:20:{back}",
+                 fault % f"wait:1:20:{back}",
+                 f"{{_target_:tests.faults.Arrival,after:'{once}',marks:'{back}'}}"]  # fmt: skip
     outputs = _two_machines(
         tmp_path,
         [
             *strategy,
-            # a slow link keeps group 0 training while torchrun restarts group 1
             "trainer.max_steps=120",
-            "comm.simulate.latency_ms=250",
             "trainer.checkpoint_every=40",
-            faults.override(f"kill:2:10:{once}"),
+            f"trainer.callbacks=[{','.join(callbacks)}]",
         ],
     )
     for rank in (2, 3):  # both shards of group 1
