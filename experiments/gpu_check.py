@@ -359,8 +359,8 @@ def _outer_state_run(dev: torch.device, state: str) -> dict:
     return {
         "held": torch.cuda.memory_allocated(dev) - base,
         "round_s": statistics.median(rounds[1:]),  # the first pays one-time costs
-        "pinned": all(a.is_pinned() for a in averager.reducer.anchors),
-        "on_host": all(a.device.type == "cpu" for a in averager.reducer.anchors),
+        "pinned": all(a.is_pinned() for a in averager.rounds.anchors.first),
+        "on_host": all(a.device.type == "cpu" for a in averager.rounds.anchors.first),
         "model": [p.detach().cpu() for p in model.parameters()],
     }
 

@@ -125,7 +125,7 @@ def _replica(cfg: dict) -> None:
             seen.update(ft.state_dict())
         seen["flat"] = [b.clone() for b in av.flat.buffers]
         if cfg["kind"].startswith("streaming"):
-            seen["anchors"] = [a.clone() for a in av.frags.anchors]
+            seen["anchors"] = [a.clone() for a in av.rounds.anchors.first]
         torch.save(seen, os.path.join(cfg["out"], f"{index}.pt"))
     finally:
         if ft is not None:

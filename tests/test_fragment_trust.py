@@ -15,8 +15,6 @@ import torch
 from torch import nn
 
 from localsgd.averaging import StreamingAverager
-from localsgd.averaging.fragment_trust import TrustedFragments
-from localsgd.averaging.fragments import Fragments
 from localsgd.averaging.robust import Aggregate
 from localsgd.averaging.trust import Judge
 from localsgd.cli.checks import validate
@@ -39,7 +37,7 @@ def _train(model, gen, scale=1.0):  # a local step's change
 
 
 def _region(avg, p):
-    (g, s, _, e), = avg.frags.regions[p]  # one flat buffer: one piece per fragment
+    (g, s, _, e), = avg.rounds.parts[p]  # one flat buffer: one piece per fragment
     return g, s, e
 
 
@@ -51,7 +49,7 @@ def _rounds(rank, rule, comm_dtype="float32", error_feedback=False):
     avg = StreamingAverager(2, module=model, fragments=2, aggregate=Aggregate(rule),
                             comm_dtype=comm_dtype, error_feedback=error_feedback, **OUTER)
     gen = torch.Generator().manual_seed(100 + rank)
-    out = {"before": [], "after": [], "anchor0": avg.frags.anchors[0].clone()}
+    out = {"before": [], "after": [], "anchor0": avg.rounds.anchors.first[0].clone()}
     for step in range(4):
         _train(model, gen, scale=1.0 + rank)
         if rank == 1 and step == 1:
@@ -60,12 +58,12 @@ def _rounds(rank, rule, comm_dtype="float32", error_feedback=False):
         out["before"].append(avg.flat.buffers[0].clone())
         avg.maybe_average()
         out["after"].append(avg.flat.buffers[0].clone())
-    out["events"] = list(avg.reducer.trust.events)
+    out["events"] = list(avg.rounds.trust.events)
     out["regions"] = [_region(avg, p) for p in range(2)]
-    out["anchor"] = avg.frags.anchors[0].clone()
+    out["anchor"] = avg.rounds.anchors.first[0].clone()
     out["bytes"] = avg.stats.bytes
     # error feedback: no residual carries a dropped NaN into later rounds
-    out["residuals_finite"] = all(torch.isfinite(r).all() for rs in avg.frags.residuals
+    out["residuals_finite"] = all(torch.isfinite(r).all() for rs in avg.rounds.residuals
                                   for r in rs if r is not None)
     return out
 
@@ -101,10 +99,10 @@ def _scored(rank, split, exclude_after=2, bad_from=0):
     again = StreamingAverager(2, module=_net(), fragments=2, aggregate=Aggregate("mean"),
                               judge=judge)
     again.load_state_dict(avg.state_dict())
-    trust = avg.reducer.trust
+    trust = avg.rounds.trust
     return {"seen": seen, "excluded": dict(trust.excluded), "events": list(trust.events),
-            "anchor": avg.frags.anchors[0].clone(), "kept_exactly": kept_exactly,
-            "reloaded": again.reducer.trust.state_dict() == trust.state_dict()}
+            "anchor": avg.rounds.anchors.first[0].clone(), "kept_exactly": kept_exactly,
+            "reloaded": again.rounds.trust.state_dict() == trust.state_dict()}
 
 
 def _worker(rank, world_size):
@@ -189,7 +187,7 @@ def test_robust_fragments_across_processes():
     assert all(s == seen[0] for s in seen) and len(seen[0]) > 8
 
 
-def test_the_mean_keeps_todays_reducer_and_robust_rules_build_trusted_fragments():
+def test_the_mean_keeps_todays_rounds_and_robust_rules_build_gathered_fragment_rounds():
     import torch.distributed as dist
 
     from localsgd.averaging import CommStats
@@ -208,8 +206,8 @@ def test_the_mean_keeps_todays_reducer_and_robust_rules_build_trusted_fragments(
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
             avg = build_averager(cfg.sync, model, opt, 1, 1, CommStats(),
                                  loss_at=lambda round_: 0.0)
-            assert isinstance(avg.reducer, TrustedFragments) is trusted
-            assert isinstance(avg.reducer, Fragments)
+            assert avg.rounds.gathered is trusted
+            assert len(avg.rounds.parts) == cfg.sync.fragments
     finally:
         dist.destroy_process_group()
 
@@ -236,9 +234,9 @@ def test_what_does_not_compose_is_refused_in_one_line():
         assert "\n" not in str(info.value)
     validate(compose_config([*blocking, "sync.score=true", "sync.comm_dtype=int4",
                              "sync.error_feedback=true"]), 4)
-    # the averager says the same when built directly
-    with pytest.raises(ValueError, match="delay_steps > 0"):
-        StreamingAverager(2, module=_net(), fragments=2, delay_steps=1,
+    # an eager round steps before any aggregate exists: the averager refuses it too
+    with pytest.raises(ValueError, match="eager=False"):
+        StreamingAverager(2, module=_net(), fragments=2, eager=True,
                           aggregate=Aggregate("median"))
 
 

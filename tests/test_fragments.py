@@ -152,7 +152,7 @@ def _bytes_worker(rank, world_size, steps, warmup, period, fragments, delay):
     avg = StreamingAverager(
         period, warmup, module=model, fragments=fragments, delay_steps=delay, merge_alpha=0.5
     )
-    frag_bytes = [sum(e - s for _, s, _, e in rs) * 4 for rs in avg.reducer.regions]
+    frag_bytes = [sum(e - s for _, s, _, e in rs) * 4 for rs in avg.rounds.parts]
     gen = torch.Generator().manual_seed(rank)
     sent, merged = [], []
     for _ in range(steps):
@@ -160,7 +160,7 @@ def _bytes_worker(rank, world_size, steps, warmup, period, fragments, delay):
         before = avg.stats.bytes
         avg.maybe_average()
         sent.append(avg.stats.bytes - before)
-        merged.append(avg.last_fragment)
+        merged.append(avg.last_part)
     return {
         "frag_bytes": frag_bytes,
         "total": avg.flat.nbytes,
@@ -392,7 +392,7 @@ def _resume_worker(
         model, opt, avg = build()
         gen = torch.Generator().manual_seed(7 + rank)
         run(model, opt, avg, gen, 0, save_at, [])
-        in_flight = any(avg.reducer.holding)
+        in_flight = any(avg.rounds.holding)
         buf = io.BytesIO()
         torch.save([model.state_dict(), opt.state_dict(), avg.state_dict(), gen.get_state()], buf)
         buf.seek(0)

@@ -82,8 +82,6 @@ def test_streaming_accepts_formats_below_fp32_with_an_outer_step_only():
     cfg = compose_config(streaming + ["sync.outer=none", "sync.comm_dtype=int4"])
     with pytest.raises(ConfigError, match=r"^sync.comm_dtype .*float32 with sync.outer=none"):
         validate(cfg, world_size=2)
-    with pytest.raises(ValueError, match="needs outer=True"):  # before any collective
-        StreamingAverager(8, module=_net(), fragments=2, outer=False, comm_dtype="int4")
     with pytest.raises(ValueError, match="error_feedback needs"):
         StreamingAverager(8, module=_net(), fragments=2, error_feedback=True)
 
@@ -213,8 +211,8 @@ def _bytes_worker(rank, world_size, rounds):
         period, module=model, fragments=fragments, delay_steps=delay, merge_alpha=0.5,
         comm_dtype="float4_e2m1", error_feedback=True,
     )  # fmt: skip
-    frags, codec = avg.reducer, BlockCodec("float4_e2m1")
-    numels = [[e - s for _, s, _, e in rs] for rs in frags.regions]
+    frags, codec = avg.rounds, BlockCodec("float4_e2m1")
+    numels = [[e - s for _, s, _, e in rs] for rs in frags.parts]
     expected = [sum(codec.wire_bytes(n) for n in ns) for ns in numels]
     fp32 = [sum(4 * n for n in ns) for ns in numels]
     gen = torch.Generator().manual_seed(rank)
@@ -225,8 +223,8 @@ def _bytes_worker(rank, world_size, rounds):
         if p == 0:  # fragment 0's true pseudo-gradient, anchor - local, before its launch
             true = torch.cat(
                 [
-                    frags.anchors[g][a:e] - avg.flat.buffers[g][a:e]
-                    for g, a, _, e in frags.regions[0]
+                    frags.anchors.first[g][a:e] - avg.flat.buffers[g][a:e]
+                    for g, a, _, e in frags.parts[0]
                 ]
             ).double()
             true_sum = true if true_sum is None else true_sum + true
@@ -235,7 +233,7 @@ def _bytes_worker(rank, world_size, rounds):
         sent_bytes.append(avg.stats.bytes - before)
         if p == 0:  # what this rank's messages decode to
             sent = torch.cat(
-                [codec.dequantize(w.send.clone(), w.numel) for w in frags.low[0]]
+                [codec.dequantize(w.send.clone(), w.numel) for w in frags.wires[0].low]
             ).double()
             sent_sum = sent if sent_sum is None else sent_sum + sent
     residual = torch.cat(list(frags.residuals[0])).double()

@@ -419,7 +419,7 @@ def test_streaming_diloco_under_ft_checkpoints_its_global_state(tmp_path):
     assert checkpoint.verify(str(mid[0]))["shared"]
     state = torch.load(mid[0] / "rank-0.pt", weights_only=False)
     model = torch.cat([t.flatten() for t in state["model"].values()])
-    anchors = torch.cat([a.flatten() for a in state["averager"]["reducer"]["anchors"]])
+    anchors = torch.cat([a.flatten() for a in state["averager"]["rounds"]["anchors"]])
     assert torch.equal(model.sort().values, anchors.sort().values)  # the model is the anchors
     assert state["loop"]["in_sync"]
     # every worker's own error-feedback residual beside it, each its own

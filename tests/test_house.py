@@ -115,7 +115,7 @@ def _shared_checkpoint_with_own_residuals(run_dir, residuals: list[float]) -> st
 
     writer = torch.tensor([residuals[0]])
     components = {
-        "averager": _Held({"step": 8, "reducer": {"residuals": [writer]}}),
+        "averager": _Held({"step": 8, "rounds": {"residuals": [writer]}}),
         "optimizer": _Held({"param_groups": [], "state": {}}),
         "loop": _Held({"in_sync": True}),
         "rng": _Held({}),
@@ -141,7 +141,7 @@ def test_a_shared_checkpoint_gives_each_worker_its_own_residual(tmp_path, world_
     averager = _Held(None)
     components = {"averager": averager, "optimizer": _Held(None), "loop": _Held(None)}
     load_resharded(folder, rank, torch.device("cpu"), components, world_size=world_size)
-    got = averager.state["reducer"]["residuals"][0]
+    got = averager.state["rounds"]["residuals"][0]
     assert torch.allclose(got, torch.tensor([want])), got
 
 
@@ -160,13 +160,13 @@ def test_a_healer_takes_no_residual_of_its_peers(lone_group):
 
     model = torch.nn.Linear(64, 4)
     peer = OuterAverager(4, module=model, comm_dtype="int4", error_feedback=True)
-    for r in peer.reducer.residuals:
+    for r in peer.rounds.residuals[0]:
         r.fill_(0.25)  # the peer's unsent error
     state = {
         "phase": "sync",
         "averager": peer.state_dict(),
         "buffers": [b.clone() for b in peer.flat.buffers],
-        "committed": {"buffers": [], "reducer": peer.reducer.state_dict()},
+        "committed": {"buffers": [], "rounds": peer.rounds.state_dict()},
         "failed_syncs": 0,
         "participants_min": 2,
         "heals_seen": 0,
@@ -175,6 +175,7 @@ def test_a_healer_takes_no_residual_of_its_peers(lone_group):
     healer = OuterAverager(4, module=torch.nn.Linear(64, 4), comm_dtype="int4", error_feedback=True)
     rounds = FaultTolerantRounds(healer, TorchftCommunicator(Manager()))
     rounds._load_ft_state(state)
-    assert all(torch.count_nonzero(r) == 0 for r in healer.reducer.residuals)
-    assert torch.equal(healer.reducer.anchors[0], peer.reducer.anchors[0])  # the rest is taken
-    assert all(r is None for r in rounds.committed["reducer"]["residuals"] or [None])
+    assert all(torch.count_nonzero(r) == 0 for r in healer.rounds.residuals[0])
+    # the rest is taken
+    assert torch.equal(healer.rounds.anchors.first[0], peer.rounds.anchors.first[0])
+    assert all(r is None for r in rounds.committed["rounds"]["residuals"] or [None])

@@ -94,8 +94,8 @@ def test_the_outer_state_on_the_host_gives_the_device_bits(lone_group, case):
     saved_d, saved_h = av_d.state_dict(), av_h.state_dict()
     torch.testing.assert_close(saved_h, saved_d, rtol=0, atol=0)
     # held apart: the anchors and momentum in their own host copies, counted as host memory
-    reducer = av_h.reducer
-    assert reducer.host and reducer.staging
+    rounds = av_h.rounds
+    assert rounds.host and rounds.outer.staging
     held, ref = state_bytes(on_host, opt_h, av_h), state_bytes(on_device, opt_d, av_d)
     outer = ref["averager_parts"]["anchors"] + ref["averager_parts"]["outer_momentum"]
     assert held["host"]["anchors"] + held["host"]["outer_momentum"] == outer > 0
@@ -114,7 +114,7 @@ def test_a_device_checkpoint_continues_with_the_state_on_the_host_bit_identicall
     whole, _, _ = _run(case, "device")
     resumed, _, av = _run(case, "cpu", resume_from=state)
     assert _same(whole, resumed)
-    assert all(a.device.type == "cpu" for a in av.reducer.anchors)
+    assert all(a.device.type == "cpu" for a in av.rounds.anchors.first)
 
 
 @pytest.mark.timeout(30)

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from localsgd.averaging import PeriodicAverager, StreamingAverager
+from localsgd.averaging import AdaptivePeriod, PeriodicAverager, StreamingAverager
 from tests.helpers import CollectiveCounter, run_distributed
 
 pytestmark = pytest.mark.slow
@@ -48,7 +48,7 @@ def _delayed_worker(rank, world_size, period, warmup, steps):
         collectives.append(counter.count)
         merged.append(ours.merged)
         if ours.merged:
-            received.append(torch.cat([a.clone() for a in ours.reducer.averages]))
+            received.append(torch.cat([a.clone() for a in ours.rounds.averages]))
 
         _local_step(ref_model, ref_opt, gen_ref)
         with torch.no_grad():
@@ -109,7 +109,7 @@ def _resume_worker(rank, world_size):
     for _ in range(3):  # launches after steps 0 and 2; the second is in flight
         _local_step(model, opt, gen)
         averager.maybe_average()
-    assert averager.reducer.pending
+    assert averager.rounds.pending
     state = averager.state_dict()
     saved_model = {k: v.clone() for k, v in model.state_dict().items()}
     saved_gen = gen.get_state()
@@ -137,8 +137,8 @@ def test_overlap_state_dict_with_an_average_in_flight_resumes_exactly():
 
 def test_overlap_refuses_what_it_does_not_support():
     # refused before anything collective: no process group needed
-    with pytest.raises(ValueError, match="overlap needs fp32"):
-        PeriodicAverager(2, module=_model(), overlap=True, comm_dtype="bfloat16")
+    with pytest.raises(ValueError, match="overlap needs a schedule without loss feedback"):
+        PeriodicAverager(2, module=_model(), overlap=True, schedule=AdaptivePeriod(2))
 
 
 def _general_worker(rank, world_size, steps):

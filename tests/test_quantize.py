@@ -15,7 +15,6 @@ from localsgd.averaging import (
     QUANTIZED_FORMATS,
     BlockCodec,
     HierarchicalAverager,
-    LowPrecisionMean,
     OuterAverager,
     PeriodicAverager,
     QuantizedWire,
@@ -141,7 +140,8 @@ def _averager(kind: str, fmt: str, model: torch.nn.Module):
         return PeriodicAverager(
             1,
             module=model,
-            reducer=lambda flat: LowPrecisionMean(flat.buffers, fmt, error_feedback=True),
+            comm_dtype=fmt,
+            error_feedback=True,
         )
     return OuterAverager(1, module=model, comm_dtype=fmt, error_feedback=True)
 
@@ -163,8 +163,7 @@ def _identical(buffers: list[torch.Tensor]) -> bool:
 
 
 def _expected_bytes(averager) -> int:
-    fmt = averager.reducer.dtype if hasattr(averager.reducer, "dtype") else None
-    fmt = fmt if fmt is not None else averager.comm_dtype
+    fmt = averager.comm_dtype
     total = 0
     for flat in averager.flat.buffers:
         if isinstance(fmt, BlockCodec):
@@ -174,9 +173,9 @@ def _expected_bytes(averager) -> int:
     return total
 
 
-def _sent(reducer, i: int, true: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+def _sent(wire, i: int, true: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
     """What this rank put on the wire for buffer `i`, read back from the message itself."""
-    low = reducer.low[i]
+    low = wire.low[i]
     if isinstance(low, QuantizedWire):
         return low.decode(low.send).double()
     return (true + previous).to(low.dtype).double()  # a 16-bit cast (the buffer is reused)
@@ -190,28 +189,27 @@ def _formats_worker(rank, world_size, rounds):
             model = _Net()
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
             averager = _averager(kind, fmt, model)
-            reducer = averager.reducer
+            wire = averager.rounds.wires[0]  # the whole model: one piece a buffer
             gen = torch.Generator().manual_seed(10 + rank)
             same, bytes_ok = [], []
             true_sum = sent_sum = None
             for _ in range(rounds):
                 _step(model, opt, gen)
                 i = [b.dtype for b in averager.flat.buffers].index(torch.float32)
-                flat, anchor = averager.flat.buffers[i], reducer.anchors[0]
-                anchor = anchor[i] if isinstance(anchor, list) else reducer.anchors[i]
+                flat, anchor = averager.flat.buffers[i], averager.rounds.anchors.first[i]
                 true = (flat - anchor) if kind != "diloco_ef" else (anchor - flat)
-                previous = reducer.residuals[i].clone() if kind != "periodic" else None
+                previous = wire.residuals[i].clone() if kind != "periodic" else None
                 before = averager.stats.bytes
                 averager.maybe_average()
                 bytes_ok.append(averager.stats.bytes - before == _expected_bytes(averager))
                 same.append(_identical(averager.flat.buffers))
                 if previous is not None:
-                    sent = _sent(reducer, i, true, previous)
+                    sent = _sent(wire, i, true, previous)
                     true_sum = true.double() if true_sum is None else true_sum + true.double()
                     sent_sum = sent if sent_sum is None else sent_sum + sent
             record = {"same": same, "bytes_ok": bytes_ok, "bytes": averager.stats.bytes}
             if kind != "periodic":
-                residual = reducer.residuals[i].double()
+                residual = wire.residuals[i].double()
                 record["ef_error"] = (sent_sum + residual - true_sum).abs().max().item()
                 record["residual"] = residual.abs().max().item()
                 record["resumed_equal"] = _resume_is_exact(kind, fmt, model, averager, rank)
@@ -342,9 +340,7 @@ def _toy_worker(rank, world_size, runs):
 
 def _toy_runs() -> dict:
     def periodic(fmt, ef):
-        return lambda m: PeriodicAverager(
-            TOY_H, module=m, reducer=lambda f: LowPrecisionMean(f.buffers, fmt, error_feedback=ef)
-        )
+        return lambda m: PeriodicAverager(TOY_H, module=m, comm_dtype=fmt, error_feedback=ef)
 
     def diloco(fmt, ef):
         return lambda m: OuterAverager(TOY_H, module=m, comm_dtype=fmt, error_feedback=ef)

@@ -69,8 +69,8 @@ def test_resume_at_another_world_size(tmp_path, before, after, extra):
         for name, value in old[0]["model"].items():  # the averaged model, bit for bit
             assert torch.equal(got["model"][name], value), name
         assert got["averager"]["step"] == old[0]["averager"]["step"]
-        ref = _tensors(old[0]["averager"]["reducer"])  # DiLoCo's anchors and outer momentum
-        mine = _tensors(got["averager"]["reducer"])
+        ref = _tensors(old[0]["averager"]["rounds"])  # DiLoCo's anchors and outer momentum
+        mine = _tensors(got["averager"]["rounds"])
         assert len(mine) == len(ref) and all(
             torch.equal(a, b) for a, b in zip(mine, ref, strict=True)
         )
@@ -82,7 +82,7 @@ def test_resume_at_another_world_size(tmp_path, before, after, extra):
         assert got["sampler"]["epoch"] == old[0]["sampler"]["epoch"]
         assert got["sampler"]["num_indices"] != old[0]["sampler"]["num_indices"]  # new shards
     if extra:  # anchors and momentum buffers were compared
-        assert len(_tensors(old[0]["averager"]["reducer"])) >= 2  # flat: anchor, momentum
+        assert len(_tensors(old[0]["averager"]["rounds"])) >= 2  # flat: anchor, momentum
 
 
 def test_a_checkpoint_between_syncs_resumes_and_per_worker_state_is_refused(tmp_path, capsys):
@@ -158,11 +158,11 @@ def test_diloco_between_syncs_resumes_at_another_world_size_from_the_anchor(tmp_
         "worker), dropping the 2 local steps since; the step (7), the LR schedule, the outer "
         "state and the data go on from the checkpoint," in err
     ), err[-2000:]
-    anchor = torch.cat([a.flatten() for a in old[0]["averager"]["reducer"]["anchors"]])
+    anchor = torch.cat([a.flatten() for a in old[0]["averager"]["rounds"]["anchors"]])
     model = torch.cat([v.flatten() for v in new[0]["model"].values()])
     assert torch.equal(model, anchor)  # the last global model, not either worker's nor the mean
     assert not torch.equal(model, torch.cat([v.flatten() for v in old[0]["model"].values()]))
-    ref, mine = old[0]["averager"]["reducer"], new[0]["averager"]["reducer"]
+    ref, mine = old[0]["averager"]["rounds"], new[0]["averager"]["rounds"]
     assert all(torch.equal(a, b) for a, b in zip(_tensors(mine), _tensors(ref), strict=True))
 
 
@@ -191,7 +191,7 @@ def test_the_resume_line_says_where_the_new_workers_start(tmp_path):
         "resuming at another world size: the checkpoint was taken 2 local steps after the last "
         "sync, so 2 workers start from the mean of the 4 workers' models;"
     )
-    outer = {"last_average": 4, "reducer": {"anchors": [], "outer_optimizer": {}}}
+    outer = {"last_average": 4, "rounds": {"anchors": [], "optimizers": [{}]}}
     diloco = _fake(tmp_path / "diloco", 2, {**loop, "averager": outer})
     assert "dropping the 2 local steps since; the step (7)," in resume_line(diloco, 1)
     levels = _fake(tmp_path / "levels", 4, {**loop, "averager": {"levels": []}})
@@ -217,13 +217,13 @@ def test_error_feedback_residuals_move_to_another_world_size_as_their_mean(tmp_p
     assert proc.returncode == 1 and not left, proc.stderr[-2000:]
     saved = checkpoint.step_dir(str(run_dir), 10)
     old = [torch.load(checkpoint.rank_file(saved, r), weights_only=True) for r in range(2)]
-    residuals = [_tensors(o["averager"]["reducer"]["residuals"]) for o in old]
+    residuals = [_tensors(o["averager"]["rounds"]["residuals"]) for o in old]
     assert residuals[0] and not torch.equal(residuals[0][0], residuals[1][0])
     snap = f"trainer.callbacks=[{{_target_:tests.faults.Snapshot,dir:'{probe}'}}]"
     proc, left = _run(args + [snap], run_dir, 3)
     assert proc.returncode == 0 and not left, proc.stderr[-3000:]
     for rank in range(3):
         got = torch.load(probe / f"rank-{rank}.pt", weights_only=False)
-        mine = _tensors(got["averager"]["reducer"]["residuals"])
+        mine = _tensors(got["averager"]["rounds"]["residuals"])
         for a, b, m in zip(*residuals, mine, strict=True):
             assert torch.equal(m, (a + b) * 0.5)

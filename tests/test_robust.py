@@ -13,9 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from localsgd.averaging import GradientAverager, OuterAverager, PeriodicAverager, Reducer
+from localsgd.averaging import GradientAverager, OuterAverager, PeriodicAverager
 from localsgd.averaging.robust import Aggregate
-from localsgd.averaging.robust_mean import RobustMean
 from localsgd.averaging.sparse import TopKCodec
 from localsgd.averaging.trust import Judge
 from localsgd.cli.checks import validate
@@ -199,7 +198,7 @@ def _worker(rank, world_size):
             if step == 0:
                 anchor = avg.flat.buffers[0].clone()
         out[rule] = {"change": change, "anchor": anchor, "result": avg.flat.buffers[0].clone(),
-                     "events": list(avg.reducer.trust.events),
+                     "events": list(avg.rounds.trust.events),
                      # the all-gather counted as what this rank sends: fp32, 2 rounds
                      "bytes": avg.stats.bytes == 2 * 4 * avg.flat.buffers[0].numel()}
     # 2. scoring and exclusion: rank 3 moves away from the held-out optimum, 10x; the others
@@ -224,14 +223,14 @@ def _worker(rank, world_size):
                     toward = (1.0 - p) * 0.1
                     p.add_(toward * (-10.0 if rank == 3 else 1.0 + 0.1 * rank))
             avg.maybe_average()
-        trust = avg.reducer.trust
+        trust = avg.rounds.trust
         # the verdicts are checkpointed with the averager
         again = OuterAverager(1, module=_Net(), aggregate=Aggregate("mean"), judge=judge)
         again.load_state_dict(avg.state_dict())
         out["verdicts" if split else "verdicts_unsplit"] = {
             "excluded": dict(trust.excluded), "events": list(trust.events),
             "model": avg.flat.buffers[0].clone(), "calls": calls[0],
-            "reloaded": again.reducer.trust.state_dict() == trust.state_dict(),
+            "reloaded": again.rounds.trust.state_dict() == trust.state_dict(),
         }
     #    With per-sample losses, the evaluations split by samples (`Judge.batch`): the same
     #    verdicts, scores and bits as every rank evaluating the whole batch, in about a quarter
@@ -255,7 +254,7 @@ def _worker(rank, world_size):
                 for p in model.parameters():
                     p.add_((1.0 - p) * 0.1 * (-10.0 if rank == 3 else 1.0 + 0.1 * rank))
             avg.maybe_average()
-        trust = avg.reducer.trust
+        trust = avg.rounds.trust
         out["by_samples" if batch else "whole_batch"] = {
             "excluded": dict(trust.excluded), "events": list(trust.events),
             "scores": list(trust.scores), "zs": list(trust.zs),
@@ -272,9 +271,9 @@ def _worker(rank, world_size):
             model.fc.bias[0] = float("inf")
     avg.maybe_average()
     out["int8"] = {"model": avg.flat.buffers[0].clone(),
-                   "events": list(avg.reducer.trust.events),
-                   "bytes": avg.stats.bytes == sum(w.nbytes for w in avg.reducer.low)}
-    # 4. the mean, by default: today's reducer, the bits of one all-reduce, its bytes
+                   "events": list(avg.rounds.trust.events),
+                   "bytes": avg.stats.bytes == sum(w.nbytes for w in avg.rounds.wires[0].low)}
+    # 4. the mean, by default: today's rounds, the bits of one all-reduce, its bytes
     model = _Net()
     avg = PeriodicAverager(1, module=model)
     _step(model, torch.Generator().manual_seed(7 + rank), rank)
@@ -282,7 +281,7 @@ def _worker(rank, world_size):
     dist.all_reduce(expected, op=dist.ReduceOp.AVG)
     avg.maybe_average()
     out["mean"] = {
-        "plain": type(avg.reducer) is Reducer,
+        "plain": avg.rounds.kind == "values" and not avg.rounds.gathered,
         "same": torch.equal(avg.flat.buffers[0], expected),
         "bytes": avg.stats.bytes == 4 * avg.flat.buffers[0].numel(),
     }
@@ -337,7 +336,7 @@ def _topk_cases(rank: int) -> dict:
                     _poison(model)
                 avg.maybe_average()
             out[mean, name] = {"model": avg.flat.buffers[0].clone(),
-                               "residual": avg.reducer.residuals[0].clone(),
+                               "residual": avg.rounds.residuals[0][0].clone(),
                                "bytes": avg.stats.bytes}
     return out
 
@@ -360,9 +359,9 @@ def _guard_cases(rank: int) -> dict:
         before = avg.stats.bytes
         avg.maybe_average()
         received = avg.flat.buffers[0]
-        if avg.reducer.delays:  # what every rank received (each keeps its own progress)
-            avg.reducer.wait()
-            received = avg.reducer.averages[0]
+        if avg.rounds.delays:  # what every rank received (each keeps its own progress)
+            avg.rounds.wait_all()
+            received = avg.rounds.averages[0]
         out[name] = {"held": held, "model": received.clone(),
                      "dropped": list(avg.comm.dropped), "bytes": avg.stats.bytes - before,
                      "numel": avg.flat.buffers[0].numel()}
@@ -379,7 +378,7 @@ def _guard_cases(rank: int) -> dict:
     avg = run("int4", OuterAverager(1, module=model, outer_lr=1.0, outer_momentum=0.0,
                                     outer_nesterov=False, comm_dtype="int4",
                                     error_feedback=True), model, bad_rank=3)
-    out["int4"]["residual_finite"] = bool(torch.isfinite(avg.reducer.residuals[0]).all())
+    out["int4"]["residual_finite"] = bool(torch.isfinite(avg.rounds.residuals[0][0]).all())
     model = _Net()  # launched at the sync, merged at the next step
     run("overlap", PeriodicAverager(1, module=model, overlap=True), model, bad_rank=1)
     # a weighted round: sum_r w_r x_r / sum_r w_r over the finite ranks
@@ -514,7 +513,7 @@ def test_robust_mean_is_built_only_when_asked():
             model = _Net()
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
             avg = build_averager(cfg.sync, model, opt, 1, 1, CommStats())
-            assert isinstance(avg.reducer, RobustMean) is robust
+            assert avg.rounds.gathered is robust
     finally:
         dist.destroy_process_group()
 

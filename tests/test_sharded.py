@@ -224,7 +224,7 @@ def _train(rank: int, world: int, shard_size: int) -> dict:
             "mirror_at_rounds": pulls["held"],
             "acting_steps": acting,
             "periods": periods,
-            "events": list(averager.reducer.trust.events) if name in TRUSTED else [],
+            "events": list(averager.rounds.trust.events) if name in TRUSTED else [],
             # each group's collective timeout (the harness sets the default group's to 60 s)
             "timeouts": [_timeout(level.group) for level in averager.levels]
             + [_timeout(sharding.shard_group)],

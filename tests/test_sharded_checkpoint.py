@@ -114,7 +114,7 @@ def test_a_sharded_checkpoint_resumes_with_another_shard_size_and_number_of_grou
         for r in range(2)
     ]
     shapes = [v.shape for v in groups[0].values()]
-    whole = relayout([a["reducer"]["anchors"][0] for a in anchors], shapes, 1, 0)
+    whole = relayout([a["rounds"]["anchors"][0] for a in anchors], shapes, 1, 0)
     assert torch.equal(whole, torch.cat([v.reshape(-1) for v in groups[0].values()]))
 
 
@@ -172,13 +172,13 @@ def test_the_averager_state_is_cut_to_the_new_shards_and_residuals_summed_over_t
         {
             "averager": {
                 "step": 7,
-                "reducer": {
+                "rounds": {
                     "anchors": [shard(anchor, s)],
-                    "outer_optimizer": {
+                    "optimizers": [{
                         "state": {0: {"momentum_buffer": shard(momentum, s)}},
                         "param_groups": [{"params": [0]}],
-                    },
-                    "residuals": [shard(residuals[g], s)],
+                    }],
+                    "residuals": [[shard(residuals[g], s)]],  # part 0, one piece a buffer
                 },
             }
         }
@@ -187,11 +187,11 @@ def test_the_averager_state_is_cut_to_the_new_shards_and_residuals_summed_over_t
     ]
     out = averager_state(states, 2, averager, 1, 0)
     assert out["step"] == 7
-    reducer = out["reducer"]
-    assert torch.equal(reducer["anchors"][0], anchor)
-    assert torch.equal(reducer["outer_optimizer"]["state"][0]["momentum_buffer"], momentum)
+    rounds = out["rounds"]
+    assert torch.equal(rounds["anchors"][0], anchor)
+    assert torch.equal(rounds["optimizers"][0]["state"][0]["momentum_buffer"], momentum)
     # every new worker: the old groups' residuals summed, over the old number of groups
-    assert torch.equal(reducer["residuals"][0], (residuals[0] + residuals[1]) / 2)
+    assert torch.equal(rounds["residuals"][0][0], (residuals[0] + residuals[1]) / 2)
 
 
 def _fake_sharded_checkpoint(

@@ -205,18 +205,18 @@ def test_error_feedback_conserves_the_signal(lone_group):
         1, module=model, comm_dtype=CODEC, error_feedback=True, outer_lr=1.0,
         outer_momentum=0.0, outer_nesterov=False,
     )  # fmt: skip
-    reducer = averager.reducer
+    rounds = averager.rounds
     gen = torch.Generator().manual_seed(3)
     true_sum = torch.zeros(averager.flat.buffers[0].numel(), dtype=torch.float64)
     sent_sum = torch.zeros_like(true_sum)
     for _ in range(20):
         _step(model, opt, gen)
-        true_sum += (reducer.anchors[0] - averager.flat.buffers[0]).double()
+        true_sum += (rounds.anchors.first[0] - averager.flat.buffers[0]).double()
         averager.maybe_average()
-        wire = reducer.low[0]
+        wire = rounds.wires[0].low[0]
         assert isinstance(wire, SparseWire)
         sent_sum += wire.decode(wire.send).double()
-    residual = reducer.residuals[0].double()
+    residual = rounds.residuals[0][0].double()
     assert residual.abs().max() > 1e-3  # most of the signal waits in the residual
     assert (sent_sum + residual - true_sum).abs().max() <= 1e-6
 
@@ -228,18 +228,18 @@ def test_a_decayed_residual_follows_sparselocos_accumulator(lone_group):
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     averager = OuterAverager(1, module=model, comm_dtype=CODEC, error_feedback=True,
                              error_feedback_decay=0.9)  # fmt: skip
-    reducer = averager.reducer
+    rounds = averager.rounds
     gen = torch.Generator().manual_seed(6)
     for _ in range(6):
         _step(model, opt, gen)
-        true = (reducer.anchors[0] - averager.flat.buffers[0]).double()
-        before = reducer.residuals[0].double()
+        true = (rounds.anchors.first[0] - averager.flat.buffers[0]).double()
+        before = rounds.residuals[0][0].double()
         averager.maybe_average()
-        wire = reducer.low[0]
+        wire = rounds.wires[0].low[0]
         sent = wire.decode(wire.send).double()
         expected = 0.9 * before + true - sent
-        assert (reducer.residuals[0].double() - expected).abs().max() <= 1e-6
-    assert reducer.residuals[0].abs().max() > 1e-3
+        assert (rounds.residuals[0][0].double() - expected).abs().max() <= 1e-6
+    assert rounds.residuals[0][0].abs().max() > 1e-3
 
 
 def test_resume_continues_bit_identically(lone_group):
@@ -253,7 +253,7 @@ def test_resume_continues_bit_identically(lone_group):
         _step(model, opt, gen)
         averager.maybe_average()
     state, params = copy.deepcopy(averager.state_dict()), copy.deepcopy(model.state_dict())
-    assert state["reducer"]["residuals"][0].abs().max() > 0
+    assert state["rounds"]["residuals"][0][0].abs().max() > 0
     twin = _Net()
     twin_averager = OuterAverager(2, module=twin, comm_dtype=CODEC, error_feedback=True)
     twin.load_state_dict(params)
@@ -322,17 +322,18 @@ def test_the_config_builds_top_k_and_the_sparseloco_preset(lone_group):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     averager = build_averager(cfg.sync, model, opt, 1, 1, CommStats())
     assert averager.comm_dtype == TopKCodec(1 / 64, 256)
-    assert isinstance(averager.reducer.low[0], SparseWire)
+    assert isinstance(averager.rounds.wires[0].low[0], SparseWire)
     senders = compose_config(["sync=sparseloco", "sync.topk_mean=senders"])
     validate(senders)
     validate(compose_config(["sync=sparseloco", "dist.shard_size=2", "dist.world_size=4"]))
     averager = build_averager(senders.sync, model, opt, 1, 1, CommStats())
     assert averager.comm_dtype == TopKCodec(1 / 64, 4096, "senders") != TopKCodec(1 / 64, 4096)
-    assert averager.reducer.low[0].senders is not None
+    assert averager.rounds.wires[0].low[0].senders is not None
     plain = compose_config(["sync.compress=topk", "sync.error_feedback=true", "sync.period=2"])
     averager = build_averager(plain.sync, model, opt, 1, 1, CommStats())
     assert isinstance(averager, PeriodicAverager)
-    assert isinstance(averager.reducer.low[0], SparseWire)  # plain local SGD sends the change
+    # plain local SGD sends the change
+    assert isinstance(averager.rounds.wires[0].low[0], SparseWire)
 
 
 @pytest.mark.parametrize(

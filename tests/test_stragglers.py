@@ -51,7 +51,7 @@ def _weighted_worker(rank: int, world: int, weights: list[float]) -> dict:
             anchor = None
         averager.weighted = True
         averager.normalized = name.endswith("normalized")
-        averager.contribution = weights[rank]
+        averager.trained(weights[rank])
         averager.maybe_average()
         out[name] = {
             "before": before,
@@ -161,7 +161,7 @@ def _unscalable_worker(rank: int, world: int) -> str:
     torch.set_num_threads(1)
     averager = PeriodicAverager(1, module=_model(rank))  # the plain mean keeps no round start
     averager.weighted = averager.normalized = True
-    averager.contribution = WEIGHTS[rank]
+    averager.trained(WEIGHTS[rank])
     try:
         averager.maybe_average()
     except ValueError as e:

@@ -48,11 +48,9 @@ def _three_syncs(rank: int, mode: str, trained: list[list[float]]) -> dict:
     averager.weighted = not mode.startswith("plain")  # anchored on rank 0's model
     averager.normalized = mode.startswith("normalized")
     out: dict = {"anchor": [p.detach().clone() for p in model.parameters()], "syncs": []}
-    samples = 0.0
     for step in range(3):
         _move(model, rank, step)
-        samples += trained[step][rank]
-        averager.samples_trained = samples
+        averager.trained(trained[step][rank])
         before = [p.detach().clone() for p in model.parameters()]
         averager.maybe_average()
         out["syncs"].append(
@@ -235,7 +233,7 @@ def _unweighable_worker(rank: int, world: int) -> dict[str, str]:
     for name, averager in averagers.items():
         averager.weighted = True
         averager.normalized = name == "mixed"
-        averager.samples_trained = 1.0 + rank
+        averager.trained(1.0 + rank)
         try:
             averager.maybe_average()
             said[name] = "averaged"

@@ -158,8 +158,8 @@ def _outer_warmups(rank, world_size, overrides_list):
         model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         averager = build_averager(cfg.sync, model, opt, world_size, world_size, CommStats())
-        reducer = averager.reducer
-        out.append(getattr(reducer, "warmup_rounds", getattr(reducer, "outer_warmup", None)))
+        outer = averager.rounds.outer
+        out.append(None if outer is None else outer.warmup_rounds)
     return out
 
 

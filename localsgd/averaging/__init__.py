@@ -7,19 +7,16 @@ torch's `ModelAverager`; `OuterAverager` adds DiLoCo/SlowMo. Every collective go
 
 from localsgd.averaging.averager import Averager
 from localsgd.averaging.comm import CommStats, Communicator, SimulatedLink
-from localsgd.averaging.compress import COMM_DTYPES, LowPrecisionMean
+from localsgd.averaging.compress import COMM_DTYPES
 from localsgd.averaging.flat import FlatBuffers, averaged_tensors
 from localsgd.averaging.gradients import GradientAverager
 from localsgd.averaging.hierarchical import HierarchicalAverager
 from localsgd.averaging.optimizer_state import OPTIMIZER_STATE_MODES, OptimizerStateSync
 from localsgd.averaging.outer import OuterAverager
-from localsgd.averaging.outer_step import OUTER_DEFAULTS, OuterStep
-from localsgd.averaging.overlap import DelayedMean
 from localsgd.averaging.periodic import PeriodicAverager
 from localsgd.averaging.quantize import QUANTIZED_FORMATS, BlockCodec, QuantizedWire
-from localsgd.averaging.reduce import PlainMean, Reducer
 from localsgd.averaging.robust import AGGREGATES, Aggregate
-from localsgd.averaging.robust_mean import RobustMean
+from localsgd.averaging.rounds import OUTER_DEFAULTS, Rounds
 from localsgd.averaging.schedule import AdaptivePeriod, ConstantPeriod, NeverAverage, StepPeriod
 from localsgd.averaging.sparse import SparseWire, TopKCodec
 from localsgd.averaging.streaming import StreamingAverager
@@ -38,21 +35,16 @@ __all__ = [
     "CommStats",
     "Communicator",
     "ConstantPeriod",
-    "DelayedMean",
     "FlatBuffers",
     "GradientAverager",
     "HierarchicalAverager",
     "Judge",
-    "LowPrecisionMean",
     "NeverAverage",
     "OptimizerStateSync",
     "OuterAverager",
-    "OuterStep",
     "PeriodicAverager",
-    "PlainMean",
     "QuantizedWire",
-    "Reducer",
-    "RobustMean",
+    "Rounds",
     "SimulatedLink",
     "SparseWire",
     "StepPeriod",

@@ -1,12 +1,14 @@
-"""The averager contract and the skeleton every strategy shares.
+"""The averager contract and the loop every strategy shares.
 
 An `Averager` is torch's `ModelAverager`: an integer `step` counter and `average_parameters(
 params)`, called once after every `optimizer.step()`. It is composed of three parts:
 
-- the rule for *when* (`level_at(step)`: which level averages after that step, if any), given by
-  the subclass (`PeriodicAverager`, `HierarchicalAverager`);
+- the rule for *when* (`round_at(step)`: which part of the model syncs after that step, at which
+  level; `inner_level_at(step)`: a plain average inside smaller groups), given by the subclass
+  (`PeriodicAverager`, `HierarchicalAverager`, `StreamingAverager`);
 - a `Communicator` per level for *who* (the last level spans the whole process group);
-- a reducer for *what* (`localsgd.averaging.reduce`): plain, low-precision, outer or delayed.
+- `Rounds` for *what* (`localsgd.averaging.rounds`): the stages of a round, the same for
+  every rule: contribution, wire, transport and combine, outer step, merge.
 
 The tensors averaged become views of persistent flat buffers, built from `module=` at
 construction or from the parameters of the first `average_parameters(params)` call. Before each
@@ -18,8 +20,16 @@ Sharded parameters (DTensors: FSDP2's, `dist.shard_size`) are *mirrored* instead
 before a step that acts (an average at any level, a launch, a merge; `acts_at`) and pushed back
 after it, and nothing at the other steps, so the local phase stays free of collectives and
 copies. Between those steps the buffers' storage is released, so a rank holds no second copy
-of its shards. The reducers' state (anchors, outer momentum, residuals) is laid out like the
+of its shards. The rounds' state (anchors, outer momentum, residuals) is laid out like the
 buffers, so it is sharded too. `mirrored` is the one place that happens.
+
+**Weighted rounds** (per-worker step counts, `weighted`): every round over all ranks weighs each
+rank by the samples it trained on since that part's values last started from the global ones
+(the owner reports each step's samples with `trained(n)`; `PartSamples`): since the part's last
+round, or, for a launched one merged by replacement, since its merge. With `normalized` each
+contribution is first scaled by the round's largest weight over its own (FedNova's normalized
+averaging), so a slow rank's short change does not shrink the mean. Equal weights leave the
+plain mean, bit for bit.
 """
 
 from __future__ import annotations
@@ -34,12 +44,13 @@ import torch.distributed as dist
 from torch.distributed.algorithms.model_averaging.averagers import ModelAverager
 
 from localsgd.averaging.comm import CommStats, Communicator
-from localsgd.averaging.flat import FlatBuffers, averaged_tensors, holds_dtensor, param_lead
-from localsgd.averaging.reduce import Reducer
+from localsgd.averaging.flat import FlatBuffers, averaged_tensors, holds_dtensor
+from localsgd.averaging.rounds import Rounds
+from localsgd.averaging.rounds.part import views
 
 # Called after every average with the level's communicator: e.g. averaging optimizer state.
 AverageHook = Callable[[Communicator], None]
-ReducerFactory = Callable[[FlatBuffers], Reducer]
+RoundsFactory = Callable[[FlatBuffers], Rounds]
 
 
 class GlobalSyncHook(Protocol):
@@ -91,8 +102,44 @@ def mirrored(when_acting: bool = False):
     return wrap
 
 
+class PartSamples:
+    """Per part, the samples this rank trained on since the part's values last started afresh:
+    a weighted round's weight (see the module doc)."""
+
+    def __init__(self, parts: int, progress: bool):
+        self.since = [0.0] * parts
+        self.progress = progress  # a launched round's merge keeps what trained meanwhile
+
+    def trained(self, samples: float) -> None:
+        self.since = [n + samples for n in self.since]
+
+    def restart(self) -> None:
+        """Every part starts here (each step of a synchronous warmup, a resume at another world
+        size)."""
+        self.since = [0.0] * len(self.since)
+
+    def weight(self, p: int, launched: bool) -> float:
+        own = self.since[p]
+        if not launched or self.progress:
+            self.since[p] = 0.0
+        return own
+
+    def merged(self, p: int) -> None:
+        """Part p's launched round merged, replacing (or, at alpha > 0, mostly replacing) what
+        trained while it was in flight."""
+        if not self.progress:
+            self.since[p] = 0.0
+
+
 class Averager(ModelAverager):
-    """What the trainer depends on. Subclasses give `level_at`, `next_sync` and `period_of`."""
+    """What the trainer depends on. Subclasses give `round_at`, `next_sync` and `period_of`
+    (and `inner_level_at` where inner levels average plainly beside the rounds)."""
+
+    # What a failed round across replica groups (torchft) restores: "commit", the state of the
+    # last committed round (every replica holds it: the rounds replace the whole model), or
+    # "round", the state from before the failed round (a part's round touches that part only,
+    # and the others keep their local progress).
+    failed_round_restores = "commit"
 
     def __init__(
         self,
@@ -100,10 +147,12 @@ class Averager(ModelAverager):
         process_group: dist.ProcessGroup | None,
         *,
         module: torch.nn.Module | None,
-        reducer: ReducerFactory | None,
+        rounds: RoundsFactory,
         warmup_steps: int = 0,
         init_sync: bool | None = None,
         mirror: bool | None = None,
+        delay: int = 0,
+        parts: int = 1,
     ):
         super().__init__(process_group)  # `self.step = 0`, as torch's
         self.warmup_steps = warmup_steps
@@ -113,29 +162,20 @@ class Averager(ModelAverager):
         self.level_stats = [CommStats() for _ in levels]  # each level's averages alone
         self.world_size = self.comm.size
         self.module = module
-        self.make_reducer = reducer if reducer is not None else (lambda flat: Reducer())
+        self.make_rounds = rounds
         self.init_sync = init_sync
         self.mirror = mirror  # None: mirror exactly when a tensor is a DTensor (sharded)
+        self.delay = delay  # τ: a round over every rank launches, and merges τ steps later
+        self.parts = parts
         self.flat: FlatBuffers | None = None
-        self.reducer: Reducer = Reducer()
+        self.rounds: Rounds | None = None
         self.param_count = 0  # the first `param_count` tensors are the parameters
         self.extra_count = 0  # the last `extra_count` tensors ride along (extra_tensors)
-        # Weighted rounds (per-worker step counts): with `weighted`, every average over all
-        # ranks weighs each rank by its `contribution` (e.g. the samples it trained on since
-        # the last one); `round_weights` are the last round's, `wait_s` the seconds this rank
-        # spent in their exchange (where it waits for the slowest), `contributed` their sum
-        # over every round so far
         self.weighted = False
-        self.contribution = 0.0
-        # all the samples this rank has trained on: a fragment's weight is what it gained since
-        # that fragment's last sync (`StreamingAverager`)
-        self.samples_trained = 0.0
-        # ... and with `normalized`, each rank's change since the last average (its pseudo-
-        # gradient) is first scaled by the round's largest weight over its own: the weighted
-        # mean is then the samples-weighted mean change per sample times the most samples any
-        # rank trained on (FedNova's normalized averaging), so a slow rank's short change does
-        # not shrink it. Equal weights leave the plain mean, bit for bit.
         self.normalized = False
+        self.part_samples = PartSamples(parts, progress=False)
+        # the last weighted round's weights, this rank's seconds in their exchange (where it
+        # waits for the slowest), their sum over every round so far
         self.round_weights: list[float] | None = None
         self.wait_s = 0.0
         self.contributed = 0.0
@@ -149,28 +189,44 @@ class Averager(ModelAverager):
         # this step started a round over every rank, blocking or launched: where a budget's
         # round ends (`localsgd.loop.pacing`), as every worker must be there
         self.started_round = False
+        self.last_part: int | None = None  # merged (or eagerly stepped) by the last step
         if module is not None:
             self._bind(parameters_of(module.parameters()), averaged_tensors(module))
 
     # --- the rule, given by the subclass -------------------------------------------------------
 
-    def level_at(self, step: int) -> int | None:
-        """Index of the level that averages after step `step`, or None."""
+    def round_at(self, step: int) -> tuple[int, int] | None:
+        """(part, level) of the round that starts after step `step`, or None."""
         raise NotImplementedError
+
+    def inner_level_at(self, step: int) -> int | None:
+        """The level that averages the whole model plainly after step `step`, beside the
+        rounds (Streaming DiLoCo's inner levels), or None."""
+        return None
 
     def next_sync(self, step: int) -> int | None:
         """The first step >= `step` after which every rank takes part in an average (with a
-        delayed reducer: the step that merges it, where the ranks wait for each other); None
+        delayed round: the step that merges it, where the ranks wait for each other); None
         when the schedule never averages."""
         raise NotImplementedError
 
     def period_of(self, level: int) -> int:
         raise NotImplementedError
 
+    def level_at(self, step: int) -> int | None:
+        """Index of the level that averages after step `step`, or None."""
+        at = self.round_at(step)
+        return at[1] if at is not None else self.inner_level_at(step)
+
+    def is_plain(self, p: int, step: int) -> bool:
+        """Whether part p's round after `step` is its first after a synchronous warmup (an
+        outer step takes it plainly)."""
+        return False
+
     def acts_at(self, step: int) -> bool:
         """Whether the update after step `step` touches the flat buffers: an average at any
         level, or a delayed one's launch or merge (mirror mode copies only around those)."""
-        return self.reducer.pending or self.level_at(step) is not None
+        return self.rounds.pending or self.level_at(step) is not None
 
     def extra_tensors(self, device: torch.device) -> list[torch.Tensor]:
         """Tensors that ride along in the averages (an adaptive schedule's loss slot)."""
@@ -191,12 +247,13 @@ class Averager(ModelAverager):
         mirror = holds_dtensor(tensors) if self.mirror is None else self.mirror
         self.extra_count = len(extra)
         self.flat = FlatBuffers(tensors + extra, mirror=mirror)
-        self.reducer = self.make_reducer(self.flat)
+        self.rounds = self.make_rounds(self.flat)
+        self.part_samples.progress = self.rounds.progress
         # An anchor (DiLoCo, SlowMo, compressed changes) taken from differing replicas would keep
         # them apart for good, so those start from rank 0's tensors, as DDP does when built.
-        if self.reducer.anchored if self.init_sync is None else self.init_sync:
+        if self.rounds.anchored if self.init_sync is None else self.init_sync:
             self.broadcast_(src=0)
-        self.flat.release()  # mirror: held only while a step acts (the reducer took its copies)
+        self.flat.release()  # mirror: held only while a step acts (the rounds took their copies)
 
     def _bound(self) -> FlatBuffers:
         if self.flat is None:
@@ -211,16 +268,19 @@ class Averager(ModelAverager):
         if self.module is None:
             return
         held = self._bound().tensors
-        current = averaged_tensors(self.module) + self.extra_tensors(held[0].device)
+        current = self._module_tensors() + self.extra_tensors(held[0].device)
         if len(current) != len(held) or any(a is not b for a, b in zip(current, held, strict=True)):
             self.flat.replace(current)
+
+    def _module_tensors(self) -> list[torch.Tensor]:
+        return averaged_tensors(self.module)
 
     def ensure_bound(self) -> None:
         """Put back every tensor that left its buffer (cheap: one pointer compare per tensor)."""
         self._follow_module()
         convert = self._bound().rebind()
         if convert is not None:
-            self.reducer.relayout(convert)
+            self.rounds.relayout(self.flat, convert)
 
     def _check_params(self, given: list[torch.Tensor]) -> None:
         held = self._bound().tensors[: self.param_count]
@@ -234,6 +294,20 @@ class Averager(ModelAverager):
             )
 
     # --- the torch API and the trainer's ---------------------------------------------------
+
+    def trained(self, samples: float) -> None:
+        """This rank trained on `samples` more samples (call before the step's
+        `maybe_average`): what a weighted round weighs it by."""
+        self.part_samples.trained(samples)
+
+    @staticmethod
+    def resharded_state(state: dict) -> dict:
+        """This averager's checkpointed `state` as workers of another world size resume it:
+        every worker starts from one model, where every part's round starts afresh."""
+        weighted = state.get("weighted")
+        if weighted is None or "since" not in weighted:
+            return state
+        return {**state, "weighted": {**weighted, "since": [0.0] * len(weighted["since"])}}
 
     def average_parameters(self, params: Iterable | None = None) -> None:
         """torch's call: after every optimizer step; averages when the rule says, then advances
@@ -250,73 +324,129 @@ class Averager(ModelAverager):
 
     @mirrored(when_acting=True)
     def maybe_average(self) -> bool:
-        """`average_parameters()` without the parameters: merges an average in flight, averages
+        """`average_parameters()` without the parameters: merges a round in flight, averages
         when the rule says, advances `step`. Returns whether it averaged (or launched one)."""
-        flat = self._bound()
-        self.merged = False
-        if self.reducer.pending:
-            self.ensure_bound()
-            self._global_hooks("before")  # a merge brings every rank onto the average
-            self.reducer.finish_(flat.buffers)
-            self._run_hooks(self.comm)
-            self._global_hooks("after")
-            self.merged = True
-        level = self.level_at(self.step)
-        if level is not None:
-            self._average(level, delayed=self.reducer.delays, scheduled=True)
-        self.all_in_sync = (
-            level is not None and not self.reducer.delays and self.levels[level] is self.comm
-        )
-        self.started_round = level is not None and self.levels[level] is self.comm
+        self._bound()
+        self.ensure_bound()
+        rounds, step = self.rounds, self.step
+        self.merged, self.last_part, self.received_mean = False, None, None
+        if step < self.warmup_steps:  # synchronous: every part's change starts after it
+            self.part_samples.restart()
+        inner = self.inner_level_at(step)
+        if inner is not None:
+            self._inner_average(inner)
+        for q in range(self.parts):  # a launched round τ steps ago merges
+            if rounds.pending and rounds.holding[q] and rounds.pending_step[q] == step - self.delay:
+                self._finish(q)
+        at = self.round_at(step)
+        if at is not None:
+            self._round(*at, scheduled=True)
+        widest = at is not None and at[1] == len(self.levels) - 1
+        # a merge that replaces the whole model leaves every rank on the global values
+        self.all_in_sync = self.merged and self.parts == 1 and self._replaces
+        self.started_round = widest
         self.step += 1
-        return level is not None
+        return at is not None or inner is not None
+
+    @property
+    def _replaces(self) -> bool:
+        """A merge leaves the merged part equal to the global value on every rank."""
+        rounds = self.rounds
+        return not rounds.alpha and not rounds.eager and not rounds.progress
+
+    def _finish(self, q: int) -> None:
+        self._global_hooks("before")  # a merge brings every rank onto the average
+        self.rounds.finish(q, self.flat.buffers, self.comm, self.step)
+        if self.weighted:
+            self.part_samples.merged(q)
+        self._merged(q)
+
+    def _merged(self, p: int) -> None:
+        self._run_hooks(self.comm)
+        self._global_hooks("after")
+        self.merged, self.last_part = True, p
+
+    def _round(self, p: int, level: int, scheduled: bool) -> None:
+        """Part p's round at `level`: launched (τ > 0, over every rank), eager, or blocking."""
+        rounds, buffers, comm = self.rounds, self.flat.buffers, self.levels[level]
+        widest = comm is self.comm
+        before = self.stats.bytes
+        self._before_reduce()
+        self._extras_into_buffers()
+        plain = self.is_plain(p, self.step)
+        launched = scheduled and self.delay > 0 and widest
+        scale = self._weigh(p, comm, launched) if self.weighted and widest else None
+        try:
+            if launched:
+                rounds.launch(p, buffers, comm, self.step, plain, scale)
+            else:
+                if widest and scheduled:
+                    self._global_hooks("before")
+                if rounds.eager and not plain and widest:
+                    got = rounds.eager_round(p, buffers, comm, self.step)
+                else:
+                    rounds.blocking(p, buffers, comm, level, self.step, plain, scale)
+                    got = True
+                if not widest:
+                    self._run_hooks(comm)
+                elif got and scheduled:
+                    self._merged(p)
+                elif scheduled:
+                    self._global_hooks("after")
+                else:
+                    self._run_hooks(comm)
+        finally:
+            if self.weighted and widest:
+                comm.unweigh()
+        self._count(level, before)
+        self._extras_from_buffers()
+        self._after_reduce(scheduled)
+        self._extras_into_buffers()
+
+    def _weigh(self, p: int, comm: Communicator, launched: bool) -> float | None:
+        """Part p's weighted round: every rank's samples since p's values last started from the
+        global ones. Returns the factor of this rank's contribution under `normalized` (the
+        round's largest weight over its own), or None."""
+        if self.rounds.gathered:
+            raise ValueError(
+                "weighted rounds weigh each worker by the samples it reports, and a robust "
+                "aggregate combines the contributions unweighted (an untrusted worker could "
+                "inflate its weight): set weighted=False"
+            )
+        own = self.part_samples.weight(p, launched)
+        start = time.perf_counter()
+        self.round_weights = comm.weigh(own, self.flat.buffers[0].device)
+        self.wait_s += time.perf_counter() - start
+        self.contributed += sum(self.round_weights)
+        if not (self.normalized and comm.share):  # equal weights, or none trained here
+            return None
+        return max(self.round_weights) / own
+
+    def _inner_average(self, level: int) -> None:
+        """A plain fp32 mean of the whole model inside level `level`'s groups (Streaming
+        DiLoCo's inner levels: the rounds' state is not touched)."""
+        comm, before = self.levels[level], self.stats.bytes
+        for flat in self.flat.buffers:
+            comm.mean_(flat)
+        self._run_hooks(comm)
+        self._count(level, before)
+
+    def _count(self, level: int, before: int) -> None:
+        """One round of `level`, which sent what the counters gained since `before`."""
+        self.stats.rounds += 1
+        self.level_stats[level].rounds += 1
+        self.level_stats[level].bytes += self.stats.bytes - before
 
     @mirrored()
     def average(self) -> None:
         """Average across every rank now, blocking, outside the schedule (e.g. before the final
-        evaluation); an average still in flight is merged first (the hooks run once, after)."""
-        if self.reducer.pending:
-            self.ensure_bound()
-            self.reducer.finish_(self._bound().buffers)
-        self._average(len(self.levels) - 1, delayed=False, scheduled=False)
-        self.all_in_sync = True
-
-    def _average(self, level: int, delayed: bool, scheduled: bool) -> None:
+        evaluation); a round still in flight is merged first (the hooks run once, after)."""
         self.ensure_bound()
-        buffers = self.flat.buffers
-        comm = self.levels[level]
-        observed = scheduled and not delayed and comm is self.comm
-        before = self.stats.bytes
-        self._before_reduce()
-        self._extras_into_buffers()
-        weighs = self.weighted and comm is self.comm
-        if weighs:
-            start = time.perf_counter()
-            self.round_weights = comm.weigh(self.contribution, buffers[0].device)
-            self.wait_s += time.perf_counter() - start
-            self.contributed += sum(self.round_weights)
-            if self.normalized and comm.share:  # unequal weights, this rank's above 0
-                self._scale_change(max(self.round_weights))
-        if observed:
-            self._global_hooks("before")
-        if delayed:
-            self.reducer.launch_(buffers, comm)
-        else:
-            try:
-                self.reducer.reduce_(buffers, comm, level, self.step)
-            finally:
-                self.reducer.change_scale = None
-            self._run_hooks(comm)
-        if observed:
-            self._global_hooks("after")
-        if weighs:
-            comm.unweigh()
-        self.stats.rounds += 1
-        self.level_stats[level].rounds += 1
-        self.level_stats[level].bytes += self.stats.bytes - before
-        self._extras_from_buffers()
-        self._after_reduce(scheduled)
-        self._extras_into_buffers()
+        for q in range(self.parts):
+            if self.rounds.pending and self.rounds.holding[q]:
+                self.rounds.finish(q, self.flat.buffers, self.comm, self.step)
+        self._round(0, len(self.levels) - 1, scheduled=False)
+        self.all_in_sync = True
 
     @torch.no_grad()
     def _extras_into_buffers(self) -> None:
@@ -336,17 +466,6 @@ class Averager(ModelAverager):
             for t, v in zip(self.flat.tensors[n:], self.flat.views[n:], strict=True):
                 t.copy_(v)
 
-    def _scale_change(self, largest: float) -> None:
-        """Ask the reducer to scale this rank's change by `largest` over its own weight (see
-        `normalized`), over the parameters."""
-        if not self.reducer.scales_changes:
-            raise ValueError(
-                f"normalized weighted rounds scale each change since the last average, which "
-                f"{type(self.reducer).__name__} does not keep: build the averager with "
-                "round_starts=True, or set normalized=False"
-            )
-        self.reducer.change_scale = (largest / self.contribution, param_lead(self.flat))
-
     def _global_hooks(self, when: str) -> None:
         for hook in self.global_hooks:
             getattr(hook, when)(self.flat.buffers)
@@ -356,31 +475,32 @@ class Averager(ModelAverager):
             hook(comm)
 
     def averages_all(self, step: int) -> bool:
-        """Whether the update after step `step` averages over every rank (the widest level)."""
-        level = self.level_at(step)
-        return level is not None and self.levels[level] is self.comm
+        """Whether the update after step `step` starts a round over every rank."""
+        at = self.round_at(step)
+        return at is not None and at[1] == len(self.levels) - 1
 
-    # What a failed round across replica groups (torchft) restores: "commit", the state of the
-    # last committed round (every replica holds it: the averages replace the whole model), or
-    # "round", the state from before the failed round (Streaming DiLoCo: a fragment's sync
-    # touches that fragment only, and the others keep their local progress).
-    failed_round_restores = "commit"
     rounds_overlap = False  # one step closes a round and opens the next (see StreamingAverager)
 
     @property
     def delayed_syncs(self) -> bool:
         """Whether a sync over every rank is launched after one step and merged after a later
         one (`sync_at` says "launch", then "merge"), rather than done within one step."""
-        return self.reducer.delays
+        return self.delay > 0
 
     def sync_at(self, step: int) -> str | None:
         """What the update after step `step` does across every rank: None (nothing, or an
-        inner level's average), "sync" (a blocking average over every rank), "launch" (a
-        delayed one opens) or "merge" (one launched earlier closes). A round driver (torchft's)
-        runs a round around each."""
-        if self.averages_all(step):
-            return "launch" if self.reducer.delays else "sync"
-        return "merge" if self.reducer.delays and self.reducer.pending else None
+        inner level's average), "sync" (a blocking round), "launch" (a delayed one opens) or
+        "merge" (one launched earlier closes). A round driver (torchft's) runs a round around
+        each."""
+        if self.delay:
+            rounds = self.rounds
+            if any(
+                rounds.holding[q] and rounds.pending_step[q] == step - self.delay
+                for q in range(self.parts)
+            ):
+                return "merge"
+            return "launch" if self.averages_all(step) else None
+        return "sync" if self.averages_all(step) else None
 
     @property
     def ever_averages(self) -> bool:
@@ -394,14 +514,31 @@ class Averager(ModelAverager):
 
     def common_tensors(self) -> list[torch.Tensor]:
         """Flat tensors every rank holds identically right now: the buffers after a full
-        average; after a delayed merge, the average received (the buffers hold local progress)."""
-        if self.merged and not self.all_in_sync:
-            return self.reducer.averages
-        return self._bound().current()  # mirror, between steps: a transient copy
+        average; after a merge, what every rank received (the anchors with an outer step, the
+        part's values under a replacing merge, else the mean received)."""
+        if self.all_in_sync or not self.merged:
+            return self._bound().current()  # mirror, between steps: a transient copy
+        rounds, p = self.rounds, self.last_part
+        if rounds.eager:
+            return list(rounds.received[p])
+        if rounds.anchored:
+            out = list(rounds.anchors.first)
+        elif rounds.in_place:
+            out = []
+        else:
+            out = list(self.received_mean if self.received_mean is not None else rounds.sent[p])
+        if self._replaces:
+            current = self.flat.current()  # mirror, between steps: a transient copy
+            out += views(current, rounds.parts[p])
+        return out
+
+    received_mean: list[torch.Tensor] | None = None  # a relaunched part's mean (StreamingAverager)
 
     def complete_launched(self) -> None:
-        """Wait for the collectives this averager launched and left in flight (none here; a
-        round driver calls it before closing a round, whose process group may not outlive it)."""
+        """Wait for the collectives this averager launched and left in flight (a delayed
+        round's, an eager one's); a round driver calls it before closing a round, whose
+        process group may not outlive it."""
+        self.rounds.wait_all()
 
     def global_state(self) -> list[torch.Tensor] | None:
         """Between syncs, flat tensors (laid out as the flat buffers) that every rank holds
@@ -424,7 +561,7 @@ class Averager(ModelAverager):
         not counted as training communication)."""
         for flat in self._bound().buffers:
             self.comm.broadcast_(flat, src)
-        self.reducer.reset(self.flat.buffers)
+        self.rounds.reset(self.flat.buffers)
 
     def comm_levels(self) -> list[dict]:
         """Per-level communication of the averages, for summaries."""
@@ -442,7 +579,7 @@ class Averager(ModelAverager):
         state = {
             "step": self.step,
             "levels": [s.state_dict() for s in self.level_stats],
-            "reducer": self.reducer.state_dict(),
+            "rounds": self.rounds.state_dict(),
             # hooks that keep state (OptimizerStateSync's clock and byte counts), in list order
             "hooks": [h.state_dict() for h in self.hooks if hasattr(h, "state_dict")],
         }
@@ -453,6 +590,7 @@ class Averager(ModelAverager):
                 "contributed": self.contributed,
                 "round_weights": self.round_weights,
                 "wait_s": self.wait_s,
+                "since": list(self.part_samples.since),
             }
         return state
 
@@ -464,10 +602,12 @@ class Averager(ModelAverager):
             self.contributed = float(weighted["contributed"])
             self.round_weights = weighted["round_weights"]
             self.wait_s = float(weighted["wait_s"])
+            if "since" in weighted:
+                self.part_samples.since = [float(n) for n in weighted["since"]]
         for stats, saved in zip(self.level_stats, state.get("levels", []), strict=False):
             stats.load_state_dict(saved)
         stateful = [h for h in self.hooks if hasattr(h, "load_state_dict")]
         for hook, saved in zip(stateful, state.get("hooks", []), strict=False):
             hook.load_state_dict(saved)
         if self.flat is not None:
-            self.reducer.load_state_dict(state.get("reducer", {}))
+            self.rounds.load_state_dict(state.get("rounds", {}))

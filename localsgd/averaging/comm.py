@@ -347,6 +347,15 @@ class Communicator:
         _gather_into(out, inp, self.group)
         self._account(start, _nbytes(inp))
 
+    def launch_all_gather_(self, out: torch.Tensor, inp: torch.Tensor) -> PendingMean:
+        """`all_gather_`, launched: `wait()` the handle before reading `out` (counted as
+        `inp`'s bytes; a simulated link's time is waited out at `wait()`)."""
+        start = time.perf_counter()
+        work = _gather_into(out, inp, self.group, async_op=True)
+        self.stats.bytes += _nbytes(inp)
+        self.stats.seconds += time.perf_counter() - start
+        return PendingMean(self, [work], _nbytes(inp), start)
+
     def quantized_mean_(
         self, flat: torch.Tensor, wire: QuantizedWire, residual: torch.Tensor | None = None
     ) -> None:

@@ -28,14 +28,12 @@ import torch
 
 from localsgd.averaging.comm import Communicator
 from localsgd.averaging.finite import all_finite
-from localsgd.averaging.flat import Relayout
 from localsgd.averaging.quantize import (
     DEFAULT_BLOCK_SIZE,
     QUANTIZED_FORMATS,
     BlockCodec,
     QuantizedWire,
 )
-from localsgd.averaging.reduce import Reducer, scale_change_
 from localsgd.averaging.sparse import SparseWire, TopKCodec
 
 COMM_DTYPES = {
@@ -136,75 +134,3 @@ def load_residuals(residuals: list, saved: list | None) -> None:
             residual.zero_()
         else:
             residual.copy_(value)
-
-
-class LowPrecisionMean(Reducer):
-    """Averages flat buffers through low-precision copies of their change since the last sync.
-
-    `dtype`: a 16-bit dtype, or a block-quantised format (a name or a `BlockCodec`; see
-    `comm_dtype_of`). `levels` anchors are kept for hierarchical averaging: anchor `l` is the
-    state right after the last sync at level `l` or wider, which is what every member of a
-    level-`l` group shares. `error_feedback` keeps one residual per worker (one, whatever the
-    level: it is what this worker still owes the average).
-    """
-
-    anchored = True
-    scales_changes = True
-
-    def __init__(
-        self,
-        buffers: list[torch.Tensor],
-        dtype: str | torch.dtype | BlockCodec,
-        levels: int = 1,
-        error_feedback: bool = False,
-        feedback_decay: float = 1.0,
-    ):
-        self.dtype = comm_dtype_of(dtype)
-        self.error_feedback = error_feedback
-        self.feedback_decay = feedback_decay
-        self.anchors = [[b.detach().clone() for b in buffers] for _ in range(levels)]
-        self.low = wire_buffers(buffers, self.dtype)
-        self.residuals = residual_buffers(buffers, self.low, error_feedback)
-
-    def reset(self, buffers: list[torch.Tensor]) -> None:
-        for anchors in self.anchors:
-            for anchor, flat in zip(anchors, buffers, strict=True):
-                anchor.copy_(flat)
-        for residual in self.residuals:
-            if residual is not None:
-                residual.zero_()
-
-    def relayout(self, convert: Relayout) -> None:
-        old = [
-            r if r is not None else torch.zeros_like(a)
-            for r, a in zip(self.residuals, self.anchors[0], strict=True)
-        ]
-        self.anchors = [convert(anchors) for anchors in self.anchors]
-        self.low = wire_buffers(self.anchors[0], self.dtype)
-        self.residuals = residual_buffers(self.anchors[0], self.low, self.error_feedback)
-        if self.error_feedback:
-            load_residuals(self.residuals, convert(old))
-
-    def reduce_(self, buffers: list[torch.Tensor], comm: Communicator, level: int, step: int):
-        for g, (flat, anchor, low, residual) in enumerate(
-            zip(buffers, self.anchors[level], self.low, self.residuals, strict=True)
-        ):
-            flat.sub_(anchor)  # the change since this group's last sync: small, so bf16 suffices
-            scale_change_(flat, g, self.change_scale)
-            lossy_mean_(flat, comm, low, residual, self.feedback_decay)
-            flat.add_(anchor)
-        for anchors in self.anchors[: level + 1]:
-            for anchor, flat in zip(anchors, buffers, strict=True):
-                anchor.copy_(flat)
-
-    def state_dict(self) -> dict:
-        state = {"anchors": [[a.clone() for a in anchors] for anchors in self.anchors]}
-        if self.error_feedback:
-            state["residuals"] = [r.clone() if r is not None else None for r in self.residuals]
-        return state
-
-    def load_state_dict(self, state: dict) -> None:
-        for anchors, saved in zip(self.anchors, state["anchors"], strict=True):
-            for anchor, value in zip(anchors, saved, strict=True):
-                anchor.copy_(value)
-        load_residuals(self.residuals, state.get("residuals"))

@@ -9,9 +9,10 @@ import torch.distributed as dist
 
 from localsgd.averaging.averager import Averager
 from localsgd.averaging.comm import CommStats, Communicator, SimulatedLink
-from localsgd.averaging.compress import LowPrecisionMean, comm_dtype_of
+from localsgd.averaging.compress import comm_dtype_of
 from localsgd.averaging.flat import FlatBuffers
 from localsgd.averaging.quantize import DEFAULT_BLOCK_SIZE
+from localsgd.averaging.rounds import Rounds, whole
 
 
 def check_levels(period_group_size_dict: dict[int, int], overall: int) -> None:
@@ -74,6 +75,7 @@ class HierarchicalAverager(Averager):
         quant_block_size: int = DEFAULT_BLOCK_SIZE,
         error_feedback_decay: float = 1.0,
         drop_nonfinite: bool = True,
+        round_starts: bool = False,
     ):
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
@@ -91,27 +93,33 @@ class HierarchicalAverager(Averager):
             for period, comm in zip(self.periods, levels, strict=True)
         )
         self.comm_dtype = comm_dtype_of(comm_dtype, quant_block_size)
-        reducer = None
-        if self.comm_dtype != torch.float32:
+        lossy = self.comm_dtype != torch.float32
+        if lossy:
             sizes = list(period_group_size_dict.values())
             if sizes != sorted(sizes):
                 raise ValueError("comm_dtype other than float32 needs group sizes that only grow")
-            dtype, n = self.comm_dtype, len(levels)
+        dtype, n = self.comm_dtype, len(levels)
 
-            def reducer(flat: FlatBuffers) -> LowPrecisionMean:
-                return LowPrecisionMean(
-                    flat.buffers,
-                    dtype,
-                    levels=n,
-                    error_feedback=error_feedback,
-                    feedback_decay=error_feedback_decay,
-                )
+        def make_rounds(flat: FlatBuffers) -> Rounds:
+            # below fp32 each level's change is sent from the values every member of its
+            # group shared after their last sync at that level or wider: one anchor set a level
+            return Rounds(
+                flat,
+                [whole(flat)],
+                size=world.size,
+                contribution="change" if lossy else "values",
+                fmt=dtype,
+                levels=n,
+                error_feedback=error_feedback,
+                feedback_decay=error_feedback_decay,
+                anchored=round_starts,
+            )
 
         super().__init__(
             levels,
             process_group,
             module=module,
-            reducer=reducer,
+            rounds=make_rounds,
             warmup_steps=warmup_steps,
             init_sync=init_sync,
         )
@@ -119,8 +127,9 @@ class HierarchicalAverager(Averager):
     def period_of(self, level: int) -> int:
         return self.periods[level]
 
-    def level_at(self, step: int) -> int | None:
-        return level_by_period(step, self.warmup_steps, self.periods)
+    def round_at(self, step: int) -> tuple[int, int] | None:
+        level = level_by_period(step, self.warmup_steps, self.periods)
+        return None if level is None else (0, level)
 
     def next_sync(self, step: int) -> int:
         s = max(step, self.warmup_steps)

@@ -22,15 +22,14 @@ from localsgd.averaging.comm import CommStats, SimulatedLink
 from localsgd.averaging.compress import CommFormat, comm_dtype_of
 from localsgd.averaging.flat import FlatBuffers
 from localsgd.averaging.offload import check_outer_state
-from localsgd.averaging.outer_step import DILOCO, OUTER_DEFAULTS, OuterStep, outer_step
 from localsgd.averaging.periodic import PeriodicAverager
 from localsgd.averaging.quantize import DEFAULT_BLOCK_SIZE
-from localsgd.averaging.reduce import Reducer
 from localsgd.averaging.robust import Aggregate
+from localsgd.averaging.rounds import DILOCO, OUTER_DEFAULTS, Rounds, outer_step, whole
 from localsgd.averaging.schedule import ConstantPeriod
-from localsgd.averaging.trust import Judge, TrustedRound
+from localsgd.averaging.trust import Judge
 
-__all__ = ["DILOCO", "OUTER_DEFAULTS", "OuterAverager", "OuterStep", "outer_step"]
+__all__ = ["DILOCO", "OUTER_DEFAULTS", "OuterAverager", "outer_step"]
 
 
 class OuterAverager(PeriodicAverager):
@@ -88,25 +87,22 @@ class OuterAverager(PeriodicAverager):
         if aggregate is None and judge is not None:
             raise ValueError("judge needs an aggregate (Aggregate('mean') for the gathered mean)")
         size = dist.get_world_size(process_group)
+        sgd = {"lr": outer_lr, "momentum": outer_momentum, "nesterov": outer_nesterov,
+               "warmup_rounds": outer_warmup_rounds}  # fmt: skip
 
-        def make_reducer(flat: FlatBuffers) -> Reducer:
-            def trusted(buffers: list[torch.Tensor], low: list) -> TrustedRound:
-                return TrustedRound(
-                    buffers, size, low, aggregate, judge, -1, error_feedback_decay, mirror=flat
-                )
-
-            return OuterStep(
+        def make_rounds(flat: FlatBuffers) -> Rounds:
+            return Rounds(
                 flat,
-                warmup_steps,
-                outer_lr,
-                outer_momentum,
-                outer_nesterov,
-                dtype,
-                error_feedback=error_feedback,
-                warmup_rounds=outer_warmup_rounds,
+                [whole(flat)],
+                size=size,
+                contribution="pseudo_gradient",
+                outer=sgd,
                 host=host,
-                trusted=trusted if aggregate is not None else None,
+                fmt=dtype,
+                error_feedback=error_feedback,
                 feedback_decay=error_feedback_decay,
+                aggregate=aggregate,
+                judge=judge,
             )
 
         super().__init__(
@@ -117,13 +113,17 @@ class OuterAverager(PeriodicAverager):
             stats=stats,
             schedule=schedule,
             link=link,
-            reducer=make_reducer,
+            rounds=make_rounds,
             init_sync=init_sync,
             mirror=mirror,
             drop_nonfinite=drop_nonfinite,
         )
         self.comm_dtype = dtype  # what goes on the wire (PeriodicAverager set float32)
 
+    def is_plain(self, p: int, step: int) -> bool:
+        # the first sync after a warmup (the rule fires at step `warmup_steps`): see the module doc
+        return self.warmup_steps > 0 and step == self.warmup_steps
+
     @property
     def outer_optimizer(self) -> torch.optim.Optimizer:
-        return self.reducer.optimizer
+        return self.rounds.outer.optimizers[0]

@@ -5,15 +5,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from localsgd.averaging.averager import Averager, ReducerFactory
+from localsgd.averaging.averager import Averager, RoundsFactory
 from localsgd.averaging.comm import CommStats, Communicator, SimulatedLink
-from localsgd.averaging.compress import LowPrecisionMean, comm_dtype_of
+from localsgd.averaging.compress import comm_dtype_of
 from localsgd.averaging.flat import FlatBuffers
-from localsgd.averaging.overlap import DelayedMean
 from localsgd.averaging.quantize import DEFAULT_BLOCK_SIZE
-from localsgd.averaging.reduce import RoundStartMean
 from localsgd.averaging.robust import Aggregate
-from localsgd.averaging.robust_mean import RobustMean
+from localsgd.averaging.rounds import Rounds, whole
 from localsgd.averaging.schedule import ConstantPeriod
 from localsgd.averaging.trust import Judge
 
@@ -72,7 +70,7 @@ class PeriodicAverager(Averager):
         link: SimulatedLink | None = None,
         overlap: bool = False,
         bucket_mb: float = 25.0,
-        reducer: ReducerFactory | None = None,
+        rounds: RoundsFactory | None = None,
         init_sync: bool | None = None,
         error_feedback: bool = False,
         quant_block_size: int = DEFAULT_BLOCK_SIZE,
@@ -87,44 +85,37 @@ class PeriodicAverager(Averager):
             raise ValueError(f"period must be an integer >= 1, got {period!r}")
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
+        if bucket_mb <= 0:
+            raise ValueError(f"bucket_mb must be > 0, got {bucket_mb!r}")
         self.schedule = schedule if schedule is not None else ConstantPeriod(period)
         dtype = comm_dtype_of(comm_dtype, quant_block_size)
-        if overlap and (self.schedule.needs_loss or dtype != torch.float32):
-            raise ValueError("overlap needs fp32 comm_dtype and a schedule without loss feedback")
+        if overlap and self.schedule.needs_loss:
+            raise ValueError("overlap needs a schedule without loss feedback")
         if aggregate is None and judge is not None:
             raise ValueError("judge needs an aggregate (Aggregate('mean') for the gathered mean)")
-        if aggregate is not None and (overlap or self.schedule.needs_loss):
-            raise ValueError("a robust aggregate needs overlap=False and a schedule without loss "
-                             "feedback")
         comm = Communicator(process_group, stats, link, guard=drop_nonfinite)
-        if reducer is None and aggregate is not None:
+        # the change since the last sync is what a lossy wire rounds and a robust rule judges;
+        # in fp32 the values themselves are averaged (torch's averager, bit for bit)
+        lossy = dtype != torch.float32 or aggregate is not None
+        kind = "change" if lossy else "values"
+        bucket = int(bucket_mb * 2**20)
 
-            def reducer(flat: FlatBuffers) -> RobustMean:
-                return RobustMean(
-                    flat.buffers, dtype, comm.size, aggregate, judge, error_feedback=error_feedback,
-                    feedback_decay=error_feedback_decay, mirror=flat,
-                )
-
-        elif reducer is None and overlap:
-            bucket_bytes = int(bucket_mb * 2**20)
-
-            def reducer(flat: FlatBuffers) -> DelayedMean:
-                return DelayedMean(flat.buffers, bucket_bytes)
-
-        elif reducer is None and dtype != torch.float32:
-
-            def reducer(flat: FlatBuffers) -> LowPrecisionMean:
-                return LowPrecisionMean(
-                    flat.buffers,
-                    dtype,
-                    error_feedback=error_feedback,
-                    feedback_decay=error_feedback_decay,
-                )
-
-        elif reducer is None and round_starts:
-
-            def reducer(flat: FlatBuffers) -> RoundStartMean:
-                return RoundStartMean(flat.buffers)
+        def default_rounds(flat: FlatBuffers) -> Rounds:
+            return Rounds(
+                flat,
+                [whole(flat)],
+                size=comm.size,
+                contribution=kind,
+                fmt=dtype,
+                error_feedback=error_feedback,
+                feedback_decay=error_feedback_decay,
+                aggregate=aggregate,
+                judge=judge,
+                launched=overlap,
+                progress=overlap,
+                anchored=round_starts,
+                bucket_bytes=bucket,
+            )
 
         self.comm_dtype = dtype
         self.last_average = warmup_steps - self.schedule.period_at(warmup_steps)
@@ -132,11 +123,17 @@ class PeriodicAverager(Averager):
             [comm],
             process_group,
             module=module,
-            reducer=reducer,
+            rounds=rounds if rounds is not None else default_rounds,
             warmup_steps=warmup_steps,
             init_sync=init_sync,
             mirror=mirror,
+            delay=1 if overlap else 0,
         )
+
+    @property
+    def rounds_overlap(self) -> bool:
+        """With overlap at period 1 every step merges one average and launches the next."""
+        return self.delay > 0 and self.schedule.period_at(self.step) <= self.delay
 
     @property
     def period(self) -> int:
@@ -152,25 +149,28 @@ class PeriodicAverager(Averager):
     def extra_tensors(self, device: torch.device) -> list[torch.Tensor]:
         return self.schedule.loss_slots(device)
 
-    def level_at(self, step: int) -> int | None:
+    def due(self, step: int) -> bool:
+        """Whether the rule averages after step `step`."""
         if step < self.warmup_steps or not self.schedule.averages:
-            return None
+            return False
         if self.schedule.varies:
-            due = step - self.last_average >= self.schedule.period_at(step)
-        else:  # torch's rule, which holds even where `step` was set from outside (a reload)
-            due = (step - self.warmup_steps) % self.schedule.period == 0
-        return 0 if due else None
+            return step - self.last_average >= self.schedule.period_at(step)
+        # torch's rule, which holds even where `step` was set from outside (a reload)
+        return (step - self.warmup_steps) % self.schedule.period == 0
+
+    def round_at(self, step: int) -> tuple[int, int] | None:
+        return (0, 0) if self.due(step) else None
 
     def next_sync(self, step: int) -> int | None:
-        if self.reducer.pending and step == self.step:
+        if self.rounds.pending and step == self.step:
             return step  # this step waits for the average in flight
         if not self.schedule.averages:
             return None
         s = max(step, self.warmup_steps)
-        while self.level_at(s) is None:
+        while not self.due(s):
             s += 1
         # with overlap the ranks wait for each other only where the average is merged
-        return s + 1 if self.reducer.delays else s
+        return s + 1 if self.delay else s
 
     def observe_loss(self, loss: torch.Tensor) -> None:
         """Feed this step's training loss to a schedule that adapts to it (no-op otherwise).

@@ -195,6 +195,58 @@ class GatheredContributions:
             for w in self.low
         ]
 
+    def launch_gather_(
+        self,
+        flats: list[torch.Tensor],
+        comm: Communicator,
+        residuals: list[torch.Tensor | None],
+    ) -> GatheredContributions:
+        """`gather_`, launched: every buffer is encoded (and its residual taken) now and its
+        all-gather started; `wait()` finishes them and decodes the rows. The caller must not
+        touch `flats` before `wait()` (what was sent is copied to the wire or gathered from
+        it)."""
+        if comm.size != self.size:
+            self._allocate(flats, comm.size)
+        self.pending = []
+        for flat, low, rows, cast, residual in zip(
+            flats, self.low, self.rows, self._cast, residuals, strict=True
+        ):
+            feed_back_(flat, residual, self.decay)
+            if isinstance(low, GatheredWire):
+                low.encode_(flat)
+                if residual is not None:
+                    residual.copy_(flat).sub_(low.decode(low.send))
+                self.pending.append(comm.launch_all_gather_(low.gathered(self.size), low.send))
+            elif low is not None:
+                low.copy_(flat)
+                if residual is not None:
+                    torch.sub(flat, low, out=residual)
+                self.pending.append(comm.launch_all_gather_(cast, low))
+            else:
+                if flat.dtype != torch.float32:
+                    raise ValueError("a launched gather sends fp32 buffers or a wire format")
+                self.pending.append(comm.launch_all_gather_(rows.view(-1), flat))
+            if residual is not None and not all_finite([residual]):
+                residual.zero_()  # see `gather_`
+        return self
+
+    def wait(self) -> list[torch.Tensor]:
+        """The rows of the launched gather (`launch_gather_`), decoded."""
+        for pending, low, rows, cast, sent in zip(
+            self.pending, self.low, self.rows, self._cast, self.sent, strict=True
+        ):
+            pending.wait()
+            if isinstance(low, GatheredWire):
+                gathered, nb = low.gathered(self.size), low.nbytes
+                for rank in range(self.size):
+                    rows[rank].copy_(low.decode(gathered[rank * nb : (rank + 1) * nb]))
+                    if sent is not None:
+                        low.mark_sent_(sent[rank])
+            elif low is not None:
+                rows.view(-1).copy_(cast)
+        self.pending = []
+        return self.rows
+
     def gather_(
         self,
         flats: list[torch.Tensor],

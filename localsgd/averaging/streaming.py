@@ -81,7 +81,6 @@ a host staging copy of the fragments' wire (`localsgd.averaging.offload`; the sa
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
 import torch
@@ -92,18 +91,17 @@ from localsgd.averaging.averager import Averager, mirrored
 from localsgd.averaging.comm import CommStats, Communicator, SimulatedLink
 from localsgd.averaging.compress import CommFormat, comm_dtype_of
 from localsgd.averaging.flat import FlatBuffers, averaged_tensors
-from localsgd.averaging.fragment_trust import TrustedFragments, refusal
-from localsgd.averaging.fragment_weights import FragmentSamples, weighing_refusal
-from localsgd.averaging.fragments import Fragments, Tensors, fragment_ids
+from localsgd.averaging.fragments import Tensors, fragment_ids
 from localsgd.averaging.hierarchical import level_by_period
 from localsgd.averaging.offload import check_outer_state
-from localsgd.averaging.outer_step import DILOCO
 from localsgd.averaging.quantize import DEFAULT_BLOCK_SIZE
 from localsgd.averaging.robust import Aggregate
+from localsgd.averaging.rounds import DILOCO, Rounds
+from localsgd.averaging.rounds.merge import MERGE_RULES
+from localsgd.averaging.rounds.part import fragments as fragment_parts
 from localsgd.averaging.trust import Judge
 
-# how a delayed merge combines the global value with the local one (see the module docstring)
-MERGE_RULES = ("mix", "progress")
+__all__ = ["MERGE_RULES", "StreamingAverager"]
 
 
 class StreamingAverager(Averager):
@@ -111,11 +109,14 @@ class StreamingAverager(Averager):
     with `merge_alpha`; `eager` overlaps the whole outer step; `outer=False` streams plain
     averages; `inner_levels` adds hierarchical levels below the streaming one; `outer_state="cpu"`
     keeps the anchors and outer momentum in host memory (`offload`); `aggregate`/`judge` gather
-    each fragment's pseudo-gradients and combine them robustly (`fragment_trust`). Called once after
-    every optimizer step, like every averager here. See the module docstring for the split, the
-    schedule, the levels and the arithmetic; P=1, τ=0, α=0 is `OuterAverager` bit for bit.
-    `module` is required (the blocks come from it). Every rank must construct it in the same
-    order relative to other group creations when `inner_levels` make subgroups."""
+    each fragment's contributions and combine them robustly (`rounds.combine.Gathered`), blocking
+    or launched. Called once after every optimizer step, like every averager here. See the
+    module docstring for the split, the schedule, the levels and the arithmetic; P=1, τ=0, α=0
+    is `OuterAverager` bit for bit. `module` is required (the blocks come from it). Every rank
+    must construct it in the same order relative to other group creations when `inner_levels`
+    make subgroups."""
+
+    failed_round_restores = "round"
 
     def __init__(
         self,
@@ -169,62 +170,61 @@ class StreamingAverager(Averager):
             raise ValueError(
                 "eager overlaps the whole outer step: it needs outer and delay_steps=0"
             )
+        if aggregate is None and judge is not None:
+            raise ValueError("judge needs an aggregate (Aggregate('mean') for the gathered mean)")
+        if aggregate is not None and eager:
+            raise ValueError(
+                "a robust aggregate needs eager=False: each worker steps its own anchor with "
+                "its own fresh pseudo-gradient before any aggregate exists"
+            )
         dtype = comm_dtype_of(comm_dtype, quant_block_size)
         host = check_outer_state(outer_state)
         if host and not outer:
             raise ValueError("outer_state='cpu' needs outer=True (plain streaming keeps no state)")
         self.outer_state = outer_state
-        if dtype != torch.float32 and not outer:
-            raise ValueError(
-                "comm_dtype below float32 needs outer=True under streaming: the pseudo-gradient "
-                "is what is rounded (plain streaming sends the values themselves)"
-            )
         if error_feedback and dtype == torch.float32:
             raise ValueError("error_feedback needs a comm_dtype below float32 (nothing is rounded)")
+        if outer_warmup_rounds < 0:
+            raise ValueError(f"outer_warmup_rounds must be >= 0, got {outer_warmup_rounds}")
         self.comm_dtype = dtype  # what goes on the wire
-        self.period, self.fragments, self.delay = period, fragments, delay_steps
+        self.period, self.fragments = period, fragments
         self.alpha, self.eager, self.outer = float(merge_alpha), eager, outer
         self.progress = progress
         self.offset = period // fragments
         ids = fragment_ids(module, fragments, blocks)
         n_params = sum(1 for t in module.parameters() if torch.is_floating_point(t))
+        # the tensors bound in fragment order: each fragment contiguous in every buffer
         self._order = sorted(range(len(ids)), key=lambda i: (ids[i], i >= n_params, i))
         self._param_ids: set[int] = set()
-        self.last_fragment: int | None = None  # merged (or eagerly stepped) by the last step
-        self.received: Tensors | None = None  # the mean merged, if relaunched (τ = period)
-        if outer_warmup_rounds < 0:
-            raise ValueError(f"outer_warmup_rounds must be >= 0, got {outer_warmup_rounds}")
         sgd = {"lr": outer_lr, "momentum": outer_momentum, "nesterov": outer_nesterov,
                "warmup_rounds": outer_warmup_rounds}  # fmt: skip
+        # plain streaming sends the values in fp32; below it (or judged) the change since the
+        # fragment's last sync, which a lossy wire can round and a robust rule judge
+        lossy = dtype != torch.float32 or aggregate is not None
+        kind = "pseudo_gradient" if outer else ("change" if lossy else "values")
+        comm = Communicator(process_group, stats, link, guard=drop_nonfinite)
 
-        if aggregate is None and judge is not None:
-            raise ValueError("judge needs an aggregate (Aggregate('mean') for the gathered mean)")
-        if aggregate is not None and (why := refusal(outer, delay_steps, merge_alpha, eager,
-                                                     progress, bool(inner_levels), host)):
-            raise ValueError(why)
-
-        def make(flat: FlatBuffers) -> Fragments:
-            if aggregate is not None:  # robust rounds, blocking (`fragment_trust`)
-                return TrustedFragments(flat, [ids[i] for i in self._order],
-                                        [i < n_params for i in self._order], sgd, self.comm.size,
-                                        dtype, error_feedback, error_feedback_decay, aggregate,
-                                        judge, lambda: self.step)
-            return Fragments(
+        def make_rounds(flat: FlatBuffers) -> Rounds:
+            return Rounds(
                 flat,
-                [ids[i] for i in self._order],
-                [i < n_params for i in self._order],
-                sgd if outer else None,
-                eager,
-                self.comm.size,  # M, the workers of the widest level (bound after comm is set)
-                dtype,
-                error_feedback,
-                progress,
-                None if bucket_mb is None else int(bucket_mb * 2**20),
-                host,
-                error_feedback_decay,
+                fragment_parts(flat, [ids[i] for i in self._order],
+                               [i < n_params for i in self._order]),  # fmt: skip
+                size=comm.size,  # M, the workers of the widest level
+                contribution=kind,
+                outer=sgd if outer else None,
+                host=host,
+                fmt=dtype,
+                error_feedback=error_feedback,
+                feedback_decay=error_feedback_decay,
+                aggregate=aggregate,
+                judge=judge,
+                alpha=merge_alpha,
+                progress=progress,
+                launched=delay_steps > 0,
+                eager=eager,
+                bucket_bytes=None if bucket_mb is None else int(bucket_mb * 2**20),
             )
 
-        comm = Communicator(process_group, stats, link, guard=drop_nonfinite)
         inner = dict(inner_levels or {})
         for p, size in inner.items():
             if p < 1 or size < 1 or comm.size % size:
@@ -237,20 +237,17 @@ class StreamingAverager(Averager):
             if size not in by_size:
                 by_size[size] = comm.subgroups(size)
         self.inner_periods = list(inner)
-        self.fragment_samples = FragmentSamples(fragments, progress)  # weighted rounds
         super().__init__(
             [*(by_size[size] for size in inner.values()), comm],
             process_group,
             module=module,
-            reducer=make,
+            rounds=make_rounds,
             warmup_steps=warmup_steps,
             init_sync=init_sync,
             mirror=mirror,
+            delay=delay_steps,
+            parts=fragments,
         )
-
-    @property
-    def frags(self) -> Fragments:
-        return self.reducer  # type: ignore[return-value]
 
     # --- binding in fragment order -------------------------------------------------------------
 
@@ -258,12 +255,14 @@ class StreamingAverager(Averager):
         self._param_ids = {id(t) for t in params}
         super()._bind(params, [tensors[i] for i in self._order])
 
-    def _follow_module(self) -> None:
+    def _module_tensors(self) -> Tensors:
         current = averaged_tensors(self.module)
-        held = self._bound().tensors
-        current = [current[i] for i in self._order]
-        if len(current) != len(held) or any(a is not b for a, b in zip(current, held, strict=True)):
-            self.flat.replace(current)
+        return [current[i] for i in self._order]
+
+    def _follow_module(self) -> None:
+        before = self._bound().tensors
+        super()._follow_module()
+        if self.flat.tensors is not before:
             self._param_ids = {id(t) for t in self.module.parameters()}
 
     def _check_params(self, given: Tensors) -> None:
@@ -286,18 +285,21 @@ class StreamingAverager(Averager):
         """The fragment merged (eager: stepped) after step `step`, or None."""
         return self.launching(step - self.delay)
 
+    def round_at(self, step: int) -> tuple[int, int] | None:
+        p = self.launching(step)
+        return None if p is None else (p, self.widest)
+
     def inner_level_at(self, step: int) -> int | None:
         """The inner level that averages the whole model after step `step`, or None."""
         return level_by_period(step, self.warmup_steps, self.inner_periods)
 
+    def is_plain(self, p: int, step: int) -> bool:
+        # fragment p's first sync after a warmup is a plain average
+        return self.warmup_steps > 0 and step == self.warmup_steps + p * self.offset
+
     def acts_at(self, step: int) -> bool:
         merges = self.delay and self.merging(step) is not None
         return bool(merges) or self.level_at(step) is not None
-
-    def level_at(self, step: int) -> int | None:
-        if self.launching(step) is not None:
-            return self.widest
-        return self.inner_level_at(step)
 
     @property
     def widest(self) -> int:
@@ -311,12 +313,6 @@ class StreamingAverager(Averager):
         while self.merging(s) is None:
             s += 1
         return s
-
-    failed_round_restores = "round"
-
-    @property
-    def delayed_syncs(self) -> bool:
-        return self.delay > 0
 
     @property
     def rounds_overlap(self) -> bool:
@@ -335,103 +331,21 @@ class StreamingAverager(Averager):
 
     # --- the rounds ----------------------------------------------------------------------------
 
-    @mirrored(when_acting=True)
-    def maybe_average(self) -> bool:
-        frags = self.frags
-        self._bound()
-        self.ensure_bound()
-        self.merged, self.last_fragment, step = False, None, self.step
-        self.received = None
-        buffers = self.flat.buffers
-        if step < self.warmup_steps:  # synchronous: every fragment's change starts after it
-            self.fragment_samples.restart(self.samples_trained)
-        level = self.inner_level_at(step)
-        if level is not None:
-            self._inner_average(level)
-        q = self.merging(step) if self.delay else None
-        if q is not None and frags.holding[q] and frags.pending_step[q] == step - self.delay:
-            self._global_hooks("before")
-            frags.finish(q, buffers, self.alpha)
-            self._merged_samples(q)
-            if not self.outer and self.launching(step) == q:  # the launch reuses q's wire
-                self.received = [t.clone() for t in frags.sent[q]]
-            self._merged(q)
-        p = self.launching(step)
-        if p is not None:
-            before = self.stats.bytes
-            # fragment p's first sync after a warmup is a plain average
-            plain = self.warmup_steps > 0 and step == self.warmup_steps + p * self.offset
-            scale = self._weigh(p, launched=self.delay > 0) if self.weighted else None
-            if self.delay:
-                try:  # the launched exchange keeps the round's weights
-                    frags.launch(p, buffers, self.comm, step, plain, scale)
-                finally:
-                    self.comm.unweigh()
-            else:
-                self._global_hooks("before")
-                if self.eager and not plain:
-                    got = frags.eager_round(p, buffers, self.comm, self.alpha, step)
-                else:
-                    try:
-                        frags.blocking(p, buffers, self.comm, self.alpha, plain, scale)
-                    finally:
-                        self.comm.unweigh()
-                    got = True
-                if got:
-                    self._merged(p)
-                else:
-                    self._global_hooks("after")
-            self._count(self.widest, before)
-        self.all_in_sync = self.merged and self.fragments == 1 and self._replaces
-        self.started_round = p is not None
-        self.step += 1
-        return p is not None or level is not None
+    def _weigh(self, p: int, comm: Communicator, launched: bool) -> float | None:
+        if not self.outer or self.eager or self.inner_periods or (self.normalized and self.alpha):
+            raise ValueError(
+                "weighted rounds need an outer step (outer=True: the final average of plain "
+                "streaming is one unweighted mean), eager=False and no inner_levels, and "
+                "normalized ones merge_alpha=0 (a mixed merge leaves part of each worker's own "
+                "values in its next pseudo-gradient, which its samples did not make): set "
+                "weighted=False"
+            )
+        return super()._weigh(p, comm, launched)
 
-    def _weigh(self, p: int, launched: bool = False) -> float | None:
-        """Fragment p's weighted round (`fragment_weights`): every rank's samples since p's
-        values last started from the global ones. Returns the factor of this rank's
-        pseudo-gradient under `normalized` (the round's largest weight over its own, as
-        `Averager` scales a whole model's change), or None."""
-        robust = isinstance(self.frags, TrustedFragments)
-        why = weighing_refusal(self.outer, self.eager, bool(self.inner_periods), self.normalized,
-                               self.alpha, robust)  # fmt: skip
-        if why:
-            raise ValueError(why)
-        own = self.fragment_samples.weight(p, self.samples_trained, launched)
-        start = time.perf_counter()
-        self.round_weights = self.comm.weigh(own, self.flat.buffers[0].device)
-        self.wait_s += time.perf_counter() - start
-        self.contributed += sum(self.round_weights)
-        if not (self.normalized and self.comm.share):  # equal weights, or none trained here
-            return None
-        return max(self.round_weights) / own
-
-    def _merged_samples(self, p: int) -> None:
-        if self.weighted:
-            self.fragment_samples.merged(p, self.samples_trained)
-
-    def _inner_average(self, level: int) -> None:
-        comm, before = self.levels[level], self.stats.bytes
-        for flat in self.flat.buffers:
-            comm.mean_(flat)
-        self._run_hooks(comm)
-        self._count(level, before)
-
-    def _count(self, level: int, before: int) -> None:
-        """One round of `level`, which sent what the counters gained since `before`."""
-        self.stats.rounds += 1
-        self.level_stats[level].rounds += 1
-        self.level_stats[level].bytes += self.stats.bytes - before
-
-    @property
-    def _replaces(self) -> bool:
-        """A merge leaves the merged fragment equal to the global value on every rank."""
-        return not self.alpha and not self.eager and not self.progress
-
-    def _merged(self, p: int) -> None:
-        self._run_hooks(self.comm)
-        self._global_hooks("after")
-        self.merged, self.last_fragment = True, p
+    def _finish(self, q: int) -> None:
+        super()._finish(q)
+        if not self.outer and self.launching(self.step) == q:  # the launch reuses q's wire
+            self.received_mean = [t.clone() for t in self.rounds.sent[q]]
 
     @mirrored()
     def average(self) -> None:
@@ -440,61 +354,39 @@ class StreamingAverager(Averager):
         it has not synced since the warmup; `OuterAverager.average` for P=1), or, plain or
         eager, every rank takes the plain mean of the whole model (eager: the rounds in flight
         are waited for and dropped; the mean of the workers holds their contributions)."""
-        frags = self.frags
+        rounds = self.rounds
         self.ensure_bound()
         buffers, before = self.flat.buffers, self.stats.bytes
         for p in range(self.fragments):
             if self.eager:
-                frags.drop(p)
-            elif frags.holding[p]:
-                frags.finish(p, buffers, self.alpha)
-                self._merged_samples(p)
+                rounds.drop(p)
+            elif rounds.holding[p]:
+                rounds.finish(p, buffers, self.comm, self.step)
+                if self.weighted:
+                    self.part_samples.merged(p)
         if self.outer and not self.eager:
             for p in range(self.fragments):
                 plain = self.warmup_steps > 0 and self.step <= self.warmup_steps + p * self.offset
-                scale = self._weigh(p) if self.weighted else None
+                scale = self._weigh(p, self.comm, False) if self.weighted else None
                 try:
-                    frags.blocking(p, buffers, self.comm, 0.0, plain, scale)
+                    rounds.blocking(p, buffers, self.comm, 0, self.step, plain, scale, alpha=0.0)
                 finally:
                     self.comm.unweigh()
         else:
             for flat in buffers:
                 self.comm.mean_(flat)
-            frags.reset(buffers)
+            rounds.reset(buffers)
         self._run_hooks(self.comm)
         self._count(self.widest, before)
         self.all_in_sync = True
 
-    def complete_launched(self) -> None:
-        """Wait for every fragment's exchange in flight: a delayed one (launched a step or more
-        ago, τ > 0) or an eager round's (its mean is used at the fragment's next round)."""
-        for p in range(self.fragments):
-            self.frags.wait(p)
-
     def global_state(self) -> Tensors | None:
         """The anchors, with an outer step (eager ones are per worker): the global model as of
         each fragment's last sync, identical on every rank."""
-        return list(self.frags.anchors) if self.outer and not self.eager else None
-
-    def common_tensors(self) -> Tensors:
-        """What every rank holds identically now (see the module docstring)."""
-        if self.all_in_sync or not self.merged:
-            return self._bound().current()
-        frags = self.frags
-        p = self.last_fragment
-        if self.eager:
-            return list(frags.received[p])
-        out = list(frags.anchors) if self.outer else list(self.received or frags.sent[p])
-        if self._replaces:
-            current = self.flat.current()  # mirror, between steps: a transient copy
-            out += [current[g][s:e] for g, s, _, e in frags.regions[p]]
-        return out
+        return list(self.rounds.anchors.first) if self.outer and not self.eager else None
 
     def state_dict(self) -> dict:
-        state = {**super().state_dict(), "fragments": self.fragments}
-        if self.weighted:
-            state["synced_samples"] = list(self.fragment_samples.at)
-        return state
+        return {**super().state_dict(), "fragments": self.fragments}
 
     def load_state_dict(self, state: dict) -> None:
         if int(state.get("fragments", self.fragments)) != self.fragments:
@@ -502,5 +394,3 @@ class StreamingAverager(Averager):
                 f"the checkpoint has fragments={state['fragments']}, this run {self.fragments}"
             )
         super().load_state_dict(state)
-        if "synced_samples" in state:
-            self.fragment_samples.at = [float(n) for n in state["synced_samples"]]

@@ -135,6 +135,26 @@ class TrustedRound:
         self._grow(max(workers, default=-1) + 1)
         self.current = contributions or self.contributions
         rows = self.current.gather_(flats, comm, residuals, len(workers))
+        self._settle(flats, anchors, comm, step, rows, workers, live)
+
+    def settle_(
+        self,
+        flats: list[torch.Tensor],
+        anchors: list[torch.Tensor],
+        comm: Communicator,
+        step: int,
+        contributions: GatheredContributions,
+    ) -> None:
+        """`run_` for contributions whose gather was launched earlier
+        (`GatheredContributions.launch_gather_`): waits for it, then judges and combines into
+        `flats` (the model's values, for a judge, which evaluates candidates there)."""
+        workers, live = comm.members()
+        self._grow(max(workers, default=-1) + 1)
+        self.current = contributions
+        rows = contributions.wait()
+        self._settle(flats, anchors, comm, step, rows, workers, live)
+
+    def _settle(self, flats, anchors, comm, step, rows, workers, live) -> None:
         finite = finite_rows(rows)
         if self.shards is not None:
             finite = self._across_shards(rows, finite)

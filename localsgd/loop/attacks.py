@@ -157,16 +157,16 @@ class Attack:
         fragment = averager.launching(step) if getattr(averager, "fragments", 1) > 1 else None
         if fragment is None:
             return None, self._params(trainer), self.anchor
-        frags, flat = averager.frags, averager.flat
+        rounds, flat = averager.rounds, averager.flat
         # plain streaming (no outer step) keeps no anchor: the model after the last sync. Keyed
         # by the parameter itself: a sharded one's local shard is a new tensor at every call
         model = trainer.model.parameters()
         remembered = {id(p): a for p, a in zip(model, self.anchor, strict=True)}
         params, anchors = [], []
         for t, (g, off, numel) in zip(flat.tensors, flat.slots, strict=True):
-            ours = any(b == g and s <= off < e for b, s, _, e in frags.regions[fragment])
+            ours = any(b == g and s <= off < e for b, s, _, e in rounds.parts[fragment])
             if ours and id(t) in remembered:
                 params.append(local_tensor(t))
-                anchors.append(frags.anchors[g][off : off + numel].view_as(params[-1])
-                               if frags.anchored else remembered[id(t)])
+                anchors.append(rounds.anchors.first[g][off : off + numel].view_as(params[-1])
+                               if rounds.anchored else remembered[id(t)])
         return fragment, params, anchors

@@ -128,8 +128,8 @@ def resume_shared(
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
     state = torch.load(rank_file(folder, rank % shard_size), map_location=device, weights_only=True)
     rest = {k: v for k, v in state.items() if k not in SHARDED}
-    reducer = rest.get("averager", {}).get("reducer")
-    if isinstance(reducer, dict) and reducer.get("residuals") is not None:
+    rounds = rest.get("averager", {}).get("rounds")
+    if isinstance(rounds, dict) and rounds.get("residuals") is not None:
         # the writer's residuals are its own: each rank takes its own, saved beside
         residuals = _own_residuals(folder, rank, world_size, shard_size, device)
         rest = _with_residuals(rest, residuals)

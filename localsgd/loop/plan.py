@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from localsgd.averaging.outer_step import OUTER_DEFAULTS
 from localsgd.averaging.robust import COORDINATE_RULES, PER_COORDINATE
+from localsgd.averaging.rounds import OUTER_DEFAULTS
 
 # sync key: why its per-worker state cannot move to another world size (`SyncPlan.reshard_refusal`)
 RESHARD_REFUSED = {

@@ -65,49 +65,50 @@ def averager_state(
     """Rank 0's averager state with its anchors, outer momentum and residuals relaid out for
     shard `new_s` of `new_shards` (from the old ranks' `states`, all of them)."""
     state = states[0]["averager"]
-    reducer = state.get("reducer", {})
-    if not isinstance(reducer, dict) or not reducer:
+    rounds = state.get("rounds", {})
+    if not isinstance(rounds, dict) or not rounds:
         return state
     groups = len(states) // old_shards
-    group0 = [s["averager"]["reducer"] for s in states[:old_shards]]  # the same in every group
+    group0 = [s["averager"]["rounds"] for s in states[:old_shards]]  # the same in every group
     shapes = _group_shapes(averager, params_only=False)
-    out = dict(reducer)
-    if "anchors" in reducer:
+    out = dict(rounds)
+    if "anchors" in rounds:
         out["anchors"] = [
             relayout([r["anchors"][b] for r in group0], shapes[b], new_shards, new_s)
             for b in range(len(shapes))
         ]
-    if "outer_optimizer" in reducer:
-        # one outer parameter per buffer that leads with parameters: their prefix of it
+    if rounds.get("optimizers"):
+        # the whole model's outer SGD (resharding refuses fragments): one outer parameter per
+        # buffer that leads with parameters, their prefix of it
         param_shapes = [s for s in _group_shapes(averager, params_only=True) if s]
-        optim = reducer["outer_optimizer"]
+        optim = rounds["optimizers"][0]
         new_state = {}
         for k, entry in optim["state"].items():
             entry = dict(entry)
             if isinstance(entry.get("momentum_buffer"), torch.Tensor):
-                old = [r["outer_optimizer"]["state"][k]["momentum_buffer"] for r in group0]
+                old = [r["optimizers"][0]["state"][k]["momentum_buffer"] for r in group0]
                 entry["momentum_buffer"] = relayout(old, param_shapes[int(k)], new_shards, new_s)
             new_state[k] = entry
-        out["outer_optimizer"] = {**optim, "state": new_state}
-    if reducer.get("residuals") is not None:
+        out["optimizers"] = [{**optim, "state": new_state}]
+    if rounds.get("residuals") is not None:
         # every new group takes the old groups' sum over the old number of groups: the next
         # average adds what the old groups' next one would have (localsgd.loop.reshard)
         residuals = []
-        for b, first in enumerate(reducer["residuals"]):
+        for b, first in enumerate(rounds["residuals"][0]):
             if first is None:
                 residuals.append(None)
                 continue
             total = None
             for g in range(groups):
                 old = [
-                    s["averager"]["reducer"]["residuals"][b]
+                    s["averager"]["rounds"]["residuals"][0][b]
                     for s in states[g * old_shards : (g + 1) * old_shards]
                 ]
                 whole = relayout(old, shapes[b], new_shards, new_s)
                 total = whole if total is None else total.add_(whole)
             residuals.append(total.div_(groups))
-        out["residuals"] = residuals
-    return {**state, "reducer": out}
+        out["residuals"] = [residuals]
+    return {**state, "rounds": out}
 
 
 def by_name(optim_state: dict, model: torch.nn.Module, optimizer) -> dict:
@@ -125,7 +126,7 @@ def by_name(optim_state: dict, model: torch.nn.Module, optimizer) -> dict:
 def from_anchor(averager) -> None:
     """Every parameter set to the averager's anchor (the model of the last outer step)."""
     flat = averager.flat
-    for buffer, anchor in zip(flat.buffers, averager.reducer.anchors, strict=True):
+    for buffer, anchor in zip(flat.buffers, averager.rounds.anchors.first, strict=True):
         buffer.copy_(anchor)  # unsharded: the parameters' storage; sharded: the mirror
     if flat.mirror:
         flat.push()

@@ -99,8 +99,8 @@ def _average_model(states: list[dict]) -> dict:
 
 def _outer(state: dict) -> bool:
     """Whether a rank state's averager takes an outer step over an anchor (`sync.outer`)."""
-    reducer = state.get("averager", {}).get("reducer", {})
-    return isinstance(reducer, dict) and "anchors" in reducer and "outer_optimizer" in reducer
+    rounds = state.get("averager", {}).get("rounds", {})
+    return isinstance(rounds, dict) and "anchors" in rounds and "optimizers" in rounds
 
 
 def _steps_since_sync(state: dict) -> int | None:
@@ -216,8 +216,8 @@ def residuals_for(
 
 
 def _with_residuals(state: dict, residuals) -> dict:
-    reducer = state["averager"]["reducer"]
-    return {**state, "averager": {**state["averager"], "reducer": {**reducer,
+    rounds = state["averager"]["rounds"]
+    return {**state, "averager": {**state["averager"], "rounds": {**rounds,
             "residuals": residuals}}}  # fmt: skip
 
 
@@ -241,13 +241,13 @@ def load_resharded(
     if between and not _outer(states[0]):
         merged["model"] = _average_model([s["model"] for s in states])
     merged["optimizer"] = _average_optimizer([s["optimizer"] for s in states])
-    reducer = merged.get("averager", {}).get("reducer", {})
-    if isinstance(reducer, dict) and reducer.get("residuals") is not None:
+    rounds = merged.get("averager", {}).get("rounds", {})
+    if isinstance(rounds, dict) and rounds.get("residuals") is not None:
         # a shared checkpoint holds the writer's residual only: each worker's is beside it
         own = (
             {r: o["residuals"] for r, o in load_own(folder, device).items()}
             if _marker(folder).get("shared")
-            else {r: s["averager"]["reducer"]["residuals"] for r, s in enumerate(states)}
+            else {r: s["averager"]["rounds"]["residuals"] for r, s in enumerate(states)}
         )
         residuals = None  # none saved of their own (an older checkpoint): start without
         if own:
@@ -259,12 +259,15 @@ def load_resharded(
         )
     if "pacer" in merged:  # the workers start from one model: a new round of their own
         merged["pacer"] = new_round(states[min(rank, old - 1)]["pacer"])
+    for key, component in components.items():  # each moves its own state (`resharded_state`)
+        if key in merged and hasattr(component, "resharded_state"):
+            merged[key] = component.resharded_state(merged[key])
     carry_rng(merged, states, rank)
     restore(merged, components, (*optional, "rng"), folder)
     if between and _outer(states[0]):
         averager = components["averager"]
         # parameters and float buffers are views of the flat buffers the anchors mirror
-        for flat, anchor in zip(averager.flat.buffers, averager.reducer.anchors, strict=True):
+        for flat, anchor in zip(averager.flat.buffers, averager.rounds.anchors.first, strict=True):
             flat.copy_(anchor)
     return int(states[0]["step"])
 

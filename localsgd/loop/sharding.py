@@ -219,28 +219,15 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, averager: Av
     allocator's caches; the peak at a round is measured apart (experiments/bench/sharded.py)."""
     params = list(model.parameters())
     flat = averager.flat
-    reducer = averager.reducer
-    anchors = _tensors_in(getattr(reducer, "anchors", []))
-    momentum = _optimizer_state(
-        getattr(reducer, "optimizers", None) or getattr(reducer, "optimizer", None)
-    )
-    residuals = _tensors_in(getattr(reducer, "residuals", []))
-    staging = _tensors_in(getattr(reducer, "staging", []))
-    counted = {id(t) for t in anchors + momentum + residuals + staging}
-    other = [
-        t
-        for name, value in vars(reducer).items()
-        if name not in ("anchors", "residuals", "optimizer", "optimizers", "staging")
-        for t in _tensors_in(value)
-        if id(t) not in counted
-    ]
+    held = averager.rounds.held_tensors()
+    anchors, momentum, staging = held["anchors"], held["outer_momentum"], held["staging"]
     outer = {"anchors": _nbytes(anchors), "outer_momentum": _nbytes(momentum)}
-    on_host = getattr(reducer, "host", False)  # sync.outer_state=cpu
+    on_host = averager.rounds.host  # sync.outer_state=cpu
     own = {
         "mirror": flat.held_bytes if flat is not None and flat.mirror else 0,
         **({"anchors": 0, "outer_momentum": 0} if on_host else outer),
-        "residuals": _nbytes(residuals),
-        "other": _nbytes(other),
+        "residuals": _nbytes(held["residuals"]),
+        "other": _nbytes(held["other"]),
     }
     parts = {
         "parameters": _nbytes(params),

@@ -256,9 +256,10 @@ class Synchroniser:
     def own_state(self) -> dict | None:
         """What is this worker's own in a shared checkpoint: its error-feedback residuals (what
         it failed to send; the writer's would be every worker's otherwise), or None."""
-        if not _holds_tensor(getattr(self.averager.reducer, "residuals", None)):
+        rounds = self.averager.rounds
+        if not _holds_tensor(rounds.residuals):
             return None  # no error feedback: nothing of its own (and no state_dict's copies)
-        return {"residuals": self.averager.reducer.state_dict()["residuals"]}
+        return {"residuals": [w.state_dict() for w in rounds.wires]}
 
     def _save_shared(self, save: Callable[..., str], writes: bool) -> str:
         """The one state every worker holds (written by the worker that `writes`): the model
@@ -351,7 +352,7 @@ class Synchroniser:
     def trust(self):
         """The rounds over untrusted workers' contributions (`localsgd.averaging.trust.
         TrustedRound`), or None under the all-reduced mean."""
-        return getattr(self.averager.reducer, "trust", None)
+        return self.averager.rounds.trust
 
     def trust_record(self) -> dict[str, Any]:
         """Every log line under a gathered sync: workers excluded, contributions dropped."""

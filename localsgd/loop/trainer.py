@@ -203,11 +203,11 @@ class Trainer:
         if not pacer.active or self.sync.in_warmup or self.sharding.all_of(pacer.computes()):
             pacer.begin_step()
             loss = self.local_step(step)
-            pacer.end_step(0 if loss is None else self.samples_per_worker_step)
+            samples = 0 if loss is None else self.samples_per_worker_step
+            pacer.end_step(samples)
+            self.sync.averager.trained(samples)
         else:
             pacer.idle()
-        self.sync.averager.contribution = pacer.round_samples  # the weight, when weighted
-        self.sync.averager.samples_trained = pacer.samples
         self.sync.after_step(loss)  # the model average, when due
         # a round every worker must reach (a fragment's, launched or blocking) ends the budget's
         if self.in_sync or self.sync.averager.started_round:

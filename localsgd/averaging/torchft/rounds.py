@@ -10,7 +10,7 @@
    live replicas' own progress) and carries any replica's request to stop (SIGTERM), so that
    every replica learns it in the same round. It is also the barrier after which the peer that
    serves its state may modify it (the HTTP transport serves the tensors by reference);
-3. the averager's reducer runs as usual; every `comm.mean_` is one `manager.allreduce` (SUM)
+3. the averager's rounds run as usual; every `comm.mean_` is one `manager.allreduce` (SUM)
    of the flat buffer, divided exactly as the plain `Communicator` divides (see
    `TorchftCommunicator`), so with no fault the result is bit-identical to the
    torch.distributed path;
@@ -61,12 +61,12 @@ def _clone_tree(value):
 
 
 def without_residuals(averager_state: dict) -> dict:
-    """An averager's state with its error-feedback residuals taken out (the reducer then loads
+    """An averager's state with its error-feedback residuals taken out (the rounds then load
     zeros): a worker's residual is what it failed to send, its own, never a peer's."""
-    reducer = averager_state.get("reducer", {})
-    if reducer.get("residuals") is None:
+    rounds = averager_state.get("rounds", {})
+    if rounds.get("residuals") is None:
         return averager_state
-    return {**averager_state, "reducer": {**reducer, "residuals": None}}
+    return {**averager_state, "rounds": {**rounds, "residuals": None}}
 
 
 def attach(averager, comm: TorchftCommunicator) -> None:
@@ -88,7 +88,7 @@ def attach(averager, comm: TorchftCommunicator) -> None:
 class FaultTolerantRounds:
     """Runs an averager's syncs across replica groups as torchft rounds, with rollback and heal.
 
-    `averager`: any of the averagers here but a delayed `PeriodicAverager(overlap=True)` (built
+    `averager`: any of the averagers here (built
     on the replica group's own process group; its widest level is replaced by `comm`);
     `gradients`, an optional `GradientAverager` for a synchronous warmup (its communicator is
     replaced too); `stop_requested`, a callable saying whether this replica was asked to stop
@@ -117,8 +117,6 @@ class FaultTolerantRounds:
         samples_per_step: int = 0,
         retry_failed: bool = False,
     ):
-        if averager.reducer.delays:
-            raise ValueError("overlap (delayed averaging) cannot run through torchft")
         if averager.rounds_overlap:
             raise ValueError(
                 "delay_steps must be < period/fragments through torchft (a round must close "
@@ -156,7 +154,7 @@ class FaultTolerantRounds:
         self.leads = False  # this replica group ranked first in the last committed round
         self.checkpoint_mark = 0  # the owner's schedule of checkpoints (sent to healers)
         self.quorum_lost: str | None = None  # why the last round found no quorum
-        self._open_reducer: dict | None = None  # τ > 0: the reducer's state before the launch
+        self._open_rounds: dict | None = None  # τ > 0: the rounds' state before the launch
         self._peer: dict | None = None
         self._snapshot_due = False
         self.manager.register_state_dict_fn(FT_STATE_KEY, self._load_ft_state, self._ft_state)
@@ -191,14 +189,14 @@ class FaultTolerantRounds:
         return {
             # mirror mode (sharded) between steps: the values live in the tensors
             "buffers": [b.detach().clone() for b in av.flat.current()],
-            "reducer": _clone_tree(av.reducer.state_dict()),
+            "rounds": _clone_tree(av.rounds.state_dict()),
         }
 
     def _restore(self, snap: dict) -> None:
         av = self.averager
         av.ensure_bound()
         av.flat.assign(snap["buffers"])
-        av.reducer.load_state_dict(_clone_tree(snap["reducer"]))
+        av.rounds.load_state_dict(_clone_tree(snap["rounds"]))
 
     def _ft_state(self) -> dict:
         # served by reference until every healer has loaded it (the count all-reduce in
@@ -225,8 +223,8 @@ class FaultTolerantRounds:
         av.flat.assign(state["buffers"])
         committed = state["committed"]
         if committed is not None:  # the peer's residuals are not this replica's
-            committed = {**committed, "reducer": without_residuals(
-                {"reducer": committed["reducer"]})["reducer"]}  # fmt: skip
+            committed = {**committed, "rounds": without_residuals(
+                {"rounds": committed["rounds"]})["rounds"]}  # fmt: skip
         self.committed = _clone_tree(committed)
         self.failed_syncs = int(state["failed_syncs"])
         self.participants_min = min(self.participants_min, int(state["participants_min"]))
@@ -396,13 +394,13 @@ class FaultTolerantRounds:
             # a round from the launch to the merge: a failed one merges nothing, and the
             # fragment keeps its local values and its state (anchor, outer state, residual)
             self.heals += self._begin("sync")
-            self._open_reducer = _clone_tree(av.reducer.state_dict())
+            self._open_rounds = _clone_tree(av.rounds.state_dict())
             return av.maybe_average()
-        if kind == "merge" and self._open_reducer is not None:
+        if kind == "merge" and self._open_rounds is not None:
             av.complete_launched()  # the fragment launched a round ago
             if not self._commit():
-                av.reducer.load_state_dict(self._open_reducer)
-            self._open_reducer = None
+                av.rounds.load_state_dict(self._open_rounds)
+            self._open_rounds = None
             return av.maybe_average()
         if kind != "sync":
             return av.maybe_average()
