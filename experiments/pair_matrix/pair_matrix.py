@@ -172,10 +172,12 @@ def markdown(results: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", help="modes whose pairs to run (default: all)")
+    parser.add_argument("--pairs", nargs="*", help="only these pairs (a+b ...)")
     parser.add_argument("--singles", action="store_true", help="also each mode alone")
     parser.add_argument("--timeout", type=float, default=240)
     parser.add_argument("--out", default=HERE)
     args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "pair_matrix.json")
     results: dict = {}
     if os.path.exists(path):
@@ -186,6 +188,8 @@ def main() -> None:
         todo += [(n,) for n in MODES if not args.only or n in args.only]
     for a, b in itertools.combinations(MODES, 2):
         if args.only and a not in args.only and b not in args.only:
+            continue
+        if args.pairs and f"{a}+{b}" not in args.pairs and f"{b}+{a}" not in args.pairs:
             continue
         todo.append((a, b))
     for names in todo:

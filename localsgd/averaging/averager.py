@@ -534,6 +534,16 @@ class Averager(ModelAverager):
 
     received_mean: list[torch.Tensor] | None = None  # a relaunched part's mean (StreamingAverager)
 
+    def launched_received(self, step: int) -> list[torch.Tensor]:
+        """What every rank received in the launched round that merges after step `step`
+        (waited for): the same on every rank, before the merge applies it."""
+        rounds = self.rounds
+        for q in range(self.parts):
+            if rounds.holding[q] and rounds.pending_step[q] == step - self.delay:
+                rounds.wait(q)
+                return rounds.received(q)
+        return []
+
     def complete_launched(self) -> None:
         """Wait for the collectives this averager launched and left in flight (a delayed
         round's, an eager one's); a round driver calls it before closing a round, whose

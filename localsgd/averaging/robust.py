@@ -173,6 +173,7 @@ class GatheredContributions:
     def __init__(self, buffers: list[torch.Tensor], size: int, low: list, decay: float = 1.0):
         self.low = low
         self.decay = decay  # beta of `e <- beta e + d` (compress)
+        self.pending: list = []  # a launched gather's collectives (`launch_gather_`)
         self._allocate(buffers, size)
 
     def _allocate(self, buffers: list[torch.Tensor], size: int) -> None:
@@ -231,7 +232,10 @@ class GatheredContributions:
         return self
 
     def wait(self) -> list[torch.Tensor]:
-        """The rows of the launched gather (`launch_gather_`), decoded."""
+        """The rows of the launched gather (`launch_gather_`), decoded (once: a second call
+        returns them as they are)."""
+        if not self.pending:
+            return self.rows
         for pending, low, rows, cast, sent in zip(
             self.pending, self.low, self.rows, self._cast, self.sent, strict=True
         ):

@@ -276,13 +276,6 @@ def _validate_streaming(cfg: Any, plan: SyncPlan) -> None:
         "with sync.fragments, delay_steps, merge_alpha, eager, overlap or an outer step over "
         "sync.levels"
     )
-    dtype = _get(cfg, "sync.comm_dtype")
-    if outer == "none":  # plain streaming would round the values themselves, not a change
-        _require(dtype == "float32", "sync.comm_dtype", f"float32 with sync.outer=none {what}",
-                 dtype)  # fmt: skip
-        compress = _get(cfg, "sync.compress")
-        _require(compress == "none", "sync.compress", f"none with sync.outer=none {what}",
-                 compress)  # fmt: skip
     for key, default in (
         ("sync.schedule", "constant"),
         ("sync.optimizer_state", "local"),
@@ -299,18 +292,12 @@ def _validate_outer_state(cfg: Any) -> None:
     for key, value, where in (
         ("sync.outer", "none", "no anchor or outer momentum to keep"),
         ("comm.disabled", True, "nothing syncs"),
-        ("ft.backend", "torchft", "not built with ft=torchft yet"),
     ):
         if _get(cfg, key) == value:
             shown = str(value).lower() if isinstance(value, bool) else value
             raise ConfigError(
                 f"sync.outer_state must be device with {key}={shown} ({where}), got cpu"
             )
-    if SyncPlan.of(_get(cfg, "sync")).gathered:
-        raise ConfigError(
-            f"sync.outer_state must be device with sync.aggregate={_get(cfg, 'sync.aggregate')} "
-            "(gathered contributions judged on the device), got cpu"
-        )
 
 
 def validate_sync(cfg: Any, ws: int | None, local_ws: int | None) -> None:

@@ -201,18 +201,6 @@ def validate_ft(cfg: Any, get: Callable[[Any, str], Any], world_size: int | None
             "already keeps each worker's state from before it, and its fragment syncs again at "
             "its next turn"
         )
-    if delay and get(cfg, "sync.check_replicas"):
-        raise ConfigError(
-            "sync.check_replicas must be false with ft=torchft and sync.delay_steps > 0 (the "
-            "merge that it would check follows the round's commit), got True"
-        )
-    every = get(cfg, "trainer.checkpoint_every")
-    if every and not (plan.in_sync_after_sync or plan.global_state_between_syncs):
-        raise ConfigError(
-            "trainer.checkpoint_every must be 0 with ft=torchft and sync.eager, or Streaming "
-            "DiLoCo without sync.outer (checkpoints under ft are one shared state, and these "
-            f"workers hold no common one between syncs), got {every!r}"
-        )
     lighthouse = get(cfg, "ft.lighthouse")
     if lighthouse:
         check_reachable(lighthouse, min(float(get(cfg, "ft.timeout_s")), 10.0))

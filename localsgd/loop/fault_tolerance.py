@@ -231,13 +231,22 @@ class FaultTolerance:
     # --- after each step -----------------------------------------------------------------------
 
     def checkpoint(
-        self, step: int, final: bool, every: int, shared: bool, save: Callable[[bool], str]
+        self,
+        step: int,
+        final: bool,
+        every: int,
+        shared: bool,
+        save: Callable[[bool], str],
+        make_common: Callable[[], bool] = lambda: False,
     ) -> bool:
         """After a step (or the final average): a shared checkpoint when one is due and a round
         just committed, or when a stop was agreed in it (then True: stop); after a round that
         found no quorum, the stop checkpoint, then `QuorumLost`. `shared`: every worker holds a
-        common state to write now (in sync, or the global state between syncs). `save(writes)`
-        is called on every worker for a checkpoint; `writes`: this process writes it."""
+        common state to write now (in sync, or the global state between syncs); where none
+        does (eager outer steps, plain streaming) a due checkpoint first brings them together
+        with `make_common()`, a blocking average as a round of its own (True when it
+        committed). `save(writes)` is called on every worker for a checkpoint; `writes`: this
+        process writes it."""
         rounds = self.rounds
         committed, rounds.just_committed = rounds.just_committed, False
         if committed and (line := self.round_clock.committed()) and self.writes_results:
@@ -264,10 +273,12 @@ class FaultTolerance:
             if shared:
                 save(self.writes_checkpoint(rounds.leads))
             return True
-        if every <= 0 or not committed or not shared:
+        if every <= 0 or not committed:
             return False
         mark = step // every
         if mark <= rounds.checkpoint_mark and not final:
+            return False
+        if not shared and not make_common():  # failed: the next committed round tries again
             return False
         rounds.checkpoint_mark = mark
         save(self.writes_checkpoint(rounds.leads))

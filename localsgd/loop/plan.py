@@ -152,25 +152,12 @@ class SyncPlan:
             (ft and self.fragments != 1, "Streaming DiLoCo's fragments with ft=torchft (not "
              "built: each fragment's gathered round would need its own torchft round, put back "
              "with its verdicts when it fails)"),
-            (self.overlap, "sync.overlap: its average is a launched all-reduce merged a step "
-             "later, and a launched gather-and-judge round is not built"),
-            (self.delay > 0, f"sync.delay_steps={self.delay}: a delayed fragment goes out as a "
-             "launched all-reduce, and a launched gather-and-judge round is not built (set "
-             "sync.delay_steps=0)"),
             (self.eager, "sync.eager: each worker steps its own anchor with its own fresh "
              "pseudo-gradient before any aggregate exists"),
-            (self.merge_alpha != 0, f"sync.merge_alpha={self.merge_alpha:g}: the merge keeps "
-             "part of each worker's own values, so a poisoned replica is never replaced (set "
-             "sync.merge_alpha=0)"),
-            (self.merge_rule != "mix", f"sync.merge_rule={self.merge_rule}: the merge keeps "
-             "each worker's own progress, so a poisoned replica is never replaced"),
             (bool(self.levels), "sync.levels: an inner level's plain mean would carry one "
              "worker's contribution into its whole group before a robust round could judge it, "
              "and judging inside small groups has no honest majority (a worker of several "
              "devices is a replica group: dist.shard_size, judged as one worker)"),
-            (self.fragments != 1 and self.outer == "none", f"sync.outer=none with sync."
-             f"fragments={self.fragments}: plain streaming sends the values themselves, not "
-             "pseudo-gradients from an anchor every rank holds (use sync.outer=diloco)"),
             (self.warmup_steps > 0 and self.aggregate == "mean", "sync.warmup_steps > 0: the "
              "warmup's gradients are averaged every step and never scored; set a robust "
              "sync.aggregate (clip, trimmed_mean, median), which combines them too"),

@@ -243,6 +243,7 @@ class Synchroniser:
                 every,
                 self.in_sync or self.averager.global_state() is not None,
                 lambda writes: self._save_shared(save, writes),
+                make_common=self._average_for_checkpoint,
             )
         if final:  # the loop's last step took the final checkpoint
             return False
@@ -252,6 +253,13 @@ class Synchroniser:
         if due or stopping:
             save(False)
         return stopping
+
+    def _average_for_checkpoint(self) -> bool:
+        """Under torchft with no common state between syncs (eager outer steps, plain
+        streaming): a blocking average round, after which every worker holds the same model
+        for the shared checkpoint; whether it committed."""
+        self.in_sync = self._driver.average()
+        return self.in_sync
 
     def own_state(self) -> dict | None:
         """What is this worker's own in a shared checkpoint: its error-feedback residuals (what

@@ -62,7 +62,8 @@ class Anchors:
         self.sets = [[keep(b) for b in buffers] for _ in range(levels)]
 
     def at(self, level: int = 0) -> Tensors:
-        return self.sets[level]
+        """The set of level `level` (one set serves every level: the widest's)."""
+        return self.sets[min(level, len(self.sets) - 1)]
 
     @property
     def first(self) -> Tensors:

@@ -144,6 +144,13 @@ class Rounds:
         """Every part's error-feedback residuals (None where nothing is rounded)."""
         return [w.residuals for w in self.wires]
 
+    def received(self, p: int) -> Tensors:
+        """What every rank received in part p's launched round (waited for): the mean, or the
+        gathered contributions a robust rule combines at the finish."""
+        if self.gathered:
+            return list(self.combine.gathered_by_part[p].rows)
+        return list(self.sent[p])
+
     @property
     def averages(self) -> Tensors:
         """What every rank received from the last launched round of a single part."""

@@ -260,13 +260,17 @@ class FaultTolerantRounds:
         """Inside a round: after an average that brought the groups together (every replica in
         sync, or a merge: Streaming DiLoCo's fragments, a mixed merge, eager steps), what every
         group must hold identically now, `averager.common_tensors()`; in a warmup round the
-        parameters and the averaged gradients (so the step leaves every group alike)."""
+        parameters and the averaged gradients (so the step leaves every group alike); in the
+        round a delayed merge closes, what every group received (`launched_received`), checked
+        before the commit, as the merge follows it."""
         if not self.check_replicas:
             return
         av = self.averager
         if phase == "grad":
             tensors = [*self.gradients.params, *self.gradients.buffers]
             when = f"in the warmup step {av.step}"
+        elif phase == "merge":  # before the delayed merge: what every group received
+            tensors, when = av.launched_received(av.step), f"in the round merged at {av.step}"
         elif av.all_in_sync or av.merged:
             tensors, when = av.common_tensors(), f"after the average at step {av.step - 1}"
         else:
@@ -398,6 +402,7 @@ class FaultTolerantRounds:
             return av.maybe_average()
         if kind == "merge" and self._open_rounds is not None:
             av.complete_launched()  # the fragment launched a round ago
+            self._verify("merge")
             if not self._commit():
                 av.rounds.load_state_dict(self._open_rounds)
             self._open_rounds = None
