@@ -99,8 +99,6 @@ def test_the_config_attaches_desloc_its_clock_is_checkpointed_and_bytes_are_logg
     [
         (["sync.optimizer_state=desloc", "sync.moment_periods=[3]"], "sync.moment_periods"),
         (["sync.optimizer_state=desloc", "sync.moment_periods=[0,6]"], "sync.moment_periods"),
-        (["sync=hierarchical", "sync.optimizer_state=desloc"], "sync.optimizer_state"),
-        (["sync.optimizer_state=desloc", "ft=torchft"], "sync.optimizer_state"),
     ],
 )
 def test_what_desloc_cannot_do_is_refused_in_one_line(overrides, key):

@@ -45,11 +45,15 @@ from torch.distributed.algorithms.model_averaging.averagers import ModelAverager
 
 from localsgd.averaging.comm import CommStats, Communicator
 from localsgd.averaging.flat import FlatBuffers, averaged_tensors, holds_dtensor
+from localsgd.averaging.robust import robust_mean_
 from localsgd.averaging.rounds import Rounds
 from localsgd.averaging.rounds.part import views
+from localsgd.averaging.schedule import ConstantPeriod
 
-# Called after every average with the level's communicator: e.g. averaging optimizer state.
-AverageHook = Callable[[Communicator], None]
+# Called after every round with the level's communicator, `key` (the round's level and part,
+# "level/part" or "level/all"), `params` (the ids of the parameters it covered; None: all) and
+# `trust` (a robust round's verdicts, else None): e.g. averaging optimizer state.
+AverageHook = Callable[..., None]
 RoundsFactory = Callable[[FlatBuffers], Rounds]
 
 
@@ -153,9 +157,19 @@ class Averager(ModelAverager):
         mirror: bool | None = None,
         delay: int = 0,
         parts: int = 1,
+        schedule: ConstantPeriod | None = None,
+        loss_rides: bool = False,
     ):
         super().__init__(process_group)  # `self.step = 0`, as torch's
         self.warmup_steps = warmup_steps
+        # the period over training (`localsgd.averaging.schedule`): constant, stepped, or adapted
+        # to the training loss, decided at the round that ends each cycle of the widest level
+        self.schedule = schedule if schedule is not None else ConstantPeriod(1)
+        self.last_average = warmup_steps - self.schedule.period_at(warmup_steps)
+        # an adaptive period's loss rides in the buffers of a round that replaces the whole
+        # model at once (PeriodicAverager's, where it always has); elsewhere the workers agree
+        # on it by one small collective of its own at the cycle's last round (`_agree_loss`)
+        self.loss_rides = loss_rides
         self.levels = levels  # levels[-1] spans the whole process group
         self.comm = levels[-1]
         self.stats = self.comm.stats  # shared by every level (and the warmup, in the trainer)
@@ -229,14 +243,58 @@ class Averager(ModelAverager):
         return self.rounds.pending or self.level_at(step) is not None
 
     def extra_tensors(self, device: torch.device) -> list[torch.Tensor]:
-        """Tensors that ride along in the averages (an adaptive schedule's loss slot)."""
-        return []
+        """Tensors that ride along in the averages (an adaptive schedule's loss slot, which
+        exists either way: `observe_loss` sums into it)."""
+        slots = self.schedule.loss_slots(device)
+        return slots if self.loss_rides else []
 
-    def _before_reduce(self) -> None:
-        pass
+    @property
+    def ever_averages(self) -> bool:
+        """False for a schedule that never averages (the no-communication baseline)."""
+        return self.schedule.averages
+
+    def rule_state(self) -> dict:
+        """The state of the rule for *when* that a round changes (an adaptive period's), which
+        a failed round across replica groups puts back (`load_rule_state`)."""
+        return {"last_average": self.last_average, "schedule": self.schedule.state_dict()}
+
+    def load_rule_state(self, state: dict) -> None:
+        if state:
+            self.last_average = int(state["last_average"])
+            self.schedule.load_state_dict(state["schedule"])
+
+    def ends_cycle(self, p: int, level: int) -> bool:
+        """Whether part p's round at `level` closes a cycle of the widest level (the schedule
+        decides the next period there): its last part's."""
+        return level == len(self.levels) - 1 and p == self.parts - 1
+
+    def _before_reduce(self, comm: Communicator) -> None:
+        self.schedule.before_sync()  # this worker's mean loss since the last decision
+        self._extras_into_buffers()
+        if self.schedule.needs_loss and not self.loss_rides:
+            self._agree_loss(comm)
 
     def _after_reduce(self, scheduled: bool) -> None:
-        pass
+        self._extras_from_buffers()
+        if scheduled:
+            self.last_average = self.step
+        self.schedule.after_sync()  # the same value on every rank: the same decision
+        self._extras_into_buffers()
+
+    def _agree_loss(self, comm: Communicator) -> None:
+        """The workers' losses combined into the schedule's slot by one small collective: their
+        mean, or under a robust round its rule over the workers it kept (an attacker's loss
+        then cannot set everyone's period)."""
+        slot = self.schedule.loss_slots(self.flat.buffers[0].device)[0]
+        if self.rounds.gathered:
+            robust_mean_(slot, comm, self.rounds.trust)
+        else:
+            comm.mean_(slot)
+
+    def observe_loss(self, loss: torch.Tensor) -> None:
+        """Feed this step's training loss to a schedule that adapts to it (no-op otherwise).
+        Summed on the device: nothing is read back until the next sync."""
+        self.schedule.observe_loss(loss)
 
     # --- binding -------------------------------------------------------------------------------
 
@@ -249,6 +307,15 @@ class Averager(ModelAverager):
         self.flat = FlatBuffers(tensors + extra, mirror=mirror)
         self.rounds = self.make_rounds(self.flat)
         self.part_samples.progress = self.rounds.progress
+        # each part's parameters (the ids a hook reads), where a round covers only part of them
+        self.part_params = [
+            frozenset(
+                id(t)
+                for t, (g, off, _) in zip(self.flat.tensors, self.flat.slots, strict=True)
+                if any(sl.g == g and sl.start <= off < sl.end for sl in part)
+            )
+            for part in self.rounds.parts
+        ]
         # An anchor (DiLoCo, SlowMo, compressed changes) taken from differing replicas would keep
         # them apart for good, so those start from rank 0's tensors, as DDP does when built.
         if self.rounds.anchored if self.init_sync is None else self.init_sync:
@@ -362,7 +429,7 @@ class Averager(ModelAverager):
         self._merged(q)
 
     def _merged(self, p: int) -> None:
-        self._run_hooks(self.comm)
+        self._run_hooks(self.comm, len(self.levels) - 1, p)
         self._global_hooks("after")
         self.merged, self.last_part = True, p
 
@@ -371,8 +438,9 @@ class Averager(ModelAverager):
         rounds, buffers, comm = self.rounds, self.flat.buffers, self.levels[level]
         widest = comm is self.comm
         before = self.stats.bytes
-        self._before_reduce()
-        self._extras_into_buffers()
+        decides = self.ends_cycle(p, level)
+        if decides:
+            self._before_reduce(comm)
         plain = self.is_plain(p, self.step)
         launched = scheduled and self.delay > 0 and widest
         scale = self._weigh(p, comm, launched) if self.weighted and widest else None
@@ -388,20 +456,19 @@ class Averager(ModelAverager):
                     rounds.blocking(p, buffers, comm, level, self.step, plain, scale)
                     got = True
                 if not widest:
-                    self._run_hooks(comm)
+                    self._run_hooks(comm, level, p)
                 elif got and scheduled:
                     self._merged(p)
                 elif scheduled:
                     self._global_hooks("after")
                 else:
-                    self._run_hooks(comm)
+                    self._run_hooks(comm, level, p)
         finally:
             if self.weighted and widest:
                 comm.unweigh()
         self._count(level, before)
-        self._extras_from_buffers()
-        self._after_reduce(scheduled)
-        self._extras_into_buffers()
+        if decides:
+            self._after_reduce(scheduled)
 
     def _weigh(self, p: int, comm: Communicator, launched: bool) -> float | None:
         """Part p's weighted round: every rank's samples since p's values last started from the
@@ -428,7 +495,7 @@ class Averager(ModelAverager):
         comm, before = self.levels[level], self.stats.bytes
         for flat in self.flat.buffers:
             comm.mean_(flat)
-        self._run_hooks(comm)
+        self._run_hooks(comm, level, None)
         self._count(level, before)
 
     def _count(self, level: int, before: int) -> None:
@@ -470,9 +537,14 @@ class Averager(ModelAverager):
         for hook in self.global_hooks:
             getattr(hook, when)(self.flat.buffers)
 
-    def _run_hooks(self, comm: Communicator) -> None:
+    def _run_hooks(self, comm: Communicator, level: int, part: int | None) -> None:
+        """After a round at `level` over part `part` (None: the whole model)."""
+        whole = part is None or self.parts == 1
+        key = f"{level}/{'all' if whole else part}"
+        params = None if whole else self.part_params[part]
+        trust = self.rounds.trust if self.rounds.gathered else None
         for hook in self.hooks:
-            hook(comm)
+            hook(comm, key=key, params=params, trust=trust)
 
     def averages_all(self, step: int) -> bool:
         """Whether the update after step `step` starts a round over every rank."""
@@ -501,11 +573,6 @@ class Averager(ModelAverager):
                 return "merge"
             return "launch" if self.averages_all(step) else None
         return "sync" if self.averages_all(step) else None
-
-    @property
-    def ever_averages(self) -> bool:
-        """False for a schedule that never averages (the no-communication baseline)."""
-        return True
 
     @property
     def in_warmup(self) -> bool:
@@ -560,10 +627,7 @@ class Averager(ModelAverager):
     @property
     def needs_loss(self) -> bool:
         """Whether `observe_loss` feeds anything (a schedule that adapts to the loss)."""
-        return self.extra_count > 0
-
-    def observe_loss(self, loss: torch.Tensor) -> None:
-        """Feed this step's training loss to a schedule that adapts to it (no-op otherwise)."""
+        return self.schedule.needs_loss
 
     @mirrored()
     def broadcast_(self, src: int = 0) -> None:
@@ -587,6 +651,7 @@ class Averager(ModelAverager):
 
     def state_dict(self) -> dict:
         state = {
+            **self.rule_state(),
             "step": self.step,
             "levels": [s.state_dict() for s in self.level_stats],
             "rounds": self.rounds.state_dict(),
@@ -606,6 +671,7 @@ class Averager(ModelAverager):
 
     def load_state_dict(self, state: dict) -> None:
         self.step = int(state["step"])
+        self.load_rule_state(state if "last_average" in state else {})
         self.dropped_at[:] = [(int(r), int(s)) for r, s in state.get("dropped_nonfinite", [])]
         weighted = state.get("weighted")
         if weighted is not None:

@@ -13,6 +13,7 @@ from localsgd.averaging.compress import comm_dtype_of
 from localsgd.averaging.flat import FlatBuffers
 from localsgd.averaging.quantize import DEFAULT_BLOCK_SIZE
 from localsgd.averaging.rounds import Rounds, whole
+from localsgd.averaging.schedule import ConstantPeriod
 
 
 def check_levels(period_group_size_dict: dict[int, int], overall: int) -> None:
@@ -76,6 +77,7 @@ class HierarchicalAverager(Averager):
         error_feedback_decay: float = 1.0,
         drop_nonfinite: bool = True,
         round_starts: bool = False,
+        schedule: ConstantPeriod | None = None,
     ):
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
@@ -122,13 +124,25 @@ class HierarchicalAverager(Averager):
             rounds=make_rounds,
             warmup_steps=warmup_steps,
             init_sync=init_sync,
+            schedule=schedule if schedule is not None else ConstantPeriod(self.periods[-1]),
         )
 
     def period_of(self, level: int) -> int:
+        if level == len(self.periods) - 1 and self.schedule.varies:
+            return self.schedule.period_at(self.step)
         return self.periods[level]
 
     def round_at(self, step: int) -> tuple[int, int] | None:
-        level = level_by_period(step, self.warmup_steps, self.periods)
+        """torch's rule; with a varying `schedule` the widest level averages once its period
+        has passed since its last average, and the inner levels by torch's rule between."""
+        periods = self.periods
+        if self.schedule.varies:
+            if step >= self.warmup_steps and (
+                step - self.last_average >= self.schedule.period_at(step)
+            ):
+                return 0, len(periods) - 1
+            periods = periods[:-1]
+        level = level_by_period(step, self.warmup_steps, periods)
         return None if level is None else (0, level)
 
     def next_sync(self, step: int) -> int:

@@ -87,10 +87,8 @@ class PeriodicAverager(Averager):
             raise ValueError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
         if bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be > 0, got {bucket_mb!r}")
-        self.schedule = schedule if schedule is not None else ConstantPeriod(period)
+        schedule = schedule if schedule is not None else ConstantPeriod(period)
         dtype = comm_dtype_of(comm_dtype, quant_block_size)
-        if overlap and self.schedule.needs_loss:
-            raise ValueError("overlap needs a schedule without loss feedback")
         if aggregate is None and judge is not None:
             raise ValueError("judge needs an aggregate (Aggregate('mean') for the gathered mean)")
         comm = Communicator(process_group, stats, link, guard=drop_nonfinite)
@@ -118,7 +116,6 @@ class PeriodicAverager(Averager):
             )
 
         self.comm_dtype = dtype
-        self.last_average = warmup_steps - self.schedule.period_at(warmup_steps)
         super().__init__(
             [comm],
             process_group,
@@ -128,6 +125,8 @@ class PeriodicAverager(Averager):
             init_sync=init_sync,
             mirror=mirror,
             delay=1 if overlap else 0,
+            schedule=schedule,
+            loss_rides=not overlap,  # its loss rides in the buffers, as it always has
         )
 
     @property
@@ -141,13 +140,6 @@ class PeriodicAverager(Averager):
 
     def period_of(self, level: int) -> int:
         return self.period
-
-    @property
-    def ever_averages(self) -> bool:
-        return self.schedule.averages
-
-    def extra_tensors(self, device: torch.device) -> list[torch.Tensor]:
-        return self.schedule.loss_slots(device)
 
     def due(self, step: int) -> bool:
         """Whether the rule averages after step `step`."""
@@ -171,28 +163,3 @@ class PeriodicAverager(Averager):
             s += 1
         # with overlap the ranks wait for each other only where the average is merged
         return s + 1 if self.delay else s
-
-    def observe_loss(self, loss: torch.Tensor) -> None:
-        """Feed this step's training loss to a schedule that adapts to it (no-op otherwise).
-        Summed on the device: nothing is read back until the next sync."""
-        self.schedule.observe_loss(loss)
-
-    def _before_reduce(self) -> None:
-        self.schedule.before_sync()
-
-    def _after_reduce(self, scheduled: bool) -> None:
-        if scheduled:
-            self.last_average = self.step
-        self.schedule.after_sync()  # the same value on every rank: the same decision
-
-    def state_dict(self) -> dict:
-        return {
-            **super().state_dict(),
-            "last_average": self.last_average,
-            "schedule": self.schedule.state_dict(),
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        super().load_state_dict(state)
-        self.last_average = int(state["last_average"])
-        self.schedule.load_state_dict(state["schedule"])

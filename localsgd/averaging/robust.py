@@ -295,3 +295,22 @@ class GatheredContributions:
                 # residual would carry the NaN into every later one (`compress.forget_nonfinite_`)
                 residual.zero_()
         return self.rows
+
+
+def robust_mean_(buffer: torch.Tensor, comm: Communicator, trust) -> None:
+    """`buffer` combined over `comm`'s group by a robust round's rule (`trust`, a
+    `trust.TrustedRound`: its aggregate), over the workers it has not excluded and whose values
+    are finite; kept as it is when none is left (optimizer state, an adaptive period's loss)."""
+    workers, live = comm.members()
+    rows = torch.empty(len(workers) * buffer.numel(), dtype=buffer.dtype, device=buffer.device)
+    comm.all_gather_(rows, buffer)
+    rows = rows.view(len(workers), -1).float()
+    finite = finite_rows([rows])
+    keep = [
+        at
+        for at, worker in enumerate(workers)
+        if live[at] and finite[at] and worker not in trust.excluded
+    ]
+    result = trust.aggregate.combine([rows], keep)
+    if result is not None:
+        buffer.copy_(result[0])

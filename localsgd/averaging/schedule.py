@@ -28,6 +28,10 @@ class ConstantPeriod:
     def period_at(self, step: int) -> int:
         return self.period
 
+    def reachable(self) -> list[int]:
+        """Every period the schedule can take over a run, ascending."""
+        return [self.period]
+
     def update(self, loss: float | None) -> None:
         """Constant: nothing to learn from the sync."""
 
@@ -76,6 +80,9 @@ class StepPeriod(ConstantPeriod):
     def period_at(self, step: int) -> int:
         return self.period * self.factor ** sum(step >= m for m in self.milestones)
 
+    def reachable(self) -> list[int]:
+        return sorted({self.period * self.factor**k for k in range(len(self.milestones) + 1)})
+
 
 class AdaptivePeriod(ConstantPeriod):
     """Grows k while the synchronised training loss keeps falling, shrinks it when it stalls.
@@ -112,6 +119,16 @@ class AdaptivePeriod(ConstantPeriod):
         self.last_loss = math.inf
         self.loss_slot: torch.Tensor | None = None  # this worker's loss summed since the sync
         self.loss_count = 0
+
+    def reachable(self) -> list[int]:
+        seen, todo = set(), [self.period]
+        while todo:
+            k = todo.pop()
+            if k in seen:
+                continue
+            seen.add(k)
+            todo += [min(self.max_period, k * self.factor), max(self.min_period, k // self.factor)]
+        return sorted(seen)
 
     def loss_slots(self, device: torch.device) -> list[torch.Tensor]:
         if self.loss_slot is None:

@@ -99,6 +99,7 @@ from localsgd.averaging.robust import Aggregate
 from localsgd.averaging.rounds import DILOCO, Rounds
 from localsgd.averaging.rounds.merge import MERGE_RULES
 from localsgd.averaging.rounds.part import fragments as fragment_parts
+from localsgd.averaging.schedule import ConstantPeriod
 from localsgd.averaging.trust import Judge
 
 __all__ = ["MERGE_RULES", "StreamingAverager"]
@@ -150,6 +151,7 @@ class StreamingAverager(Averager):
         drop_nonfinite: bool = True,
         aggregate: Aggregate | None = None,
         judge: Judge | None = None,
+        schedule: ConstantPeriod | None = None,
     ):
         if period < 1 or warmup_steps < 0 or fragments < 1:
             raise ValueError("period and fragments must be >= 1, warmup_steps >= 0")
@@ -191,6 +193,11 @@ class StreamingAverager(Averager):
         self.alpha, self.eager, self.outer = float(merge_alpha), eager, outer
         self.progress = progress
         self.offset = period // fragments
+        schedule = schedule if schedule is not None else ConstantPeriod(period)
+        self.delay_steps = delay_steps
+        # a varying period changes between cycles of the P fragments: the cycle's start and H
+        self.cycle_start, self.cycle_period = warmup_steps, 0
+        self.cycle_period = self._cycle_period(schedule, warmup_steps)
         ids = fragment_ids(module, fragments, blocks)
         n_params = sum(1 for t in module.parameters() if torch.is_floating_point(t))
         # the tensors bound in fragment order: each fragment contiguous in every buffer
@@ -247,6 +254,7 @@ class StreamingAverager(Averager):
             mirror=mirror,
             delay=delay_steps,
             parts=fragments,
+            schedule=schedule,
         )
 
     # --- binding in fragment order -------------------------------------------------------------
@@ -275,11 +283,34 @@ class StreamingAverager(Averager):
     # --- the schedule --------------------------------------------------------------------------
 
     def launching(self, step: int) -> int | None:
-        """The fragment launched after step `step`, or None."""
+        """The fragment launched after step `step`, or None. With a varying period (a schedule:
+        step or adaptive) the fragments sync every H/P steps of their cycle, whose H the
+        schedule set when the cycle began; the next cycle begins H steps after this one (its
+        first fragment is known, the others once its H is)."""
         if step < self.warmup_steps:
             return None
-        r = (step - self.warmup_steps) % self.period
-        return None if r % self.offset else r // self.offset
+        if not self.schedule.varies:
+            r = (step - self.warmup_steps) % self.period
+            return None if r % self.offset else r // self.offset
+        start, period = self.cycle_start, self.cycle_period
+        if step >= start + period:
+            return 0 if step == start + period else None
+        r, offset = step - start, period // self.fragments
+        return None if r % offset else r // offset
+
+    def _cycle_period(self, schedule: ConstantPeriod, step: int) -> int:
+        """A cycle's H: the schedule's period at its start, rounded up to a multiple of P that
+        leaves each fragment at least τ steps (H/P >= max(τ, 1))."""
+        p = self.fragments
+        least = p * max(self.delay_steps, 1)
+        return max(least, -(-schedule.period_at(step) // p) * p)
+
+    def maybe_average(self) -> bool:
+        step = self.step
+        if self.schedule.varies and step == self.cycle_start + self.cycle_period:
+            # a new cycle: the period the schedule decided at the last one's end
+            self.cycle_start, self.cycle_period = step, self._cycle_period(self.schedule, step)
+        return super().maybe_average()
 
     def merging(self, step: int) -> int | None:
         """The fragment merged (eager: stepped) after step `step`, or None."""
@@ -295,7 +326,8 @@ class StreamingAverager(Averager):
 
     def is_plain(self, p: int, step: int) -> bool:
         # fragment p's first sync after a warmup is a plain average
-        return self.warmup_steps > 0 and step == self.warmup_steps + p * self.offset
+        first = self.cycle_period // self.fragments
+        return self.warmup_steps > 0 and step == self.warmup_steps + p * first
 
     def acts_at(self, step: int) -> bool:
         merges = self.delay and self.merging(step) is not None
@@ -306,7 +338,19 @@ class StreamingAverager(Averager):
         return len(self.levels) - 1
 
     def period_of(self, level: int) -> int:
-        return self.period if level == self.widest else self.inner_periods[level]
+        if level != self.widest:
+            return self.inner_periods[level]
+        return self.cycle_period if self.schedule.varies else self.period
+
+    def rule_state(self) -> dict:
+        cycle = {"cycle_start": self.cycle_start, "cycle_period": self.cycle_period}
+        return {**super().rule_state(), **cycle}
+
+    def load_rule_state(self, state: dict) -> None:
+        super().load_rule_state(state)
+        if "cycle_start" in state:
+            self.cycle_start = int(state["cycle_start"])
+            self.cycle_period = int(state["cycle_period"])
 
     def next_sync(self, step: int) -> int | None:
         s = max(step, self.warmup_steps + self.delay)
@@ -376,7 +420,7 @@ class StreamingAverager(Averager):
             for flat in buffers:
                 self.comm.mean_(flat)
             rounds.reset(buffers)
-        self._run_hooks(self.comm)
+        self._run_hooks(self.comm, self.widest, None)
         self._count(self.widest, before)
         self.all_in_sync = True
 

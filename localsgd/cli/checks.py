@@ -272,17 +272,6 @@ def _validate_streaming(cfg: Any, plan: SyncPlan) -> None:
     if _get(cfg, "sync.eager"):
         _require(outer != "none", "sync.eager", "false when sync.outer is none", True)
         _require(delay == 0, "sync.delay_steps", "0 with sync.eager=true", delay)
-    what = (
-        "with sync.fragments, delay_steps, merge_alpha, eager, overlap or an outer step over "
-        "sync.levels"
-    )
-    for key, default in (
-        ("sync.schedule", "constant"),
-        ("sync.optimizer_state", "local"),
-    ):
-        value = _get(cfg, key)
-        shown = str(default).lower() if isinstance(default, bool) else default
-        _require(value == default, key, f"{shown} {what}", value)
 
 
 def _validate_outer_state(cfg: Any) -> None:
@@ -359,15 +348,12 @@ def validate_sync(cfg: Any, ws: int | None, local_ws: int | None) -> None:
         _require(len(mp) == 2 and all(isinstance(p, int) and p >= 1 for p in mp),
                  "sync.moment_periods", "two integers >= 1 ([first, second] moment periods, in "
                  "parameter averages)", mp)  # fmt: skip
-        _require(not levels, "sync.optimizer_state", "local, average or reset with sync.levels "
-                 "(desloc counts the averages of one level)", "desloc")  # fmt: skip
     plan = SyncPlan.of(_get(cfg, "sync"))
     streaming = plan.streaming
     if streaming:  # what the plan builds a StreamingAverager for
         _validate_streaming(cfg, plan)
     if not levels:
         return
-    _require(schedule == "constant", "sync.schedule", "constant when sync.levels is set", schedule)
     sizes, periods = [], []
     for i, level in enumerate(levels):
         size, lp = _get(level, "group_size"), _get(level, "period")

@@ -30,14 +30,8 @@ from localsgd.loop.metrics import notice
 from localsgd.loop.plan import SyncPlan
 from localsgd.loop.worker import WorkerInfo
 
-# What cannot run through torchft's Manager yet, each with the value it must keep (the keys are
-# the averagers' features that need collectives other than one all-reduce per round, or state
-# that a failed round would not roll back).
-FT_REFUSED = (
-    ("sync.schedule", "constant", "constant (every replica must agree on when to sync)"),
-    ("sync.optimizer_state", "local", "local (averaged optimizer state is not rolled back)"),
-    ("comm.disabled", False, "false (nothing to make fault tolerant)"),
-)
+# What cannot run through torchft's Manager, each with the value it must keep.
+FT_REFUSED = (("comm.disabled", False, "false (nothing to make fault tolerant)"),)
 
 
 def check_reachable(address: str, timeout_s: float) -> None:

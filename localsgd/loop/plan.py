@@ -163,12 +163,8 @@ class SyncPlan:
              "sync.aggregate (clip, trimmed_mean, median), which combines them too"),
             (self.warmup_steps > 0 and ft, "sync.warmup_steps > 0 under ft=torchft: the "
              "warmup's gradients are torchft's all-reduce, which no rule can judge"),
-            (self.optimizer_state in ("average", "desloc"), f"sync.optimizer_state="
-             f"{self.optimizer_state}: the optimizer state is averaged by the plain mean"),
             (self.compress != "none" and self.aggregate in COORDINATE_RULES,
              f"sync.compress={self.compress}: {PER_COORDINATE}"),
-            (self.schedule == "adaptive", "sync.schedule=adaptive: its loss rides in the "
-             "averaged buffers"),
         )
         for hit, why in refused:
             if hit:

@@ -55,11 +55,13 @@ def resolve_group_size(value: Any, world_size: int, local_world_size: int | None
     return int(value)
 
 
-SCHEDULES: dict[str, Callable[[SyncConfig], ConstantPeriod]] = {
-    "constant": lambda sync: ConstantPeriod(sync.period),
-    "step": lambda sync: StepPeriod(sync.period, sync.period_factor, list(sync.period_milestones)),
-    "adaptive": lambda sync: AdaptivePeriod(
-        sync.period,
+SCHEDULES: dict[str, Callable[[SyncConfig, int], ConstantPeriod]] = {
+    "constant": lambda sync, period: ConstantPeriod(period),
+    "step": lambda sync, period: StepPeriod(
+        period, sync.period_factor, list(sync.period_milestones)
+    ),
+    "adaptive": lambda sync, period: AdaptivePeriod(
+        period,
         min_period=sync.min_period,
         max_period=sync.max_period,
         factor=sync.period_factor,
@@ -71,8 +73,9 @@ SCHEDULES: dict[str, Callable[[SyncConfig], ConstantPeriod]] = {
 OUTERS = ("none", *OUTER_DEFAULTS)
 
 
-def build_schedule(sync: SyncConfig) -> ConstantPeriod:
-    return SCHEDULES[sync.schedule](sync)
+def build_schedule(sync: SyncConfig, period: int | None = None) -> ConstantPeriod:
+    """The `sync.schedule` of the widest level's period (`period`; None: `sync.period`)."""
+    return SCHEDULES[sync.schedule](sync, sync.period if period is None else period)
 
 
 def aggregate_of(sync: SyncConfig) -> Aggregate:
@@ -178,7 +181,8 @@ def build_averager(
             error_feedback_decay=sync.error_feedback_decay,
             inner_levels=dict(list(sizes.items())[:-1]),
             drop_nonfinite=plan.drop_nonfinite,
-            **trust,  # robust rounds over each fragment (blocking, anchored: fragment_trust)
+            schedule=build_schedule(sync, plan.period),
+            **trust,  # robust rounds over each fragment
         )
     elif levels:
         averager = HierarchicalAverager(
@@ -194,6 +198,7 @@ def build_averager(
             error_feedback_decay=sync.error_feedback_decay,
             quant_block_size=sync.quant_block_size,
             drop_nonfinite=plan.drop_nonfinite,
+            schedule=build_schedule(sync, plan.period),
         )
     elif outer != "none":
         averager = OuterAverager(

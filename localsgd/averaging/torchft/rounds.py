@@ -183,6 +183,19 @@ class FaultTolerantRounds:
         order, after the averager's state and flat buffers."""
         self.manager.register_state_dict_fn(key, load_state_dict, state_dict)
 
+    def _hooks_state(self) -> list:
+        """What each of the averager's hooks that keeps state (optimizer state averaging) holds
+        before a round: its tensors and its clock."""
+        return [
+            (h.snapshot(), h.state_dict()) for h in self.averager.hooks if hasattr(h, "snapshot")
+        ]
+
+    def _put_hooks_back(self, saved: list) -> None:
+        hooks = [h for h in self.averager.hooks if hasattr(h, "snapshot")]
+        for hook, (tensors, state) in zip(hooks, saved, strict=True):
+            hook.restore(tensors)
+            hook.load_state_dict(state)
+
     def _snapshot(self) -> dict:
         av = self.averager
         av.ensure_bound()
@@ -190,6 +203,7 @@ class FaultTolerantRounds:
             # mirror mode (sharded) between steps: the values live in the tensors
             "buffers": [b.detach().clone() for b in av.flat.current()],
             "rounds": _clone_tree(av.rounds.state_dict()),
+            "rule": _clone_tree(av.rule_state()),  # an adaptive period's
         }
 
     def _restore(self, snap: dict) -> None:
@@ -197,6 +211,7 @@ class FaultTolerantRounds:
         av.ensure_bound()
         av.flat.assign(snap["buffers"])
         av.rounds.load_state_dict(_clone_tree(snap["rounds"]))
+        av.load_rule_state(_clone_tree(snap.get("rule", {})))
 
     def _ft_state(self) -> dict:
         # served by reference until every healer has loaded it (the count all-reduce in
@@ -312,11 +327,15 @@ class FaultTolerantRounds:
 
     def _round(self, phase: str, body: Callable[[], Any]) -> bool:
         before = self._snapshot() if self.undo and phase != "grad" else None
+        # what a hook averages in the round (optimizer state) is put back if it fails
+        hooks = self._hooks_state() if phase != "grad" else None
         self.heals += self._begin(phase)  # behind its peers (rolled back while they committed)
         body()  # with no quorum: the counters advance, nothing is sent, the round is put back
         self._settle()
         self._verify(phase)
         ok = self._commit()
+        if not ok and hooks:
+            self._put_hooks_back(hooks)
         if phase == "grad":  # a failed one: the step is skipped, nothing to put back
             self._snapshot_due = self._snapshot_due or ok
         elif ok and not self.undo:
