@@ -105,10 +105,7 @@ def test_averaging_the_optimizer_state_reaches_both_optimizers(lone_group):
     assert stats.bytes == state_bytes  # Muon's momentum and Adam's moments, all of them
 
 
-def test_muon_on_sharded_replicas_is_refused_in_one_line():
+def test_muon_on_sharded_replicas_is_accepted():
     from localsgd.cli.checks import validate
-    from localsgd.config import ConfigError
 
-    with pytest.raises(ConfigError) as e:
-        validate(compose_config(["optim=muon", "dist.shard_size=2", "dist.world_size=4"]))
-    assert "optim._target_" in str(e.value) and "\n" not in str(e.value)
+    validate(compose_config(["optim=muon", "dist.shard_size=2", "dist.world_size=4"]))

@@ -122,13 +122,9 @@ def test_a_device_checkpoint_continues_with_the_state_on_the_host_bit_identicall
     "overrides, named",
     [
         (["sync.outer_state=gpu"], "sync.outer_state must be one of device, cpu, got 'gpu'"),
-        ([], "sync.outer_state must be device with sync.outer=none (no anchor or outer momentum"),
+        ([], "sync.outer_state=cpu with sync.outer=none: there is no anchor or outer momentum"),
         (["sync.outer=diloco", "comm.disabled=true"],
-         "sync.outer_state must be device with comm.disabled=true (nothing syncs)"),
-        (["sync.outer=diloco", "ft=torchft"],
-         "sync.outer_state must be device with ft.backend=torchft (not built with ft=torchft"),
-        (["sync.outer=diloco", "sync.aggregate=median"],
-         "sync.outer_state must be device with sync.aggregate=median (gathered"),
+         "comm.disabled=true with sync.outer_state=cpu: nothing syncs"),
     ],
 )  # fmt: skip
 def test_outer_state_cpu_is_refused_in_one_line_where_there_is_nothing_to_move(overrides, named):
@@ -138,6 +134,10 @@ def test_outer_state_cpu_is_refused_in_one_line_where_there_is_nothing_to_move(o
     assert named in str(refused.value) and "\n" not in str(refused.value)
     validate(compose_config(["sync.outer_state=cpu", "sync.outer=diloco"]))  # where it holds
     validate(compose_config(["sync.outer_state=cpu", "sync=streaming_diloco"]))
+    # torchft rolls the host state back with a failed round; a robust rule judges on the host
+    validate(compose_config(["sync.outer_state=cpu", "sync.outer=diloco", "ft=torchft"]))
+    validate(compose_config(["sync.outer_state=cpu", "sync.outer=diloco",
+                             "sync.aggregate=median"]))  # fmt: skip
 
 
 @pytest.mark.timeout(10)

@@ -123,16 +123,14 @@ def test_bad_values_are_refused_in_one_line():
             validate(compose_config([override]), 4)
     for overrides, keys in (
         (["sync.score=true", "sync.warmup_steps=4"], "sync.warmup_steps"),
-        (["sync.aggregate=median", "sync.warmup_steps=4", "ft=torchft"], "under ft=torchft"),
+        (["sync.aggregate=median", "sync.warmup_steps=4", "ft=torchft"], "which no rule can judge"),
         (["sync.aggregate=median", "sync.warmup_steps=4", "trainer.precision=16-mixed"],
          "16-mixed"),
         (["+experiment=untrusted", "sync.excluded_shard=reassign", "dist.shard_size=2"],
-         "sync.excluded_shard=reassign with dist.shard_size"),
+         "dist.shard_size > 1 with sync.excluded_shard"),
         (["sync.aggregate=median", "sync.drop_nonfinite=false"], "sync.drop_nonfinite"),
         (["sync.aggregate=median", "sync=hierarchical"], "sync.levels"),
-        (["sync.drop_nonfinite=true", "ft=torchft"], "ft=torchft and a 16/32-bit"),
-        (["sync.aggregate=median", "+experiment=untrusted_streaming", "ft=torchft"],
-         "fragments with ft=torchft"),
+        (["sync.drop_nonfinite=true", "ft=torchft"], "and a 16/32-bit sync.comm_dtype"),
         (["sync.score=true", "sync.drop_nonfinite=false"], "sync.drop_nonfinite"),
     ):
         with pytest.raises(ConfigError, match=keys) as info:
@@ -146,6 +144,9 @@ def test_bad_values_are_refused_in_one_line():
     validate(compose_config(["+experiment=untrusted", "dist.shard_size=2"]), 4)
     validate(compose_config(["+experiment=diloco", "sync.aggregate=clip", "dist.shard_size=2"]), 4)
     validate(compose_config(["+experiment=untrusted_streaming", "dist.shard_size=2"]), 4)
+    # nor Streaming DiLoCo's robust fragment rounds under torchft (each a round of its own)
+    validate(compose_config(["sync.aggregate=median", "+experiment=untrusted_streaming",
+                             "ft=torchft"]), 4)  # fmt: skip
     # rounds that compose with a robust rule: plain streaming (the change since each fragment's
     # sync), averaged optimizer state (combined by the rule), a delayed merge (the gather
     # launched), an adaptive period (its loss agreed by the rule)
@@ -537,7 +538,7 @@ def test_scoring_with_fewer_than_3_workers_says_nobody_can_be_excluded(monkeypat
             model = _Net()
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
             module.build_synchroniser(cfg, WorkerInfo(0, 1, 0, 1), model, opt,
-                                      loss_at=lambda round_: 0.0)
+                                      held_out=lambda round_, batch, samples=None: 0.0)
             assert any("nobody can be excluded" in line for line in said) is warned, said
     finally:
         dist.destroy_process_group()

@@ -206,9 +206,6 @@ def test_the_streaming_experiment_as_it_is_runs_a_weighted_budget(tmp_path):
     "extra, named",
     [
         (["sync.merge_alpha=0.5"], "set sync.merge_alpha=0, or sync.budget_merge=weighted"),
-        (["sync.eager=true"], "with sync.eager"),
-        (["sync.outer=none"], "with sync.outer (plain streaming sends the values"),
-        (["ft=torchft"], "with ft=torchft and sync.fragments=2 is not built"),
     ],
 )
 @pytest.mark.timeout(30)

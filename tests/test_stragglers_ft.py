@@ -91,4 +91,4 @@ def test_weighted_rounds_over_replica_groups_of_several_processes_are_refused(
         f"hydra.run.dir={tmp_path}",
     ]
     line = refusal(args, capsys)
-    assert "sync.inner_time_s with ft=torchft and replica groups of 2 processes" in line, line
+    assert "ft=torchft with sync.inner_time_s and replica groups of several processes" in line

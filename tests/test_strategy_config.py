@@ -81,7 +81,7 @@ def test_experiment_files_compose_and_validate(name, expected):
         ([LEVELS_OK, "sync.outer=diloco"], 4, None),  # the widest level's outer step
         ([LEVELS_OK, "sync.outer=diloco", "sync.optimizer_state=average"], 4, None),
         # one machine: every torchft replica group is one worker, so no inner level
-        ([LEVELS_OK, "sync.outer=diloco", "ft=torchft"], 4, "sync.levels"),
+        ([LEVELS_OK, "sync.outer=diloco", "ft=torchft"], 4, "ft=torchft with sync.levels"),
         ([LEVELS_OK, "sync.schedule=adaptive"], 4, None),  # the widest level's period adapts
         (["sync.comm_dtype=float64"], 4, "sync.comm_dtype"),
         (["sync.outer=adam"], 4, "sync.outer"),

@@ -107,32 +107,48 @@ def mirrored(when_acting: bool = False):
 
 
 class PartSamples:
-    """Per part, the samples this rank trained on since the part's values last started afresh:
-    a weighted round's weight (see the module doc)."""
+    """Per level and part, the samples this rank trained on since the part's values last started
+    afresh at that level or a wider one: a weighted round's weight (see the module doc)."""
 
-    def __init__(self, parts: int, progress: bool):
-        self.since = [0.0] * parts
+    def __init__(self, parts: int, progress: bool, levels: int = 1):
+        self.since = [[0.0] * parts for _ in range(levels)]
         self.progress = progress  # a launched round's merge keeps what trained meanwhile
 
     def trained(self, samples: float) -> None:
-        self.since = [n + samples for n in self.since]
+        self.since = [[n + samples for n in row] for row in self.since]
 
     def restart(self) -> None:
         """Every part starts here (each step of a synchronous warmup, a resume at another world
         size)."""
-        self.since = [0.0] * len(self.since)
+        self.since = [[0.0] * len(row) for row in self.since]
 
-    def weight(self, p: int, launched: bool) -> float:
-        own = self.since[p]
+    def weight(self, level: int, p: int, launched: bool) -> float:
+        """Part p's weight in a round at `level`; the round restarts the counts of its level
+        and the narrower ones (their values start from its result), a launched one at its
+        merge unless the merge keeps the progress."""
+        own = self.since[level][p]
         if not launched or self.progress:
-            self.since[p] = 0.0
+            self._restart(level, p)
         return own
 
-    def merged(self, p: int) -> None:
+    def merged(self, level: int, p: int) -> None:
         """Part p's launched round merged, replacing (or, at alpha > 0, mostly replacing) what
         trained while it was in flight."""
         if not self.progress:
-            self.since[p] = 0.0
+            self._restart(level, p)
+
+    def _restart(self, level: int, p: int) -> None:
+        for row in self.since[: level + 1]:
+            row[p] = 0.0
+
+    def state_dict(self) -> list:
+        return [list(row) for row in self.since]
+
+    def load_state_dict(self, saved: list) -> None:
+        if saved and not isinstance(saved[0], list):  # one level's counts
+            saved = [saved]
+        for row, values in zip(self.since, saved, strict=False):
+            row[:] = [float(n) for n in values]
 
 
 class Averager(ModelAverager):
@@ -187,7 +203,7 @@ class Averager(ModelAverager):
         self.extra_count = 0  # the last `extra_count` tensors ride along (extra_tensors)
         self.weighted = False
         self.normalized = False
-        self.part_samples = PartSamples(parts, progress=False)
+        self.part_samples = PartSamples(parts, progress=False, levels=len(levels))
         # the last weighted round's weights, this rank's seconds in their exchange (where it
         # waits for the slowest), their sum over every round so far
         self.round_weights: list[float] | None = None
@@ -374,7 +390,8 @@ class Averager(ModelAverager):
         weighted = state.get("weighted")
         if weighted is None or "since" not in weighted:
             return state
-        return {**state, "weighted": {**weighted, "since": [0.0] * len(weighted["since"])}}
+        zeros = [[0.0] * len(row) for row in weighted["since"]]
+        return {**state, "weighted": {**weighted, "since": zeros}}
 
     def average_parameters(self, params: Iterable | None = None) -> None:
         """torch's call: after every optimizer step; averages when the rule says, then advances
@@ -425,7 +442,7 @@ class Averager(ModelAverager):
         self._global_hooks("before")  # a merge brings every rank onto the average
         self.rounds.finish(q, self.flat.buffers, self.comm, self.step)
         if self.weighted:
-            self.part_samples.merged(q)
+            self.part_samples.merged(len(self.levels) - 1, q)
         self._merged(q)
 
     def _merged(self, p: int) -> None:
@@ -443,7 +460,7 @@ class Averager(ModelAverager):
             self._before_reduce(comm)
         plain = self.is_plain(p, self.step)
         launched = scheduled and self.delay > 0 and widest
-        scale = self._weigh(p, comm, launched) if self.weighted and widest else None
+        scale = self._weigh(p, comm, launched, level) if self.weighted else None
         try:
             if launched:
                 rounds.launch(p, buffers, comm, self.step, plain, scale)
@@ -451,7 +468,7 @@ class Averager(ModelAverager):
                 if widest and scheduled:
                     self._global_hooks("before")
                 if rounds.eager and not plain and widest:
-                    got = rounds.eager_round(p, buffers, comm, self.step)
+                    got = rounds.eager_round(p, buffers, comm, self.step, scale)
                 else:
                     rounds.blocking(p, buffers, comm, level, self.step, plain, scale)
                     got = True
@@ -464,23 +481,24 @@ class Averager(ModelAverager):
                 else:
                     self._run_hooks(comm, level, p)
         finally:
-            if self.weighted and widest:
+            if self.weighted:
                 comm.unweigh()
         self._count(level, before)
         if decides:
             self._after_reduce(scheduled)
 
-    def _weigh(self, p: int, comm: Communicator, launched: bool) -> float | None:
-        """Part p's weighted round: every rank's samples since p's values last started from the
-        global ones. Returns the factor of this rank's contribution under `normalized` (the
-        round's largest weight over its own), or None."""
+    def _weigh(self, p: int, comm: Communicator, launched: bool, level: int) -> float | None:
+        """Part p's weighted round at `level`: every rank's samples since p's values last
+        started from that level's (or a wider one's) global ones. Returns the factor of this
+        rank's contribution under `normalized` (the round's largest weight over its own), or
+        None."""
         if self.rounds.gathered:
             raise ValueError(
                 "weighted rounds weigh each worker by the samples it reports, and a robust "
                 "aggregate combines the contributions unweighted (an untrusted worker could "
                 "inflate its weight): set weighted=False"
             )
-        own = self.part_samples.weight(p, launched)
+        own = self.part_samples.weight(level, p, launched)
         start = time.perf_counter()
         self.round_weights = comm.weigh(own, self.flat.buffers[0].device)
         self.wait_s += time.perf_counter() - start
@@ -665,7 +683,7 @@ class Averager(ModelAverager):
                 "contributed": self.contributed,
                 "round_weights": self.round_weights,
                 "wait_s": self.wait_s,
-                "since": list(self.part_samples.since),
+                "since": self.part_samples.state_dict(),
             }
         return state
 
@@ -679,7 +697,7 @@ class Averager(ModelAverager):
             self.round_weights = weighted["round_weights"]
             self.wait_s = float(weighted["wait_s"])
             if "since" in weighted:
-                self.part_samples.since = [float(n) for n in weighted["since"]]
+                self.part_samples.load_state_dict(weighted["since"])
         for stats, saved in zip(self.level_stats, state.get("levels", []), strict=False):
             stats.load_state_dict(saved)
         stateful = [h for h in self.hooks if hasattr(h, "load_state_dict")]

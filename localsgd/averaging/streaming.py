@@ -152,6 +152,7 @@ class StreamingAverager(Averager):
         aggregate: Aggregate | None = None,
         judge: Judge | None = None,
         schedule: ConstantPeriod | None = None,
+        round_starts: bool = False,
     ):
         if period < 1 or warmup_steps < 0 or fragments < 1:
             raise ValueError("period and fragments must be >= 1, warmup_steps >= 0")
@@ -230,6 +231,7 @@ class StreamingAverager(Averager):
                 launched=delay_steps > 0,
                 eager=eager,
                 bucket_bytes=None if bucket_mb is None else int(bucket_mb * 2**20),
+                anchored=round_starts,  # plain streaming's normalized weighted rounds scale
             )
 
         inner = dict(inner_levels or {})
@@ -375,16 +377,15 @@ class StreamingAverager(Averager):
 
     # --- the rounds ----------------------------------------------------------------------------
 
-    def _weigh(self, p: int, comm: Communicator, launched: bool) -> float | None:
-        if not self.outer or self.eager or self.inner_periods or (self.normalized and self.alpha):
+    def _weigh(self, p: int, comm: Communicator, launched: bool, level: int) -> float | None:
+        if self.inner_periods or (self.normalized and self.alpha):
             raise ValueError(
-                "weighted rounds need an outer step (outer=True: the final average of plain "
-                "streaming is one unweighted mean), eager=False and no inner_levels, and "
+                "weighted rounds need no inner_levels (their plain means weigh nobody), and "
                 "normalized ones merge_alpha=0 (a mixed merge leaves part of each worker's own "
-                "values in its next pseudo-gradient, which its samples did not make): set "
+                "values in its next contribution, which its samples did not make): set "
                 "weighted=False"
             )
-        return super()._weigh(p, comm, launched)
+        return super()._weigh(p, comm, launched, level)
 
     def _finish(self, q: int) -> None:
         super()._finish(q)
@@ -407,11 +408,12 @@ class StreamingAverager(Averager):
             elif rounds.holding[p]:
                 rounds.finish(p, buffers, self.comm, self.step)
                 if self.weighted:
-                    self.part_samples.merged(p)
-        if self.outer and not self.eager:
+                    self.part_samples.merged(self.widest, p)
+        if (self.outer and not self.eager) or self.weighted:  # a weighted round a fragment
             for p in range(self.fragments):
                 plain = self.warmup_steps > 0 and self.step <= self.warmup_steps + p * self.offset
-                scale = self._weigh(p, self.comm, False) if self.weighted else None
+                plain = plain and self.outer
+                scale = self._weigh(p, self.comm, False, self.widest) if self.weighted else None
                 try:
                     rounds.blocking(p, buffers, self.comm, 0, self.step, plain, scale, alpha=0.0)
                 finally:

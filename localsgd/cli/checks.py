@@ -15,8 +15,9 @@ from typing import Any
 from localsgd.averaging import COMM_DTYPES, OPTIMIZER_STATE_MODES
 from localsgd.averaging.offload import OUTER_STATES
 from localsgd.averaging.streaming import MERGE_RULES
-from localsgd.cli.fault_tolerance import validate_ft
+from localsgd.cli.fault_tolerance import check_lighthouse, validate_ft
 from localsgd.cli.pacing import validate_pacing
+from localsgd.cli.refusals import check as check_refusals
 from localsgd.cli.sharding import validate_sharding
 from localsgd.cli.trust_checks import validate_trust
 from localsgd.cli.virtual import validate_virtual
@@ -129,10 +130,6 @@ def validate(cfg: Any, world_size: int | None = None, local_world_size: int | No
     )
     latency = _get(cfg, "comm.simulate.latency_ms")
     _require(latency >= 0, "comm.simulate.latency_ms", ">= 0", latency)
-    if _get(cfg, "comm.disabled"):
-        _require(
-            warmup == 0, "sync.warmup_steps", "0 when comm.disabled is true (nothing syncs)", warmup
-        )
 
     validate_optim(cfg)
     validate_ft(cfg, _get, ws)
@@ -150,6 +147,8 @@ def validate(cfg: Any, world_size: int | None = None, local_world_size: int | No
     _require(cpw >= 1, "data.classes_per_worker", "an integer >= 1", cpw)
     workers = _get(cfg, "data.num_workers")
     _require(workers >= 0, "data.num_workers", "an integer >= 0 (0 = load in the rank)", workers)
+    check_refusals(cfg, _get)  # what does not combine: one table (localsgd.cli.refusals)
+    check_lighthouse(cfg, _get)
 
 
 def _validate_length(cfg: Any) -> None:
@@ -250,13 +249,7 @@ def _validate_streaming(cfg: Any, plan: SyncPlan) -> None:
         "period/fragments",
         fragments,
     )
-    delay, spacing = _get(cfg, "sync.delay_steps"), plan.spacing
-    alpha = plan.merge_alpha
-    if plan.overlap:  # shorthand for delay_steps=1 merge_rule=progress
-        alias = "with sync.overlap=true (its shorthand for delay_steps=1, merge_rule=progress)"
-        _require(delay in (0, 1), "sync.delay_steps", f"0 or 1 {alias}", delay)
-        _require(alpha == 0, "sync.merge_alpha", f"0 {alias}", alpha)
-    delay, rule = plan.delay, plan.merge_rule
+    delay, spacing, alpha = plan.delay, plan.spacing, plan.merge_alpha
     _require(
         0 <= delay <= spacing,
         "sync.delay_steps",
@@ -264,29 +257,6 @@ def _validate_streaming(cfg: Any, plan: SyncPlan) -> None:
         delay,
     )
     _require(0 <= alpha < 1, "sync.merge_alpha", "in [0, 1)", alpha)
-    if rule == "progress":
-        _require(delay >= 1, "sync.merge_rule", "mix with sync.delay_steps=0 (no progress "
-                 "since the launch to keep)", rule)  # fmt: skip
-        _require(alpha == 0, "sync.merge_alpha", "0 with sync.merge_rule=progress", alpha)
-    outer = _get(cfg, "sync.outer")
-    if _get(cfg, "sync.eager"):
-        _require(outer != "none", "sync.eager", "false when sync.outer is none", True)
-        _require(delay == 0, "sync.delay_steps", "0 with sync.eager=true", delay)
-
-
-def _validate_outer_state(cfg: Any) -> None:
-    """`sync.outer_state=cpu` moves state that exists only with an outer step that runs."""
-    if _get(cfg, "sync.outer_state") == "device":
-        return
-    for key, value, where in (
-        ("sync.outer", "none", "no anchor or outer momentum to keep"),
-        ("comm.disabled", True, "nothing syncs"),
-    ):
-        if _get(cfg, key) == value:
-            shown = str(value).lower() if isinstance(value, bool) else value
-            raise ConfigError(
-                f"sync.outer_state must be device with {key}={shown} ({where}), got cpu"
-            )
 
 
 def validate_sync(cfg: Any, ws: int | None, local_ws: int | None) -> None:
@@ -301,7 +271,6 @@ def validate_sync(cfg: Any, ws: int | None, local_ws: int | None) -> None:
         ("sync.outer_state", OUTER_STATES),
     ):
         _choice(cfg, key, choices)
-    _validate_outer_state(cfg)
     bucket = _get(cfg, "sync.bucket_mb")
     _require(bucket > 0, "sync.bucket_mb", "> 0 (MiB)", bucket)
     schedule = _get(cfg, "sync.schedule")
@@ -335,8 +304,6 @@ def validate_sync(cfg: Any, ws: int | None, local_ws: int | None) -> None:
         _require(False, "sync.outer_nesterov", "false when sync.outer_momentum is 0", True)
     warm = _get(cfg, "sync.outer_warmup_rounds")
     _require(warm >= 0, "sync.outer_warmup_rounds", "an integer >= 0", warm)
-    if warm and _get(cfg, "sync.outer") == "none":
-        _require(False, "sync.outer_warmup_rounds", "0 when sync.outer=none (no outer step)", warm)
 
     block = _get(cfg, "sync.quant_block_size")
     _require(block >= 1, "sync.quant_block_size", "an integer >= 1", block)

@@ -30,9 +30,6 @@ from localsgd.loop.metrics import notice
 from localsgd.loop.plan import SyncPlan
 from localsgd.loop.worker import WorkerInfo
 
-# What cannot run through torchft's Manager, each with the value it must keep.
-FT_REFUSED = (("comm.disabled", False, "false (nothing to make fault tolerant)"),)
-
 
 def check_reachable(address: str, timeout_s: float) -> None:
     """One line, and exit 2 through ConfigError, unless a torchft lighthouse answers at
@@ -87,7 +84,8 @@ def check_reachable(address: str, timeout_s: float) -> None:
 
 
 def validate_ft(cfg: Any, get: Callable[[Any, str], Any], world_size: int | None) -> None:
-    """The `ft` keys, and what does not compose with torchft yet (one line each)."""
+    """The `ft` keys: their values and the layout of replica groups they describe (what else
+    torchft does not combine with is a row of `localsgd.cli.refusals`)."""
     backend = get(cfg, "ft.backend")
     if backend not in FT_BACKENDS:
         raise ConfigError(f"ft.backend must be one of {', '.join(FT_BACKENDS)}, got {backend!r}")
@@ -165,17 +163,7 @@ def validate_ft(cfg: Any, get: Callable[[Any, str], Any], world_size: int | None
         )
     if not get(cfg, "ft.host"):
         raise ConfigError("ft.host must name the interface to bind (e.g. 127.0.0.1), got ''")
-    for key, keep, allowed in FT_REFUSED:
-        value = get(cfg, key)
-        if value != keep:
-            raise ConfigError(f"{key} must be {allowed} with ft=torchft, got {value!r}")
     levels = list(get(cfg, "sync.levels") or [])
-    if levels and not under_torchrun():
-        raise ConfigError(
-            "sync.levels must be empty with ft=torchft on one machine (each worker is a replica "
-            "group of its own); under torchrun the inner levels average inside each machine's "
-            "group and the widest across groups"
-        )
     if levels and get(cfg, f"sync.levels.{len(levels) - 1}.group_size") != "world":
         raise ConfigError(
             "sync.levels: the last level's group_size must be world with ft=torchft (it spans "
@@ -188,14 +176,11 @@ def validate_ft(cfg: Any, get: Callable[[Any, str], Any], world_size: int | None
             f"sync.delay_steps must be < {plan.period_key}/sync.fragments ({spacing}) with "
             f"ft=torchft (a round must close before the next fragment's opens), got {delay!r}"
         )
-    if get(cfg, "ft.retry_failed_sync") and plan.streaming:
-        raise ConfigError(
-            "ft.retry_failed_sync must be false with Streaming DiLoCo (sync.fragments, "
-            "delay_steps, merge_alpha, merge_rule, eager, overlap): a failed fragment round "
-            "already keeps each worker's state from before it, and its fragment syncs again at "
-            "its next turn"
-        )
-    lighthouse = get(cfg, "ft.lighthouse")
+
+
+def check_lighthouse(cfg: Any, get: Callable[[Any, str], Any]) -> None:
+    """A lighthouse named by `ft.lighthouse` answers (the last check: it asks the network)."""
+    lighthouse = get(cfg, "ft.backend") == "torchft" and get(cfg, "ft.lighthouse")
     if lighthouse:
         check_reachable(lighthouse, min(float(get(cfg, "ft.timeout_s")), 10.0))
 

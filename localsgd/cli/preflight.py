@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 from localsgd.cli.checks import _get
+from localsgd.cli.sharding import MUON_TARGET
 from localsgd.config import ConfigError, plain
 from localsgd.loop import checkpoint
 from localsgd.loop.plan import SyncPlan
@@ -33,20 +34,22 @@ def check_data(cfg: Any, world_size: int) -> int | None:
     key = _probe_key(cfg, world_size)
     if key not in _probed:
         blocks = _get(cfg, "dist.shard_blocks")
+        muon = _get(cfg, "optim._target_") == MUON_TARGET
         _probed[key] = _probe(
-            data_cfg, model_cfg, seed, batch, epochs, world_size, fragments, key, blocks
+            data_cfg, model_cfg, seed, batch, epochs, world_size, fragments, key, blocks, muon
         )
     return _probed[key]
 
 
 def _probe_key(cfg: Any, world_size: int) -> str:
     keys = ("data", "model", "seed", "trainer.batch_size", "trainer.max_epochs", "sync.fragments",
-            "dist.shard_blocks")
+            "dist.shard_blocks", "optim._target_")
     return json.dumps([plain(_get(cfg, k)) for k in keys] + [world_size], sort_keys=True)
 
 
 def _probe(
-    data_cfg, model_cfg, seed, batch, epochs, world_size, fragments=1, key=None, blocks=None
+    data_cfg, model_cfg, seed, batch, epochs, world_size, fragments=1, key=None, blocks=None,
+    muon=False,
 ) -> int | None:
     import torch
 
@@ -91,6 +94,16 @@ def _probe(
                 f"model._target_ {model_cfg['_target_']!r} fails on a batch of the data (input "
                 f"{tuple(x.shape)}): {type(e).__name__}: {reason}"
             ) from None
+    if muon:
+        from localsgd.loop.muon import muon_parameters
+
+        if not muon_parameters(model):
+            raise ConfigError(
+                f"optim=muon needs 2-D weight matrices besides embeddings and the output head, "
+                f"and model._target_ {model_cfg['_target_']!r} has none (Muon would train "
+                f"nothing); use optim=adamw, or a model with linear layers (model=mlp, "
+                f"model=transformer)"
+            )
     if blocks is not None:
         from localsgd.averaging.fragments import model_blocks
 

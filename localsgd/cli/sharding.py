@@ -1,5 +1,6 @@
 """The checks of `dist.shard_size` (sharded replica groups, `localsgd.loop.sharding`): a divisor
-of the world size, and, above 1, a one-line refusal of every setting not built sharded yet."""
+of the world size and of a machine's workers, and the same as a machine's workers under torchft
+(what it does not combine with is a row of `localsgd.cli.refusals`)."""
 
 from __future__ import annotations
 
@@ -8,19 +9,6 @@ from typing import Any
 
 from localsgd.config import ConfigError
 
-# key: (the value a sharded run needs, what the key would ask of it); the recipe's precision,
-# compile, clipping, accumulation and activation checkpointing are built (localsgd/loop/recipe.py)
-SHARD_NEEDS = {
-    "trainer.nan_policy": ("error", "a rank of a replica group skipping a step alone"),
-}
-
-NOT_YET = "is not built with dist.shard_size > 1 yet"
-
-
-def _shown(value: Any) -> str:
-    return str(value).lower() if isinstance(value, bool) else str(value)
-
-
 MUON_TARGET = "localsgd.loop.muon.MuonAdamW"  # optim=muon
 
 
@@ -28,8 +16,7 @@ def validate_sharding(
     cfg: Any, get: Callable[[Any, str], Any], ws: int | None, local: int | None = None
 ) -> None:
     """Raise ConfigError unless `dist.shard_size` divides the `ws` workers (None: not known
-    yet) and the `local` ones of a machine (torchrun's LOCAL_WORLD_SIZE; None: one machine),
-    and, above 1, every other setting is one built sharded."""
+    yet) and the `local` ones of a machine (torchrun's LOCAL_WORLD_SIZE; None: one machine)."""
     size = get(cfg, "dist.shard_size")
     if not (isinstance(size, int) and not isinstance(size, bool) and size >= 1):
         raise ConfigError(f"dist.shard_size must be an integer >= 1, got {size!r}")
@@ -45,19 +32,8 @@ def validate_sharding(
             f"dist.shard_size must be a divisor of the workers per machine ({local}, "
             f"LOCAL_WORLD_SIZE), got {size}: a replica group would span machines"
         )
-    if size == 1:
-        return
-    target = get(cfg, "optim._target_")
-    if target == MUON_TARGET:  # Newton-Schulz orthogonalises a whole matrix, not a shard
-        raise ConfigError(f"optim._target_={target} (Muon on matrices FSDP2 shards) {NOT_YET}")
-    if get(cfg, "ft.backend") != "none":
+    if size > 1 and get(cfg, "ft.backend") != "none":
         _validate_ft(cfg, get, size, ws)
-    for key, (needed, what) in SHARD_NEEDS.items():
-        value = get(cfg, key)
-        if value != needed:
-            raise ConfigError(
-                f"{key}={_shown(value)} ({what}) {NOT_YET}; set {key}={_shown(needed)}"
-            )
 
 
 def _validate_ft(cfg: Any, get: Callable[[Any, str], Any], size: int, ws: int | None) -> None:
@@ -66,12 +42,8 @@ def _validate_ft(cfg: Any, get: Callable[[Any, str], Any], size: int, ws: int | 
     shard. On one machine each worker is a replica group of one process: nothing to shard."""
     from localsgd.cli.forkserver import under_torchrun
 
-    if not under_torchrun():
-        raise ConfigError(
-            f"ft=torchft with dist.shard_size={size} needs torchrun per machine (each machine's "
-            "ranks one sharded replica group, ft.replica_groups, ft.replica_id); on one machine "
-            "each worker is a replica group of one process: set dist.shard_size=1"
-        )
+    if not under_torchrun():  # a row of the refusals (one machine: one process a group)
+        return
     # Equal, not a divisor: with fewer ranks per shard than per machine, a shard's replicas
     # inside the machine would need their own average under torchft's, not built
     if ws is not None and size != ws:

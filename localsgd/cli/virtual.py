@@ -13,22 +13,10 @@ from typing import Any
 
 from localsgd.config import ConfigError
 
-# what virtual workers cannot serve: (key, the value they need, why), checked when it differs
-_NEEDS = (
-    ("ft.backend", "none", "torchft's replica groups are processes that may die alone"),
-    ("dist.shard_size", 1, "FSDP2 shards over a gloo or NCCL group"),
-    ("sync.inner_time_s", None, "a time budget needs a clock per worker; they take turns"),
-    ("comm.simulate.bandwidth_gbps", None, "a simulated link sleeps while the others wait"),
-    ("comm.simulate.latency_ms", 0.0, "a simulated link sleeps while the others wait"),
-)
-
-
-def _shown(value: Any) -> str:
-    return "null" if value is None else str(value)
-
 
 def validate_virtual(cfg: Any, get: Callable[[Any, str], Any]) -> None:
-    """`dist.virtual_workers` and what it can be combined with (one-line ConfigErrors)."""
+    """`dist.virtual_workers`: its value, the world size and device it decides (what else it
+    does not combine with is a row of `localsgd.cli.refusals`)."""
     m = get(cfg, "dist.virtual_workers")
     if m is None:
         return
@@ -52,13 +40,6 @@ def validate_virtual(cfg: Any, get: Callable[[Any, str], Any]) -> None:
             raise ConfigError(
                 f"{key} must be auto or cpu/gloo with dist.virtual_workers (they run on the "
                 f"CPU, with gloo's arithmetic), got {value}"
-            )
-    for key, needed, why in _NEEDS:
-        value = get(cfg, key)
-        if value != needed:
-            raise ConfigError(
-                f"{key} must be {_shown(needed)} with dist.virtual_workers ({why}), "
-                f"got {_shown(value)}"
             )
 
 

@@ -77,15 +77,7 @@ class Attack:
         self._trainer = trainer
         self._remember(trainer)  # the model every worker starts from
         self._hook = trainer.optimizer.register_step_post_hook(lambda *_: self._tamper())
-        grads = trainer.sync.grad_averager  # the warmup's gradient average, if any
-        if grads is not None:
-            average = grads.all_reduce
-
-            def attacked_average():
-                self._tamper_gradients()
-                average()
-
-            grads.all_reduce = attacked_average
+        trainer.sync.add_gradient_hook(self._tamper_gradients)  # the warmup's, if any
 
     def on_step_end(self, trainer, step: int) -> None:
         if trainer.info.rank == self.rank and trainer.in_sync:
@@ -103,12 +95,13 @@ class Attack:
         step = trainer.step
         if step < self.start_step or trainer.sync.in_warmup:
             return
-        if not trainer.sync.averager.averages_all(step):
+        sent = trainer.sync.contribution_at(step)  # what this worker is about to send
+        if sent is None:
             return
         self.syncs += 1
         if (self.syncs - 1) % self.every:
             return  # an intermittent attacker sends its true change at this sync
-        fragment, params, anchor = self._sent(trainer, step)
+        fragment, params, anchor = self._sent(trainer, sent)
         changes = [p - a for p, a in zip(params, anchor, strict=True)]
         sent = self._attacked(changes, fragment)
         for p, a, s in zip(params, anchor, sent, strict=True):
@@ -116,7 +109,7 @@ class Attack:
         self.rounds += 1
 
     @torch.no_grad()
-    def _tamper_gradients(self) -> None:
+    def _tamper_gradients(self, grads: list[torch.Tensor]) -> None:
         """In the warmup: this step's gradients rewritten by the attack's rule."""
         trainer = self._trainer
         if trainer.step < self.start_step:
@@ -124,7 +117,6 @@ class Attack:
         self.syncs += 1
         if (self.syncs - 1) % self.every:
             return
-        grads = [local_tensor(p.grad) for p in trainer.model.parameters() if p.grad is not None]
         sent = self._attacked(grads, "warmup")
         for g, s in zip(grads, sent, strict=True):
             g.copy_(s)
@@ -149,24 +141,17 @@ class Attack:
             return sent
         return [torch.zeros_like(c) for c in changes]  # zeros
 
-    def _sent(self, trainer, step: int):
-        """(fragment, parameters, anchors) of what the sync after `step` sends: the whole model
-        against the model after the last sync (fragment None), or, under Streaming DiLoCo's
-        fragments, the syncing fragment's parameters against that fragment's anchor."""
-        averager = trainer.sync.averager
-        fragment = averager.launching(step) if getattr(averager, "fragments", 1) > 1 else None
-        if fragment is None:
+    def _sent(self, trainer, sent):
+        """(fragment, parameters, anchors) of what the sync sends (`Synchroniser.
+        contribution_at`): the whole model against the model after the last sync (fragment
+        None), or, under Streaming DiLoCo's fragments, the syncing fragment's parameters
+        against that fragment's anchor (plain streaming keeps none: the model after its last
+        sync, as this attacker remembers it)."""
+        if sent.fragment is None:
             return None, self._params(trainer), self.anchor
-        rounds, flat = averager.rounds, averager.flat
-        # plain streaming (no outer step) keeps no anchor: the model after the last sync. Keyed
-        # by the parameter itself: a sharded one's local shard is a new tensor at every call
+        if sent.anchors is not None:
+            return sent.fragment, sent.params, sent.anchors
+        # keyed by the parameter itself: a sharded one's local shard is a new tensor each call
         model = trainer.model.parameters()
         remembered = {id(p): a for p, a in zip(model, self.anchor, strict=True)}
-        params, anchors = [], []
-        for t, (g, off, numel) in zip(flat.tensors, flat.slots, strict=True):
-            ours = any(b == g and s <= off < e for b, s, _, e in rounds.parts[fragment])
-            if ours and id(t) in remembered:
-                params.append(local_tensor(t))
-                anchors.append(rounds.anchors.first[g][off : off + numel].view_as(params[-1])
-                               if rounds.anchored else remembered[id(t)])
-        return fragment, params, anchors
+        return sent.fragment, sent.params, [remembered[id(p)] for p in sent.parameters]

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from localsgd.averaging import CommStats, GradientAverager, SimulatedLink
 from localsgd.config import Config
 from localsgd.loop.drift import DriftMeter
+from localsgd.loop.local_rounds import LocalRounds
 from localsgd.loop.metrics import notice
 from localsgd.loop.plan import SyncPlan
 from localsgd.loop.strategies import aggregate_of, build_averager
@@ -29,7 +30,7 @@ def build_synchroniser(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     sharding: Sharding | None = None,
-    loss_at: Callable[[int], float] | None = None,
+    held_out: Callable[..., float] | None = None,
 ) -> Synchroniser:
     """The `sync` config's strategy over the `comm` config's network (a simulated slow link,
     or no communication at all), for `model` trained by `optimizer`; under `ft=torchft` its
@@ -60,7 +61,10 @@ def build_synchroniser(
         link,
         communicate=not comm.disabled,
         process_group=replicas,
-        loss_at=loss_at,
+        # sync.score: the model's loss on a round's held-out batch (or its samples)
+        loss_at=None if held_out is None else (
+            lambda round_, samples=None: held_out(round_, sync.score_batch, samples)
+        ),
     )
     buffers = averager.flat.buffers
     if sync.outer_state == "cpu" and info.rank == 0 and buffers and buffers[0].device.type == "cpu":
@@ -98,20 +102,13 @@ def build_synchroniser(
     # under torchft the process group is the replica group alone: drift would measure nothing
     measure = cfg.trainer.track_drift and not comm.disabled and not fault_tolerant
     drift = DriftMeter(averager.flat.buffers, replicas, shards) if measure else None
-    synchroniser = Synchroniser(
-        averager,
-        model,
-        cfg.trainer.max_steps,
-        grad_averager,
-        drift,
-        verify=sync.check_replicas,
-        group=replicas,
-        sharding=sharding,
-    )
+    # the round driver: the averager's syncs straight through torch.distributed, or, under
+    # ft=torchft, as rounds of torchft's Manager (the same methods; torchft imported only then)
+    driver = LocalRounds(averager, grad_averager)
     if fault_tolerant:
         from localsgd.loop.fault_tolerance import FaultTolerance
 
-        synchroniser.fault_tolerance = FaultTolerance.build(
+        driver = FaultTolerance.build(
             cfg.ft,
             info,
             cfg.seed,
@@ -121,4 +118,14 @@ def build_synchroniser(
             sharded=sharding is not None and sharding.sharded,
             batch=cfg.trainer.batch_size * cfg.trainer.accumulate_grad_batches,
         )
-    return synchroniser
+    return Synchroniser(
+        averager,
+        model,
+        cfg.trainer.max_steps,
+        driver,
+        grad_averager,
+        drift,
+        verify=sync.check_replicas,
+        group=replicas,
+        sharding=sharding,
+    )

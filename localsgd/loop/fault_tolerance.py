@@ -121,7 +121,11 @@ def replica_groups(ft: FtConfig, info: WorkerInfo) -> int:
 
 class FaultTolerance:
     """`ft=torchft` for one worker: its round driver (`rounds`) and what the loop does around
-    it. Built by `build_sync.build_synchroniser`; the trainer only sees the Synchroniser."""
+    it, with the methods of `localsgd.loop.local_rounds.LocalRounds` (the Synchroniser is given
+    one or the other). Built by `build_sync.build_synchroniser`; the trainer only sees the
+    Synchroniser."""
+
+    checks_inside = True  # the replica checks run inside each round
 
     def __init__(
         self,
@@ -228,9 +232,99 @@ class FaultTolerance:
             optimizer_step()
         return phase
 
-    # --- after each step -----------------------------------------------------------------------
+    # --- the round driver's methods ----------------------------------------------------------
+
+    @property
+    def worker(self) -> int:
+        return self.info.rank
+
+    @property
+    def comms(self) -> tuple:
+        return (self.rounds.comm,)
+
+    def stepped(self) -> None:
+        self.rounds.stepped()
+
+    def all_reduce_gradients(self) -> bool:
+        return self.rounds.all_reduce_gradients()
+
+    def maybe_average(self) -> None:
+        self.rounds.maybe_average()
+
+    def average(self) -> bool:
+        return self.rounds.average()
+
+    @property
+    def speaks(self) -> bool:
+        """The replica that led the last committed round names what every replica saw."""
+        return self.rounds.leads
+
+    @property
+    def replica_checks(self) -> int:
+        return self.rounds.replica_checks
+
+    @property
+    def rolled_back(self) -> bool:
+        """A round found no quorum and put the whole model back to the last global state."""
+        return self.rounds.quorum_lost is not None and not self.rounds.undo
 
     def checkpoint(
+        self,
+        step: int,
+        max_steps: int,
+        every: int,
+        stop,
+        save: Callable[..., str],
+        final: bool,
+        in_sync: bool,
+        shared: bool,
+        save_shared: Callable[[bool], str],
+        make_common: Callable[[], bool],
+    ) -> bool:
+        """After a committed round: a shared checkpoint when due or at an agreed stop
+        (`_checkpoint`); a stop between syncs first brings every worker onto one model with a
+        blocking average round (Streaming DiLoCo's workers are never all in sync; the stop
+        waits for the next round if it fails)."""
+        rounds = self.rounds
+        if rounds.stop_agreed and rounds.just_committed and not in_sync and not final:
+            shared = make_common() or shared
+        return self._checkpoint(
+            step, final or step >= max_steps, every, shared, save_shared, make_common
+        )
+
+    def writes_results(self, rank: int) -> bool:
+        """The first live replica group's rank 0: rank 0 unless it was lost."""
+        return self.rounds.leads and dist.get_rank() == 0
+
+    def evaluates_final(self, rank: int, sharding) -> bool:
+        return self.rounds.leads
+
+    def record(self) -> dict[str, Any]:
+        """How many workers the last average included (every log line)."""
+        return {"participants": self.rounds.participants}
+
+    def summary(self) -> dict[str, Any]:
+        rounds = self.rounds
+        return {
+            "participants": rounds.participants,
+            "participants_min": rounds.participants_min,
+            "heals": rounds.heals_seen,  # of any worker, counted alike by every worker
+            "failed_syncs": rounds.failed_syncs,
+            "retried_syncs": rounds.retried,  # failed syncs retried at once that committed
+            # rounds that ran out of their grace window here, what they waited, the window
+            "grace_timeouts": rounds.comm.timeouts,
+            "grace_waited_s": round(rounds.comm.waited_s, 3),
+            "grace_s": round(rounds.comm.grace.seconds(), 3) if rounds.comm.grace else None,
+            # samples whose training reached a committed global state, all workers'
+            "merged_samples": rounds.merged_samples,
+        }
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        return {"ft": self.rounds}  # its counters
+
+    # --- after each step -----------------------------------------------------------------------
+
+    def _checkpoint(
         self,
         step: int,
         final: bool,
@@ -249,7 +343,7 @@ class FaultTolerance:
         process writes it."""
         rounds = self.rounds
         committed, rounds.just_committed = rounds.just_committed, False
-        if committed and (line := self.round_clock.committed()) and self.writes_results:
+        if committed and (line := self.round_clock.committed()) and self.writes_results(0):
             notice(line)
         if rounds.quorum_lost is not None:
             why, rounds.quorum_lost = rounds.quorum_lost, None
@@ -295,11 +389,6 @@ class FaultTolerance:
         agreed = [bool(group_writes)]
         dist.broadcast_object_list(agreed, src=0)
         return agreed[0]
-
-    @property
-    def writes_results(self) -> bool:
-        """The first live replica group's rank 0: rank 0 unless it was lost."""
-        return self.rounds.leads and dist.get_rank() == 0
 
     def close(self) -> None:
         self.rounds.manager.shutdown(wait=False)

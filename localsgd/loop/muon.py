@@ -14,6 +14,14 @@ peak `lr` as `initial_lr`), `sync.optimizer_state`, checkpoints and resharding a
 optimizer whose `state_dict()` holds both. One `lr` and one `weight_decay` serve both by
 default: Muon's `adjust_lr_fn="match_rms_adamw"` scales its update to AdamW's RMS
 (Moonshot's recipe), so `optim=muon` takes the learning rate `optim=adamw` takes.
+
+Sharded (`dist.shard_size > 1`, FSDP2's DTensor parameters): Newton-Schulz needs the whole
+matrix, while the momentum and the weight decay are elementwise. `ShardedMuon` keeps the
+momentum on the local shards, gathers each matrix's update from its replica group's shards
+(`full_tensor`, one all-gather inside the group, as FSDP's own forward does), orthogonalises the
+whole matrix with torch's own `_zeropower_via_newtonschulz` on every rank of the group (the same
+bits on each), and keeps this rank's shard of the result: the same arithmetic as
+`torch.optim.Muon` on the unsharded matrix (MuLoCo at any size).
 """
 
 from __future__ import annotations
@@ -22,6 +30,9 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
+from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+
+from localsgd.averaging.flat import is_dtensor
 
 
 def muon_parameters(module: nn.Module) -> list[nn.Parameter]:
@@ -33,6 +44,41 @@ def muon_parameters(module: nn.Module) -> list[nn.Parameter]:
     if head is not None:
         excluded.add(id(head))
     return [p for p in module.parameters() if p.dim() == 2 and id(p) not in excluded]
+
+
+class ShardedMuon(torch.optim.Muon):
+    """`torch.optim.Muon` over sharded matrices (see the module doc)."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, wd, momentum = float(group["lr"]), group["weight_decay"], group["momentum"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p.grad)
+                buf = state["momentum_buffer"]
+                buf.lerp_(p.grad, 1 - momentum)
+                update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
+                whole = update.full_tensor() if is_dtensor(update) else update
+                ortho = _zeropower_via_newtonschulz(
+                    whole, group["ns_coefficients"], group["ns_steps"], group["eps"]
+                )
+                if is_dtensor(p):  # this rank's shard of what every rank of the group computed
+                    from torch.distributed.tensor import distribute_tensor
+
+                    mesh, placements = p.device_mesh, p.placements
+                    ortho = distribute_tensor(ortho, mesh, placements, src_data_rank=None)
+                adjusted = _adjust_lr(lr, group["adjust_lr_fn"], p.shape)
+                p.mul_(1 - lr * wd)
+                p.add_(ortho, alpha=-adjusted)
+        return loss
 
 
 class MuonAdamW(torch.optim.Optimizer):
@@ -60,8 +106,14 @@ class MuonAdamW(torch.optim.Optimizer):
         chosen = {id(p) for p in muon_parameters(module)}
         matrices = [p for p in params if id(p) in chosen]
         rest = [p for p in params if id(p) not in chosen]
+        if not matrices:
+            raise ValueError(
+                f"Muon trains 2-D weight matrices (not embeddings or the output head), and "
+                f"{type(module).__name__} has none: it would train AdamW alone"
+            )
+        muon = ShardedMuon if any(is_dtensor(p) for p in matrices) else torch.optim.Muon
         self.muon = (
-            torch.optim.Muon(
+            muon(
                 matrices,
                 lr=lr,
                 weight_decay=weight_decay,

@@ -41,10 +41,14 @@ class Pacer:
         inner_time_s: float | None = None,
         speed: float = 1.0,
         step_s: float | None = None,
+        sleeps: bool = True,
     ):
         self.budget = inner_time_s  # None: every tick computes
         self.speed = speed
         self.step_s = step_s  # None: the wall clock
+        # modelled: a step sleeps out what its compute did not take (so the others wait as
+        # they would); virtual workers take turns on one clock, where nobody waits: no sleep
+        self.sleeps = sleeps
         self.round_seconds = 0.0  # modelled (or measured) seconds computed in this round
         self.round_samples = 0  # samples trained on in this round: the average's weight
         self.samples = 0  # ... and in every round (a fragment weighs what it gained since its sync)
@@ -82,7 +86,7 @@ class Pacer:
         took = time.perf_counter() - self.step_start
         if self.modelled:
             modelled = self.speed * self.step_s
-            if modelled > took:
+            if modelled > took and self.sleeps:
                 time.sleep(modelled - took)
             took = modelled
         else:
@@ -138,18 +142,13 @@ def build_pacer(cfg: Any, rank: int) -> Pacer:
         budget,
         float(speeds[rank]) if speeds else 1.0,
         sim.step_s if speeds else None,
+        sleeps=cfg.dist.virtual_workers is None,
     )
 
 
-def pace_record(pacer: Pacer, averager: Any) -> dict[str, Any]:
-    """For the metrics and the summary, with pacing: this rank's computed and idle ticks;
-    weighted, the last round's weights (samples, in rank order), their sum over every round,
-    and the seconds this rank waited in their exchange for the slowest. Nothing without."""
+def pace_record(pacer: Pacer) -> dict[str, Any]:
+    """For the metrics and the summary, with pacing: this rank's computed and idle ticks (a
+    weighted round's weights are the Synchroniser's record). Nothing without."""
     if not pacer.active:
         return {}
-    record = {"computed_steps": pacer.computed_steps, "idle_steps": pacer.idle_steps}
-    if averager.weighted:
-        record["round_weights"] = averager.round_weights
-        record["contributed_samples"] = averager.contributed
-        record["wait_s"] = round(averager.wait_s, 6)
-    return record
+    return {"computed_steps": pacer.computed_steps, "idle_steps": pacer.idle_steps}

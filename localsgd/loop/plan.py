@@ -16,7 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from localsgd.averaging.robust import COORDINATE_RULES, PER_COORDINATE
 from localsgd.averaging.rounds import OUTER_DEFAULTS
 
 # sync key: why its per-worker state cannot move to another world size (`SyncPlan.reshard_refusal`)
@@ -135,41 +134,6 @@ class SyncPlan:
         trust`): a robust aggregate or scoring. False: the mean all-reduced, today's path and
         bits (a NaN/Inf contribution dropped in band: `localsgd.averaging.finite`)."""
         return self.aggregate != "mean" or self.score
-
-    def trust_refusal(self, ft: bool = False) -> str | None:
-        """Why a gathered sync cannot hold with the rest of this config, as one line naming
-        the keys, or None. `ft`: under ft=torchft, where the contributions are gathered through
-        the Manager and the verdicts kept by worker. Streaming DiLoCo composes in its blocking,
-        anchored form (sync.fragments with sync.outer, each fragment synced at its own step
-        and replaced: `localsgd.averaging.fragment_trust`); its delayed, eager and mixing
-        merges do not."""
-        if not self.gathered:
-            return None
-        what = f"sync.aggregate={self.aggregate}" + (
-            " with sync.score" if self.aggregate == "mean" else ""
-        )
-        refused = (
-            (ft and self.fragments != 1, "Streaming DiLoCo's fragments with ft=torchft (not "
-             "built: each fragment's gathered round would need its own torchft round, put back "
-             "with its verdicts when it fails)"),
-            (self.eager, "sync.eager: each worker steps its own anchor with its own fresh "
-             "pseudo-gradient before any aggregate exists"),
-            (bool(self.levels), "sync.levels: an inner level's plain mean would carry one "
-             "worker's contribution into its whole group before a robust round could judge it, "
-             "and judging inside small groups has no honest majority (a worker of several "
-             "devices is a replica group: dist.shard_size, judged as one worker)"),
-            (self.warmup_steps > 0 and self.aggregate == "mean", "sync.warmup_steps > 0: the "
-             "warmup's gradients are averaged every step and never scored; set a robust "
-             "sync.aggregate (clip, trimmed_mean, median), which combines them too"),
-            (self.warmup_steps > 0 and ft, "sync.warmup_steps > 0 under ft=torchft: the "
-             "warmup's gradients are torchft's all-reduce, which no rule can judge"),
-            (self.compress != "none" and self.aggregate in COORDINATE_RULES,
-             f"sync.compress={self.compress}: {PER_COORDINATE}"),
-        )
-        for hit, why in refused:
-            if hit:
-                return f"{what} does not compose with {why}"
-        return None
 
     @property
     def period_key(self) -> str:

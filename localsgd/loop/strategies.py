@@ -90,9 +90,6 @@ def trust_of(
     for the all-reduced mean."""
     if not plan.gathered:
         return {}
-    refusal = plan.trust_refusal()
-    if refusal is not None:  # the config checks refused it before any worker started
-        raise ValueError(refusal)
     judge = None
     if plan.score:
         if loss_at is None:
@@ -132,6 +129,9 @@ def build_averager(
     round `round`'s held-out batch, for `sync.score`."""
     plan = SyncPlan.of(sync)
     trust = trust_of(sync, plan, loss_at)
+    weighted = sync.inner_time_s is not None
+    # a budget's normalized merge scales each change since the last average: the values kept
+    normalized = weighted and sync.budget_merge == "normalized"
     comm_dtype = plan.comm_format(sync.comm_dtype)  # a name, or top-k's codec
     levels = list(sync.levels)
     outer = sync.outer
@@ -182,6 +182,7 @@ def build_averager(
             inner_levels=dict(list(sizes.items())[:-1]),
             drop_nonfinite=plan.drop_nonfinite,
             schedule=build_schedule(sync, plan.period),
+            round_starts=normalized,
             **trust,  # robust rounds over each fragment
         )
     elif levels:
@@ -199,6 +200,7 @@ def build_averager(
             quant_block_size=sync.quant_block_size,
             drop_nonfinite=plan.drop_nonfinite,
             schedule=build_schedule(sync, plan.period),
+            round_starts=normalized,
         )
     elif outer != "none":
         averager = OuterAverager(
@@ -232,10 +234,12 @@ def build_averager(
             error_feedback_decay=sync.error_feedback_decay,
             quant_block_size=sync.quant_block_size,
             drop_nonfinite=plan.drop_nonfinite,
-            # a budget's normalized merge scales each change since the last average
-            round_starts=sync.inner_time_s is not None and sync.budget_merge == "normalized",
+            round_starts=normalized,
             **trust,
         )
+    # a time budget (`sync.inner_time_s`): each round weighs every worker by the samples it
+    # trained on, its change first scaled to the round's most samples under the normalized merge
+    averager.weighted, averager.normalized = weighted, normalized
     mode = sync.optimizer_state
     if mode != "local":
         averager.hooks.append(OptimizerStateSync(optimizer, mode, plan.moment_periods))

@@ -1,21 +1,24 @@
 """The `Synchroniser`: everything the training loop knows of how replicas are kept together.
 
 It holds the averager (`localsgd.loop.strategies.build_averager`), the synchronous warmup's
-gradient averaging, drift measured around the averages that bring every replica together, and,
-under `ft=torchft`, the fault tolerance (`localsgd.loop.fault_tolerance`): joining or healing at
-the start, checkpoints and stops after committed rounds, which worker writes the results. The
-trainer calls the same methods with or without it, and holds no branch of its own for it.
+gradient averaging, drift measured around the averages that bring every replica together, and
+the round driver that runs every sync: `LocalRounds` (straight through torch.distributed) or,
+under `ft=torchft`, `FaultTolerance` (rounds of torchft's Manager: joining or healing at the
+start, checkpoints and stops after committed rounds, which worker writes the results). The two
+have the same methods, so neither the Synchroniser nor the trainer branches on fault tolerance;
+the trainer reaches the averager only through the methods here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from localsgd.averaging import Averager, GradientAverager
+from localsgd.averaging import Averager, GradientAverager, OptimizerStateSync
 from localsgd.averaging.flat import local_tensor
 from localsgd.loop.drift import DriftMeter
 from localsgd.loop.guards import DroppedContributions, check_replicas
@@ -23,8 +26,23 @@ from localsgd.loop.metrics import notice
 from localsgd.loop.stop import StopAgreement
 
 if TYPE_CHECKING:
-    from localsgd.loop.fault_tolerance import FaultTolerance
+    from localsgd.loop.local_rounds import LocalRounds
     from localsgd.loop.sharding import Sharding
+
+
+@dataclass
+class RoundContribution:
+    """What this worker is about to send in the sync after a step (`contribution_at`): the
+    parameters it sends from (this rank's local shards), and what they are sent against: the
+    averager's anchors (the model, or the syncing fragment's, at its last sync), or None where
+    the averager keeps none (plain local SGD sends the values; their change is against the
+    model after the last sync). `fragment`: Streaming DiLoCo's syncing fragment, else None."""
+
+    step: int
+    fragment: int | None
+    params: list[torch.Tensor]
+    anchors: list[torch.Tensor] | None
+    parameters: list[torch.nn.Parameter]  # the parameters `params` are (the shards) of
 
 
 class Synchroniser:
@@ -32,10 +50,12 @@ class Synchroniser:
 
     Before the first step the loop calls `start` (under torchft the first round: a restarted
     worker heals there). Around each optimizer step it calls `zero_grad`, `after_backward` (the
-    warmup's gradient all-reduce; returns whether to step) and `after_step` (the model average
-    when the schedule says), then `checkpoint` (when due, or at an agreed stop). Between them it
-    asks `in_sync` / `merged` (whether the replicas, or what they received, are identical now),
-    `next_sync` and `common_tensors`; at the end `finish`, `writes_results` and `summary`.
+    warmup's gradient all-reduce; returns whether to step) and `after_step(loss, samples)` (the
+    model average when the schedule says), then `checkpoint` (when due, or at an agreed stop).
+    Between them it asks `in_sync` / `merged` (whether the replicas, or what they received, are
+    identical now), `round_started`, `next_sync` and `common_tensors`; at the end `finish`,
+    `writes_results` and `summary`. Callbacks reach a sync through `contribution_at` and
+    `add_gradient_hook`.
     """
 
     def __init__(
@@ -43,6 +63,7 @@ class Synchroniser:
         averager: Averager,
         model: torch.nn.Module,
         max_steps: int,
+        driver: LocalRounds,
         grad_averager: GradientAverager | None = None,
         drift: DriftMeter | None = None,
         verify: bool = False,
@@ -50,6 +71,7 @@ class Synchroniser:
         sharding: Sharding | None = None,
     ):
         self.averager = averager
+        self.driver = driver  # LocalRounds, or FaultTolerance (the same methods)
         self.sharding = sharding if sharding is not None and sharding.sharded else None
         self.group = group  # the replicas held alike (sharded replica groups: one shard's)
         self.verify = verify  # check after each sync that the replicas are bit-identical
@@ -57,24 +79,16 @@ class Synchroniser:
         self.model = model
         self.max_steps = max_steps
         self.grad_averager = grad_averager
+        self.gradient_hooks: list[Callable[[list[torch.Tensor]], None]] = []
         self.drift = drift
         if drift is not None:
             averager.global_hooks.append(drift)
         self.stats = averager.stats  # every collective's counters, the warmup's included
         self.in_sync = True  # the replicas are identical right now
         self.synchronous = False  # the step being taken belongs to the synchronous warmup
-        # ft=torchft: the syncs (and the warmup's gradient averages) as torchft rounds; None:
-        # straight through torch.distributed
-        self.fault_tolerance: FaultTolerance | None = None
         self.announced = 0  # trust events announced so far (`_announce_trust`)
         # contributions an all-reduce left out for holding NaN/Inf (`averaging.finite`)
         self.dropped_nonfinite = DroppedContributions(averager.dropped_at)
-
-    @property
-    def _driver(self):
-        """What runs the averages: the averager, or its torchft rounds."""
-        ft = self.fault_tolerance
-        return self.averager if ft is None else ft.rounds
 
     @property
     def warmup_steps(self) -> int:
@@ -91,6 +105,12 @@ class Synchroniser:
         identical; the replicas differ by their local progress since it was launched)."""
         return self.averager.merged
 
+    @property
+    def round_started(self) -> bool:
+        """The last step started a round over every worker, blocking or launched (where a
+        time budget's round ends: every worker must be there)."""
+        return self.averager.started_round
+
     # --- the start -------------------------------------------------------------------------------
 
     def start(
@@ -105,24 +125,19 @@ class Synchroniser:
         checkpointed state, whose loop state carries the step) and finishes the round that peer
         is in (`optimizer_step` takes a warmup step's optimizer step). Returns how many steps
         that round completed (0 or 1) beyond `current_step()`."""
-        ft = self.fault_tolerance
-        if ft is None:
-            return 0
-        phase = ft.join(registry, optimizer_step, current_step(), every)
+        phase = self.driver.join(registry, optimizer_step, current_step(), every)
         if phase == "fresh":
             return 0
-        done = 0
+        done = 1
         if phase == "grad":  # the peer is inside the warmup step's gradient average
             self.synchronous = True
             self.after_step(None)
-            done = 1
         elif phase == "sync":  # inside the peer's after_step: the average of step `step`
             self.in_sync = self.averager.all_in_sync
-            done = 1
         else:  # "average": the final average, after the last step
-            self.in_sync = True
+            self.in_sync, done = True, 0
         notice(
-            f"ft: worker {ft.info.rank} healed from a live peer; it trains on from step "
+            f"ft: worker {self.driver.worker} healed from a live peer; it trains on from step "
             f"{current_step() + done}"
         )
         return done
@@ -141,48 +156,71 @@ class Synchroniser:
         skipping rank still steps in the warmup (on the others' gradients), or replicas split.
         Under torchft a failed round returns False: every replica skips the step."""
         self.synchronous = self.in_warmup
-        if self.fault_tolerance is not None and not skip:  # counted into the next round
-            self.fault_tolerance.rounds.stepped()
+        if not skip:  # counted into the next round (torchft's merged samples)
+            self.driver.stepped()
         if not self.synchronous:
             return not skip
-        if self.fault_tolerance is not None:
-            return self.fault_tolerance.rounds.all_reduce_gradients()
-        self.grad_averager.all_reduce()
-        return True
+        if self.gradient_hooks:
+            grads = [local_tensor(p.grad) for p in self.model.parameters() if p.grad is not None]
+            for hook in self.gradient_hooks:
+                hook(grads)
+        return self.driver.all_reduce_gradients()
 
-    def after_step(self, loss: torch.Tensor | None) -> None:
-        """After the optimizer step: feed the loss (None: the step was skipped) to a schedule
-        that adapts to it, then average when the schedule says."""
-        if loss is not None and self.averager.needs_loss:
+    def after_step(self, loss: torch.Tensor | None, samples: float = 0) -> None:
+        """After the optimizer step, which trained on `samples` samples (0: it idled or was
+        skipped; a weighted round's weight): feed the loss (None: skipped) to a schedule that
+        adapts to it, then average when the schedule says."""
+        averager = self.averager
+        averager.trained(samples)
+        if loss is not None and averager.needs_loss:
             # sharded: the replica group's loss, or each shard index would adapt its own way
             shards = self.sharding
-            self.averager.observe_loss(loss if shards is None else shards.group_mean(loss))
-        self._driver.maybe_average()
-        self.in_sync = self.synchronous or self.averager.all_in_sync
-        self._collect_dropped(self.averager.step - 1)
-        self._announce_trust()
-
-    def _collect_dropped(self, step: int) -> None:
-        comms = [*self.averager.levels]
+            averager.observe_loss(loss if shards is None else shards.group_mean(loss))
+        self.driver.maybe_average()
+        self.in_sync = self.synchronous or averager.all_in_sync
+        comms = [*averager.levels, *self.driver.comms]
         if self.grad_averager is not None:  # the warmup's gradients left out (guarded, robust)
             comms.append(self.grad_averager.comm)
-        if self.fault_tolerance is not None:
-            comms.append(self.fault_tolerance.rounds.comm)
-        self.dropped_nonfinite.collect(comms, step)
+        self.dropped_nonfinite.collect(comms, averager.step - 1)
+        self._announce_trust()
+
+    def add_gradient_hook(self, hook: Callable[[list[torch.Tensor]], None]) -> None:
+        """`hook(grads)` runs before each warmup step's gradient average, with this rank's
+        gradients (local shards), which it may rewrite in place (an attack; `loop.attacks`)."""
+        self.gradient_hooks.append(hook)
+
+    def contribution_at(self, step: int) -> RoundContribution | None:
+        """What this worker sends in the round over every worker after step `step`, or None
+        when there is none (for a callback between the optimizer step and the sync)."""
+        averager = self.averager
+        if step < self.warmup_steps or not averager.averages_all(step):
+            return None
+        part, _ = averager.round_at(step)
+        rounds, flat = averager.rounds, averager.flat
+        fragment = part if averager.parts > 1 else None
+        params, anchors, parameters = [], [], []
+        for t, (g, off, numel) in zip(flat.tensors, flat.slots, strict=True):
+            if not isinstance(t, torch.nn.Parameter):
+                continue
+            if not any(sl.g == g and sl.start <= off < sl.end for sl in rounds.parts[part]):
+                continue
+            local = local_tensor(t)
+            params.append(local)
+            parameters.append(t)
+            if rounds.anchored:
+                anchors.append(rounds.anchors.first[g][off : off + numel].view_as(local))
+        anchored = anchors if rounds.anchored else None
+        return RoundContribution(step, fragment, params, anchored, parameters)
 
     def _announce_trust(self) -> None:
-        """Rank 0 (under torchft, the replica that led the last committed round) names each
-        dropped contribution and excluded worker, once (every rank holds the same events)."""
+        """The worker that speaks (rank 0; under torchft the replica that led the last
+        committed round) names each dropped contribution and excluded worker, once (every rank
+        holds the same events)."""
         trust = self.trust
         if trust is None or len(trust.events) == self.announced:
             return
         fresh, self.announced = trust.events[self.announced :], len(trust.events)
-        ft = self.fault_tolerance
-        if ft is not None:
-            speaks = ft.rounds.leads
-        else:
-            speaks = not dist.is_initialized() or dist.get_rank() == 0
-        if speaks:
+        if self.driver.speaks:
             for line in trust.lines(fresh):
                 notice(line)
 
@@ -202,8 +240,9 @@ class Synchroniser:
 
     def check_replicas(self, step: int, rank: int) -> None:
         """With `sync.check_replicas`: fail unless every rank holds the same `common_tensors`
-        after step `step`, a sync (one gather; off by default)."""
-        if self.verify and self.fault_tolerance is None:  # under torchft: inside each round
+        after step `step`, a sync (one gather; off by default; under torchft: inside each
+        round, by the round driver)."""
+        if self.verify and not self.driver.checks_inside:
             check_replicas(self.common_tensors(step), step, rank, self.group)
             self.replica_checks += 1
 
@@ -211,8 +250,7 @@ class Synchroniser:
     def checks_done(self) -> int:
         """Syncs checked bit-identical so far (`sync.check_replicas`): the summary reports it,
         so that a mode the check would skip cannot pass for a checked one."""
-        ft = self.fault_tolerance
-        return ft.rounds.replica_checks if ft is not None else self.replica_checks
+        return self.replica_checks + self.driver.replica_checks
 
     # --- checkpoints and the end -----------------------------------------------------------------
 
@@ -221,44 +259,33 @@ class Synchroniser:
         step: int,
         every: int,
         stop: StopAgreement,
-        save: Callable[[bool], str],
+        save: Callable[..., str],
         final: bool = False,
     ) -> bool:
         """After step `step` (`final`: after the final average): checkpoint when due (every
         `every` steps and at the end) or at an agreed stop; True to stop the run there.
         `save(shared, writes=True)` writes: every rank its own state, or (`shared`, under
         torchft) the one state every replica holds, by the worker that leads (`writes`)."""
-        ft = self.fault_tolerance
-        if ft is not None:
-            rounds = ft.rounds
-            if rounds.quorum_lost is not None and not rounds.undo:
-                self.in_sync = True  # rolled back: every worker holds the last global state
-            if rounds.stop_agreed and rounds.just_committed and not self.in_sync and not final:
-                # Streaming DiLoCo's workers are never all in sync: one blocking average (a
-                # round: it commits, or the stop waits for the next) leaves a state to resume
-                self.in_sync = self._driver.average()
-            return ft.checkpoint(
-                step,
-                final or step >= self.max_steps,
-                every,
-                self.in_sync or self.averager.global_state() is not None,
-                lambda writes: self._save_shared(save, writes),
-                make_common=self._average_for_checkpoint,
-            )
-        if final:  # the loop's last step took the final checkpoint
-            return False
-        # (a stop agreed for the very last step just lets the run finish)
-        stopping = stop.should_stop(step) and step < self.max_steps
-        due = every > 0 and (step % every == 0 or step == self.max_steps)
-        if due or stopping:
-            save(False)
-        return stopping
+        if self.driver.rolled_back:  # every worker holds the last global state
+            self.in_sync = True
+        return self.driver.checkpoint(
+            step,
+            self.max_steps,
+            every,
+            stop,
+            save,
+            final,
+            in_sync=self.in_sync,
+            shared=self.in_sync or self.averager.global_state() is not None,
+            save_shared=lambda writes: self._save_shared(save, writes),
+            make_common=self._average_for_checkpoint,
+        )
 
     def _average_for_checkpoint(self) -> bool:
-        """Under torchft with no common state between syncs (eager outer steps, plain
-        streaming): a blocking average round, after which every worker holds the same model
-        for the shared checkpoint; whether it committed."""
-        self.in_sync = self._driver.average()
+        """Where the workers hold no common state between syncs (eager outer steps, plain
+        streaming, a stop between Streaming DiLoCo's syncs): a blocking average (under torchft
+        a round), after which every worker holds the same model; whether it committed."""
+        self.in_sync = self.driver.average()
         return self.in_sync
 
     def own_state(self) -> dict | None:
@@ -291,7 +318,7 @@ class Synchroniser:
         was a local one (never in the no-communication baseline); with `sync.check_replicas`
         the final model is checked too (under torchft: inside the final round)."""
         if not self.in_sync and self.averager.ever_averages:
-            self._driver.average()
+            self.driver.average()
             self.in_sync = True
             self.check_replicas(self.averager.step - 1, dist.get_rank())
         if self.drift is not None:  # no collective left in flight when the workers exit
@@ -300,24 +327,24 @@ class Synchroniser:
     def writes_results(self, rank: int) -> bool:
         """Whether this worker evaluates the final model and writes `model.pt` and the summary:
         rank 0; under torchft the first live replica group's rank 0 (rank 0 unless lost)."""
-        ft = self.fault_tolerance
-        return rank == 0 if ft is None else ft.writes_results
+        return self.driver.writes_results(rank)
 
     def evaluates_final(self, rank: int, sharding: Sharding) -> bool:
         """Sharded: whether this rank takes part in the final evaluation (FSDP's forward
         gathers from every rank of a group): the first replica group's ranks; under torchft
         every rank of the group whose rank 0 writes the results (the same quorum, so the same
         answer on each)."""
-        ft = self.fault_tolerance
-        return sharding.evaluates(rank) if ft is None else ft.rounds.leads
+        return self.driver.evaluates_final(rank, sharding)
 
     def close(self) -> None:
-        if self.fault_tolerance is not None:
-            self.fault_tolerance.close()
+        self.driver.close()
+
+    # --- what the metrics and the summary say ---------------------------------------------------
 
     def summary(self) -> dict[str, Any]:
         """The strategy as run: the period of the average over every rank at the end (None if
-        it never averages), the warmup, and each level's communication."""
+        it never averages), the warmup, each level's communication, and the round driver's
+        own (under torchft: participants, heals, failed syncs, ...)."""
         averager = self.averager
         widest = len(averager.levels) - 1
         summary = {
@@ -331,22 +358,29 @@ class Synchroniser:
             summary["trust"] = self.trust.record()
         if self.dropped_nonfinite.at:  # left out of all-reduced averages: [rank, step] each
             summary["dropped_nonfinite_at"] = [list(d) for d in self.dropped_nonfinite.at]
-        if self.fault_tolerance is not None:
-            rounds = self.fault_tolerance.rounds
-            summary.update(
-                self.fault_record(),
-                participants_min=rounds.participants_min,
-                heals=rounds.heals_seen,  # of any worker, counted alike by every worker
-                failed_syncs=rounds.failed_syncs,
-                retried_syncs=rounds.retried,  # failed syncs retried at once that committed
-                # rounds that ran out of their grace window here, what they waited, the window
-                grace_timeouts=rounds.comm.timeouts,
-                grace_waited_s=round(rounds.comm.waited_s, 3),
-                grace_s=round(rounds.comm.grace.seconds(), 3) if rounds.comm.grace else None,
-                # samples whose training reached a committed global state, all workers'
-                merged_samples=rounds.merged_samples,
-            )
+        summary.update(self.driver.summary())
         return summary
+
+    def record(self) -> dict[str, Any]:
+        """Every metrics line's share: optimizer state sent (`comm_bytes_<state>`), weighted
+        rounds' weights, the driver's (participants) and a gathered sync's (excluded workers,
+        drops)."""
+        averager = self.averager
+        out: dict[str, Any] = {}
+        for hook in averager.hooks:  # sync.optimizer_state=average | desloc
+            if isinstance(hook, OptimizerStateSync):
+                out.update({f"comm_bytes_{k}": v for k, v in hook.bytes_by_state.items()})
+        if averager.weighted:
+            out["round_weights"] = averager.round_weights
+            out["contributed_samples"] = averager.contributed
+            out["wait_s"] = round(averager.wait_s, 6)
+        out.update(self.driver.record())
+        out.update(self.trust_record())
+        return out
+
+    def fault_record(self) -> dict[str, Any]:
+        """Under ft=torchft: how many workers the last average included (every log line)."""
+        return self.driver.record()
 
     @property
     def moves_shards(self) -> bool:
@@ -354,7 +388,7 @@ class Synchroniser:
         under torchft, where a worker that heals takes a peer's sampler, nor with sharded
         replica groups, where a worker is a group of ranks with a data shard each (null means
         skip there)."""
-        return self.fault_tolerance is None and self.sharding is None
+        return not self.driver.checks_inside and self.sharding is None
 
     @property
     def trust(self):
@@ -370,19 +404,22 @@ class Synchroniser:
             record["dropped_nonfinite"] = record.get("dropped_nonfinite", 0) + dropped
         return record
 
-    def fault_record(self) -> dict[str, Any]:
-        """Under ft=torchft: how many workers the last average included (every log line)."""
-        ft = self.fault_tolerance
-        return {} if ft is None else {"participants": ft.rounds.participants}
+    def state_bytes(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        """The training state this rank holds (`localsgd.loop.sharding.state_bytes`)."""
+        from localsgd.loop.sharding import state_bytes
+
+        return state_bytes(model, optimizer, self.averager)
 
     def checkpoint_state(self) -> dict[str, Any]:
         """What a checkpoint holds of the strategy, by the names checkpoints use."""
         state = {"averager": self.averager, "comm": self.stats}
         if self.drift is not None:
             state["drift"] = self.drift
-        if self.fault_tolerance is not None:
-            state["ft"] = self.fault_tolerance.rounds  # its counters
+        state.update(self.driver.checkpoint_state())  # under ft: its counters
         return state
+
+    # what a checkpoint may lack of `checkpoint_state` (written without drift, or without ft)
+    optional_state = ("drift", "ft")
 
 
 def _holds_tensor(tree) -> bool:

@@ -32,9 +32,8 @@ from localsgd.loop.pacing import build_pacer, pace_record
 from localsgd.loop.recipe import Recipe, checkpoint_activations
 from localsgd.loop.resume import resume_run
 from localsgd.loop.shard import worker_batches
-from localsgd.loop.sharding import Sharding, state_bytes
+from localsgd.loop.sharding import Sharding
 from localsgd.loop.stop import StopAgreement, first_signal
-from localsgd.loop.strategies import optimizer_state_bytes
 from localsgd.loop.worker import WorkerInfo
 from localsgd.models import build_model
 
@@ -79,13 +78,10 @@ class Trainer:
         # the strategy: warmup, averaging, drift, fault tolerance; every rank starts from rank
         # 0's model
         self.sync = build_synchroniser(
-            c, info, self.model, self.optimizer, self.sharding, loss_at=self.held_out_loss
+            c, info, self.model, self.optimizer, self.sharding, held_out=self.held_out_loss
         )
-        # which ticks compute (sync.inner_time_s, comm.simulate.worker_speed; loop/pacing.py),
-        # and the averages weighted by the samples each worker trained on
+        # which ticks compute (sync.inner_time_s, comm.simulate.worker_speed; loop/pacing.py)
         self.pacer = build_pacer(c, info.rank)
-        self.sync.averager.weighted = c.sync.inner_time_s is not None
-        self.sync.averager.normalized = c.sync.budget_merge == "normalized"
         # after the averager: its flat-buffer views are what gets compiled
         self.recipe = Recipe.from_config(self.model, device, c.trainer, self.sharding.sharded)
         torch.manual_seed(c.seed + 1000 * info.rank + 1)  # dropout etc. differ per rank
@@ -113,7 +109,8 @@ class Trainer:
         self.resumed_from = resume_from
         if resume_from is not None:  # its own, resharded, or shared (loop/resume.py)
             self.step = resume_run(
-                resume_from, info, self.sharding.size, device, self.stateful, ("drift", "ft")
+                resume_from, info, self.sharding.size, device, self.stateful,
+                self.sync.optional_state,
             )
         # objects with optional on_step_start(trainer, step) / on_step_end(trainer, step)
         self.callbacks = [
@@ -198,19 +195,18 @@ class Trainer:
         for callback in self.callbacks:
             if hasattr(callback, "on_step_start"):
                 callback.on_step_start(self, step)
-        pacer, loss = self.pacer, None
+        pacer, loss, samples = self.pacer, None, 0
         # a sharded replica group computes a tick only where all its ranks would
         if not pacer.active or self.sync.in_warmup or self.sharding.all_of(pacer.computes()):
             pacer.begin_step()
             loss = self.local_step(step)
             samples = 0 if loss is None else self.samples_per_worker_step
             pacer.end_step(samples)
-            self.sync.averager.trained(samples)
         else:
             pacer.idle()
-        self.sync.after_step(loss)  # the model average, when due
+        self.sync.after_step(loss, samples)  # the model average, when due
         # a round every worker must reach (a fragment's, launched or blocking) ends the budget's
-        if self.in_sync or self.sync.averager.started_round:
+        if self.in_sync or self.sync.round_started:
             pacer.new_round()
         for callback in self.callbacks:
             if hasattr(callback, "on_step_end"):
@@ -263,15 +259,17 @@ class Trainer:
         )
         return evaluate(self.model, batches, self.recipe.autocast, task_of(self.data))
 
-    def held_out_loss(self, round_: int, samples: slice | None = None) -> torch.Tensor:
-        """The model's per-sample losses, as it stands, on round `round_`'s held-out batch
-        (`sync.score`), or on its `samples`."""
+    def held_out_loss(
+        self, round_: int, batch: int, samples: slice | None = None
+    ) -> torch.Tensor:
+        """The model's per-sample losses, as it stands, on round `round_`'s held-out batch of
+        `batch` samples (`sync.score`), or on its `samples`."""
         return held_out_loss(
             self.model,
             self.data.test,
             self.cfg.seed,
             round_,
-            self.cfg.sync.score_batch,
+            batch,
             self.device,
             self.recipe.autocast,
             samples,
@@ -282,11 +280,9 @@ class Trainer:
             "comm_rounds": self.comm_stats.rounds,
             "comm_bytes": self.comm_stats.bytes,
             "comm_seconds": round(self.comm_stats.seconds, 6),
-            # sync.optimizer_state=average | desloc: comm_bytes_exp_avg, comm_bytes_exp_avg_sq
-            **optimizer_state_bytes(self.sync.averager),
-            **self.sync.fault_record(),  # ft=torchft: participants
-            **pace_record(self.pacer, self.sync.averager),
-            **self.sync.trust_record(),  # a gathered sync: excluded workers, drops
+            **pace_record(self.pacer),  # computed and idle ticks
+            # optimizer state sent, round weights, participants (ft), exclusions and drops
+            **self.sync.record(),
         }
 
     def train(self) -> dict[str, Any] | None:
@@ -457,7 +453,7 @@ class Trainer:
             "params": self.param_count,
             "shard_size": self.sharding.size,
             "comm_bytes_group": group_bytes,  # comm_bytes summed over this replica group
-            "state_bytes": state_bytes(self.model, self.optimizer, self.sync.averager),
+            "state_bytes": self.sync.state_bytes(self.model, self.optimizer),
             **self.peak_memory.run(),  # the whole run's, final average and evaluation included
             "skipped_steps": self.skipped_steps,
             "dataset": target_name(self.config["data"]),

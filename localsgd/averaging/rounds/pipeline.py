@@ -114,6 +114,7 @@ class Rounds:
             # the M each own d was launched to (the live workers of that round, under torchft):
             # it is what removes this worker's share from the mean received for it
             self.own_size = [size] * count
+            self.own_share: list[float | None] = [None] * count  # a weighted round's share
         # a judge evaluates the whole model: the other parts are shown at their anchors (the
         # same on every rank) and this worker's own values put back after
         judged = isinstance(self.combine, Gathered) and self.combine.judges
@@ -248,13 +249,17 @@ class Rounds:
         merge_(views(buffers, self.parts[p]), glob, self.alpha, origins)
         self.holding[p] = False
 
-    def eager_round(self, p: int, buffers: Tensors, comm: Communicator, step: int) -> bool:
+    def eager_round(
+        self, p: int, buffers: Tensors, comm: Communicator, step: int, scale: float | None = None
+    ) -> bool:
         """Part p's eager round (Kale et al. 2025): this worker m's fresh pseudo-gradient
         `d_t = anchor_m - local` goes out, the mean `D_{t-1}` launched at the round before (zeros
         at the first) comes in, and the outer step takes `d_t/M + D_{t-1} - d_{t-1}/M` at once:
         its own fresh contribution plus the others' one round late. Anchors and outer states
-        are then per worker; `D_{t-1}` is the same on every rank. Returns whether a mean was
-        received."""
+        are then per worker; `D_{t-1}` is the same on every rank. In a weighted round (the
+        communicator's shares set) 1/M is this worker's share of each round, and `scale` (a
+        normalized round's factor) multiplies its fresh contribution. Returns whether a mean
+        was received."""
         self.wait(p)
         got = self.holding[p]
         if got:
@@ -264,16 +269,22 @@ class Rounds:
                 r.zero_()
                 o.zero_()
         fresh, own = self.scratch[p], self.own[p]
-        self._offer(p, buffers, fresh, 0, None)
+        self._offer(p, buffers, fresh, 0, scale)
         for wire, f in zip(self.sent[p], fresh, strict=True):
             wire.copy_(f)
-        # M now, read from the communicator: under torchft the live workers of this round
+        # M now, read from the communicator: under torchft the live workers of this round; a
+        # weighted round's share instead of 1/M (negated: it is what removes d_prev's part)
         size, prev_size = comm.size, self.own_size[p]
+        share, prev_share = comm.share, self.own_share[p]
         self.flight[p] = self.wires[p].launch_mean(self.sent[p], comm)
         self.holding[p], self.pending_step[p] = True, step
         for o, r, f in zip(own, self.received[p], fresh, strict=True):
-            o.div_(-prev_size).add_(r).add_(f, alpha=1 / size)  # D - d_prev/M' + d/M
-        self.own_size[p] = size
+            if prev_share is None:
+                o.div_(-prev_size)
+            else:
+                o.mul_(-prev_share)
+            o.add_(r).add_(f, alpha=1 / size if share is None else share)  # D - d_prev/M' + d/M
+        self.own_size[p], self.own_share[p] = size, share
         glob = self.outer.step_(p, self.parts[p], own, plain=False)
         self.own[p], self.scratch[p] = fresh, own  # the fresh d is the next round's d_prev
         merge_(views(buffers, self.parts[p]), glob, self.alpha)  # host: `own` holds the anchor
@@ -405,6 +416,7 @@ class Rounds:
         if self.eager:
             state["own"] = [[t.clone() for t in ts] for ts in self.own]
             state["own_size"] = list(self.own_size)
+            state["own_share"] = list(self.own_share)
         state.update(self.combine.state_dict())
         return state
 
@@ -429,6 +441,8 @@ class Rounds:
                 mine.copy_(value)
         if self.eager:
             self.own_size = [int(m) for m in state.get("own_size", self.own_size)]
+            saved = state.get("own_share") or [None] * len(self.own_size)
+            self.own_share = [None if s is None else float(s) for s in saved]
             for ts, values in zip(self.own, state.get("own", []), strict=False):
                 for mine, value in zip(ts, values, strict=True):
                     mine.copy_(value)

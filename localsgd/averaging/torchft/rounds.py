@@ -204,6 +204,7 @@ class FaultTolerantRounds:
             "buffers": [b.detach().clone() for b in av.flat.current()],
             "rounds": _clone_tree(av.rounds.state_dict()),
             "rule": _clone_tree(av.rule_state()),  # an adaptive period's
+            "samples": av.part_samples.state_dict(),  # weighted rounds' counts
         }
 
     def _restore(self, snap: dict) -> None:
@@ -212,6 +213,8 @@ class FaultTolerantRounds:
         av.flat.assign(snap["buffers"])
         av.rounds.load_state_dict(_clone_tree(snap["rounds"]))
         av.load_rule_state(_clone_tree(snap.get("rule", {})))
+        if "samples" in snap:
+            av.part_samples.load_state_dict(snap["samples"])
 
     def _ft_state(self) -> dict:
         # served by reference until every healer has loaded it (the count all-reduce in
