@@ -164,7 +164,7 @@ def predicted(setting: Setting, shape, gbps: float, samples, steps: int, jitter:
     """Rank 0's utilisation by the model: with `jitter`, each step's time drawn from the
     worker's `samples` (the barrier's jitter); else every step at the worker's mean."""
     schedule = setting.schedule(shape)
-    link = Link(LATENCY_MS / 1e3, gbps)
+    link = Link(LATENCY_MS / 1e3, gbps, simulated=True)
     means = [sum(s) / len(s) for s in samples]
     utilisation, _ = predict_run(
         schedule, link, means, steps, samples=samples if jitter else None, reps=200

@@ -203,7 +203,7 @@ def choose(rows: list[Row], target: float) -> tuple[Row | None, bool]:
         return best, True
     if not backed:
         return None, False
-    return max(backed, key=lambda r: r.util), False
+    return max(backed, key=lambda r: (r.util, -r.prediction.bytes_per_param_step)), False
 
 
 def paste(overrides: list[str], setting: Setting, steps: int) -> list[str]:
@@ -287,7 +287,7 @@ def link_for(args, cfg) -> tuple[Link | None, str]:
         return Link((args.latency_ms or 0.0) / 1e3, args.bandwidth_gbps), "given"
     sim = cfg.comm.simulate
     if not args.probe_link and (sim.bandwidth_gbps is not None or sim.latency_ms > 0):
-        return Link(sim.latency_ms / 1e3, sim.bandwidth_gbps), "comm.simulate"
+        return Link(sim.latency_ms / 1e3, sim.bandwidth_gbps, simulated=True), "comm.simulate"
     return None, "measured between the workers here"
 
 

@@ -41,11 +41,14 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Link:
     """What a collective costs: `latency_s` each, and its payload at `bandwidth_gbps` (None:
-    unlimited); an all-gather (a quantised or top-k wire) at `gather_gbps` (None: the same)."""
+    unlimited); an all-gather (a quantised or top-k wire) at `gather_gbps` (None: the same).
+    `simulated`: `comm.simulate`'s link, which times each worker's collective from that
+    worker's own start; a network's transfer starts when the last worker has joined."""
 
     latency_s: float
     bandwidth_gbps: float | None = None
     gather_gbps: float | None = None
+    simulated: bool = False
 
     def seconds(self, nbytes: int, gather: bool = False, pieces: int = 1) -> float:
         """How long one collective of `nbytes` per worker takes, in `pieces` blocking parts."""
@@ -138,11 +141,12 @@ def sync_steps(schedule: Schedule, steps: int) -> list[tuple[int, int, int]]:
 
 def run_clocks(schedule: Schedule, link: Link, step_times: list[list[float]]) -> list[float]:
     """Each worker's training-loop seconds for a run whose worker w takes `step_times[w][s]`
-    on step s: the round formula applied sync by sync, each worker on its own clock, as
-    `comm.simulate` times a collective. At a sync's merge a worker leaves when every worker has
-    launched it and its own `S_p` since its own launch has passed (the simulated link sleeps
-    what is left of `S_p` from each worker's start), so a fast worker's wait for the slowest
-    overlaps its `S_p`; the steps after the last merge in the loop wait for nobody."""
+    on step s: the round formula applied sync by sync, each worker on its own clock. At a
+    sync's merge a worker leaves `S_p` after the last worker launched it (a network), or, on
+    `comm.simulate`'s link (`link.simulated`), when every worker has launched it and `S_p`
+    since its own launch has passed (the link sleeps what is left of `S_p` from each worker's
+    start, so a fast worker's wait for the slowest overlaps its `S_p`); never before the
+    merge's step is computed. The steps after the last merge in the loop wait for nobody."""
     steps = len(step_times[0])
     clocks = [0.0] * len(step_times)
     events: dict[int, list[tuple[int, int, int]]] = {}
@@ -161,9 +165,11 @@ def run_clocks(schedule: Schedule, link: Link, step_times: list[list[float]]) ->
                 starts = launched.pop((p, launch))
                 link_s = schedule.link_seconds(link, p)
                 last = max(starts)
-                clocks = [
-                    max(t, last, start + link_s) for t, start in zip(clocks, starts, strict=True)
-                ]
+                if link.simulated:  # the sleep counts from each worker's own start
+                    ends = [max(last, start + link_s) for start in starts]
+                else:  # the transfer starts when the last worker has joined
+                    ends = [last + link_s] * len(starts)
+                clocks = [max(t, end) for t, end in zip(clocks, ends, strict=True)]
     return clocks
 
 
