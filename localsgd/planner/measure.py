@@ -46,8 +46,8 @@ def measure_worker(info, store, cfg, out: str, steps: int, skip: int, probe: boo
     try:
         trainer = Trainer(cfg, info, device, out, store=store)
         main = info.rank == 0
-        bar = progress_bar(steps + (3 * PROBE_REPS if probe else 0), 0, main)
-        bar.set_description("plan: timing your job's steps")
+        total = steps + (3 * PROBE_REPS if probe else 0)
+        bar = progress_bar(total, 0, main, desc="plan: timing your job's steps")
         times = []
         for step in range(steps):
             before = trainer.compute_s

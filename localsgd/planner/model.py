@@ -57,10 +57,10 @@ class Link:
         return pieces * self.latency_s + transfer
 
     def describe(self) -> str:
-        rate = "unlimited" if self.bandwidth_gbps is None else f"{self.bandwidth_gbps:g} Gbit/s"
-        text = f"{rate}, {self.latency_s * 1e3:g} ms latency"
+        rate = "unlimited" if self.bandwidth_gbps is None else f"{self.bandwidth_gbps:.3g} Gbit/s"
+        text = f"{rate}, {self.latency_s * 1e3:.3g} ms latency"
         if self.gather_gbps is not None and self.gather_gbps != self.bandwidth_gbps:
-            text += f" (all-gathers {self.gather_gbps:g} Gbit/s)"
+            text += f" (all-gathers {self.gather_gbps:.3g} Gbit/s)"
         return text
 
 
