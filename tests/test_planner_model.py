@@ -178,3 +178,7 @@ def test_the_choice_is_the_fewest_bytes_the_studies_back_at_the_target():
     assert meets and chosen.setting.key == "diloco-h16-int4"  # top-k and H=64 are not backed
     chosen, meets = choose(rows, 0.995)  # nothing backed reaches it: the highest backed
     assert not meets and chosen.setting.key == "ddp"
+    # a setting the job's other settings refuse is no choice: the next one is
+    chosen, meets = choose(rows, 0.95, runs=lambda r: r.setting.wire != "int4")
+    assert meets and chosen.setting.key == "diloco-h16"
+    assert choose(rows, 0.95, runs=lambda r: False) == (None, False)

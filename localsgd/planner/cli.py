@@ -193,17 +193,38 @@ def plan_rows(
     return rows
 
 
-def choose(rows: list[Row], target: float) -> tuple[Row | None, bool]:
+def choose(rows: list[Row], target: float, runs=lambda row: True) -> tuple[Row | None, bool]:
     """The backed row with the fewest bytes per parameter per step at or above `target` (ties:
-    the higher utilisation), and True; else the backed row of highest utilisation, and False."""
+    the higher utilisation), and True; else the backed row of highest utilisation, and False.
+    Only rows for which `runs(row)` holds (the job's other settings accept them) count."""
     backed = [r for r in rows if r.prediction is not None and r.verdict.backed]
-    meeting = [r for r in backed if r.util >= target]
-    if meeting:
-        best = min(meeting, key=lambda r: (r.prediction.bytes_per_param_step, -r.util))
-        return best, True
-    if not backed:
-        return None, False
-    return max(backed, key=lambda r: (r.util, -r.prediction.bytes_per_param_step)), False
+    meeting = sorted(
+        (r for r in backed if r.util >= target),
+        key=lambda r: (r.prediction.bytes_per_param_step, -r.util),
+    )
+    for row in meeting:
+        if runs(row):
+            return row, True
+    for row in sorted(backed, key=lambda r: (-r.util, r.prediction.bytes_per_param_step)):
+        if runs(row):
+            return row, False
+    return None, False
+
+
+def accepted_by(overrides: list[str], steps: int):
+    """Whether the job with a row's setting in place of its sync settings passes the training
+    CLI's checks (a setting a job's other settings refuse, e.g. with ft=torchft, is no choice);
+    the refusals are noted on the rows."""
+
+    def runs(row: Row) -> bool:
+        try:
+            compose(paste(overrides, row.setting, steps))
+        except ConfigError as e:
+            row.refused = f"refused with this job's settings: {e}"
+            return False
+        return True
+
+    return runs
 
 
 def paste(overrides: list[str], setting: Setting, steps: int) -> list[str]:
@@ -248,13 +269,14 @@ def render(
             lines.append(f"| {r.setting.label} | - | - | - | cannot run: {r.refused} | |")
             continue
         p = r.prediction
+        refused = f" ({r.refused})" if r.refused else ""
         lines.append(
             f"| {r.setting.label} | {r.util:.3f} | {p.bytes_per_param_step:.4g} | "
-            f"{p.exposed_s:.3f} | {r.verdict.text} | {r.verdict.study or '-'} |"
+            f"{p.exposed_s:.3f} | {r.verdict.text}{refused} | {r.verdict.study or '-'} |"
         )
     lines.append("")
     if chosen is None:
-        lines.append("no setting of the grid is backed by the studies on this job")
+        lines.append("no setting of the grid that the studies back runs with this job's settings")
         return "\n".join(lines) + "\n"
     p = chosen.prediction
     if meets:
@@ -328,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         else (None if args.like == "none" else args.like)
     )
     rows = plan_rows(shape, link, step_times, job, steps)
-    chosen, meets = choose(rows, args.target_utilisation)
+    chosen, meets = choose(rows, args.target_utilisation, accepted_by(overrides, steps))
     command = paste(overrides, chosen.setting, steps) if chosen else []
     text = render(
         rows,
