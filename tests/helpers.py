@@ -293,7 +293,13 @@ def same_model(a, b) -> bool:
 
 
 # measured times differ from run to run; everything else must match exactly
-TIMING_KEYS = ("wall_time_s", "comm_seconds", "samples_per_s", "comm_share")
+TIMING_KEYS = (
+    "wall_time_s",
+    "comm_seconds",
+    "compute_seconds",
+    "samples_per_s",
+    "comm_share",
+)
 
 
 def train_records(run_dir) -> list[dict]:

@@ -50,7 +50,7 @@ def write_json(path: str, obj: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def progress_bar(total: int, initial: int, enabled: bool) -> tqdm:
+def progress_bar(total: int, initial: int, enabled: bool, desc: str = "train") -> tqdm:
     # tqdm's default lock holds a multiprocessing semaphore, which a worker leaving by os._exit
     # never releases: the resource tracker then reports it leaked after every run. Each worker
     # draws (at most) its own bar, so a thread lock is all that is needed.
@@ -61,7 +61,7 @@ def progress_bar(total: int, initial: int, enabled: bool) -> tqdm:
         disable=not enabled,
         dynamic_ncols=True,
         unit="step",
-        desc="train",
+        desc=desc,
         mininterval=0.5,
     )
 

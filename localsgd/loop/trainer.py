@@ -93,6 +93,8 @@ class Trainer:
         self.skipped_steps = 0
         self.saved_at: int | None = None  # the step of the last checkpoint this rank wrote
         self.elapsed_s = 0.0  # training seconds before the last resume
+        # of the training seconds, those this rank computed steps in (utilisation's numerator)
+        self.compute_s = 0.0
         self.eval_s = 0.0  # of those and the seconds since, spent in periodic evaluation
         self.start: float | None = None  # perf_counter at the loop's start, less elapsed_s
         # Everything a checkpoint holds, registered once: saving and resuming walk this mapping.
@@ -127,6 +129,7 @@ class Trainer:
         "skipped_steps",
         "elapsed_s",
         "eval_s",
+        "compute_s",
     )
 
     def state_dict(self) -> dict[str, Any]:
@@ -198,10 +201,13 @@ class Trainer:
         pacer, loss, samples = self.pacer, None, 0
         # a sharded replica group computes a tick only where all its ranks would
         if not pacer.active or self.sync.in_warmup or self.sharding.all_of(pacer.computes()):
+            began, in_comm = time.perf_counter(), self.comm_stats.seconds
             pacer.begin_step()
             loss = self.local_step(step)
             samples = 0 if loss is None else self.samples_per_worker_step
             pacer.end_step(samples)
+            # compute: the step (a modelled slow worker's included), less its gradient average
+            self.compute_s += time.perf_counter() - began - (self.comm_stats.seconds - in_comm)
         else:
             pacer.idle()
         self.sync.after_step(loss, samples)  # the model average, when due
@@ -365,6 +371,7 @@ class Trainer:
                 "lr": self.optimizer.param_groups[0]["lr"],
                 "samples": self.step * self.samples_per_step,
                 "wall_time_s": round(now - self.start, 3),
+                "compute_seconds": round(self.compute_s, 6),
                 **self.comm_record(),
                 **rate_record(
                     (self.step - last_step) * self.samples_per_step,
@@ -448,6 +455,7 @@ class Trainer:
             **self.comm_record(),
             "wall_time_s": round(wall, 3),
             "eval_seconds": round(self.eval_s, 3),  # included in wall_time_s
+            "compute_seconds": round(self.compute_s, 3),  # included in wall_time_s
             "world_size": self.info.world_size,
             **self.sync.summary(),  # period, warmup_steps, comm_levels
             "params": self.param_count,
