@@ -39,9 +39,9 @@ CASES: dict[str, list[str]] = {
     "sync.compress=topk with sync.comm_dtype other than float32": [
         "sync.compress=topk", "sync.error_feedback=true", "sync.comm_dtype=int4"],
     "sync.compress=topk with sync.error_feedback=false": ["sync.compress=topk"],
-    "sync.compress=topk with sync.aggregate=median or trimmed_mean": [
+    "sync.compress=topk with sync.aggregate=trimmed_mean or median or sign": [
         "sync.compress=topk", "sync.error_feedback=true", "sync.aggregate=median"],
-    "sync.topk_mean=senders with sync.aggregate=median or trimmed_mean": [
+    "sync.topk_mean=senders with sync.aggregate=trimmed_mean or median or sign": [
         "sync.topk_mean=senders", "sync.aggregate=median"],
     "sync.aggregate other than mean, or sync.score=true, with sync.levels": [
         "sync=hierarchical", "sync.aggregate=median"],

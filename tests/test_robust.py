@@ -7,6 +7,7 @@ all-gather, the honest-majority cap, checkpointed verdicts, and the refusals. Th
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -26,9 +27,19 @@ WORLD = 4
 
 def _reference(rows: np.ndarray, rule: str, trim: float = 0.25) -> np.ndarray:
     """Per coordinate, in plain numpy float32 one value at a time: the sorted values' median
-    (the two middle ones' mean for an even count) or their trimmed mean, summed in order."""
+    (the two middle ones' mean for an even count) or their trimmed mean, summed in order; or the
+    majority sign (a tie: 0) times the median over the rows of their RMS (exact float64 sums)."""
     k, n = rows.shape
     out = np.empty(n, dtype=np.float32)
+    if rule == "sign":
+        rms = sorted(
+            math.sqrt(math.fsum(float(x) ** 2 for x in row)) / math.sqrt(n) for row in rows
+        )
+        scale = rms[k // 2] if k % 2 else (rms[k // 2 - 1] + rms[k // 2]) / 2
+        for j in range(n):
+            votes = sum(int(np.sign(rows[i, j])) for i in range(k))
+            out[j] = np.float32(np.sign(votes)) * np.float32(scale)
+        return out
     for j in range(n):
         v = np.sort(rows[:, j].astype(np.float32))
         if rule == "median":
@@ -47,7 +58,7 @@ def _bits(t) -> np.ndarray:
     return np.asarray(t, dtype=np.float32).view(np.int32)
 
 
-@pytest.mark.parametrize("rule", ["median", "trimmed_mean"])
+@pytest.mark.parametrize("rule", ["median", "trimmed_mean", "sign"])
 @pytest.mark.parametrize("size", [4, 5, 7])
 def test_rules_equal_a_one_process_reference_to_the_bit(rule, size):
     gen = torch.Generator().manual_seed(size)
@@ -186,7 +197,7 @@ def _worker(rank, world_size):
     out = {}
     # 1. robust rules across processes equal the one-process rule over the gathered changes;
     #    rank 1 sends NaN, which no replica receives
-    for rule in ("median", "trimmed_mean"):
+    for rule in ("median", "trimmed_mean", "sign"):
         model = _Net()
         avg = PeriodicAverager(1, module=model, aggregate=Aggregate(rule))
         gen = torch.Generator().manual_seed(100 + rank)
@@ -401,7 +412,7 @@ def _guard_cases(rank: int) -> dict:
 def test_untrusted_workers_across_processes():
     results = run_distributed(_worker, WORLD)
     _check_guard([r["guard"] for r in results])
-    for rule in ("median", "trimmed_mean"):
+    for rule in ("median", "trimmed_mean", "sign"):
         got = [r[rule] for r in results]
         # every replica holds the same bits, none of them NaN
         for r in got:

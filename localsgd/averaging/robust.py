@@ -32,6 +32,7 @@ bandwidth on wide groups.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -41,25 +42,28 @@ from localsgd.averaging.compress import feed_back_
 from localsgd.averaging.finite import all_finite
 from localsgd.averaging.quantize import GatheredWire
 
-AGGREGATES = ("mean", "clip", "trimmed_mean", "median")
-COORDINATE_RULES = ("trimmed_mean", "median")  # per coordinate: each hides one outlier
-
 
 @dataclass(frozen=True)
 class Aggregate:
-    """A rule over the contributions of one round (see the module doc)."""
+    """A rule over the contributions of one round (see the module doc), one of `RULES`."""
 
     rule: str = "mean"
     clip_multiple: float = 2.0  # clip: the bound, in multiples of the round's median norm
     trim_fraction: float = 0.25  # trimmed_mean: cut from each side, per coordinate
 
     def __post_init__(self):
-        if self.rule not in AGGREGATES:
-            raise ValueError(f"aggregate must be one of {', '.join(AGGREGATES)}, got {self.rule!r}")
+        if self.rule not in RULES:
+            raise ValueError(f"aggregate must be one of {', '.join(RULES)}, got {self.rule!r}")
         if not self.clip_multiple > 0:
             raise ValueError(f"clip_multiple must be > 0, got {self.clip_multiple!r}")
         if not 0 <= self.trim_fraction < 0.5:
             raise ValueError(f"trim_fraction must be in [0, 0.5), got {self.trim_fraction!r}")
+
+    @property
+    def needs_norms(self) -> bool:
+        """Whether the rule reads each contribution's whole norm (reduced across a shard group
+        where the rows hold a shard of it: `TrustedRound`)."""
+        return RULES[self.rule].needs_norms
 
     def combine(
         self,
@@ -67,49 +71,100 @@ class Aggregate:
         keep: list[int],
         sent: list | None = None,
         norms: list[float] | None = None,
+        numel: int | None = None,
     ) -> list[torch.Tensor] | None:
         """The aggregate of rows `keep` (rank indices, ascending) of each `[size, n]` tensor in
         `rows` (one per flat buffer), as new fp32 tensors; None when `keep` is empty. `sent`
         (one per buffer, None or a bool `[size, >= n]`: where each top-k message held an
         index): the mean and clip divide each index by the kept contributions that sent it
-        (`sparse.TopKCodec(mean="senders")`) instead of by their number. `norms`: clip's norm
-        of each kept contribution, where `rows` hold only part of it (a shard); None: over
-        `rows`."""
+        (`sparse.TopKCodec(mean="senders")`) instead of by their number. `norms`, `numel`: each
+        kept contribution's whole norm and the whole contribution's length, where `rows` hold
+        only part of it (a shard); None: over `rows`."""
         if not keep:
             return None
         sent = sent or [None] * len(rows)
-        if self.rule == "mean":
-            return [
-                _sum_in_order([r[i] for i in keep], _divisor(s, keep, r.shape[1]))
-                for r, s in zip(rows, sent, strict=True)
-            ]
-        if self.rule == "clip":
-            scales = clip_scales(rows, keep, self.clip_multiple, norms)
-            out = []
-            for r, senders in zip(rows, sent, strict=True):
-                acc = r[keep[0]].mul(scales[0])
-                for i, s in zip(keep[1:], scales[1:], strict=True):
-                    acc.add_(r[i].mul(s))
-                out.append(acc.div_(_divisor(senders, keep, r.shape[1])))
-            return out
-        out = []
-        for r in rows:
-            ordered = r[keep].sort(dim=0).values  # per coordinate, ascending
-            k = len(keep)
-            if self.rule == "median":
-                mid = k // 2
-                value = ordered[mid].clone() if k % 2 else ordered[mid - 1].add(ordered[mid])
-                out.append(value if k % 2 else value.div_(2))
-            else:
-                cut = math.floor(self.trim_fraction * k)
-                out.append(_sum_in_order(list(ordered[cut : k - cut]), k - 2 * cut))
-        return out
+        if norms is None and self.needs_norms:
+            norms = row_norms(rows, keep)
+        if numel is None:
+            numel = sum(r.shape[1] for r in rows)
+        return RULES[self.rule].combine(self, rows, keep, sent, norms, numel)
+
+
+def _mean(agg: Aggregate, rows, keep, sent, norms, numel) -> list[torch.Tensor]:
+    return [
+        _sum_in_order([r[i] for i in keep], _divisor(s, keep, r.shape[1]))
+        for r, s in zip(rows, sent, strict=True)
+    ]
+
+
+def _clip(agg: Aggregate, rows, keep, sent, norms, numel) -> list[torch.Tensor]:
+    scales = clip_scales(rows, keep, agg.clip_multiple, norms)
+    out = []
+    for r, senders in zip(rows, sent, strict=True):
+        acc = r[keep[0]].mul(scales[0])
+        for i, s in zip(keep[1:], scales[1:], strict=True):
+            acc.add_(r[i].mul(s))
+        out.append(acc.div_(_divisor(senders, keep, r.shape[1])))
+    return out
+
+
+def _median(agg: Aggregate, rows, keep, sent, norms, numel) -> list[torch.Tensor]:
+    out = []
+    for r in rows:
+        ordered = r[keep].sort(dim=0).values  # per coordinate, ascending
+        k, mid = len(keep), len(keep) // 2
+        value = ordered[mid].clone() if k % 2 else ordered[mid - 1].add(ordered[mid])
+        out.append(value if k % 2 else value.div_(2))
+    return out
+
+
+def _trimmed_mean(agg: Aggregate, rows, keep, sent, norms, numel) -> list[torch.Tensor]:
+    out = []
+    for r in rows:
+        ordered = r[keep].sort(dim=0).values  # per coordinate, ascending
+        k = len(keep)
+        cut = math.floor(agg.trim_fraction * k)
+        out.append(_sum_in_order(list(ordered[cut : k - cut]), k - 2 * cut))
+    return out
+
+
+def _sign(agg: Aggregate, rows, keep, sent, norms, numel) -> list[torch.Tensor]:
+    """signSGD's majority vote (Bernstein et al. 2019; Covenant's signed aggregation): each
+    coordinate the sign most kept contributions sent (a tie: 0), times the round's median RMS
+    magnitude, the median over the kept contributions of ||x|| / sqrt(n). One worker can move
+    a coordinate by one vote of the magnitude the median worker sends, never by its own."""
+    scale = median_of([n / math.sqrt(max(numel, 1)) for n in norms])
+    out = []
+    for r in rows:
+        votes = torch.sign(r[keep[0]])
+        for i in keep[1:]:
+            votes.add_(torch.sign(r[i]))
+        out.append(votes.sign_().mul_(scale))
+    return out
+
+
+@dataclass(frozen=True)
+class Rule:
+    combine: Callable[..., list[torch.Tensor]]
+    per_coordinate: bool = False  # a per-coordinate rule hides one outlier in every coordinate
+    needs_norms: bool = False
+
+
+RULES: dict[str, Rule] = {
+    "mean": Rule(_mean),
+    "clip": Rule(_clip, needs_norms=True),
+    "trimmed_mean": Rule(_trimmed_mean, per_coordinate=True),
+    "median": Rule(_median, per_coordinate=True),
+    "sign": Rule(_sign, per_coordinate=True, needs_norms=True),
+}
+AGGREGATES = tuple(RULES)
+COORDINATE_RULES = tuple(name for name, rule in RULES.items() if rule.per_coordinate)
 
 
 # why a per-coordinate rule cannot judge sparse contributions
 PER_COORDINATE = (
-    "most indices hold one worker's value and the others' zeros, so a per-coordinate median or "
-    "trimmed mean discards what was sent (use the mean, with scoring, or clip)"
+    "most indices hold one worker's value and the others' zeros, so a per-coordinate rule "
+    "(median, trimmed mean, sign) discards what was sent (use the mean, with scoring, or clip)"
 )
 
 

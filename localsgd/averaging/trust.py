@@ -104,7 +104,9 @@ class TrustedRound:
         self.current = self.contributions  # the round's, `run_`
         self.mirror = mirror if mirror is not None and mirror.mirror else None
         self.shards = shards or (self.mirror.shard_group() if self.mirror is not None else None)
-        self.norms: list[float] | None = None  # sharded clip: each row's whole norm, this round
+        # sharded, a rule that reads norms: each row's whole norm and length, this round
+        self.norms: list[float] | None = None
+        self.numel: int | None = None
         self.aggregate = aggregate
         self.judge = judge
         self.held_out = HeldOutLosses(judge, sign, self.mirror) if judge is not None else None
@@ -184,25 +186,29 @@ class TrustedRound:
 
     def _combine(self, rows: list[torch.Tensor], keep: list[int]) -> list[torch.Tensor] | None:
         norms = None if self.norms is None else [self.norms[i] for i in keep]
-        return self.aggregate.combine(rows, keep, self.current.sent, norms)
+        return self.aggregate.combine(rows, keep, self.current.sent, norms, self.numel)
 
     def _across_shards(self, rows: list[torch.Tensor], finite: list[bool]) -> list[bool]:
-        """Sharded parameters: each row finite in every shard (and, for clip, each row's norm
-        over every shard), reduced across the shard group: the same on every rank."""
+        """Sharded parameters: each row finite in every shard (and, for a rule that reads
+        norms, each row's norm and the contribution's length over every shard), reduced across
+        the shard group: the same on every rank."""
         size = len(finite)
-        clip = self.aggregate.rule == "clip"
-        # one all-reduce: the count of shards where each row is not finite, then (clip) the
-        # squares of each row summed over this rank's shard
-        out = torch.zeros(size * (2 if clip else 1), dtype=torch.float64, device=rows[0].device)
+        norms = self.aggregate.needs_norms
+        # one all-reduce: the count of shards where each row is not finite, then (norms) the
+        # squares of each row summed over this rank's shard, and its length
+        width = 2 * size + 1 if norms else size
+        out = torch.zeros(width, dtype=torch.float64, device=rows[0].device)
         out[:size] = torch.tensor([0.0 if ok else 1.0 for ok in finite], dtype=torch.float64)
-        if clip:
+        if norms:
             for r in rows:
                 for i in range(size):
                     out[size + i] += r[i].double().square().sum()
+            out[2 * size] = float(sum(r.shape[1] for r in rows))
         dist.all_reduce(out, group=self.shards)
         out = out.cpu()
-        if clip:
-            self.norms = out[size:].sqrt().tolist()
+        if norms:
+            self.norms = out[size : 2 * size].sqrt().tolist()
+            self.numel = int(out[2 * size])
         return (out[:size] == 0).tolist()
 
     def _grow(self, workers: int) -> None:

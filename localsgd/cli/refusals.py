@@ -22,6 +22,7 @@ from localsgd.averaging.robust import COORDINATE_RULES
 from localsgd.config import ConfigError
 from localsgd.loop.plan import SyncPlan
 
+PER_COORDINATE_NAMES = " or ".join(COORDINATE_RULES)  # the rules that judge each coordinate
 MEANINGLESS = "meaningless"
 UNAVAILABLE = "unavailable here"
 DESIGN = "design"
@@ -199,7 +200,7 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal(
         ("sync.compress", "sync.aggregate"),
-        "sync.compress=topk with sync.aggregate=median or trimmed_mean",
+        f"sync.compress=topk with sync.aggregate={PER_COORDINATE_NAMES}",
         lambda f: f.plan.compress == "topk" and f.plan.aggregate in COORDINATE_RULES,
         MEANINGLESS,
         "most indices hold one worker's value and the others' zeros, so a per-coordinate rule "
@@ -207,7 +208,7 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal(
         ("sync.topk_mean", "sync.aggregate"),
-        "sync.topk_mean=senders with sync.aggregate=median or trimmed_mean",
+        f"sync.topk_mean=senders with sync.aggregate={PER_COORDINATE_NAMES}",
         lambda f: f.topk_mean == "senders" and f.plan.aggregate in COORDINATE_RULES,
         MEANINGLESS, "a per-coordinate rule has no senders to divide by",
         "set sync.topk_mean=all",
