@@ -128,13 +128,6 @@ def export(path: str, out: str | None = None) -> str:
         if folder is None:  # the run's newest checkpoint holds its resolved config
             newest = checkpoint.newest_complete(run_dir, None)
             marker = checkpoint.verify(newest) if newest else None
-        state = (
-            model_state(folder)
-            if folder
-            else torch.load(
-                os.path.join(run_dir, "model.pt"), map_location="cpu", weights_only=True
-            )
-        )
     except checkpoint.CheckpointError as e:
         raise ConfigError(f"PATH must hold a complete checkpoint: {e}") from None
     config = _config(run_dir, marker)
@@ -144,6 +137,15 @@ def export(path: str, out: str | None = None) -> str:
             f"PATH must be a run of model=hf (model._target_: {HF_MODEL}), got a run of "
             f"{model_cfg.get('_target_')!r}: only Hugging Face models export to its format"
         )
+    try:
+        if folder:
+            state = model_state(folder)
+        else:
+            file = os.path.join(run_dir, "model.pt")
+            state = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as e:  # a file cut short or not torch's
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ConfigError(f"PATH must hold a readable model: {reason}") from None
     data = load_data(config["data"], seed=config.get("seed", 0))
     with torch.random.fork_rng(devices=[]):
         model = build_model(model_cfg, input_shape_of(data), data.num_classes, task_of(data))

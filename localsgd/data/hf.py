@@ -4,8 +4,9 @@ token file on disk, and cut into windows read from that file on demand.
 - **Sources** (`data.path`): text files (each file one document, its lines kept whole), JSON
   lines or Parquet files (each record one document, its text under `data.text_field`), a folder
   of one kind of them, or a folder `Dataset.save_to_disk` wrote (`data.split` of a DatasetDict).
-  `datasets.load_dataset(..., streaming=True)` / `load_from_disk` read them record batch by
-  record batch, so no corpus is ever held in memory whole.
+  `datasets.load_dataset(..., streaming=True)` / `load_from_disk` read the records batch by
+  batch, text files are read line by line as they are (`datasets`' text reader would rewrite
+  their line endings), so no corpus is ever held in memory whole.
 - **Tokens** (`localsgd.data.token_cache`): each document tokenized (`data.tokenizer`, a local
   tokenizer.json, or bytes), followed by the end-of-text token, appended to one file of token
   ids under `data.cache_dir`, written once: by the launcher before any worker starts (its

@@ -167,6 +167,10 @@ def _encoder(tokenizer):
 def batches(source, field: str) -> Iterator[tuple[list[str], list[bool]]]:
     """The corpus's texts in order, in batches, each with whether it ends a document: a record
     of JSON lines, Parquet or a saved dataset does; a text file's lines end one at its last."""
+    if source.kind == "text":
+        for file in source.files:
+            yield from _text_lines(file)
+        return
     from localsgd.models.hf import offline
 
     offline()
@@ -181,23 +185,29 @@ def batches(source, field: str) -> Iterator[tuple[list[str], list[bool]]]:
         yield from _records(saved.iter(batch_size=BATCH), field, source.files[0])
         return
     for file in source.files:
-        if source.kind == "text":
-            stream = datasets.load_dataset(
-                "text", data_files=[str(file)], split="train", streaming=True,
-                keep_linebreaks=True,
-            )  # fmt: skip
-            pending: list[str] = []
-            for batch in stream.iter(batch_size=BATCH):
-                if pending:
-                    yield pending, [False] * len(pending)
-                pending = batch["text"]
-            if pending:
-                yield pending, [False] * (len(pending) - 1) + [True]
-            continue
         stream = datasets.load_dataset(
             source.kind, data_files=[str(file)], split="train", streaming=True
         )
         yield from _records(stream.iter(batch_size=BATCH), field, file)
+
+
+def _text_lines(file: Path) -> Iterator[tuple[list[str], list[bool]]]:
+    """A text file's lines as they are (line endings kept byte for byte: `datasets`' text
+    reader would turn \\r\\n into \\n), a batch at a time; the last ends the document."""
+    pending: list[str] = []
+    try:
+        with open(file, encoding="utf-8", newline="") as f:
+            for line in f:
+                pending.append(line)
+                if len(pending) > BATCH:
+                    yield pending[:-1], [False] * BATCH
+                    pending = pending[-1:]
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"data.path must hold UTF-8 text, got {file} (byte {e.start}: {e.reason})"
+        ) from None
+    if pending:
+        yield pending, [False] * (len(pending) - 1) + [True]
 
 
 def _records(stream, field: str, file: Path) -> Iterator[tuple[list[str], list[bool]]]:

@@ -143,8 +143,12 @@ class HFCausalLM(nn.Module):
         """The model's own loss function (Hugging Face's shifted causal-LM cross-entropy, mean
         over the tokens, in fp32) of `logits` for the inputs whose next tokens are `targets`:
         `shift_labels` says they are shifted already, as localsgd's LM data gives them."""
+        targets = targets.contiguous()  # it views them flat
         return self.lm.loss_function(
-            logits=logits, labels=targets, vocab_size=logits.shape[-1], shift_labels=targets
+            logits=logits.contiguous(),
+            labels=targets,
+            vocab_size=logits.shape[-1],
+            shift_labels=targets,
         )
 
     def save_pretrained(
