@@ -5,6 +5,7 @@ from_pretrained loads it, and the one-line refusals (tests/test_hf_cli.py runs t
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 from pathlib import Path
@@ -219,12 +220,33 @@ def test_families_sizes_config_folders_and_weights(tmp_path):
     # weights: from_pretrained, the same parameters
     llama.lm.save_pretrained(tmp_path / "weights")
     loaded = causal_lm(300, (24,), weights=str(tmp_path / "weights"))
+    assert all(m.training for m in loaded.modules())  # from_pretrained's is in eval mode
     for (name, a), b in zip(llama.state_dict().items(), loaded.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
     with pytest.raises(ConfigError, match=r"^model.hidden_size must be null or 32 with model.w"):
         causal_lm(300, (24,), weights=str(tmp_path / "weights"), hidden_size=64)
     with pytest.raises(ConfigError, match=r"^model.family must be a model type"):
         causal_lm(300, (24,), family="no_such_family")
+
+
+@pytest.mark.timeout(60)
+def test_activation_checkpointing_wraps_the_decoder_layers_and_keeps_the_gradients():
+    from localsgd.loop.recipe import checkpoint_activations
+
+    grads = []
+    for checkpointed in (False, True):
+        torch.manual_seed(0)
+        model = causal_lm(257, (16,), **TINY, config={"attention_dropout": 0.2})
+        if checkpointed:
+            checkpoint_activations(model)
+            assert all(
+                isinstance(layer.forward, functools.partial) for layer in model.lm.model.layers
+            )
+        torch.manual_seed(1)
+        x = torch.randint(0, 257, (2, 17))
+        model.lm_loss(model(x[:, :-1]), x[:, 1:]).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
 
 
 @pytest.mark.timeout(90)

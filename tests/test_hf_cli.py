@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -88,6 +89,10 @@ def test_a_diloco_run_writes_hf_that_from_pretrained_loads_with_its_logits(tmp_p
     (run_dir / "model.pt").rename(tmp_path / "model.pt")  # a run that did not finish
     assert export([str(run_dir), "--out", str(tmp_path / "newest")]) == 0
     assert (tmp_path / "newest" / "tokenizer.json").is_file()
+    (tmp_path / "model.pt").rename(run_dir / "model.pt")
+    shutil.rmtree(run_dir / "checkpoints")  # the config from .hydra/config.yaml then
+    assert export([str(run_dir), "--out", str(tmp_path / "no_checkpoint")]) == 0
+    assert hf_gap(run_dir, str(tmp_path / "no_checkpoint")) <= 1e-6
     assert export([str(tmp_path)]) == 2  # not a run: one line, exit code 2
 
 
@@ -130,6 +135,7 @@ MODES = [
     "sync=post_local_sgd sync.warmup_steps=4 sync.period=4 trainer.precision=bf16-mixed "
     "trainer.activation_checkpointing=true trainer.accumulate_grad_batches=2",
     "sync=local_sgd sync.period=4 trainer.compile=true model.family=gpt2",
+    "sync=diloco sync.period=4 model.family=gpt2 dist.world_size=4 dist.shard_size=2",  # tied
 ]
 
 
@@ -258,3 +264,24 @@ def test_tokenizing_streams_a_corpus_in_bounded_memory(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     growth = int(proc.stdout.split("growth_kib")[1].split()[0])
     assert growth < 24 * 1024, growth  # KiB: under 24 MiB for 64 MiB of text
+
+
+@pytest.mark.slow
+@pytest.mark.long  # a benchmark at toy size: `make test-long`
+@pytest.mark.timeout(180)
+def test_hf_throughput_benchmark_runs_at_tiny_size(tmp_path):
+    """experiments/bench/hf_throughput.py: the trainer over a Hugging Face Llama, a plain loop
+    over it and our GPT, side by side in the same 2 processes; every variant has a rate."""
+    out = tmp_path / "HF.md"
+    proc, _ = run(
+        [sys.executable, "experiments/bench/hf_throughput.py", "--tiny", "--out", str(out)],
+        timeout=170,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.with_suffix(".json").read_text())
+    assert set(result["steps_per_s"]) == {"hf", "hand", "transformer"}
+    assert all(rate > 0 for rate in result["steps_per_s"].values())
+    assert result["hf_vs_hand"] == pytest.approx(
+        result["steps_per_s"]["hf"] / result["steps_per_s"]["hand"]
+    )
+    assert "| hf |" in out.read_text() and "hf / hand" in out.read_text()

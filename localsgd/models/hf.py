@@ -133,7 +133,7 @@ class HFCausalLM(nn.Module):
 
     def __init__(self, lm: nn.Module):
         super().__init__()
-        self.lm = lm
+        self.lm = lm.train()  # as torch's modules start; from_pretrained gives one in eval mode
         self.max_len = positions_of(lm.config)  # the context `text_sample` generates with
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
