@@ -180,20 +180,27 @@ def test_character_data_trains_model_hf_and_token_data_trains_model_transformer(
 @pytest.mark.slow
 @pytest.mark.long
 @pytest.mark.timeout(120)
-def test_runs_without_hugging_face_never_import_it():
+def test_runs_without_hugging_face_never_import_it(tmp_path):
     """What a run of another model and data imports, in the launcher and in a worker: neither
     transformers nor datasets (their import costs seconds)."""
-    code = (
-        "import sys, torch; from localsgd.cli.train import preflight; "
-        "import localsgd.loop.trainer; from tests.helpers import compose_config; "
-        "from omegaconf import OmegaConf; "
-        "from localsgd.cli.checks import validate; "
-        "cfg = compose_config(['data=synthetic', 'model=mlp', 'dist.world_size=2']); "
-        "preflight(OmegaConf.structured(cfg), None); "
-        "print('imported', [m for m in ('transformers', 'datasets', 'tokenizers') "
-        "if m in sys.modules])"
+    code = "\n".join(
+        [
+            "import sys",
+            "from hydra import compose, initialize_config_dir",
+            "import localsgd.loop.trainer  # what a worker imports",
+            "from localsgd.cli.train import preflight",
+            f"with initialize_config_dir(config_dir={os.path.join(ROOT, 'conf')!r}, "
+            "version_base='1.3'):",
+            "    cfg = compose('config', overrides=['dist.world_size=2', 'model=transformer',",
+            "        'data=text', f'data.path={sys.argv[1]}', 'data.seq_len=8'])",
+            "preflight(cfg, None)  # what the launcher checks: builds the data and the model",
+            "print('imported', [m for m in ('transformers', 'datasets', 'tokenizers')",
+            "    if m in sys.modules])",
+        ]
     )
-    proc, _ = run([sys.executable, "-c", code], timeout=110)
+    text = tmp_path / "input.txt"
+    text.write_text("".join(documents(50)), encoding="utf-8")
+    proc, _ = run([sys.executable, "-c", code, str(text)], timeout=110)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "imported []" in proc.stdout, proc.stdout
 

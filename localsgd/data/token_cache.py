@@ -151,8 +151,9 @@ def _write(folder: Path, source, field, tokenizer, identity, eos) -> TokenFile:
 
 
 def _byte_ids(texts: list[str]) -> list[np.ndarray]:
-    """The byte-level tokenizer's ids, computed directly: the UTF-8 bytes themselves (the same
-    ids; `tests/test_hf_data.py` checks it against the tokenizer)."""
+    """The byte-level tokenizer's ids, computed directly: the UTF-8 bytes themselves
+    (`tests/test_hf.py` checks them against the tokenizer). A document holding the text
+    `<|endoftext|>` keeps it as its 13 bytes here, where the tokenizer would read its token."""
     return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8) for t in texts]
 
 

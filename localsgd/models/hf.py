@@ -171,11 +171,16 @@ class HFCausalLM(nn.Module):
             setattr(config, key, value)
         with torch.device("meta"):  # no initialisation: every weight comes from `state`
             fresh = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        fresh.load_state_dict(own, strict=False, assign=True)
+        # not strict: a tied weight may come under one of its names only; what is left on the
+        # meta device after tying had no value
+        loaded = fresh.load_state_dict(own, strict=False, assign=True)
         fresh.tie_weights()
         missing = [n for n, t in fresh.state_dict().items() if t.is_meta]
-        if missing:
-            raise ValueError(f"save_pretrained: no value for {', '.join(missing[:4])}")
+        if missing or loaded.unexpected_keys:
+            raise ValueError(
+                f"save_pretrained: the state does not fit {type(fresh).__name__} (no value for "
+                f"{missing[:4]}, unknown {loaded.unexpected_keys[:4]})"
+            )
         # non-persistent buffers (rotary frequencies) are rebuilt on load: not saved
         fresh.save_pretrained(folder, safe_serialization=True)
 
