@@ -317,3 +317,11 @@ def test_export_refuses_a_run_of_another_model_in_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: PATH must be a run of model=hf"), err
     assert not (run_dir / "hf").exists()
+
+
+@pytest.mark.timeout(60)
+def test_the_preset_without_the_corpus_names_the_command_to_run(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("LOCALSGD_DATA_DIR", str(tmp_path / "empty"))
+    line = refusal(["+experiment=hf_llama_shakespeare", f"hydra.run.dir={tmp_path}/run"], capsys)
+    assert line.startswith("error: data.path must name") and "make data" in line
+    assert str(tmp_path / "empty" / "shakespeare" / "input.txt") in line

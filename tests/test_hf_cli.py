@@ -136,6 +136,15 @@ MODES = [
     "trainer.activation_checkpointing=true trainer.accumulate_grad_batches=2",
     "sync=local_sgd sync.period=4 trainer.compile=true model.family=gpt2",
     "sync=diloco sync.period=4 model.family=gpt2 dist.world_size=4 dist.shard_size=2",  # tied
+    "sync=slowmo sync.period=4",
+    "sync=hierarchical sync.levels=[{group_size:2,period:2},{group_size:world,period:4}] "
+    "dist.world_size=4",
+    "sync=adaptive sync.period=2",
+    "sync=local_sgd sync.period=4 sync.overlap=true",
+    "sync=diloco sync.period=4 sync.eager=true",
+    "sync=diloco sync.period=4 optim=muon sync.optimizer_state=desloc",
+    "sync=diloco sync.period=4 sync.inner_time_s=0.5 comm.simulate.worker_speed=[1,2] "
+    "comm.simulate.step_s=0.02",
 ]
 
 

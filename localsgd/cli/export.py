@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 
 import torch
 
@@ -58,7 +59,9 @@ def _dcp_groups(folder: str) -> list[dict[str, torch.Tensor]]:
             for key, meta in saved.items()
             if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
         }
-        dcp.load({group: {"model": state}}, storage_reader=reader, no_dist=True)
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load({group: {"model": state}}, storage_reader=reader, no_dist=True)
         states.append(state)
     return states
 
