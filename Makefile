@@ -14,7 +14,7 @@ help:  ## list the targets
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev,slurm,optuna,ft]'
+	$(BIN)/pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev,slurm,optuna,ft,hf]'
 	touch $(STAMP)
 
 install: $(STAMP)  ## create .venv and install localsgd with its pinned dependencies

@@ -313,6 +313,30 @@ class StepLRConfig:
     decay_factor: float = 0.1
 
 
+# model=hf (conf/model/hf.yaml): a Hugging Face causal LM, built, never downloaded
+# (localsgd/models/hf.py). A size key left null takes, from scratch, the value in the comment;
+# with config_path, that config.json's; with weights, the folder's (a set one must agree).
+@dataclass
+class HFModelConfig:
+    _target_: str = "localsgd.models.hf.causal_lm"
+    # any model type transformers' AutoConfig knows (llama, gpt2, qwen2, mistral, ...); null:
+    # llama, or the model_type of config_path / weights
+    family: str | None = None
+    hidden_size: int | None = None  # 128
+    num_hidden_layers: int | None = None  # 4
+    num_attention_heads: int | None = None  # 4
+    num_key_value_heads: int | None = None  # as many as the attention heads
+    intermediate_size: int | None = None  # 4 x hidden_size
+    max_position_embeddings: int | None = None  # data.seq_len
+    vocab_size: int | None = None  # the data's tokenizer's
+    tie_word_embeddings: bool | None = None  # the family's default
+    # any other key of the family's config: +model.config.rope_theta=10000
+    config: dict[str, Any] = field(default_factory=dict)
+    config_path: str | None = None  # a local folder holding a config.json
+    weights: str | None = None  # a local save_pretrained folder, to fine-tune
+    attn_implementation: str = "sdpa"  # sdpa | eager (transformers' names)
+
+
 # The data and model nodes are `_target_` configs, like `optim`: a callable and its keyword
 # arguments beside it (`data.num_samples`, `model.hidden`, a user's own keys). The data node also
 # holds localsgd's own keys, the fields of `DataOptions`: the schema puts them, with their
@@ -401,6 +425,7 @@ SCHEMAS = {
     ("optim", "sgd_schema"): SGDConfig,
     ("optim", "adamw_schema"): AdamWConfig,
     ("optim", "muon_schema"): MuonConfig,
+    ("model", "hf_schema"): HFModelConfig,
     ("lr_schedule", "warmup_cosine_schema"): WarmupCosineConfig,
     ("lr_schedule", "constant_schema"): ConstantLRConfig,
     ("lr_schedule", "step_schema"): StepLRConfig,

@@ -103,6 +103,18 @@ OLD_EXPERIMENTS = {
     "sweep_lr": {},
     "optuna_lr": {},
     "optuna_outer": {"sync.outer": "diloco", "optimized_metric": "test_loss"},
+    "hf_llama_shakespeare": {
+        "sync.outer": "diloco",
+        "sync.period": 25,
+        "dist.world_size": 2,
+        "optim._target_": "torch.optim.AdamW",
+        "model._target_": "localsgd.models.hf.causal_lm",
+        "model.family": "llama",
+        "model.hidden_size": 128,
+        "model.num_hidden_layers": 4,
+        "data._target_": "localsgd.data.hf.hf_text",
+        "data.tokenizer": None,  # bytes
+    },  # fmt: skip
     "diloco_muon": {
         "sync.period": 50,
         "sync.outer": "diloco",

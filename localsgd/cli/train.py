@@ -30,6 +30,7 @@ from localsgd.cli.fault_tolerance import (
     replica_group_info,
     run_replicas,
 )
+from localsgd.cli.hf_checks import check_hf
 from localsgd.cli.launch import (
     WorkerFailed,
     WorkerInfo,
@@ -162,6 +163,7 @@ def preflight(cfg, run_dir: str | None, quiet: bool = False) -> tuple[str | None
     world_size = world_size_of(cfg)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if under_torchrun() else None
     validate(cfg, world_size=world_size, local_world_size=local)
+    check_hf(cfg)  # model=hf / data=hf files and sizes, before anything is tokenized or built
     steps = check_data(cfg, world_size)
     resume = resolve_resume(cfg, world_size, run_dir, quiet)
     if run_dir is not None and os.path.exists(os.path.join(run_dir, "summary.json")):

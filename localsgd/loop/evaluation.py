@@ -12,15 +12,21 @@ from torch import nn
 from torch.utils.data import default_collate
 
 from localsgd.data import task_of
-from localsgd.models.generate import generate_text
+from localsgd.models.generate import generate_decoded, generate_text
 
 
 def loss_and_correct(
-    logits: torch.Tensor, targets: torch.Tensor
+    logits: torch.Tensor, targets: torch.Tensor, model: nn.Module | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cross-entropy over classes, for (B, C) class logits and (B, T, V) token logits alike."""
+    """Cross-entropy over classes, for (B, C) class logits and (B, T, V) token logits alike; or
+    the loss of `model`'s own `lm_loss(logits, targets)` where it has one (model=hf: the Hugging
+    Face model's shifted cross-entropy)."""
+    own = getattr(model, "lm_loss", None)
+    loss = own(logits, targets) if own is not None else None
     logits, targets = logits.flatten(0, -2), targets.flatten()
-    return F.cross_entropy(logits, targets), (logits.argmax(-1) == targets).sum()
+    if loss is None:
+        loss = F.cross_entropy(logits, targets)
+    return loss, (logits.argmax(-1) == targets).sum()
 
 
 @torch.no_grad()
@@ -38,7 +44,7 @@ def evaluate(
     for x, y in batches:
         with autocast():
             logits = model(x)
-        loss, right = loss_and_correct(logits.float(), y)
+        loss, right = loss_and_correct(logits.float(), y, model)
         total_loss += loss.item() * y.numel()
         correct += int(right)
         count += y.numel()
@@ -79,15 +85,23 @@ def held_out_loss(
         logits = model(x.to(device))
     model.train(training)
     y = y.to(device)
+    own = getattr(model, "lm_loss", None)
+    if own is not None:  # the model's own loss, sample by sample
+        logits = logits.float()
+        losses = torch.stack([own(logits[i : i + 1], y[i : i + 1]) for i in range(len(picks))])
+        return losses.double().cpu()
     losses = F.cross_entropy(logits.float().flatten(0, -2), y.flatten(), reduction="none")
     return losses.view(len(picks), -1).mean(1).double().cpu()
 
 
 def text_sample(model: nn.Module, data, chars: int, seed: int) -> dict[str, str]:
     """A generated sample of `chars` characters for character-level language models (data with
-    a vocabulary), else nothing. (A sharded model: every rank of its replica group calls it.)"""
-    vocab = getattr(data, "vocab", "")
-    if task_of(data) != "lm" or not vocab or chars == 0:
+    a vocabulary), of `chars` tokens decoded for tokenized ones (data with a tokenizer), else
+    nothing. (A sharded model: every rank of its replica group calls it.)"""
+    vocab, tokenizer = getattr(data, "vocab", ""), getattr(data, "tokenizer", None)
+    if task_of(data) != "lm" or not (vocab or tokenizer) or chars == 0:
         return {}
     context = getattr(model, "max_len", None) or data.test[0][0].shape[-1]
+    if not vocab:
+        return {"sample": generate_decoded(model, tokenizer, chars, context, seed=seed)}
     return {"sample": generate_text(model, vocab, chars, context, seed=seed)}

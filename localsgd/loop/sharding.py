@@ -106,10 +106,12 @@ class Sharding:
         dtype = PRECISIONS[precision]
         policy = MixedPrecisionPolicy(dtype, reduce_dtype=torch.float32 if dtype else None)
 
-        floats = [n for n, b in model.named_buffers() if torch.is_floating_point(b)]
+        saved = model.state_dict().keys()  # persistent buffers: not a rotary embedding's
+        floats = [n for n, b in model.named_buffers() if torch.is_floating_point(b) and n in saved]
         if floats:
             # FSDP2 leaves buffers whole and per rank: BatchNorm statistics would drift apart
-            # inside a group, where nothing averages them
+            # inside a group, where nothing averages them (a non-persistent buffer, such as a
+            # rotary embedding's frequencies, is a constant of the model: it may stay per rank)
             raise ValueError(
                 f"a model with floating-point buffers ({floats[0]}: BatchNorm statistics) is "
                 "not built with dist.shard_size > 1 yet"

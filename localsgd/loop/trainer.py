@@ -36,6 +36,8 @@ from localsgd.loop.sharding import Sharding
 from localsgd.loop.stop import StopAgreement, first_signal
 from localsgd.loop.worker import WorkerInfo
 from localsgd.models import build_model
+from localsgd.models.hf import HFCausalLM
+from localsgd.models.hf_export import HF_DIR, write_hf
 
 
 class Trainer:
@@ -186,7 +188,7 @@ class Trainer:
             x, y = self.next_batch()
             with self.recipe.autocast():
                 logits = self.recipe.forward(x)
-            loss, _ = loss_and_correct(logits.float(), y)  # the loss itself in fp32
+            loss, _ = loss_and_correct(logits.float(), y, self.model)  # the loss in fp32
             self.recipe.backward(loss if k == 1 else loss / k)
             losses.append(loss.detach())
         return losses[0] if k == 1 else torch.stack(losses).mean()
@@ -449,6 +451,8 @@ class Trainer:
         self.logger.log({"step": self.step, **result})
         result.update(sample)
         checkpoint.save_model(self.model, self.run_dir, state)
+        if isinstance(self.model, HFCausalLM):  # model=hf: hf/, what from_pretrained loads
+            write_hf(self.model, self.data, os.path.join(self.run_dir, HF_DIR), state)
         summary = {
             **result,
             "steps": self.step,
