@@ -250,7 +250,7 @@ class Trainer:
 
     def after_sync(self, step: int) -> None:
         self.sync.check_replicas(step, self.info.rank)
-        self.stop.after_sync()
+        self.stop.after_sync(step)
         if self.reassign is not None and self.sync.moves_shards:  # an excluded worker's shard
             self.reassign.after_sync(self.sync.trust, step)
 
