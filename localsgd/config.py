@@ -64,7 +64,9 @@ class TrainerConfig:
     track_drift: bool = True
     checkpoint_every: int = 500  # steps between checkpoints, plus one at the end; 0 = none
     keep_checkpoints: int = 2  # complete checkpoints kept (older ones are deleted)
-    resume: str = "auto"  # auto (newest complete checkpoint in the run dir) | never | a path
+    # auto: the run dir's newest complete checkpoint; with the default timestamped run dir, the
+    # newest unfinished run of the same overrides (localsgd/cli/run_dir.py) | never | a path
+    resume: str = "auto"
     nan_policy: str = "error"  # localsgd.loop.guards.NAN_POLICIES: error | skip
     deterministic: bool = False  # torch.use_deterministic_algorithms (CUDA); CPU is anyway
     # the recipe, named as in Lightning (localsgd/loop/recipe.py)
