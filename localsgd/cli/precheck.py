@@ -2,15 +2,16 @@
 
 Hydra writes `.hydra/` into the run directory before `main` runs, so a bad command is refused
 here first, in one line, leaving an earlier run's files untouched: the config's ranges
-(`localsgd.cli.checks`), the data and model (`localsgd.cli.preflight`), the run
-directory (not in use, the run of this job to continue: `localsgd.cli.run_dir`). Under `-m`,
-each job is checked when it starts.
+(`localsgd.cli.checks`), the data and model (`localsgd.cli.preflight`), the device, the run
+directory (writable, not in use, the run of this job to continue: `localsgd.cli.run_dir`), and
+under `-m` every job of a basic sweep before the first starts.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import tempfile
 
 from omegaconf import OmegaConf
 
@@ -23,6 +24,8 @@ from localsgd.config import ConfigError
 from localsgd.loop import checkpoint
 from localsgd.loop.reshard import written_at
 
+MULTIRUN_FLAGS = ("-m", "--multirun")
+
 
 def world_size_of(cfg) -> int:
     if _get(cfg, "dist.virtual_workers") is not None:
@@ -32,12 +35,31 @@ def world_size_of(cfg) -> int:
     return resolve_world_size(cfg.dist.world_size, cfg.dist.device)
 
 
+def check_device(cfg) -> None:
+    """CUDA asked for by name on a machine whose torch sees none: refused here, not in a worker."""
+    import torch
+
+    if torch.cuda.is_available() or _get(cfg, "dist.virtual_workers") is not None:
+        return
+    if _get(cfg, "dist.device") == "cuda":
+        raise ConfigError(
+            "dist.device=cuda needs a CUDA device, and torch sees none here "
+            "(torch.cuda.is_available() is False); use dist.device=auto or cpu"
+        )
+    if _get(cfg, "dist.backend") == "nccl":
+        raise ConfigError(
+            "dist.backend=nccl needs CUDA devices, and torch sees none here; use "
+            "dist.backend=auto (gloo on CPU, nccl on CUDA) or gloo"
+        )
+
+
 def preflight(cfg, run_dir: str | None, quiet: bool = False) -> tuple[str | None, int | None]:
     """Every check that can fail before a worker starts; returns the checkpoint to resume and
     trainer.max_steps when trainer.max_epochs sets it (None otherwise)."""
     world_size = world_size_of(cfg)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if under_torchrun() else None
     validate(cfg, world_size=world_size, local_world_size=local)
+    check_device(cfg)
     steps = check_data(cfg, world_size)
     resume = resolve_resume(cfg, world_size, run_dir, quiet)
     if run_dir is not None and os.path.exists(os.path.join(run_dir, "summary.json")):
@@ -73,6 +95,24 @@ def check_extension(cfg, run_dir: str, resume: str | None, steps: int | None) ->
     )
 
 
+def check_writable(key: str, folder: str) -> None:
+    """`folder` can be made and written to: probed where it, or its nearest existing parent, is
+    (a file or folder made there and removed: nothing is left behind)."""
+    probe = os.path.abspath(folder)
+    while not os.path.exists(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)
+    try:
+        if not os.path.isdir(probe):
+            raise NotADirectoryError(20, "not a directory")
+        os.rmdir(tempfile.mkdtemp(dir=probe, prefix=".localsgd-probe-"))
+    except OSError as e:
+        raise ConfigError(
+            f"{key} must be a directory this command can create and write to, got {folder} "
+            f"({e.strerror or type(e).__name__} at {probe}); choose another, e.g. "
+            f"{key}=runs/NAME"
+        ) from None
+
+
 def decides_run_dir() -> bool:
     """The process that picks and holds the run directory: the launcher, or torchrun's rank 0."""
     return not under_torchrun() or os.environ.get("RANK", "0") == "0"
@@ -105,16 +145,28 @@ def _resolved(cfg, key: str) -> str | None:
 
 
 def precheck(args: list[str]) -> str | None:
-    """Compose and check the config before Hydra starts; `--config-dir` is honoured, multirun
-    and Hydra's other flags are left to the per-job check in `main`.
+    """Compose and check the config before Hydra starts; `--config-dir` is honoured, `-m` checks
+    every job of the sweep, Hydra's other flags are left to the per-job check in `main`.
 
     Returns the run directory chosen here (`localsgd.cli.run_dir`: the run of this job to
     continue, or a new one) when `hydra.run.dir` is a timestamped pattern, else None."""
     extra_dirs, args = split_config_dirs(args)
+    multirun = any(a in MULTIRUN_FLAGS for a in args)
+    args = [a for a in args if a not in MULTIRUN_FLAGS]
     if any(a.startswith("-") for a in args):
         return None
     if extra_dirs:  # what Hydra's --config-dir does: add the folders to the search path
         args = [*args, f"hydra.searchpath=[{','.join('file://' + d for d in extra_dirs)}]"]
+    if multirun:
+        from localsgd.cli.sweeps import check_sweep
+
+        base = check_sweep(
+            args, compose_job, lambda job: preflight(compose_job(job), None, quiet=True)
+        )
+        sweep_dir = _resolved(base, "hydra.sweep.dir")
+        if sweep_dir is not None and decides_run_dir():
+            check_writable("hydra.sweep.dir", sweep_dir)
+        return None
     cfg = compose_job(args)
     run_dir = _resolved(cfg, "hydra.run.dir")
     pattern = cfg.hydra.run._get_node("dir")._value()
@@ -138,6 +190,7 @@ def precheck(args: list[str]) -> str | None:
     preflight(cfg, run_dir, quiet=True)  # `main` repeats it and warns then
     if not decides:
         return None
+    check_writable("hydra.run.dir", run_dir)
     if stamped is None or continuing:
         return run_dir if continuing else None
     # a new one is claimed now: another command started in the same second gets another

@@ -42,6 +42,7 @@ from localsgd.cli.launch import (
 )
 from localsgd.cli.overrides import (
     CONF_PACKAGE,
+    check_experiment_optimizer,
     check_overrides,
     split_config_dirs,
 )
@@ -316,6 +317,7 @@ def cli() -> None:
     set_title(launcher_title(sys.argv[1:]))
     try:
         check_overrides(sys.argv[1:])
+        check_experiment_optimizer(sys.argv[1:])
         chosen = precheck(sys.argv[1:])
     except ConfigError as e:
         fail(str(e))
