@@ -315,6 +315,13 @@ def objective(summary: dict, metric: str) -> float:
 
 def cli() -> None:
     set_title(launcher_title(sys.argv[1:]))
+    extra_dirs, args = split_config_dirs(sys.argv[1:])
+    if "--help" in args or "-h" in args or "--list-experiments" in args:
+        from localsgd.cli.help import help_text, list_experiments
+
+        listing = "--list-experiments" in args
+        print((list_experiments if listing else help_text)(tuple(extra_dirs)))
+        return
     try:
         check_overrides(sys.argv[1:])
         check_experiment_optimizer(sys.argv[1:])
