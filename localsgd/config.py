@@ -329,6 +329,10 @@ class DataOptions:
     # DataLoader per rank | memory | stream
     loader: str = "auto"
     num_workers: int = 0  # DataLoader worker processes per rank (stream only)
+    # the validation split held out of the train set (localsgd/data/validation.py): periodic
+    # evaluation, optimized_metric, sync.score and keep_best read it, the test set only the
+    # final evaluation. 0: none (periodic evaluation then reads the test set)
+    val_fraction: float = 0.1
 
 
 # localsgd's own keys of the `data` node; every other key is an argument of its `_target_`
@@ -381,9 +385,10 @@ class LoggerConfig:
 @dataclass
 class Config:
     seed: int = 0
-    # the summary.json key `main` returns, the objective a Hydra sweeper (Optuna) optimises;
-    # the language-model data presets set test_loss (minimise it: hydra.sweeper.direction)
-    optimized_metric: str = "test_accuracy"
+    # the summary.json key `main` returns, the objective a Hydra sweeper (Optuna) optimises:
+    # the validation split's; the language-model data presets set val_loss (minimise it:
+    # hydra.sweeper.direction)
+    optimized_metric: str = "val_accuracy"
     dist: DistConfig = field(default_factory=DistConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)

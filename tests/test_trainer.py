@@ -82,10 +82,10 @@ def _slow_evaluation_worker(rank, world_size, cfg):
         )
         evaluate = trainer.evaluate
 
-        def slow(full: bool = False):
+        def slow(full: bool = False, split: str | None = None):
             if not full:  # only the periodic ones: the final evaluation is outside the timing
                 time.sleep(_EVAL_DELAY_S)
-            return evaluate(full)
+            return evaluate(full, split)
 
         trainer.evaluate = slow
         return trainer.train()

@@ -5,7 +5,8 @@ A PATH is a directory or a run table. Every directory under a given one that hol
 A run table (`*.jsonl`, written by `--export`) holds one run per line: its name, overrides,
 config, summary and metrics curve, which is all a report needs, so a study keeps one file instead
 of a Hydra output tree. Runs that differ only in `seed` form one row: mean +- std over the seeds of
-the runs' `optimized_metric` (test accuracy; test loss and perplexity for language models),
+the runs' `optimized_metric` (validation accuracy, and the test accuracy the final model reached;
+the losses and test perplexity for language models),
 communication rounds and bytes, and wall time. Writes `report.md`, `report.csv` and the PNGs into
 `--out` (default: the first directory, or the table's folder).
 """
@@ -31,7 +32,12 @@ def mean_std(values: list[float]) -> tuple[float, float | None]:
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else None
 
 
-TITLES = {"test_accuracy": "test accuracy", "test_loss": "test loss"}
+TITLES = {
+    "test_accuracy": "test accuracy",
+    "test_loss": "test loss",
+    "val_accuracy": "val accuracy",
+    "val_loss": "val loss",
+}
 COMM = (
     ("comm_rounds", "comm rounds", "{:.0f}"),
     ("comm_bytes", "comm MB", "{:.2f}"),
@@ -41,11 +47,17 @@ COLUMNS = (("test_accuracy", "test accuracy ↑", "{:.4f}"), *COMM)  # a classif
 
 
 def columns(runs: list[Run]) -> tuple[tuple[str, str, str], ...]:
-    """The runs' `optimized_metric` first, with the way it improves (↑, ↓); a language model's
-    test loss (nats per character) with its perplexity."""
+    """The runs' `optimized_metric` first, with the way it improves (↑, ↓): a validation metric
+    as its test value (the final model on the test set, read once) and then itself (what a
+    sweep selected on); a language model's loss (nats per character) with its perplexity."""
     metric, lower = report_metric(runs)
-    lead = [(metric, f"{TITLES.get(metric, metric)} {'↓' if lower else '↑'}", "{:.4f}")]
-    if metric == "test_loss" and any("test_perplexity" in r.summary for r in runs):
+    arrow = "↓" if lower else "↑"
+    keys = [metric]
+    if metric.startswith("val_"):
+        test = "test_" + metric[len("val_") :]
+        keys = [test, metric] if any(test in r.summary for r in runs) else keys
+    lead = [(k, f"{TITLES.get(k, k)} {arrow}", "{:.4f}") for k in keys]
+    if keys[0] == "test_loss" and any("test_perplexity" in r.summary for r in runs):
         lead.append(("test_perplexity", "test perplexity ↓", "{:.2f}"))
     return (*lead, *COMM)
 

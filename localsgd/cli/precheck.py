@@ -19,7 +19,7 @@ from localsgd.cli import run_dir as run_dirs
 from localsgd.cli.checks import _get, validate
 from localsgd.cli.launch import resolve_world_size, under_torchrun
 from localsgd.cli.overrides import CONF_DIR, composition_error, split_config_dirs
-from localsgd.cli.preflight import check_data, resolve_resume
+from localsgd.cli.preflight import check_data, has_validation, resolve_resume
 from localsgd.config import ConfigError
 from localsgd.loop import checkpoint
 from localsgd.loop.reshard import written_at
@@ -65,6 +65,20 @@ def preflight(cfg, run_dir: str | None, quiet: bool = False) -> tuple[str | None
     if run_dir is not None and os.path.exists(os.path.join(run_dir, "summary.json")):
         check_extension(cfg, run_dir, resume, steps)
     return resume, steps
+
+
+def check_objective(cfg) -> None:
+    """What a sweeper optimises (`optimized_metric`) must be in every job's summary: a `val_*`
+    metric needs the validation split (checked before the sweep starts; a single run's
+    objective is read by nobody)."""
+    metric = _get(cfg, "optimized_metric")
+    if str(metric).startswith("val_") and not has_validation(cfg, world_size_of(cfg)):
+        test = "test_" + str(metric)[len("val_") :]
+        raise ConfigError(
+            f"optimized_metric={metric} needs the validation split, and data.val_fraction=0 "
+            f"leaves none: set data.val_fraction > 0, or optimized_metric={test} to tune on the "
+            f"test set"
+        )
 
 
 def check_extension(cfg, run_dir: str, resume: str | None, steps: int | None) -> None:
@@ -160,9 +174,12 @@ def precheck(args: list[str]) -> str | None:
     if multirun:
         from localsgd.cli.sweeps import check_sweep
 
-        base = check_sweep(
-            args, compose_job, lambda job: preflight(compose_job(job), None, quiet=True)
-        )
+        def check_job(job: list[str]) -> None:
+            cfg = compose_job(job)
+            preflight(cfg, None, quiet=True)
+            check_objective(cfg)
+
+        base = check_sweep(args, compose_job, check_job)
         sweep_dir = _resolved(base, "hydra.sweep.dir")
         if sweep_dir is not None and decides_run_dir():
             check_writable("hydra.sweep.dir", sweep_dir)

@@ -46,7 +46,14 @@ from localsgd.cli.overrides import (
     check_overrides,
     split_config_dirs,
 )
-from localsgd.cli.precheck import chosen, decides_run_dir, precheck, preflight, world_size_of
+from localsgd.cli.precheck import (
+    check_objective,
+    chosen,
+    decides_run_dir,
+    precheck,
+    preflight,
+    world_size_of,
+)
 from localsgd.cli.proctitle import launcher_title, set_title
 from localsgd.cli.virtual import spawn_virtual
 from localsgd.config import Config, ConfigError, register_schemas, typed
@@ -164,8 +171,11 @@ def job_of_this_run() -> list[str]:
 
 def run_job(cfg: DictConfig, run_dir: str) -> float | None:
     torchrun = under_torchrun()
+    sweep = HydraConfig.get().mode == RunMode.MULTIRUN
     try:
         resume, epoch_steps = preflight(cfg, run_dir)
+        if sweep:  # a sweeper reads the objective (Optuna's trials are checked here)
+            check_objective(cfg)
         if decides_run_dir():
             run_dirs.hold(run_dir)  # two commands never train in one directory at once
     except ConfigError as e:
@@ -261,6 +271,9 @@ def run_job(cfg: DictConfig, run_dir: str) -> float | None:
         + ", ".join(
             f"{k}={summary[k]}"
             for k in (
+                "val_accuracy",
+                "val_loss",
+                "val_perplexity",
                 "test_accuracy",
                 "test_loss",
                 "test_perplexity",
@@ -280,6 +293,8 @@ def run_job(cfg: DictConfig, run_dir: str) -> float | None:
     if run_cfg.logger.wandb.mode == "offline":
         for path in offline_runs(run_dir):
             print(f"wandb offline run: upload it with `wandb sync {shlex.quote(path)}`")
+    if not sweep:
+        return None  # nobody reads a single run's objective
     try:
         return objective(summary, run_cfg.optimized_metric)
     except ConfigError as e:

@@ -312,7 +312,7 @@ def _may_change(key: str) -> bool:
 
 # keys added after checkpoints were first written: the value a checkpoint without the key ran
 # with, so that a run interrupted before the key existed still resumes
-ADDED_KEYS = {"dist.shard_size": 1}
+ADDED_KEYS = {"dist.shard_size": 1, "data.val_fraction": 0.0}  # no validation split before
 
 
 def config_mismatch(marker: dict, config: dict) -> str | None:

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from localsgd.config import Config, plain
 from localsgd.data import eval_batches, input_shape_of, load_data, task_of
+from localsgd.data.validation import validation_of
 from localsgd.instantiate import build, target_name
 from localsgd.loop import checkpoint, checkpoint_dcp, checkpoint_shared
 from localsgd.loop.build_sync import build_synchroniser
@@ -254,21 +255,31 @@ class Trainer:
         if self.reassign is not None and self.sync.moves_shards:  # an excluded worker's shard
             self.reassign.after_sync(self.sync.trust, step)
 
-    def evaluate(self, full: bool = False) -> dict[str, float]:
-        """This rank's model on `trainer.eval_samples` of the test set (all of it if `full`)."""
+    @property
+    def held_out_split(self) -> str:
+        """What training may look at besides its own data: the validation split (the test set
+        when data.val_fraction=0 leaves none); the test set is otherwise read once, at the end."""
+        return "test" if validation_of(self.data) is None else "val"
+
+    def evaluate(self, full: bool = False, split: str | None = None) -> dict[str, float]:
+        """This rank's model on `trainer.eval_samples` of `split` (all of it if `full`; the
+        held-out split by default), its metrics named for the split (`val_loss`, ...)."""
         t = self.cfg.trainer
+        split = split or self.held_out_split
         limit = None if full else t.eval_samples
+        dataset = self.data.test if split == "test" else validation_of(self.data)
         batches = eval_batches(
-            self.data.test, t.eval_batch_size, self.device, self.cfg.data.num_workers, limit
+            dataset, t.eval_batch_size, self.device, self.cfg.data.num_workers, limit
         )
-        return evaluate(self.model, batches, self.recipe.autocast, task_of(self.data))
+        return evaluate(self.model, batches, self.recipe.autocast, task_of(self.data), split)
 
     def held_out_loss(self, round_: int, samples: slice | None = None) -> torch.Tensor:
         """The model's per-sample losses, as it stands, on round `round_`'s held-out batch
-        (`sync.score`), or on its `samples`."""
+        (`sync.score`, from the validation split), or on its `samples`."""
+        split = self.held_out_split
         return held_out_loss(
             self.model,
-            self.data.test,
+            self.data.test if split == "test" else validation_of(self.data),
             self.cfg.seed,
             round_,
             self.cfg.sync.score_batch,
@@ -435,8 +446,11 @@ class Trainer:
         evaluates = sharding.sharded and self.sync.evaluates_final(rank, sharding)
         if not writes and not evaluates:
             return None
-        # sharded: every rank of the writer's replica group evaluates and gathers the model
-        result = self.evaluate(full=True)
+        # sharded: every rank of the writer's replica group evaluates and gathers the model;
+        # the test set's one reading, beside the validation split's
+        result = self.evaluate(full=True, split="test")
+        if self.held_out_split == "val":
+            result.update(self.evaluate(full=True, split="val"))
         sample = text_sample(self.model, self.data, self.cfg.trainer.sample_chars, self.cfg.seed)
         state = self.sharding.full_state(self.model)
         # what the whole replica group sent: each rank of it sends only its own shard
