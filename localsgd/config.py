@@ -67,6 +67,9 @@ class TrainerConfig:
     # auto: the run dir's newest complete checkpoint; with the default timestamped run dir, the
     # newest unfinished run of the same overrides (localsgd/cli/run_dir.py) | never | a path
     resume: str = "auto"
+    # keep best.pt: the weights of the best evaluation by optimized_metric, a val_* key
+    # (localsgd/loop/best.py); localsgd.load(run_dir, best=True) loads them
+    keep_best: bool = False
     nan_policy: str = "error"  # localsgd.loop.guards.NAN_POLICIES: error | skip
     deterministic: bool = False  # torch.use_deterministic_algorithms (CUDA); CPU is anyway
     # the recipe, named as in Lightning (localsgd/loop/recipe.py)

@@ -61,6 +61,7 @@ def preflight(cfg, run_dir: str | None, quiet: bool = False) -> tuple[str | None
     validate(cfg, world_size=world_size, local_world_size=local)
     check_device(cfg)
     steps = check_data(cfg, world_size)
+    check_keep_best(cfg)
     resume = resolve_resume(cfg, world_size, run_dir, quiet)
     if run_dir is not None and os.path.exists(os.path.join(run_dir, "summary.json")):
         check_extension(cfg, run_dir, resume, steps)
@@ -79,6 +80,30 @@ def check_objective(cfg) -> None:
             f"leaves none: set data.val_fraction > 0, or optimized_metric={test} to tune on the "
             f"test set"
         )
+
+
+def check_keep_best(cfg) -> None:
+    """trainer.keep_best keeps the best weights by the validation metric; what it cannot do yet
+    is refused (a sharded model is gathered by its whole group; under torchft the writer
+    changes)."""
+    if not _get(cfg, "trainer.keep_best"):
+        return
+    metric = str(_get(cfg, "optimized_metric"))
+    if not metric.startswith("val_"):
+        raise ConfigError(
+            f"trainer.keep_best keeps the best weights by optimized_metric, which must be a "
+            f"val_* key (the validation split: val_accuracy, val_loss), got {metric}"
+        )
+    if not has_validation(cfg, world_size_of(cfg)):
+        raise ConfigError(
+            "trainer.keep_best needs the validation split, and data.val_fraction=0 leaves none"
+        )
+    for key, allowed in (("dist.shard_size", 1), ("ft.backend", "none")):
+        if _get(cfg, key) != allowed:
+            raise ConfigError(
+                f"trainer.keep_best must be false with {key}={_get(cfg, key)} (not built yet: "
+                f"{key}={allowed} only)"
+            )
 
 
 def check_extension(cfg, run_dir: str, resume: str | None, steps: int | None) -> None:

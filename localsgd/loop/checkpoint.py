@@ -284,6 +284,7 @@ RESUME_MAY_CHANGE = (
     "trainer.checkpoint_every",
     "trainer.keep_checkpoints",
     "trainer.resume",
+    "trainer.keep_best",  # which weights are also kept, not how the run trains
     "dist.timeout_s",
     "dist.world_size",  # from a checkpoint taken at a sync (localsgd.loop.reshard)
     "data.num_workers",  # batches are seeded per batch: the same for any number of loaders

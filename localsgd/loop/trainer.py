@@ -16,6 +16,7 @@ from localsgd.data import eval_batches, input_shape_of, load_data, task_of
 from localsgd.data.validation import validation_of
 from localsgd.instantiate import build, target_name
 from localsgd.loop import checkpoint, checkpoint_dcp, checkpoint_shared
+from localsgd.loop.best import KeepBest
 from localsgd.loop.build_sync import build_synchroniser
 from localsgd.loop.evaluation import evaluate, held_out_loss, loss_and_correct, text_sample
 from localsgd.loop.guards import NonFiniteTracker
@@ -122,6 +123,8 @@ class Trainer:
         ]
         self.nonfinite = NonFiniteTracker(device)
         self.stop = StopAgreement(store, str(info.attempt))
+        # trainer.keep_best: best.pt, the weights of the best evaluation by optimized_metric
+        self.best = KeepBest(run_dir, c.optimized_metric, c.trainer.keep_best and self.is_main)
 
     LOOP_STATE = (
         "in_sync",
@@ -412,6 +415,7 @@ class Trainer:
             record.update(self.comm_record(), **self.evaluate())
             if self.is_main:
                 self.logger.log(record)
+                self.best.observe(self.step, record, self.model)
             self.eval_s += time.perf_counter() - began
         self.next_eval = (self.step // c.eval_every + 1) * c.eval_every
 
@@ -458,6 +462,7 @@ class Trainer:
         if not writes:
             return None
         self.logger.log({"step": self.step, **result})
+        self.best.observe(self.step, result, self.model)
         result.update(sample)
         checkpoint.save_model(self.model, self.run_dir, state)
         summary = {
@@ -476,6 +481,13 @@ class Trainer:
             "skipped_steps": self.skipped_steps,
             "dataset": target_name(self.config["data"]),
             "model": target_name(self.config["model"]),
+            # what building the model needs of the data: localsgd.load(run_dir) reads it
+            "model_inputs": {
+                "input_shape": list(input_shape_of(self.data)),
+                "num_classes": self.data.num_classes,
+                "task": task_of(self.data),
+            },
+            **self.best.summary(),  # trainer.keep_best
         }
         write_json(os.path.join(self.run_dir, "summary.json"), summary)
         self.logger.summary(summary)
