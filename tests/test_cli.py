@@ -54,6 +54,8 @@ def test_post_local_sgd_run_writes_model_summary_and_metrics(tmp_path):
     model = build_model({"_target_": "localsgd.models.mlp", "hidden": [64]}, (32,), 10)
     model.load_state_dict(state)
     assert sum(v.numel() for v in state.values()) == summary["params"]
+    log = (run_dir / "train.log").read_text()  # what the console showed, besides the notices
+    assert f"[OUTPUT] - run dir: {run_dir}\n" in log and "[OUTPUT] - summary: " in log
     loaded = localsgd.load(str(run_dir))  # the same, in one call, from the run's own config
     assert type(loaded) is type(model)
     assert all(torch.equal(v, state[k]) for k, v in loaded.state_dict().items())

@@ -68,3 +68,15 @@ def test_without_a_signal_nothing_stops_and_old_keys_are_deleted():
         agreement.after_sync(step)
         assert not agreement.should_stop(step + 1)
     assert store.num_keys() <= stop._KEEP_KEYS
+
+
+def test_a_forwarded_ctrl_c_is_named_ctrl_c_by_the_workers(monkeypatch):
+    """The launcher forwards a first Ctrl-C to its workers as SIGTERM (they ignore SIGINT); the
+    store tells them what it was, so their stop line does not say SIGTERM."""
+    import signal
+
+    monkeypatch.setattr(stop, "_first_signal", signal.SIGTERM)  # what the worker itself got
+    store = dist.HashStore()
+    assert stop.StopAgreement(store, "run").reason() == "SIGTERM"
+    stop.announce(store, signal.SIGINT)
+    assert stop.StopAgreement(store, "run").reason() == "Ctrl-C"

@@ -56,6 +56,9 @@ def test_basic_launcher_sweep_gives_each_job_its_own_run(basic_sweep):
         assert job["summary"]["comm_rounds"] == -(-24 // period) + (23 % period != 0)
     for job in (p for p in basic_sweep.iterdir() if (p / "summary.json").is_file()):
         assert (job / "loss_vs_step.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    names = sorted(p.name for p in basic_sweep.iterdir() if p.is_dir())  # N_OVERRIDES
+    assert len(names) == 4 and not any("," in n for n in names), names  # no commas in a path
+    assert "_model.hidden=[64]_model=mlp_seed=1_sync.period=4_" in names[3]
     # the seed changes the run; the period changes the communication
     assert jobs["seed=0,sync.period=4"]["metrics"] != jobs["seed=1,sync.period=4"]["metrics"]
 

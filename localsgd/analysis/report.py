@@ -65,7 +65,13 @@ def columns(runs: list[Run]) -> tuple[tuple[str, str, str], ...]:
 def table_rows(groups: list[Group], cols=COLUMNS) -> list[dict[str, Any]]:
     rows = []
     for g in groups:
-        row: dict[str, Any] = {"config": g.label, "seeds": len(g.runs)}
+        # seeds, not runs: two runs of one seed (a config that differs only in what grouping
+        # ignores, e.g. logger.*) are one seed twice
+        row: dict[str, Any] = {
+            "config": g.label,
+            "seeds": len({r.seed for r in g.runs}),
+            "runs": len(g.runs),
+        }
         for key, _, _ in cols:
             values = g.values(key)
             if key == "comm_bytes":
@@ -79,7 +85,8 @@ def markdown(rows: list[dict[str, Any]], cols=COLUMNS) -> str:
     head = "| config | seeds | " + " | ".join(title for _, title, _ in cols) + " |"
     lines = [head, "|" + "---|" * (2 + len(cols))]
     for row in rows:
-        cells = [row["config"], str(row["seeds"])]
+        runs = "" if row["runs"] == row["seeds"] else f" ({row['runs']} runs)"
+        cells = [row["config"], f"{row['seeds']}{runs}"]
         for key, _, fmt in cols:
             std = row[key + "_std"]
             spread = "" if std is None else f" ± {fmt.format(std)}"
@@ -89,8 +96,8 @@ def markdown(rows: list[dict[str, Any]], cols=COLUMNS) -> str:
 
 
 def write_csv(path: str, rows: list[dict[str, Any]], cols=COLUMNS) -> None:
-    """`KEY_std` is empty for one seed."""
-    fields = ["config", "seeds"] + [k for key, _, _ in cols for k in (key, key + "_std")]
+    """`KEY_std` is empty for one run."""
+    fields = ["config", "seeds", "runs"] + [k for key, _, _ in cols for k in (key, key + "_std")]
     with open(path, "w", newline="", encoding="utf-8") as f:
         writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import multiprocessing
 import multiprocessing.forkserver
 import os
@@ -28,6 +29,7 @@ from localsgd.cli.forkserver import (  # noqa: F401  (under_torchrun re-exported
 )
 from localsgd.cli.proctitle import set_title
 from localsgd.loop.metrics import notice
+from localsgd.loop.stop import announce
 from localsgd.loop.worker import WorkerInfo  # noqa: F401  (re-exported for the CLI)
 
 
@@ -194,6 +196,7 @@ def spawn(
     # One thread per worker: more would oversubscribe the cores the workers share.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     previous = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    tell_workers = functools.partial(announce, store)  # which signal it was (stop.announce)
     interrupts = 0
     stopped_by: signal.Signals | None = None
     try:
@@ -209,6 +212,7 @@ def spawn(
             nonlocal stopped_by
             if stopped_by is None:
                 stopped_by = signal.Signals(signum)
+                tell_workers(signum)  # so their line names Ctrl-C, not the SIGTERM they get
             for p in context.processes:
                 if p.is_alive():
                     os.kill(p.pid, signal.SIGTERM)

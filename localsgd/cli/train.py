@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import multiprocessing
 import os
 import shlex
 import shutil
@@ -40,6 +41,7 @@ from localsgd.cli.launch import (
     torchrun_info,
     under_torchrun,
 )
+from localsgd.cli.outcome import show, summary_line
 from localsgd.cli.overrides import (
     CONF_PACKAGE,
     check_experiment_optimizer,
@@ -72,11 +74,12 @@ def run_worker(
     """One worker, from process-group setup to teardown."""
     import torch
 
-    from localsgd.loop.stop import install_sigterm_handler
+    from localsgd.loop import stop
     from localsgd.loop.trainer import Trainer  # workers import the heavy parts, the CLI stays quick
 
     if threading.current_thread() is threading.main_thread():  # virtual workers: the launcher's
-        install_sigterm_handler()  # SIGTERM: checkpoint at an agreed step, then exit cleanly
+        set_title(worker_title(info))  # whoever forked it (under ft=torchft: nobody else names it)
+        stop.install_sigterm_handler()  # SIGTERM: checkpoint at an agreed step, then exit cleanly
     if cfg.trainer.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS starts
         torch.use_deterministic_algorithms(True)
@@ -103,6 +106,15 @@ def run_worker(
         Trainer(cfg, info, device, run_dir, resume_from=resume, store=store).train()
     finally:
         dist.destroy_process_group()
+
+
+def worker_title(info: WorkerInfo) -> str:
+    """`ps`'s name for this worker (localsgd/cli/proctitle.py)."""
+    if under_torchrun():
+        return f"localsgd worker {info.rank}/{info.world_size} (torchrun)"
+    launcher = multiprocessing.parent_process()
+    where = f" (launcher {launcher.pid})" if launcher is not None else ""
+    return f"localsgd worker {info.rank}/{info.world_size}{where}"
 
 
 def agree_on(value):
@@ -247,52 +259,28 @@ def run_job(cfg: DictConfig, run_dir: str) -> float | None:
             stopped_by = e.signum
     if not os.path.exists(summary_path):  # stopped by SIGTERM or Ctrl-C after a checkpoint
         code = stopped_exit_code(stopped_by)
-        print(f"run dir: {run_dir} (interrupted, with a checkpoint)")
+        show(f"run dir: {run_dir} (interrupted, with a checkpoint)")
         if torchrun:
-            print("to resume: run the same torchrun command again")
+            show("to resume: run the same torchrun command again")
         else:
             extra_dirs, _ = split_config_dirs(sys.argv[1:])
             args = [a for d in extra_dirs for a in ("--config-dir", d)]
             args += list(HydraConfig.get().overrides.task)
-            print(f"to resume (or run the same command again): "
-                  f"{run_dirs.resume_command(args, run_dir)}")  # fmt: skip
-        print(
-            f"stopped with a checkpoint, not finished: exit code {code}",
-            file=sys.stderr,
-            flush=True,
-        )
-        sys.stdout.flush()
+            show(f"to resume (or run the same command again): "
+                 f"{run_dirs.resume_command(args, run_dir)}")  # fmt: skip
+        show(f"stopped with a checkpoint, not finished: exit code {code}", err=True)
         sys.exit(code)
     with open(summary_path, encoding="utf-8") as f:
         summary = json.load(f)
-    print(f"run dir: {run_dir}")
-    print(
-        "summary: "
-        + ", ".join(
-            f"{k}={summary[k]}"
-            for k in (
-                "val_accuracy",
-                "val_loss",
-                "val_perplexity",
-                "test_accuracy",
-                "test_loss",
-                "test_perplexity",
-                "steps",
-                "comm_rounds",
-                "comm_bytes",
-                "wall_time_s",
-                "eval_seconds",
-            )
-            if k in summary
-        )
-    )
+    show(f"run dir: {run_dir}")
+    show(summary_line(summary))
     if "sample" in summary:
-        print(f"sample:\n{summary['sample']}")
+        show(f"sample:\n{summary['sample']}")
     if run_cfg.logger.plots and (plot := write_run_plot(run_dir)):
-        print(f"plot: {plot}")
+        show(f"plot: {plot}")
     if run_cfg.logger.wandb.mode == "offline":
         for path in offline_runs(run_dir):
-            print(f"wandb offline run: upload it with `wandb sync {shlex.quote(path)}`")
+            show(f"wandb offline run: upload it with `wandb sync {shlex.quote(path)}`")
     if not sweep:
         return None  # nobody reads a single run's objective
     try:

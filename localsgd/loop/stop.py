@@ -69,6 +69,16 @@ def _on_sigint(signum, frame) -> None:
     _on_sigterm(signum, frame)
 
 
+# What stopped the job, as the launcher got it: its workers ignore SIGINT and receive a first
+# Ctrl-C forwarded as SIGTERM, so their line would otherwise name the wrong one.
+SIGNAL_KEY = "localsgd/stop/signal"
+
+
+def announce(store: dist.Store, signum: int) -> None:
+    """The launcher's record of the signal it forwards (before it forwards it)."""
+    store.set(SIGNAL_KEY, signal.Signals(signum).name)
+
+
 def install_sigterm_handler() -> None:
     """SIGTERM asks for the agreed stop. So does a first Ctrl-C where it reaches this process
     (under torchrun; workers we spawn ignore SIGINT and leave it to the launcher)."""
@@ -125,6 +135,14 @@ class StopAgreement:
             self.checked.append(key)
             if len(self.checked) > _KEEP_KEYS:
                 self.store.delete_key(self.checked.pop(0))
+
+    def reason(self) -> str:
+        """What the stop line names: Ctrl-C or SIGTERM, as the launcher got it (`announce`),
+        else as this process did."""
+        signum = first_signal()
+        if self.store is not None and self.store.check([SIGNAL_KEY]):
+            signum = signal.Signals[self.store.get(SIGNAL_KEY).decode()]
+        return "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
 
     def should_stop(self, steps_done: int) -> bool:
         global _agreed

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import time
 from functools import partial
 from typing import Any
@@ -35,7 +34,7 @@ from localsgd.loop.recipe import Recipe, checkpoint_activations
 from localsgd.loop.resume import resume_run
 from localsgd.loop.shard import worker_batches
 from localsgd.loop.sharding import Sharding, state_bytes
-from localsgd.loop.stop import StopAgreement, first_signal
+from localsgd.loop.stop import StopAgreement
 from localsgd.loop.strategies import optimizer_state_bytes
 from localsgd.loop.worker import WorkerInfo
 from localsgd.models import build_model
@@ -429,7 +428,7 @@ class Trainer:
             final=final,
         )
         if stopping and self.sync.writes_results(self.info.rank):
-            why = "Ctrl-C" if first_signal() == signal.SIGINT else "SIGTERM"
+            why = self.stop.reason()  # a forwarded Ctrl-C reaches a worker as SIGTERM
             kept = (
                 "with a checkpoint; run the same command again to resume"
                 if self.saved_at == self.step
