@@ -87,9 +87,7 @@ def test_post_local_sgd_run_writes_model_summary_and_metrics(tmp_path):
     ],
 )
 @pytest.mark.timeout(60)
-def test_bad_values_are_refused_in_one_line_before_workers_start(
-    tmp_path, capsys, override, key
-):
+def test_bad_values_are_refused_in_one_line_before_workers_start(tmp_path, capsys, override, key):
     run_dir = tmp_path / "run"
     assert refusal([override, f"hydra.run.dir={run_dir}"], capsys).startswith(f"error: {key} ")
     assert not run_dir.exists()

@@ -69,19 +69,36 @@ def test_clip_bounds_every_contribution_by_the_median_norm():
 def test_the_mean_and_clip_over_topk_divide_each_index_by_its_senders():
     # 4 sparse contributions over 6 values; sent: where each message held an index (a value
     # sent can be 0). Index 5 was sent by nobody, index 0 by every worker.
-    rows = torch.tensor([[1.0, 2, 0, 0, 0, 0], [3, 0, 4, 0, 0, 0], [5, 0, 0, 6, 0, 0],
-                         [7, 0, 0, 0, 0, 0]])
-    sent = torch.tensor([[1, 1, 0, 0, 0, 0], [1, 0, 1, 0, 0, 0], [1, 0, 0, 1, 0, 0],
-                         [1, 0, 0, 0, 1, 0], [0, 0, 0, 0, 0, 0]], dtype=torch.bool)
+    rows = torch.tensor(
+        [[1.0, 2, 0, 0, 0, 0], [3, 0, 4, 0, 0, 0], [5, 0, 0, 6, 0, 0], [7, 0, 0, 0, 0, 0]]
+    )
+    sent = torch.tensor(
+        [
+            [1, 1, 0, 0, 0, 0],
+            [1, 0, 1, 0, 0, 0],
+            [1, 0, 0, 1, 0, 0],
+            [1, 0, 0, 0, 1, 0],
+            [0, 0, 0, 0, 0, 0],
+        ],
+        dtype=torch.bool,
+    )
     # (sent holds a spare row and padding columns: only rows `keep` and the first n count)
     sent = torch.cat([sent, torch.zeros(5, 2, dtype=torch.bool)], 1)
     mean = Aggregate("mean").combine([rows], [0, 1, 2, 3], [sent])[0]
     assert mean.tolist() == [4.0, 2.0, 4.0, 6.0, 0.0, 0.0]
     # without worker 2: index 3 has no sender left, index 0 three
-    assert torch.equal(Aggregate("mean").combine([rows], [0, 1, 3], [sent])[0],
-                       torch.tensor([11 / 3, 2.0, 4.0, 0.0, 0.0, 0.0]))
-    assert Aggregate("mean").combine([rows], [0, 1, 2, 3])[0].tolist() == [4.0, 0.5, 1.0, 1.5,
-                                                                           0.0, 0.0]
+    assert torch.equal(
+        Aggregate("mean").combine([rows], [0, 1, 3], [sent])[0],
+        torch.tensor([11 / 3, 2.0, 4.0, 0.0, 0.0, 0.0]),
+    )
+    assert Aggregate("mean").combine([rows], [0, 1, 2, 3])[0].tolist() == [
+        4.0,
+        0.5,
+        1.0,
+        1.5,
+        0.0,
+        0.0,
+    ]
     big = rows.clone()
     big[3] *= 1000  # norm 7000 against a median norm of about 6: clipped to 2x that
     norms = sorted(float(r.norm()) for r in big)
@@ -104,9 +121,11 @@ def test_a_per_coordinate_rule_over_topk_is_refused():
     with pytest.raises(ConfigError, match="sync.compress=topk") as info:
         validate(compose_config(["sync=sparseloco", "sync.aggregate=median"]), 4)
     assert "\n" not in str(info.value)
-    for overrides in (["sync.score=true"], ["sync.aggregate=clip", "sync.topk_mean=senders"],
-                      ["sync.score=true", "sync.topk_mean=senders",
-                       "sync.error_feedback_decay=0.9"]):
+    for overrides in (
+        ["sync.score=true"],
+        ["sync.aggregate=clip", "sync.topk_mean=senders"],
+        ["sync.score=true", "sync.topk_mean=senders", "sync.error_feedback_decay=0.9"],
+    ):
         validate(compose_config(["sync=sparseloco", *overrides]), 4)
 
 
@@ -126,18 +145,24 @@ def test_bad_values_are_refused_in_one_line():
         (["sync.aggregate=median", "sync.fragments=2", "sync.period=4"], "sync.outer=none"),
         (["sync.score=true", "sync.warmup_steps=4"], "sync.warmup_steps"),
         (["sync.aggregate=median", "sync.warmup_steps=4", "ft=torchft"], "under ft=torchft"),
-        (["sync.aggregate=median", "sync.warmup_steps=4", "trainer.precision=16-mixed"],
-         "16-mixed"),
-        (["+experiment=untrusted", "sync.excluded_shard=reassign", "dist.shard_size=2"],
-         "sync.excluded_shard=reassign with dist.shard_size"),
+        (
+            ["sync.aggregate=median", "sync.warmup_steps=4", "trainer.precision=16-mixed"],
+            "16-mixed",
+        ),
+        (
+            ["+experiment=untrusted", "sync.excluded_shard=reassign", "dist.shard_size=2"],
+            "sync.excluded_shard=reassign with dist.shard_size",
+        ),
         (["sync.aggregate=median", "sync.drop_nonfinite=false"], "sync.drop_nonfinite"),
         (["sync.aggregate=median", "sync.optimizer_state=average"], "optimizer_state"),
         (["sync.aggregate=median", "sync.overlap=true"], "overlap"),
         (["sync.aggregate=median", "sync=hierarchical"], "sync.levels"),
         (["sync.aggregate=median", "sync=adaptive"], "sync.schedule=adaptive"),
         (["sync.drop_nonfinite=true", "ft=torchft"], "ft=torchft and a 16/32-bit"),
-        (["sync.aggregate=median", "+experiment=untrusted_streaming", "ft=torchft"],
-         "fragments with ft=torchft"),
+        (
+            ["sync.aggregate=median", "+experiment=untrusted_streaming", "ft=torchft"],
+            "fragments with ft=torchft",
+        ),
         (["sync.score=true", "sync.drop_nonfinite=false"], "sync.drop_nonfinite"),
     ):
         with pytest.raises(ConfigError, match=keys) as info:
@@ -152,8 +177,10 @@ def test_bad_values_are_refused_in_one_line():
     validate(compose_config(["+experiment=diloco", "sync.aggregate=clip", "dist.shard_size=2"]), 4)
     validate(compose_config(["+experiment=untrusted_streaming", "dist.shard_size=2"]), 4)
     # post-local SGD: the warmup's gradients combined by the robust rule too
-    validate(compose_config(["+experiment=post_local_sgd", "sync.aggregate=median",
-                             "sync.score=true"]), 4)
+    validate(
+        compose_config(["+experiment=post_local_sgd", "sync.aggregate=median", "sync.score=true"]),
+        4,
+    )
 
 
 class _Net(torch.nn.Module):
@@ -198,10 +225,14 @@ def _worker(rank, world_size):
             avg.maybe_average()
             if step == 0:
                 anchor = avg.flat.buffers[0].clone()
-        out[rule] = {"change": change, "anchor": anchor, "result": avg.flat.buffers[0].clone(),
-                     "events": list(avg.reducer.trust.events),
-                     # the all-gather counted as what this rank sends: fp32, 2 rounds
-                     "bytes": avg.stats.bytes == 2 * 4 * avg.flat.buffers[0].numel()}
+        out[rule] = {
+            "change": change,
+            "anchor": anchor,
+            "result": avg.flat.buffers[0].clone(),
+            "events": list(avg.reducer.trust.events),
+            # the all-gather counted as what this rank sends: fp32, 2 rounds
+            "bytes": avg.stats.bytes == 2 * 4 * avg.flat.buffers[0].numel(),
+        }
     # 2. scoring and exclusion: rank 3 moves away from the held-out optimum, 10x; the others
     #    towards it. Every rank must reach the same verdicts.
     #    Each contribution's losses evaluated by one rank and shared (the default) or by every
@@ -216,8 +247,15 @@ def _worker(rank, world_size):
             return held_out(round_)
 
         judge = Judge(loss_at, exclude_after=2, score_fraction=0.5, split_evaluation=split)
-        avg = OuterAverager(1, module=model, aggregate=Aggregate("mean"), judge=judge,
-                            outer_lr=1.0, outer_momentum=0.0, outer_nesterov=False)
+        avg = OuterAverager(
+            1,
+            module=model,
+            aggregate=Aggregate("mean"),
+            judge=judge,
+            outer_lr=1.0,
+            outer_momentum=0.0,
+            outer_nesterov=False,
+        )
         for _ in range(4):
             with torch.no_grad():
                 for p in model.parameters():
@@ -229,8 +267,10 @@ def _worker(rank, world_size):
         again = OuterAverager(1, module=_Net(), aggregate=Aggregate("mean"), judge=judge)
         again.load_state_dict(avg.state_dict())
         out["verdicts" if split else "verdicts_unsplit"] = {
-            "excluded": dict(trust.excluded), "events": list(trust.events),
-            "model": avg.flat.buffers[0].clone(), "calls": calls[0],
+            "excluded": dict(trust.excluded),
+            "events": list(trust.events),
+            "model": avg.flat.buffers[0].clone(),
+            "calls": calls[0],
             "reloaded": again.reducer.trust.state_dict() == trust.state_dict(),
         }
     #    With per-sample losses, the evaluations split by samples (`Judge.batch`): the same
@@ -248,8 +288,15 @@ def _worker(rank, world_size):
                 return torch.stack([((model.fc.weight - 1) * w).square().sum() for w in rows])
 
         judge = Judge(loss_at, exclude_after=2, split_evaluation=batch is not None, batch=batch)
-        avg = OuterAverager(1, module=model, aggregate=Aggregate("mean"), judge=judge,
-                            outer_lr=1.0, outer_momentum=0.0, outer_nesterov=False)
+        avg = OuterAverager(
+            1,
+            module=model,
+            aggregate=Aggregate("mean"),
+            judge=judge,
+            outer_lr=1.0,
+            outer_momentum=0.0,
+            outer_nesterov=False,
+        )
         for _ in range(4):
             with torch.no_grad():
                 for p in model.parameters():
@@ -257,23 +304,34 @@ def _worker(rank, world_size):
             avg.maybe_average()
         trust = avg.reducer.trust
         out["by_samples" if batch else "whole_batch"] = {
-            "excluded": dict(trust.excluded), "events": list(trust.events),
-            "scores": list(trust.scores), "zs": list(trust.zs),
-            "model": avg.flat.buffers[0].clone(), "samples": evaluated[0],
+            "excluded": dict(trust.excluded),
+            "events": list(trust.events),
+            "scores": list(trust.scores),
+            "zs": list(trust.zs),
+            "model": avg.flat.buffers[0].clone(),
+            "samples": evaluated[0],
         }
     # 3. a low-bit wire with error feedback: each contribution decoded, then the median; rank 2
     #    sends Inf
     model = _Net()
-    avg = OuterAverager(1, module=model, aggregate=Aggregate("median"), comm_dtype="int8",
-                        error_feedback=True, quant_block_size=8)
+    avg = OuterAverager(
+        1,
+        module=model,
+        aggregate=Aggregate("median"),
+        comm_dtype="int8",
+        error_feedback=True,
+        quant_block_size=8,
+    )
     _step(model, torch.Generator().manual_seed(20 + rank), rank)
     if rank == 2:
         with torch.no_grad():
             model.fc.bias[0] = float("inf")
     avg.maybe_average()
-    out["int8"] = {"model": avg.flat.buffers[0].clone(),
-                   "events": list(avg.reducer.trust.events),
-                   "bytes": avg.stats.bytes == sum(w.nbytes for w in avg.reducer.low)}
+    out["int8"] = {
+        "model": avg.flat.buffers[0].clone(),
+        "events": list(avg.reducer.trust.events),
+        "bytes": avg.stats.bytes == sum(w.nbytes for w in avg.reducer.low),
+    }
     # 4. the mean, by default: today's reducer, the bits of one all-reduce, its bytes
     model = _Net()
     avg = PeriodicAverager(1, module=model)
@@ -301,10 +359,13 @@ def _worker(rank, world_size):
             model.fc.weight.grad.mul_(-10)
     sent = grads.buffers[0].clone()
     grads.all_reduce()
-    out["warmup"] = {"sent": sent, "got": grads.buffers[0].clone(),
-                     "weight_grad": model.fc.weight.grad.clone(),
-                     "dropped": list(grads.comm.dropped),
-                     "bytes": grads.stats.bytes == 4 * sent.numel()}
+    out["warmup"] = {
+        "sent": sent,
+        "got": grads.buffers[0].clone(),
+        "weight_grad": model.fc.weight.grad.clone(),
+        "dropped": list(grads.comm.dropped),
+        "bytes": grads.stats.bytes == 4 * sent.numel(),
+    }
     # ... and under the mean, guarded (post-local SGD's default): rank 1's NaN left out in band
     model = _Net()
     grads = GradientAverager(model, drop_nonfinite=True)
@@ -314,8 +375,11 @@ def _worker(rank, world_size):
             model.fc.weight.grad[0, 0] = float("nan")
     sent = grads.buffers[0].clone()
     grads.all_reduce()
-    out["warmup_mean"] = {"sent": sent, "got": grads.buffers[0].clone(),
-                          "dropped": list(grads.comm.dropped)}
+    out["warmup_mean"] = {
+        "sent": sent,
+        "got": grads.buffers[0].clone(),
+        "dropped": list(grads.comm.dropped),
+    }
     return out
 
 
@@ -327,18 +391,28 @@ def _topk_cases(rank: int) -> dict:
         codec = TopKCodec(density=0.25, chunk=8, mean=mean)  # 2 of every 8 values
         for name, aggregate in (("decoded", None), ("gathered", Aggregate("mean"))):
             model = _Net()
-            avg = OuterAverager(1, module=model, aggregate=aggregate, comm_dtype=codec,
-                                error_feedback=True, error_feedback_decay=0.9, outer_lr=1.0,
-                                outer_momentum=0.0, outer_nesterov=False)
+            avg = OuterAverager(
+                1,
+                module=model,
+                aggregate=aggregate,
+                comm_dtype=codec,
+                error_feedback=True,
+                error_feedback_decay=0.9,
+                outer_lr=1.0,
+                outer_momentum=0.0,
+                outer_nesterov=False,
+            )
             gen = torch.Generator().manual_seed(40 + rank)
             for round_ in range(3):
                 _step(model, gen, rank)
                 if rank == 2 and round_ == 1:
                     _poison(model)
                 avg.maybe_average()
-            out[mean, name] = {"model": avg.flat.buffers[0].clone(),
-                               "residual": avg.reducer.residuals[0].clone(),
-                               "bytes": avg.stats.bytes}
+            out[mean, name] = {
+                "model": avg.flat.buffers[0].clone(),
+                "residual": avg.reducer.residuals[0].clone(),
+                "bytes": avg.stats.bytes,
+            }
     return out
 
 
@@ -363,9 +437,13 @@ def _guard_cases(rank: int) -> dict:
         if avg.reducer.delays:  # what every rank received (each keeps its own progress)
             avg.reducer.wait()
             received = avg.reducer.averages[0]
-        out[name] = {"held": held, "model": received.clone(),
-                     "dropped": list(avg.comm.dropped), "bytes": avg.stats.bytes - before,
-                     "numel": avg.flat.buffers[0].numel()}
+        out[name] = {
+            "held": held,
+            "model": received.clone(),
+            "dropped": list(avg.comm.dropped),
+            "bytes": avg.stats.bytes - before,
+            "numel": avg.flat.buffers[0].numel(),
+        }
         return avg
 
     model = _Net()
@@ -373,12 +451,28 @@ def _guard_cases(rank: int) -> dict:
     model = _Net()
     run("unguarded", PeriodicAverager(1, module=model, drop_nonfinite=False), model, 1)
     model = _Net()  # DiLoCo, outer SGD lr 1: the model becomes the mean of the finite ones
-    run("diloco", OuterAverager(1, module=model, outer_lr=1.0, outer_momentum=0.0,
-                                outer_nesterov=False), model, bad_rank=2, value=float("inf"))
+    run(
+        "diloco",
+        OuterAverager(1, module=model, outer_lr=1.0, outer_momentum=0.0, outer_nesterov=False),
+        model,
+        bad_rank=2,
+        value=float("inf"),
+    )
     model = _Net()
-    avg = run("int4", OuterAverager(1, module=model, outer_lr=1.0, outer_momentum=0.0,
-                                    outer_nesterov=False, comm_dtype="int4",
-                                    error_feedback=True), model, bad_rank=3)
+    avg = run(
+        "int4",
+        OuterAverager(
+            1,
+            module=model,
+            outer_lr=1.0,
+            outer_momentum=0.0,
+            outer_nesterov=False,
+            comm_dtype="int4",
+            error_feedback=True,
+        ),
+        model,
+        bad_rank=3,
+    )
     out["int4"]["residual_finite"] = bool(torch.isfinite(avg.reducer.residuals[0]).all())
     model = _Net()  # launched at the sync, merged at the next step
     run("overlap", PeriodicAverager(1, module=model, overlap=True), model, bad_rank=1)
@@ -466,8 +560,10 @@ def test_untrusted_workers_across_processes():
     for m in means:
         assert m["dropped"] == [1] and torch.equal(m["got"], means[0]["got"])
         assert torch.allclose(m["got"], finite, atol=1e-6)
-    assert not torch.equal(results[0]["topk"]["all", "gathered"]["model"],
-                           results[0]["topk"]["senders", "gathered"]["model"])
+    assert not torch.equal(
+        results[0]["topk"]["all", "gathered"]["model"],
+        results[0]["topk"]["senders", "gathered"]["model"],
+    )
 
 
 def _check_guard(results):
@@ -475,8 +571,12 @@ def _check_guard(results):
     ends with the same finite bits, the mean of the finite contributions; the bad rank is
     named on every rank; a clean round costs no byte more, a poisoned one one small
     all-reduce; `drop_nonfinite=False` is today's unguarded all-reduce."""
-    for name, bad, extra in (("mean", 1, 8 * (WORLD + 2)), ("diloco", 2, 8 * (WORLD + 2)),
-                             ("int4", 3, 0), ("overlap", 1, 8 * (WORLD + 2))):
+    for name, bad, extra in (
+        ("mean", 1, 8 * (WORLD + 2)),
+        ("diloco", 2, 8 * (WORLD + 2)),
+        ("int4", 3, 0),
+        ("overlap", 1, 8 * (WORLD + 2)),
+    ):
         got = [r[name] for r in results]
         for g in got:
             assert torch.isfinite(g["model"]).all(), name
@@ -508,8 +608,11 @@ def test_robust_mean_is_built_only_when_asked():
     store = dist.HashStore()
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
-        for overrides, robust in (([], False), (["sync.aggregate=median"], True),
-                                  (["sync.drop_nonfinite=true"], False)):
+        for overrides, robust in (
+            ([], False),
+            (["sync.aggregate=median"], True),
+            (["sync.drop_nonfinite=true"], False),
+        ):
             cfg = compose_config(overrides)
             model = _Net()
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -535,8 +638,9 @@ def test_scoring_with_fewer_than_3_workers_says_nobody_can_be_excluded(monkeypat
             cfg = compose_config(overrides + ["dist.world_size=1"])
             model = _Net()
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
-            module.build_synchroniser(cfg, WorkerInfo(0, 1, 0, 1), model, opt,
-                                      loss_at=lambda round_: 0.0)
+            module.build_synchroniser(
+                cfg, WorkerInfo(0, 1, 0, 1), model, opt, loss_at=lambda round_: 0.0
+            )
             assert any("nobody can be excluded" in line for line in said) is warned, said
     finally:
         dist.destroy_process_group()
@@ -580,9 +684,11 @@ def test_post_local_sgd_warmup_drops_a_nan_gradient_and_the_median_bounds_a_flip
                   "dist.world_size=4", "trainer.max_steps=40", "trainer.checkpoint_every=0",
                   "optim.lr=0.05"]  # fmt: skip
     runs = {}
-    for name, extra in (("nan", [_attack("nan")]),
-                        ("flip_mean", [_attack("sign_flip")]),
-                        ("flip_median", [_attack("sign_flip"), "sync.aggregate=median"])):
+    for name, extra in (
+        ("nan", [_attack("nan")]),
+        ("flip_mean", [_attack("sign_flip")]),
+        ("flip_median", [_attack("sign_flip"), "sync.aggregate=median"]),
+    ):
         run = tmp_path / name
         proc, _ = cli(job + extra + [f"hydra.run.dir={run}"])
         runs[name] = (proc, run)
@@ -610,15 +716,31 @@ def test_cli_drops_nan_and_excludes_an_attacker(tmp_path):
     loss; the scored median excludes a sign-flipping attacker, named in the metrics and the
     summary: every one of its contributions dropped, and excluded at its second bad round (on
     probation, `sync.probation_rounds`: its first rounds)."""
-    common = [*FAST, "dist.world_size=4", "trainer.max_steps=60", "sync.period=10",
-              "trainer.log_every=10"]
+    common = [
+        *FAST,
+        "dist.world_size=4",
+        "trainer.max_steps=60",
+        "sync.period=10",
+        "trainer.log_every=10",
+    ]
     runs = {
         "mean": ([*common, _attack("nan")], True),
         "unguarded": ([*common, "sync.drop_nonfinite=false", _attack("nan")], False),
-        "diloco": ([*common, "sync=diloco", "optim=adamw", "optim.lr=0.003",
-                    "sync.comm_dtype=int8", _attack("nan")], True),
-        "scored": ([*common, "sync.aggregate=median", "sync.score=true",
-                    _attack("sign_flip")], True),
+        "diloco": (
+            [
+                *common,
+                "sync=diloco",
+                "optim=adamw",
+                "optim.lr=0.003",
+                "sync.comm_dtype=int8",
+                _attack("nan"),
+            ],
+            True,
+        ),
+        "scored": (
+            [*common, "sync.aggregate=median", "sync.score=true", _attack("sign_flip")],
+            True,
+        ),
     }
     said = {}
     for name, (args, ok) in runs.items():
@@ -634,8 +756,9 @@ def test_cli_drops_nan_and_excludes_an_attacker(tmp_path):
         assert summary["dropped_nonfinite_at"] == [[1, s] for s in range(0, 60, 10)], name
         assert summary["dropped_nonfinite"] == 6
         assert "nonfinite: worker 1's contribution at step 0 held NaN/Inf" in said[name]
-        lines = [json.loads(x) for x in
-                 (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        lines = [
+            json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        ]
         assert [x["dropped_nonfinite"] for x in lines if "loss" in x][-1] == 6
     assert "trust: worker 1 at round 1 (step 10): excluded" in said["scored"]
     assert "(2 bad rounds running on probation: sync.probation_rounds)" in said["scored"]
@@ -815,7 +938,9 @@ def test_scattered_bad_rounds_where_no_change_helps_do_not_add_up():
         trust.run_([flat], [torch.zeros(1)], _Gathers(rows), [None], step=round_)
     assert all(s is not None and s < 0 for s in trust.scores), trust.scores
     assert [(e["rank"], e["round"]) for e in trust.events if e["why"] == "bad"] == [
-        (3, 1), (3, 3), (3, 5)
+        (3, 1),
+        (3, 3),
+        (3, 5),
     ]
     assert trust.excluded == {}
 
@@ -1000,9 +1125,17 @@ def test_a_killed_scored_run_resumes_with_the_same_verdicts(tmp_path):
     """The rounds, bad-round streaks, exclusions and events are checkpointed with the averager:
     killed between syncs and resumed, a scored median run ends with the bits and the verdicts of
     an uninterrupted one."""
-    args = [*FAST, "dist.world_size=4", "trainer.max_steps=60", "sync.period=5",
-            "trainer.checkpoint_every=25", "sync.aggregate=median", "sync.score=true",
-            "sync.score_batch=32", "sync.exclude_after=2"]
+    args = [
+        *FAST,
+        "dist.world_size=4",
+        "trainer.max_steps=60",
+        "sync.period=5",
+        "trainer.checkpoint_every=25",
+        "sync.aggregate=median",
+        "sync.score=true",
+        "sync.score_batch=32",
+        "sync.exclude_after=2",
+    ]
     attack = "{_target_:localsgd.loop.attacks.Attack,kind:'zeros',rank:3}"
     kill = "{_target_:tests.faults.Fault,spec:'kill:2:33'}"
     proc, _ = cli([*args, f"trainer.callbacks=[{attack}]", f"hydra.run.dir={tmp_path / 'ref'}"])

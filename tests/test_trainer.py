@@ -17,7 +17,6 @@ from tests.helpers import SMALL, CollectiveCounter, compose_config, run_distribu
 pytestmark = pytest.mark.slow
 
 
-
 def _replicas_identical(trainer: Trainer) -> bool:
     """Checksum-free exact check: every rank's full flat buffer gathered and compared bytewise."""
     flat = torch.cat([b.reshape(-1) for b in trainer.sync.averager.flat.buffers])

@@ -47,8 +47,15 @@ def check_data(cfg: Any, world_size: int) -> int | None:
 
 
 def _probe_key(cfg: Any, world_size: int) -> str:
-    keys = ("data", "model", "seed", "trainer.batch_size", "trainer.max_epochs", "sync.fragments",
-            "dist.shard_blocks")
+    keys = (
+        "data",
+        "model",
+        "seed",
+        "trainer.batch_size",
+        "trainer.max_epochs",
+        "sync.fragments",
+        "dist.shard_blocks",
+    )
     return json.dumps([plain(_get(cfg, k)) for k in keys] + [world_size], sort_keys=True)
 
 
