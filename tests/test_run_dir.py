@@ -129,3 +129,18 @@ def test_the_same_command_continues_a_stopped_run_and_never_a_finished_one(tmp_p
     assert new != first and os.path.exists(os.path.join(first, "summary.json"))
     command = re.search(r"to resume .*?: (.+)", third.stdout)[1]
     assert shlex.split(command)[-1] == f"hydra.run.dir={new}"
+
+
+def test_a_filesystem_without_locks_is_not_taken_for_a_run_in_use(tmp_path, monkeypatch):
+    """flock on some NFS mounts fails with ENOLCK: that says nothing of a live job."""
+    import errno
+    import fcntl
+
+    def no_locks(*args):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    (tmp_path / run_dirs.LOCK_FILE).write_text("123")
+    assert run_dirs.in_use(str(tmp_path)) is None
+    run_dirs.hold(str(tmp_path))
+    run_dirs.let_go(str(tmp_path))

@@ -91,9 +91,12 @@ class RunLock:
         f = open(self.path, "a+")  # noqa: SIM115  (held for the job's life)
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        except BlockingIOError:  # a live process holds it
             f.close()
             return False
+        except OSError:  # a filesystem without locks (some NFS): nothing to tell, go on unlocked
+            f.close()
+            return True
         if claim:
             f.truncate(0)
             f.write(str(os.getpid()))
