@@ -161,3 +161,14 @@ def test_a_sweep_on_the_validation_metric_without_a_validation_split_is_refused(
     assert refusal(BASE + ["data.val_fraction=1.5"], capsys) == (
         "error: data.val_fraction must be in [0, 1), got 1.5"
     )
+
+
+def test_a_checkpoint_from_before_the_split_resumes_as_val_fraction_0():
+    from localsgd.loop.checkpoint import config_mismatch
+
+    old = {"config": {"data": {"_target_": "x", "partition": "iid"}}}  # no val_fraction then
+    assert config_mismatch(old, {"data": {"_target_": "x", "partition": "iid",
+                                          "val_fraction": 0.0}}) is None  # fmt: skip
+    changed = config_mismatch(old, {"data": {"_target_": "x", "partition": "iid",
+                                             "val_fraction": 0.1}})  # fmt: skip
+    assert changed == "data.val_fraction: 0.0 in the checkpoint, 0.1 now"
