@@ -57,3 +57,10 @@ def test_each_experiment_file_opens_with_a_whole_one_line_summary(name):
     """What --help shows of it: a sentence, not the first line of a paragraph cut short."""
     line = summary_line(os.path.join(CONF, "experiment", f"{name}.yaml"))
     assert line.endswith(".") and len(line) <= 110, line
+
+
+def test_the_internal_schema_nodes_help_leaves_out_are_refused_as_options(capsys):
+    from tests.helpers import refusal
+
+    line = refusal(["optim=sgd_schema"], capsys)
+    assert line == "error: optim must be one of adamw, muon, sgd, got 'sgd_schema'"
