@@ -28,13 +28,13 @@ def _worker(info, store, out):
         for n in SIZES:
             flat = torch.randn(n)
             times = {"all_reduce": [], "store check": [], "check_replicas": []}
-            for _ in range(REPS):
+            for rep in range(REPS):
                 dist.barrier()
                 t = time.perf_counter()
                 dist.all_reduce(flat)
                 times["all_reduce"].append(time.perf_counter() - t)
                 t = time.perf_counter()
-                stop.after_sync()
+                stop.after_sync(SIZES.index(n) * REPS + rep)  # a sync step of its own
                 times["store check"].append(time.perf_counter() - t)
                 flat.fill_(1.0)  # identical on both ranks
                 dist.barrier()

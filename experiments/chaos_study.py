@@ -505,8 +505,11 @@ def main() -> None:
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--report", action="store_true", help="rewrite the .md/.png from the json")
-    parser.add_argument("--out", default="chaos_study",
-                        help="experiments/OUT.{json,md,png} (a partial run beside the study)")
+    parser.add_argument(
+        "--out",
+        default="chaos_study",
+        help="experiments/OUT.{json,md,png} (a partial run beside the study)",
+    )
     args = parser.parse_args()
     out = os.path.join(ROOT, "experiments", args.out)
     if args.tiny:

@@ -202,9 +202,11 @@ def main() -> None:
                     print(json.dumps(results[-1]), flush=True)
     given = [("steps", args.steps), ("seeds", args.seeds), ("workers", args.workers)]
     given += [("rows", args.rows)] if args.rows else []
-    command = "python experiments/sparse_study.py " + " ".join(
-        f"--{k} {' '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in given
-    ) + (" --append" if args.append else "")
+    command = (
+        "python experiments/sparse_study.py "
+        + " ".join(f"--{k} {' '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in given)
+        + (" --append" if args.append else "")
+    )
     commands.append(f"{command}  ({datetime.date.today()})")
     write(args.out, commands, results)
 

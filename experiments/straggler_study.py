@@ -58,21 +58,35 @@ STRATEGIES = {  # name: (overrides, H)
     # each of 4 fragments weighs the samples since its own sync (blocking: the weighted rounds
     # are the blocking ones)
     "Streaming DiLoCo H=48 P=4": (
-        ["+experiment=streaming_diloco", "sync.delay_steps=0", "sync.merge_alpha=0",
-         "sync.outer_warmup_rounds=0"],
+        [
+            "+experiment=streaming_diloco",
+            "sync.delay_steps=0",
+            "sync.merge_alpha=0",
+            "sync.outer_warmup_rounds=0",
+        ],
         48,
     ),  # fmt: skip
     # ... each round a step late, overlapping the next step (the paper's τ = 1; α = 0, as the
     # normalized merge needs): weighted by the samples since the fragment's merge
     "Streaming DiLoCo H=48 P=4 tau=1": (
-        ["+experiment=streaming_diloco", "sync.delay_steps=1", "sync.merge_alpha=0",
-         "sync.outer_warmup_rounds=0"],
+        [
+            "+experiment=streaming_diloco",
+            "sync.delay_steps=1",
+            "sync.merge_alpha=0",
+            "sync.outer_warmup_rounds=0",
+        ],
         48,
     ),  # fmt: skip
     # ... on the paper's 4-bit wire with error feedback
     "Streaming DiLoCo H=48 P=4 tau=1 fp4": (
-        ["+experiment=streaming_diloco", "sync.delay_steps=1", "sync.merge_alpha=0",
-         "sync.outer_warmup_rounds=0", "sync.comm_dtype=float4_e2m1", "sync.error_feedback=true"],
+        [
+            "+experiment=streaming_diloco",
+            "sync.delay_steps=1",
+            "sync.merge_alpha=0",
+            "sync.outer_warmup_rounds=0",
+            "sync.comm_dtype=float4_e2m1",
+            "sync.error_feedback=true",
+        ],
         48,
     ),  # fmt: skip
 }
@@ -90,13 +104,25 @@ SETTINGS = {  # name: (overrides, strategies, batch per worker, what the table s
         {
             "LM DiLoCo H=16": (["sync=diloco", "sync.period=16", "sync.outer_warmup_rounds=0"], 16),
             "LM Streaming DiLoCo H=16 P=4": (
-                ["sync=streaming_diloco", "sync.period=16", "sync.fragments=4",
-                 "sync.delay_steps=0", "sync.merge_alpha=0", "sync.outer_warmup_rounds=0"],
+                [
+                    "sync=streaming_diloco",
+                    "sync.period=16",
+                    "sync.fragments=4",
+                    "sync.delay_steps=0",
+                    "sync.merge_alpha=0",
+                    "sync.outer_warmup_rounds=0",
+                ],
                 16,
             ),  # fmt: skip
             "LM Streaming DiLoCo H=16 P=4 tau=1": (
-                ["sync=streaming_diloco", "sync.period=16", "sync.fragments=4",
-                 "sync.delay_steps=1", "sync.merge_alpha=0", "sync.outer_warmup_rounds=0"],
+                [
+                    "sync=streaming_diloco",
+                    "sync.period=16",
+                    "sync.fragments=4",
+                    "sync.delay_steps=1",
+                    "sync.merge_alpha=0",
+                    "sync.outer_warmup_rounds=0",
+                ],
                 16,
             ),  # fmt: skip
         },

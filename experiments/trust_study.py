@@ -63,8 +63,10 @@ EXTRA = {
     # every sync (a sign flip of scale -1.0001), a nudge no rule here acts on; how far the final
     # loss of a seed moves under it is how far any other row's can move for no reason of its own
     "mean, nudged 1e-4": (
-        ["trainer.callbacks=[{_target_:localsgd.loop.attacks.Attack,kind:sign_flip,rank:1,"
-         "scale:-1.0001}]"],
+        [
+            "trainer.callbacks=[{_target_:localsgd.loop.attacks.Attack,kind:sign_flip,rank:1,"
+            "scale:-1.0001}]"
+        ],
         ["none"],
     ),
 }
@@ -73,9 +75,17 @@ MNIST1D = ["data=mnist1d", "model=mlp"]
 # DiLoCo, scored on 64-character windows of the validation text (a sample's loss: its mean
 # over the characters)
 SHAKESPEARE = [
-    "data=shakespeare", "model=transformer", "model.n_layers=4", "model.n_heads=4",
-    "model.d_model=64", "optim=adamw", "optim.lr=0.002", "lr_schedule.warmup_steps=40",
-    "trainer.batch_size=16", "trainer.eval_samples=1024", "trainer.eval_batch_size=256",
+    "data=shakespeare",
+    "model=transformer",
+    "model.n_layers=4",
+    "model.n_heads=4",
+    "model.d_model=64",
+    "optim=adamw",
+    "optim.lr=0.002",
+    "lr_schedule.warmup_steps=40",
+    "trainer.batch_size=16",
+    "trainer.eval_samples=1024",
+    "trainer.eval_batch_size=256",
 ]
 SETTINGS = {
     "local_sgd": [*MNIST1D, "sync.period=10"],
@@ -92,8 +102,13 @@ SETTINGS = {
     "sparseloco": [*MNIST1D, "+experiment=untrusted_sparseloco", "sync.score=false"],
     # the same preset on the Shakespeare LM (its model, inner AdamW lr 0.002), a sync every 10
     "lm_sparseloco": [*SHAKESPEARE, "+experiment=untrusted_sparseloco", "sync.score=false"],
-    "streaming_diloco": [*MNIST1D, "+experiment=diloco", "sync.period=20", "sync.fragments=2",
-                         "sync.outer_warmup_rounds=0"],
+    "streaming_diloco": [
+        *MNIST1D,
+        "+experiment=diloco",
+        "sync.period=20",
+        "sync.fragments=2",
+        "sync.outer_warmup_rounds=0",
+    ],
 }
 ROWS = {**{k: (v, ATTACKS) for k, v in AGGREGATORS.items()}, **EXTRA}
 
@@ -163,8 +178,11 @@ def _quoted(arg: str) -> str:
 def _kept(trust: dict) -> int:
     rounds = trust["trust_rounds"]
     until = trust.get("excluded", {}).get("1", rounds)
-    dropped = {r for w, r in trust.get("judged_bad", []) + trust.get("dropped_nonfinite", [])
-               if w == 1 and r < until}
+    dropped = {
+        r
+        for w, r in trust.get("judged_bad", []) + trust.get("dropped_nonfinite", [])
+        if w == 1 and r < until
+    }
     return until - len(dropped)
 
 
@@ -234,7 +252,9 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--only-seeds", type=int, nargs="+", help="run these seeds of --seeds")
     parser.add_argument(
-        "--seed-list", type=int, nargs="+",
+        "--seed-list",
+        type=int,
+        nargs="+",
         help="these seeds instead of 0..--seeds-1 (a check on fresh seeds: pair with --suffix)",
     )
     parser.add_argument("--suffix", default="", help="write trust_study_SETTING_SUFFIX.*")
@@ -243,7 +263,8 @@ def main() -> None:
     parser.add_argument("--rows", nargs="+", choices=list(ROWS), help="these rows only")
     parser.add_argument("--attacks", nargs="+", choices=ATTACKS, help="these attacks only")
     parser.add_argument(
-        "--merge", action="store_true",
+        "--merge",
+        action="store_true",
         help="keep the setting's committed runs and replace only those run now",
     )
     args = parser.parse_args()
@@ -275,16 +296,28 @@ def main() -> None:
     command = " ".join(["python experiments/trust_study.py", *map(_quoted, sys.argv[1:])])
     commands.append(command)
     with open(out + ".json", "w") as f:
-        json.dump({"setting": SETTINGS[args.setting], "steps": args.steps, "seeds": seeds,
-                   "commands": commands, "results": results}, f, indent=1)
+        json.dump(
+            {
+                "setting": SETTINGS[args.setting],
+                "steps": args.steps,
+                "seeds": seeds,
+                "commands": commands,
+                "results": results,
+            },
+            f,
+            indent=1,
+        )
     data = "the Shakespeare LM" if args.setting.startswith("lm") else "MNIST-1D"
     lines = [
         f"# Untrusted workers: {args.setting}, 4 workers, {data}, {args.steps} steps, "
         f"seeds {seeds}",
         "",
         f"`{command}` (means over seeds; worker 1 attacks; docs/reliability.md reads it).",
-        *(["", "The runs merged into it, in order: " + "; ".join(f"`{c}`" for c in commands)]
-          if len(commands) > 1 else []),
+        *(
+            ["", "The runs merged into it, in order: " + "; ".join(f"`{c}`" for c in commands)]
+            if len(commands) > 1
+            else []
+        ),
         "",
         *table(results, seeds),
     ]

@@ -25,3 +25,11 @@ def _checkout_configs() -> None:
 
 
 _checkout_configs()
+
+
+def load(run_dir: str, best: bool = False, map_location="cpu"):
+    """A finished run's model, built from its own config and loaded with its final weights
+    (`best=True`: those `trainer.keep_best` kept): `localsgd.loading.load`."""
+    from localsgd.loading import load as load_run
+
+    return load_run(run_dir, best, map_location)

@@ -64,7 +64,12 @@ class TrainerConfig:
     track_drift: bool = True
     checkpoint_every: int = 500  # steps between checkpoints, plus one at the end; 0 = none
     keep_checkpoints: int = 2  # complete checkpoints kept (older ones are deleted)
-    resume: str = "auto"  # auto (newest complete checkpoint in the run dir) | never | a path
+    # auto: the run dir's newest complete checkpoint; with the default timestamped run dir, the
+    # newest unfinished run of the same overrides (localsgd/cli/run_dir.py) | never | a path
+    resume: str = "auto"
+    # keep best.pt: the weights of the best evaluation by optimized_metric, a val_* key
+    # (localsgd/loop/best.py); localsgd.load(run_dir, best=True) loads them
+    keep_best: bool = False
     nan_policy: str = "error"  # localsgd.loop.guards.NAN_POLICIES: error | skip
     deterministic: bool = False  # torch.use_deterministic_algorithms (CUDA); CPU is anyway
     # the recipe, named as in Lightning (localsgd/loop/recipe.py)
@@ -351,6 +356,10 @@ class DataOptions:
     # DataLoader per rank | memory | stream
     loader: str = "auto"
     num_workers: int = 0  # DataLoader worker processes per rank (stream only)
+    # the validation split held out of the train set (localsgd/data/validation.py): periodic
+    # evaluation, optimized_metric, sync.score and keep_best read it, the test set only the
+    # final evaluation. 0: none (periodic evaluation then reads the test set)
+    val_fraction: float = 0.1
 
 
 # localsgd's own keys of the `data` node; every other key is an argument of its `_target_`
@@ -403,9 +412,10 @@ class LoggerConfig:
 @dataclass
 class Config:
     seed: int = 0
-    # the summary.json key `main` returns, the objective a Hydra sweeper (Optuna) optimises;
-    # the language-model data presets set test_loss (minimise it: hydra.sweeper.direction)
-    optimized_metric: str = "test_accuracy"
+    # the summary.json key `main` returns, the objective a Hydra sweeper (Optuna) optimises:
+    # the validation split's; the language-model data presets set val_loss (minimise it:
+    # hydra.sweeper.direction)
+    optimized_metric: str = "val_accuracy"
     dist: DistConfig = field(default_factory=DistConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)

@@ -9,8 +9,9 @@ import os
 import shutil
 
 import pytest
+import torch
 
-from localsgd.cli.overrides import check_overrides
+from localsgd.cli.overrides import check_experiment_optimizer, check_overrides
 from tests.helpers import BASE, cli, refusal
 
 
@@ -68,6 +69,8 @@ CASES = [
     ("trainer.nan_policy=ignore", "trainer.nan_policy"),
     ("sync.outer_warmup_rounds=4", "sync.outer_warmup_rounds"),  # with no outer step
     ("sync=diloco sync.outer_warmup_rounds=-1", "sync.outer_warmup_rounds"),
+    ("experiment=diloco", "experiment"),  # without the +: the line says to add it
+    ("+experiment=diloco optim=sgd", "optim=sgd"),  # DiLoCo's AdamW lr would be kept for SGD
 ]
 
 
@@ -148,3 +151,53 @@ def test_the_command_exits_with_code_2_and_one_line(reference_run):
     assert proc.returncode == 2 and not left
     assert proc.stderr.strip() == "error: sync.period must be an integer >= 1, got 0"
     assert "Traceback" not in proc.stdout and _snapshot(reference_run) == before
+
+
+@pytest.mark.timeout(60)
+def test_an_experiment_without_plus_and_another_optimizer_say_the_fix(capsys):
+    assert refusal(BASE + ["experiment=diloco"], capsys) == (
+        "error: experiment is added with a +: +experiment=diloco (it is not in the defaults "
+        "list of conf/config.yaml)"
+    )
+    line = refusal(BASE + ["+experiment=diloco", "optim=sgd"], capsys)
+    assert line == (
+        "error: optim=sgd replaces the adamw of +experiment=diloco, whose optim.lr=0.003 was set "
+        "for adamw and would be kept for sgd: give optim.lr=... for sgd too (the sgd preset's "
+        "own: optim.lr=0.1), or leave optim=adamw"
+    )
+    check_experiment_optimizer(["+experiment=diloco", "optim=sgd", "optim.lr=0.05"])  # chosen
+    check_experiment_optimizer(["+experiment=diloco", "optim=adamw"])  # the experiment's own
+    check_experiment_optimizer(["+experiment=post_local_sgd", "optim=adamw"])  # sets no optim.*
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("key", ["hydra.run.dir", "hydra.sweep.dir"])
+def test_a_run_dir_that_cannot_be_written_is_refused(key, tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    args = BASE + [f"{key}={blocker}/run"] + (["-m"] if key == "hydra.sweep.dir" else [])
+    line = refusal(args, capsys)
+    assert line.startswith(
+        f"error: {key} must be a directory this command can create and write to, got "
+        f"{blocker}/run (not a directory at {blocker})"
+    )
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is there: the settings are valid")
+@pytest.mark.parametrize(
+    "override,fix",
+    [("dist.backend=nccl", "use dist.backend=auto"), ("dist.device=cuda", "use dist.device=auto")],
+)
+def test_cuda_settings_without_cuda_are_refused_before_any_worker(override, fix, capsys):
+    line = refusal(BASE + [override], capsys)
+    assert line.startswith(f"error: {override} needs") and fix in line
+
+
+@pytest.mark.timeout(60)
+def test_every_job_of_a_sweep_is_checked_before_the_first_starts(capsys):
+    line = refusal(BASE + ["-m", "sync.period=4,0", "seed=0,1"], capsys)
+    assert line == (
+        "error: sync.period must be an integer >= 1, got 0 (job 2 of the 4-job sweep: "
+        "sync.period=0 seed=0; no job was started)"
+    )

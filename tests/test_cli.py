@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+import localsgd
 from localsgd.models import build_model
 from tests.helpers import FAST, refusal, run_cli
 
@@ -53,6 +54,11 @@ def test_post_local_sgd_run_writes_model_summary_and_metrics(tmp_path):
     model = build_model({"_target_": "localsgd.models.mlp", "hidden": [64]}, (32,), 10)
     model.load_state_dict(state)
     assert sum(v.numel() for v in state.values()) == summary["params"]
+    log = (run_dir / "train.log").read_text()  # what the console showed, besides the notices
+    assert f"[OUTPUT] - run dir: {run_dir}\n" in log and "[OUTPUT] - summary: " in log
+    loaded = localsgd.load(str(run_dir))  # the same, in one call, from the run's own config
+    assert type(loaded) is type(model)
+    assert all(torch.equal(v, state[k]) for k, v in loaded.state_dict().items())
 
 
 @pytest.mark.parametrize(
@@ -81,9 +87,7 @@ def test_post_local_sgd_run_writes_model_summary_and_metrics(tmp_path):
     ],
 )
 @pytest.mark.timeout(60)
-def test_bad_values_are_refused_in_one_line_before_workers_start(
-    tmp_path, capsys, override, key
-):
+def test_bad_values_are_refused_in_one_line_before_workers_start(tmp_path, capsys, override, key):
     run_dir = tmp_path / "run"
     assert refusal([override, f"hydra.run.dir={run_dir}"], capsys).startswith(f"error: {key} ")
     assert not run_dir.exists()

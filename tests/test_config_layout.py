@@ -102,7 +102,7 @@ OLD_EXPERIMENTS = {
     "sweep_warmup": {"sync.period": 16},
     "sweep_lr": {},
     "optuna_lr": {},
-    "optuna_outer": {"sync.outer": "diloco", "optimized_metric": "test_loss"},
+    "optuna_outer": {"sync.outer": "diloco", "optimized_metric": "val_loss"},
     "hf_llama_shakespeare": {
         "sync.outer": "diloco",
         "sync.period": 25,
@@ -358,11 +358,11 @@ def test_a_refused_choice_lists_the_table_of_the_module_that_implements_it(overr
     assert str(refused.value) == f"{key} must be one of {', '.join(table)}, got 'x'"
 
 
-def test_the_language_model_presets_optimise_the_test_loss():
-    assert compose_config([]).optimized_metric == "test_accuracy"
+def test_the_language_model_presets_optimise_the_validation_loss():
+    assert compose_config([]).optimized_metric == "val_accuracy"
     for data in ("text", "shakespeare"):
         cfg = compose_config([f"data={data}", "model=transformer"])
-        assert cfg.optimized_metric == "test_loss", data
+        assert cfg.optimized_metric == "val_loss", data
         assert cfg.data.seq_len == 64 and cfg.data.partition == "iid"  # the node as before
         # periodic evaluations read a subset (the final one the whole validation set)
         assert cfg.trainer.eval_samples == 1024, data
@@ -371,7 +371,7 @@ def test_the_language_model_presets_optimise_the_test_loss():
     # the Optuna preset names both halves of the objective: which key, and which way is better
     with open(os.path.join(CONF, "experiment", "optuna_lr.yaml")) as f:
         optuna = yaml.safe_load(f)
-    assert optuna["optimized_metric"] == "test_accuracy"
+    assert optuna["optimized_metric"] == "val_accuracy"
     assert optuna["hydra"]["sweeper"]["direction"] == "maximize"
 
 

@@ -93,7 +93,7 @@ def test_load_data_instantiates_the_target_with_the_run_seed_and_drops_own_keys(
         **asdict(DataOptions(partition="by_class", num_workers=3)),
     }
     assert set(node) >= set(DATA_OPTIONS)
-    ds = load_data(node, seed=9)
+    ds = load_data({**node, "val_fraction": 0.0}, seed=9)  # the train set whole: no validation
     assert ds.input_shape == (4,) and len(ds.train) == 40
     assert torch.equal(ds.train.tensors[0], synthetic(50, 4, 2, seed=9).train.tensors[0])
 

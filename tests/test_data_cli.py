@@ -68,10 +68,11 @@ def test_shakespeare_preset_learns_characters_and_reports_perplexity_and_a_sampl
     assert len(summary["sample"]) == 50 and set(summary["sample"]) <= set(text.read_text())
     assert "sample:" in proc.stdout and "test_perplexity=" in proc.stdout
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    evals = [r for r in records if "test_loss" in r]
+    evals = [r for r in records if "val_loss" in r]  # periodic: the validation span
     # periodic evaluations carry the communication counters of their moment (for loss vs bytes)
     assert len(evals) >= 3 and all("comm_bytes" in r for r in evals[:-1])
-    assert all(r["test_perplexity"] == pytest.approx(math.exp(r["test_loss"])) for r in evals)
+    assert all(r["val_perplexity"] == pytest.approx(math.exp(r["val_loss"])) for r in evals)
+    assert [r for r in records if "test_loss" in r] == records[-1:]  # the test set: at the end
 
 
 @pytest.mark.timeout(60)

@@ -46,8 +46,15 @@ def _rounds(rank, rule, comm_dtype="float32", error_feedback=False):
     fragment-1 pseudo-gradient holds NaN at the second. What each rank held before each sync,
     and after it."""
     model = _net()
-    avg = StreamingAverager(2, module=model, fragments=2, aggregate=Aggregate(rule),
-                            comm_dtype=comm_dtype, error_feedback=error_feedback, **OUTER)
+    avg = StreamingAverager(
+        2,
+        module=model,
+        fragments=2,
+        aggregate=Aggregate(rule),
+        comm_dtype=comm_dtype,
+        error_feedback=error_feedback,
+        **OUTER,
+    )
     gen = torch.Generator().manual_seed(100 + rank)
     out = {"before": [], "after": [], "anchor0": avg.rounds.anchors.first[0].clone()}
     for step in range(4):
@@ -82,10 +89,17 @@ def _scored(rank, split, exclude_after=2, bad_from=0):
         seen.append(value)
         return value
 
-    judge = Judge(loss_at, exclude_after=exclude_after, score_fraction=0.5,
-                  split_evaluation=split)
-    avg = StreamingAverager(2, module=model, fragments=2, aggregate=Aggregate("mean"),
-                            judge=judge, outer_lr=1.0, outer_momentum=0.0, outer_nesterov=False)
+    judge = Judge(loss_at, exclude_after=exclude_after, score_fraction=0.5, split_evaluation=split)
+    avg = StreamingAverager(
+        2,
+        module=model,
+        fragments=2,
+        aggregate=Aggregate("mean"),
+        judge=judge,
+        outer_lr=1.0,
+        outer_momentum=0.0,
+        outer_nesterov=False,
+    )
     kept_exactly = []
     for step in range(4):
         with torch.no_grad():
@@ -96,8 +110,9 @@ def _scored(rank, split, exclude_after=2, bad_from=0):
         other = avg.flat.buffers[g][s:e].clone()
         avg.maybe_average()
         kept_exactly.append(torch.equal(avg.flat.buffers[g][s:e], other))
-    again = StreamingAverager(2, module=_net(), fragments=2, aggregate=Aggregate("mean"),
-                              judge=judge)
+    again = StreamingAverager(
+        2, module=_net(), fragments=2, aggregate=Aggregate("mean"), judge=judge
+    )
     again.load_state_dict(avg.state_dict())
     trust = avg.rounds.trust
     return {"seen": seen, "excluded": dict(trust.excluded), "events": list(trust.events),
@@ -154,8 +169,9 @@ def test_robust_fragments_across_processes():
                 assert torch.equal(r["after"][step][s:e], expected[step][s:e]), (rule, step)
                 assert torch.equal(r["anchor"], got[0]["anchor"])
         # the NaN of rank 1's fragment 1 at the second sync: dropped, named, on every rank
-        assert all(r["events"] == [{"round": 1, "step": 1, "rank": 1, "why": "nonfinite"}]
-                   for r in got)
+        assert all(
+            r["events"] == [{"round": 1, "step": 1, "rank": 1, "why": "nonfinite"}] for r in got
+        )
         # the all-gather counted as what this rank sends: each fragment once a sync, fp32
         assert got[0]["bytes"] == 4 * got[0]["anchor"].numel() * 2
     low = [r["int8"] for r in results]  # through the int8 wire: decoded, then the median
@@ -196,10 +212,18 @@ def test_the_mean_keeps_todays_rounds_and_robust_rules_build_gathered_fragment_r
     store = dist.HashStore()
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
-        streaming = ["sync=streaming_diloco", "sync.delay_steps=0", "sync.merge_alpha=0",
-                     "model=mlp", "model.hidden=[8,8,8]"]
-        for extra, trusted in (([], False), (["sync.aggregate=median"], True),
-                               (["sync.aggregate=mean", "sync.score=true"], True)):
+        streaming = [
+            "sync=streaming_diloco",
+            "sync.delay_steps=0",
+            "sync.merge_alpha=0",
+            "model=mlp",
+            "model.hidden=[8,8,8]",
+        ]
+        for extra, trusted in (
+            ([], False),
+            (["sync.aggregate=median"], True),
+            (["sync.aggregate=mean", "sync.score=true"], True),
+        ):
             cfg = compose_config([*streaming, *extra])
             validate(cfg, 4)
             model = nn.Sequential(*(nn.Linear(4, 4) for _ in range(4)))
@@ -213,15 +237,21 @@ def test_the_mean_keeps_todays_rounds_and_robust_rules_build_gathered_fragment_r
 
 
 def test_what_does_not_compose_is_refused_in_one_line():
-    streaming = ["sync=streaming_diloco", "sync.aggregate=median", "model=mlp",
-                 "model.hidden=[8,8,8]"]
+    streaming = [
+        "sync=streaming_diloco",
+        "sync.aggregate=median",
+        "model=mlp",
+        "model.hidden=[8,8,8]",
+    ]
     blocking = [*streaming, "sync.delay_steps=0", "sync.merge_alpha=0"]
     for overrides, key in (
         ([*blocking, "sync.eager=true"], "sync.eager=true"),
         (["sync=hierarchical", "sync.outer=diloco", "sync.aggregate=median"], "sync.levels"),
         # the scored mean: the warmup's gradients would go unjudged (a robust rule takes them)
-        ([*blocking, "sync.aggregate=mean", "sync.score=true", "sync.warmup_steps=4"],
-         "sync.warmup_steps"),
+        (
+            [*blocking, "sync.aggregate=mean", "sync.score=true", "sync.warmup_steps=4"],
+            "sync.warmup_steps",
+        ),
     ):
         with pytest.raises(ConfigError, match=key) as info:
             validate(compose_config(overrides), 4)
@@ -270,9 +300,19 @@ def test_gathered_rounds_decay_the_residual_as_the_mean_does():
 
 
 # Streaming DiLoCo, blocking and replacing, 2 fragments: a fragment sync every 5 steps
-STREAMING = [*FAST, "dist.world_size=4", "sync=streaming_diloco", "sync.period=10",
-             "sync.fragments=2", "sync.delay_steps=0", "sync.merge_alpha=0",
-             "model.hidden=[32,32,32]", "optim=adamw", "optim.lr=0.003", "sync.aggregate=median"]
+STREAMING = [
+    *FAST,
+    "dist.world_size=4",
+    "sync=streaming_diloco",
+    "sync.period=10",
+    "sync.fragments=2",
+    "sync.delay_steps=0",
+    "sync.merge_alpha=0",
+    "model.hidden=[32,32,32]",
+    "optim=adamw",
+    "optim.lr=0.003",
+    "sync.aggregate=median",
+]
 
 
 def _attack(kind: str, rank: int = 1) -> str:
@@ -289,10 +329,16 @@ def test_cli_streaming_diloco_with_a_robust_aggregate_drops_and_excludes(tmp_pat
     trains on, naming worker 1; scored, a sign-flipping attacker is excluded at its second bad
     fragment round (on probation: `sync.probation_rounds`) and named in the log, the metrics
     and the summary."""
-    common = [*STREAMING, "trainer.max_steps=40", "trainer.log_every=10",
-              "sync.check_replicas=true"]  # replicas compared bit for bit after every sync
-    runs = {"nan": [*common, _attack("nan")],
-            "scored": [*common, "sync.score=true", _attack("sign_flip")]}
+    common = [
+        *STREAMING,
+        "trainer.max_steps=40",
+        "trainer.log_every=10",
+        "sync.check_replicas=true",
+    ]  # replicas compared bit for bit after every sync
+    runs = {
+        "nan": [*common, _attack("nan")],
+        "scored": [*common, "sync.score=true", _attack("sign_flip")],
+    }
     said = {}
     for name, args in runs.items():
         proc, left = cli([*args, f"hydra.run.dir={tmp_path / name}"])
@@ -308,8 +354,9 @@ def test_cli_streaming_diloco_with_a_robust_aggregate_drops_and_excludes(tmp_pat
     scored = json.loads((tmp_path / "scored" / "summary.json").read_text())
     assert scored["trust"]["excluded"] == {"1": 1}, scored["trust"]
     assert "trust: worker 1 at round 1 (step 5): excluded" in said["scored"]
-    lines = [json.loads(x) for x in
-             (tmp_path / "scored" / "metrics.jsonl").read_text().splitlines()]
+    lines = [
+        json.loads(x) for x in (tmp_path / "scored" / "metrics.jsonl").read_text().splitlines()
+    ]
     assert any(line.get("excluded") == {"1": 1} for line in lines)
 
 
@@ -320,8 +367,14 @@ def test_a_killed_scored_streaming_run_resumes_with_the_same_verdicts(tmp_path):
     """The fragments' verdict state is checkpointed with the averager: killed between fragment
     syncs and resumed, a scored run ends with the bits and the verdicts of an uninterrupted
     one."""
-    args = [*STREAMING, "trainer.max_steps=60", "trainer.checkpoint_every=25",
-            "sync.score=true", "sync.score_batch=32", "sync.exclude_after=2"]
+    args = [
+        *STREAMING,
+        "trainer.max_steps=60",
+        "trainer.checkpoint_every=25",
+        "sync.score=true",
+        "sync.score_batch=32",
+        "sync.exclude_after=2",
+    ]
     attack = "{_target_:localsgd.loop.attacks.Attack,kind:'zeros',rank:3}"
     kill = "{_target_:tests.faults.Fault,spec:'kill:2:33'}"
     proc, _ = cli([*args, f"trainer.callbacks=[{attack}]", f"hydra.run.dir={tmp_path / 'ref'}"])

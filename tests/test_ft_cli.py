@@ -66,13 +66,15 @@ def _collapse(seq: list[int]) -> list[int]:
     [
         [],
         # DiLoCo's anchor and outer momentum: Streaming DiLoCo's below has both, per fragment
-        pytest.param(["sync.outer=diloco", "optim=adamw", "optim.lr=0.003"],
-                     marks=pytest.mark.long),
+        pytest.param(
+            ["sync.outer=diloco", "optim=adamw", "optim.lr=0.003"], marks=pytest.mark.long
+        ),
         [*STREAMING, "sync.delay_steps=1"],
         pytest.param([*STREAMING, "sync.eager=true"], marks=pytest.mark.long),
         pytest.param(SPARSELOCO, marks=pytest.mark.long),
-        pytest.param([*SPARSELOCO, "sync.fragments=2", "sync.delay_steps=1"],
-                     marks=pytest.mark.long),  # fmt: skip
+        pytest.param(
+            [*SPARSELOCO, "sync.fragments=2", "sync.delay_steps=1"], marks=pytest.mark.long
+        ),  # fmt: skip
     ],
 )
 def test_no_fault_is_bit_identical_to_the_plain_path(tmp_path, strategy):
@@ -110,8 +112,9 @@ def test_no_fault_is_bit_identical_to_the_plain_path(tmp_path, strategy):
     "strategy, victim",
     [
         ([], 0),
-        pytest.param(["sync.outer=diloco", "optim=adamw", "optim.lr=0.003"], 1,
-                     marks=pytest.mark.long),  # the Streaming heal below covers its state
+        pytest.param(
+            ["sync.outer=diloco", "optim=adamw", "optim.lr=0.003"], 1, marks=pytest.mark.long
+        ),  # the Streaming heal below covers its state
         ([*STREAMING, "sync.merge_alpha=0.5"], 1),
         pytest.param(SPARSELOCO, 1, marks=pytest.mark.long),
     ],

@@ -33,7 +33,9 @@ def test_a_notice_under_this_process_bar_starts_a_line_and_lands_in_train_log(tm
     notice("ft: worker 1 died (signal 9)")
     bar.close()
     assert "ft: worker 1 died (signal 9)" in _lines(capsys.readouterr().err)
-    assert log.read_text().endswith("[localsgd][NOTICE] - ft: worker 1 died (signal 9)\n")
+    logged = log.read_text()  # the notice, then the bar's last state (what the console showed)
+    assert "[localsgd][NOTICE] - ft: worker 1 died (signal 9)\n" in logged
+    assert logged.splitlines()[-1].split("[localsgd][OUTPUT] - ")[1].startswith("train:  30%")
 
 
 @pytest.mark.timeout(10)

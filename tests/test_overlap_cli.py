@@ -37,7 +37,7 @@ def test_overlap_from_the_cli_counts_rounds_and_resumes_bit_identical(tmp_path, 
     # (the first merge is after step 8), and the replicas had moved apart by then
     train = [r for r in records if "loss" in r]
     assert [r["step"] for r in train if r.get("drift", 0) > 0] == [8, 12, 16, 20, 24]
-    assert any("test_accuracy" in r for r in records[:-1])  # evaluated after a merge
+    assert any("val_accuracy" in r for r in records[:-1])  # evaluated after a merge
 
     run_dir = tmp_path / "run"
     proc, _ = cli(OVERLAP + [f"hydra.run.dir={run_dir}"], fault="kill:0:17")

@@ -104,7 +104,7 @@ def _precision_worker(rank, world_size, cfg):
             "losses": losses,
             "identical": identical_after_sync,
             "dtypes": dtypes,
-            "accuracy": t.evaluate()["test_accuracy"],
+            "accuracy": t.evaluate()["val_accuracy"],
             "scale": scaler,
         }
 

@@ -6,6 +6,7 @@ plot."""
 
 from __future__ import annotations
 
+import csv
 import json
 import struct
 
@@ -198,3 +199,14 @@ def test_a_run_with_no_overrides_is_labelled_by_its_config(tmp_path, capsys):
     assert report_main([str(tmp_path), "--no-plots"]) == 0
     printed = capsys.readouterr().out
     assert "| sync.period=16 | 1 |" in printed and "| sync.period=64 (one-shot) | 1 |" in printed
+
+
+def test_the_seeds_column_counts_seeds_not_runs(tmp_path, capsys):
+    """Two runs of seed 0 that differ only in what grouping ignores (logger.*) are one seed."""
+    make_run(tmp_path / "a", ["sync.period=16", "logger.plots=true"], seed=0)
+    make_run(tmp_path / "b", ["sync.period=16", "logger.plots=false"], seed=0)
+    make_run(tmp_path / "c", ["sync.period=16"], seed=1)
+    assert report_main([str(tmp_path), "--no-plots"]) == 0
+    assert "| 2 (3 runs) |" in capsys.readouterr().out
+    rows = list(csv.DictReader((tmp_path / "report.csv").open()))
+    assert [(r["seeds"], r["runs"]) for r in rows] == [("2", "3")]

@@ -45,8 +45,9 @@ def _mean(tensors):
     "before,after,extra",
     [
         # shrinking DiLoCo: its 2 -> 1 between syncs below stays in make test
-        pytest.param(4, 2, ["sync.outer=diloco", "optim=adamw", "optim.lr=0.01"],
-                     marks=pytest.mark.long),
+        pytest.param(
+            4, 2, ["sync.outer=diloco", "optim=adamw", "optim.lr=0.01"], marks=pytest.mark.long
+        ),
         (2, 4, []),
     ],
 )

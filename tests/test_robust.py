@@ -79,19 +79,36 @@ def test_clip_bounds_every_contribution_by_the_median_norm():
 def test_the_mean_and_clip_over_topk_divide_each_index_by_its_senders():
     # 4 sparse contributions over 6 values; sent: where each message held an index (a value
     # sent can be 0). Index 5 was sent by nobody, index 0 by every worker.
-    rows = torch.tensor([[1.0, 2, 0, 0, 0, 0], [3, 0, 4, 0, 0, 0], [5, 0, 0, 6, 0, 0],
-                         [7, 0, 0, 0, 0, 0]])
-    sent = torch.tensor([[1, 1, 0, 0, 0, 0], [1, 0, 1, 0, 0, 0], [1, 0, 0, 1, 0, 0],
-                         [1, 0, 0, 0, 1, 0], [0, 0, 0, 0, 0, 0]], dtype=torch.bool)
+    rows = torch.tensor(
+        [[1.0, 2, 0, 0, 0, 0], [3, 0, 4, 0, 0, 0], [5, 0, 0, 6, 0, 0], [7, 0, 0, 0, 0, 0]]
+    )
+    sent = torch.tensor(
+        [
+            [1, 1, 0, 0, 0, 0],
+            [1, 0, 1, 0, 0, 0],
+            [1, 0, 0, 1, 0, 0],
+            [1, 0, 0, 0, 1, 0],
+            [0, 0, 0, 0, 0, 0],
+        ],
+        dtype=torch.bool,
+    )
     # (sent holds a spare row and padding columns: only rows `keep` and the first n count)
     sent = torch.cat([sent, torch.zeros(5, 2, dtype=torch.bool)], 1)
     mean = Aggregate("mean").combine([rows], [0, 1, 2, 3], [sent])[0]
     assert mean.tolist() == [4.0, 2.0, 4.0, 6.0, 0.0, 0.0]
     # without worker 2: index 3 has no sender left, index 0 three
-    assert torch.equal(Aggregate("mean").combine([rows], [0, 1, 3], [sent])[0],
-                       torch.tensor([11 / 3, 2.0, 4.0, 0.0, 0.0, 0.0]))
-    assert Aggregate("mean").combine([rows], [0, 1, 2, 3])[0].tolist() == [4.0, 0.5, 1.0, 1.5,
-                                                                           0.0, 0.0]
+    assert torch.equal(
+        Aggregate("mean").combine([rows], [0, 1, 3], [sent])[0],
+        torch.tensor([11 / 3, 2.0, 4.0, 0.0, 0.0, 0.0]),
+    )
+    assert Aggregate("mean").combine([rows], [0, 1, 2, 3])[0].tolist() == [
+        4.0,
+        0.5,
+        1.0,
+        1.5,
+        0.0,
+        0.0,
+    ]
     big = rows.clone()
     big[3] *= 1000  # norm 7000 against a median norm of about 6: clipped to 2x that
     norms = sorted(float(r.norm()) for r in big)
@@ -114,9 +131,11 @@ def test_a_per_coordinate_rule_over_topk_is_refused():
     with pytest.raises(ConfigError, match="sync.compress=topk") as info:
         validate(compose_config(["sync=sparseloco", "sync.aggregate=median"]), 4)
     assert "\n" not in str(info.value)
-    for overrides in (["sync.score=true"], ["sync.aggregate=clip", "sync.topk_mean=senders"],
-                      ["sync.score=true", "sync.topk_mean=senders",
-                       "sync.error_feedback_decay=0.9"]):
+    for overrides in (
+        ["sync.score=true"],
+        ["sync.aggregate=clip", "sync.topk_mean=senders"],
+        ["sync.score=true", "sync.topk_mean=senders", "sync.error_feedback_decay=0.9"],
+    ):
         validate(compose_config(["sync=sparseloco", *overrides]), 4)
 
 
@@ -165,8 +184,10 @@ def test_bad_values_are_refused_in_one_line():
                   ["sync.overlap=true"], ["sync=adaptive"]):
         validate(compose_config(["sync.aggregate=median", *extra]), 4)
     # post-local SGD: the warmup's gradients combined by the robust rule too
-    validate(compose_config(["+experiment=post_local_sgd", "sync.aggregate=median",
-                             "sync.score=true"]), 4)
+    validate(
+        compose_config(["+experiment=post_local_sgd", "sync.aggregate=median", "sync.score=true"]),
+        4,
+    )
 
 
 class _Net(torch.nn.Module):
@@ -229,8 +250,15 @@ def _worker(rank, world_size):
             return held_out(round_)
 
         judge = Judge(loss_at, exclude_after=2, score_fraction=0.5, split_evaluation=split)
-        avg = OuterAverager(1, module=model, aggregate=Aggregate("mean"), judge=judge,
-                            outer_lr=1.0, outer_momentum=0.0, outer_nesterov=False)
+        avg = OuterAverager(
+            1,
+            module=model,
+            aggregate=Aggregate("mean"),
+            judge=judge,
+            outer_lr=1.0,
+            outer_momentum=0.0,
+            outer_nesterov=False,
+        )
         for _ in range(4):
             with torch.no_grad():
                 for p in model.parameters():
@@ -261,8 +289,15 @@ def _worker(rank, world_size):
                 return torch.stack([((model.fc.weight - 1) * w).square().sum() for w in rows])
 
         judge = Judge(loss_at, exclude_after=2, split_evaluation=batch is not None, batch=batch)
-        avg = OuterAverager(1, module=model, aggregate=Aggregate("mean"), judge=judge,
-                            outer_lr=1.0, outer_momentum=0.0, outer_nesterov=False)
+        avg = OuterAverager(
+            1,
+            module=model,
+            aggregate=Aggregate("mean"),
+            judge=judge,
+            outer_lr=1.0,
+            outer_momentum=0.0,
+            outer_nesterov=False,
+        )
         for _ in range(4):
             with torch.no_grad():
                 for p in model.parameters():
@@ -270,15 +305,24 @@ def _worker(rank, world_size):
             avg.maybe_average()
         trust = avg.rounds.trust
         out["by_samples" if batch else "whole_batch"] = {
-            "excluded": dict(trust.excluded), "events": list(trust.events),
-            "scores": list(trust.scores), "zs": list(trust.zs),
-            "model": avg.flat.buffers[0].clone(), "samples": evaluated[0],
+            "excluded": dict(trust.excluded),
+            "events": list(trust.events),
+            "scores": list(trust.scores),
+            "zs": list(trust.zs),
+            "model": avg.flat.buffers[0].clone(),
+            "samples": evaluated[0],
         }
     # 3. a low-bit wire with error feedback: each contribution decoded, then the median; rank 2
     #    sends Inf
     model = _Net()
-    avg = OuterAverager(1, module=model, aggregate=Aggregate("median"), comm_dtype="int8",
-                        error_feedback=True, quant_block_size=8)
+    avg = OuterAverager(
+        1,
+        module=model,
+        aggregate=Aggregate("median"),
+        comm_dtype="int8",
+        error_feedback=True,
+        quant_block_size=8,
+    )
     _step(model, torch.Generator().manual_seed(20 + rank), rank)
     if rank == 2:
         with torch.no_grad():
@@ -314,10 +358,13 @@ def _worker(rank, world_size):
             model.fc.weight.grad.mul_(-10)
     sent = grads.buffers[0].clone()
     grads.all_reduce()
-    out["warmup"] = {"sent": sent, "got": grads.buffers[0].clone(),
-                     "weight_grad": model.fc.weight.grad.clone(),
-                     "dropped": list(grads.comm.dropped),
-                     "bytes": grads.stats.bytes == 4 * sent.numel()}
+    out["warmup"] = {
+        "sent": sent,
+        "got": grads.buffers[0].clone(),
+        "weight_grad": model.fc.weight.grad.clone(),
+        "dropped": list(grads.comm.dropped),
+        "bytes": grads.stats.bytes == 4 * sent.numel(),
+    }
     # ... and under the mean, guarded (post-local SGD's default): rank 1's NaN left out in band
     model = _Net()
     grads = GradientAverager(model, drop_nonfinite=True)
@@ -327,8 +374,11 @@ def _worker(rank, world_size):
             model.fc.weight.grad[0, 0] = float("nan")
     sent = grads.buffers[0].clone()
     grads.all_reduce()
-    out["warmup_mean"] = {"sent": sent, "got": grads.buffers[0].clone(),
-                          "dropped": list(grads.comm.dropped)}
+    out["warmup_mean"] = {
+        "sent": sent,
+        "got": grads.buffers[0].clone(),
+        "dropped": list(grads.comm.dropped),
+    }
     return out
 
 
@@ -340,9 +390,17 @@ def _topk_cases(rank: int) -> dict:
         codec = TopKCodec(density=0.25, chunk=8, mean=mean)  # 2 of every 8 values
         for name, aggregate in (("decoded", None), ("gathered", Aggregate("mean"))):
             model = _Net()
-            avg = OuterAverager(1, module=model, aggregate=aggregate, comm_dtype=codec,
-                                error_feedback=True, error_feedback_decay=0.9, outer_lr=1.0,
-                                outer_momentum=0.0, outer_nesterov=False)
+            avg = OuterAverager(
+                1,
+                module=model,
+                aggregate=aggregate,
+                comm_dtype=codec,
+                error_feedback=True,
+                error_feedback_decay=0.9,
+                outer_lr=1.0,
+                outer_momentum=0.0,
+                outer_nesterov=False,
+            )
             gen = torch.Generator().manual_seed(40 + rank)
             for round_ in range(3):
                 _step(model, gen, rank)
@@ -386,8 +444,13 @@ def _guard_cases(rank: int) -> dict:
     model = _Net()
     run("unguarded", PeriodicAverager(1, module=model, drop_nonfinite=False), model, 1)
     model = _Net()  # DiLoCo, outer SGD lr 1: the model becomes the mean of the finite ones
-    run("diloco", OuterAverager(1, module=model, outer_lr=1.0, outer_momentum=0.0,
-                                outer_nesterov=False), model, bad_rank=2, value=float("inf"))
+    run(
+        "diloco",
+        OuterAverager(1, module=model, outer_lr=1.0, outer_momentum=0.0, outer_nesterov=False),
+        model,
+        bad_rank=2,
+        value=float("inf"),
+    )
     model = _Net()
     avg = run("int4", OuterAverager(1, module=model, outer_lr=1.0, outer_momentum=0.0,
                                     outer_nesterov=False, comm_dtype="int4",
@@ -479,8 +542,10 @@ def test_untrusted_workers_across_processes():
     for m in means:
         assert m["dropped"] == [1] and torch.equal(m["got"], means[0]["got"])
         assert torch.allclose(m["got"], finite, atol=1e-6)
-    assert not torch.equal(results[0]["topk"]["all", "gathered"]["model"],
-                           results[0]["topk"]["senders", "gathered"]["model"])
+    assert not torch.equal(
+        results[0]["topk"]["all", "gathered"]["model"],
+        results[0]["topk"]["senders", "gathered"]["model"],
+    )
 
 
 def _check_guard(results):
@@ -488,8 +553,12 @@ def _check_guard(results):
     ends with the same finite bits, the mean of the finite contributions; the bad rank is
     named on every rank; a clean round costs no byte more, a poisoned one one small
     all-reduce; `drop_nonfinite=False` is today's unguarded all-reduce."""
-    for name, bad, extra in (("mean", 1, 8 * (WORLD + 2)), ("diloco", 2, 8 * (WORLD + 2)),
-                             ("int4", 3, 0), ("overlap", 1, 8 * (WORLD + 2))):
+    for name, bad, extra in (
+        ("mean", 1, 8 * (WORLD + 2)),
+        ("diloco", 2, 8 * (WORLD + 2)),
+        ("int4", 3, 0),
+        ("overlap", 1, 8 * (WORLD + 2)),
+    ):
         got = [r[name] for r in results]
         for g in got:
             assert torch.isfinite(g["model"]).all(), name
@@ -521,8 +590,11 @@ def test_robust_mean_is_built_only_when_asked():
     store = dist.HashStore()
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
-        for overrides, robust in (([], False), (["sync.aggregate=median"], True),
-                                  (["sync.drop_nonfinite=true"], False)):
+        for overrides, robust in (
+            ([], False),
+            (["sync.aggregate=median"], True),
+            (["sync.drop_nonfinite=true"], False),
+        ):
             cfg = compose_config(overrides)
             model = _Net()
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -593,9 +665,11 @@ def test_post_local_sgd_warmup_drops_a_nan_gradient_and_the_median_bounds_a_flip
                   "dist.world_size=4", "trainer.max_steps=40", "trainer.checkpoint_every=0",
                   "optim.lr=0.05"]  # fmt: skip
     runs = {}
-    for name, extra in (("nan", [_attack("nan")]),
-                        ("flip_mean", [_attack("sign_flip")]),
-                        ("flip_median", [_attack("sign_flip"), "sync.aggregate=median"])):
+    for name, extra in (
+        ("nan", [_attack("nan")]),
+        ("flip_mean", [_attack("sign_flip")]),
+        ("flip_median", [_attack("sign_flip"), "sync.aggregate=median"]),
+    ):
         run = tmp_path / name
         proc, _ = cli(job + extra + [f"hydra.run.dir={run}"])
         runs[name] = (proc, run)
@@ -623,15 +697,31 @@ def test_cli_drops_nan_and_excludes_an_attacker(tmp_path):
     loss; the scored median excludes a sign-flipping attacker, named in the metrics and the
     summary: every one of its contributions dropped, and excluded at its second bad round (on
     probation, `sync.probation_rounds`: its first rounds)."""
-    common = [*FAST, "dist.world_size=4", "trainer.max_steps=60", "sync.period=10",
-              "trainer.log_every=10"]
+    common = [
+        *FAST,
+        "dist.world_size=4",
+        "trainer.max_steps=60",
+        "sync.period=10",
+        "trainer.log_every=10",
+    ]
     runs = {
         "mean": ([*common, _attack("nan")], True),
         "unguarded": ([*common, "sync.drop_nonfinite=false", _attack("nan")], False),
-        "diloco": ([*common, "sync=diloco", "optim=adamw", "optim.lr=0.003",
-                    "sync.comm_dtype=int8", _attack("nan")], True),
-        "scored": ([*common, "sync.aggregate=median", "sync.score=true",
-                    _attack("sign_flip")], True),
+        "diloco": (
+            [
+                *common,
+                "sync=diloco",
+                "optim=adamw",
+                "optim.lr=0.003",
+                "sync.comm_dtype=int8",
+                _attack("nan"),
+            ],
+            True,
+        ),
+        "scored": (
+            [*common, "sync.aggregate=median", "sync.score=true", _attack("sign_flip")],
+            True,
+        ),
     }
     said = {}
     for name, (args, ok) in runs.items():
@@ -647,8 +737,9 @@ def test_cli_drops_nan_and_excludes_an_attacker(tmp_path):
         assert summary["dropped_nonfinite_at"] == [[1, s] for s in range(0, 60, 10)], name
         assert summary["dropped_nonfinite"] == 6
         assert "nonfinite: worker 1's contribution at step 0 held NaN/Inf" in said[name]
-        lines = [json.loads(x) for x in
-                 (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        lines = [
+            json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        ]
         assert [x["dropped_nonfinite"] for x in lines if "loss" in x][-1] == 6
     assert "trust: worker 1 at round 1 (step 10): excluded" in said["scored"]
     assert "(2 bad rounds running on probation: sync.probation_rounds)" in said["scored"]
@@ -828,7 +919,9 @@ def test_scattered_bad_rounds_where_no_change_helps_do_not_add_up():
         trust.run_([flat], [torch.zeros(1)], _Gathers(rows), [None], step=round_)
     assert all(s is not None and s < 0 for s in trust.scores), trust.scores
     assert [(e["rank"], e["round"]) for e in trust.events if e["why"] == "bad"] == [
-        (3, 1), (3, 3), (3, 5)
+        (3, 1),
+        (3, 3),
+        (3, 5),
     ]
     assert trust.excluded == {}
 
@@ -1013,9 +1106,17 @@ def test_a_killed_scored_run_resumes_with_the_same_verdicts(tmp_path):
     """The rounds, bad-round streaks, exclusions and events are checkpointed with the averager:
     killed between syncs and resumed, a scored median run ends with the bits and the verdicts of
     an uninterrupted one."""
-    args = [*FAST, "dist.world_size=4", "trainer.max_steps=60", "sync.period=5",
-            "trainer.checkpoint_every=25", "sync.aggregate=median", "sync.score=true",
-            "sync.score_batch=32", "sync.exclude_after=2"]
+    args = [
+        *FAST,
+        "dist.world_size=4",
+        "trainer.max_steps=60",
+        "sync.period=5",
+        "trainer.checkpoint_every=25",
+        "sync.aggregate=median",
+        "sync.score=true",
+        "sync.score_batch=32",
+        "sync.exclude_after=2",
+    ]
     attack = "{_target_:localsgd.loop.attacks.Attack,kind:'zeros',rank:3}"
     kill = "{_target_:tests.faults.Fault,spec:'kill:2:33'}"
     proc, _ = cli([*args, f"trainer.callbacks=[{attack}]", f"hydra.run.dir={tmp_path / 'ref'}"])

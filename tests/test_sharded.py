@@ -58,9 +58,19 @@ CASES = {  # name: (steps, averager factory)
     },
     # SparseLoCo's wire: top-k of each shard's pseudo-gradient (its chunks start at the
     # shard's start), 2-bit values, error feedback
-    "topk_feedback": (7, lambda model, group: OuterAverager(
-        3, process_group=group, module=model, comm_dtype=TopKCodec(0.25, 16, "senders"),
-        error_feedback=True, outer_lr=1.0, outer_momentum=0.0, outer_nesterov=False)),
+    "topk_feedback": (
+        7,
+        lambda model, group: OuterAverager(
+            3,
+            process_group=group,
+            module=model,
+            comm_dtype=TopKCodec(0.25, 16, "senders"),
+            error_feedback=True,
+            outer_lr=1.0,
+            outer_momentum=0.0,
+            outer_nesterov=False,
+        ),
+    ),
 }
 # the settings each case turns on besides its averager: the optimizer state averaged with the
 # parameters, a period adapted to the loss (fed the replica group's loss), and two levels whose
@@ -78,10 +88,26 @@ CASES |= {
         ),
     ),
 }
-ADAM = ("diloco", "diloco_cpu", "moments_averaged", "int8_feedback", "int4_feedback",
-        "topk_feedback")
-EXACT = ["local_sgd", "diloco", "streaming", "hierarchical", "moments_averaged", "adaptive",
-         "clip", "nan_in_one_shard", "scored", "streaming_scored"]
+ADAM = (
+    "diloco",
+    "diloco_cpu",
+    "moments_averaged",
+    "int8_feedback",
+    "int4_feedback",
+    "topk_feedback",
+)
+EXACT = [
+    "local_sgd",
+    "diloco",
+    "streaming",
+    "hierarchical",
+    "moments_averaged",
+    "adaptive",
+    "clip",
+    "nan_in_one_shard",
+    "scored",
+    "streaming_scored",
+]
 # (low bits: their blocks start at each shard's start)
 # sync.outer_state=cpu (localsgd/averaging/offload.py): each must give its device case's bits
 OFFLOADED = {
@@ -265,8 +291,12 @@ def test_sharded_groups_train_as_replicated_workers_on_the_union_of_their_batche
     if case in TRUSTED:  # the same verdicts on every rank, sharded or not
         events = replicated[0][case]["events"]
         assert all(r[case]["events"] == events for r in sharded + replicated), case
-        whys = {"clip": set(), "nan_in_one_shard": {"nonfinite"}, "scored": {"bad"},
-                "streaming_scored": {"bad"}}[case]
+        whys = {
+            "clip": set(),
+            "nan_in_one_shard": {"nonfinite"},
+            "scored": {"bad"},
+            "streaming_scored": {"bad"},
+        }[case]
         assert {e["why"] for e in events} == whys and {e["rank"] for e in events} <= {1}
     periods = [result[case]["periods"] for result in sharded + replicated]
     assert all(p == periods[0] for p in periods), periods  # every shard index adapts alike
@@ -391,8 +421,9 @@ def test_the_cli_scores_streaming_fragments_of_sharded_replica_groups(tmp_path):
     """`+experiment=untrusted_streaming` over 2 replica groups of 2, both ranks of the second
     flipping their fragment's change: every fragment round judges it bad (2 groups: dropped,
     never excluded), and every sync leaves the groups bit-identical."""
-    attack = ",".join(f"{{_target_:localsgd.loop.attacks.Attack,kind:sign_flip,rank:{r}}}"
-                      for r in (2, 3))
+    attack = ",".join(
+        f"{{_target_:localsgd.loop.attacks.Attack,kind:sign_flip,rank:{r}}}" for r in (2, 3)
+    )
     run = tmp_path / "run"
     proc, _ = cli(["+experiment=untrusted_streaming", "dist.world_size=4", "dist.shard_size=2",
                    "trainer.max_steps=96", "sync.check_replicas=true", "logger.plots=false",
@@ -435,14 +466,19 @@ def test_the_cli_trains_sharded_diloco_and_reports_state_bytes(tmp_path):
     assert held["averager_parts"]["mirror"] == 0  # released between steps
     # sync.outer_state=cpu: anchor, momentum and staging (this rank's shards) counted apart,
     # and one line says that on a CPU run that saves nothing
-    assert held["host"] == {"total": 3 * held["parameters"], "anchors": held["parameters"],
-                            "outer_momentum": held["parameters"], "staging": held["parameters"]}
+    assert held["host"] == {
+        "total": 3 * held["parameters"],
+        "anchors": held["parameters"],
+        "outer_momentum": held["parameters"],
+        "staging": held["parameters"],
+    }
     assert held["averager"] == 0
     assert proc.stderr.count("sync.outer_state=cpu on a CPU run saves nothing") == 1
     # the peak allocated is CUDA's counter: absent on CPU, not zero
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert "peak_allocated_bytes" not in summary and not any("peak_allocated_bytes" in x
-                                                             for x in lines)
+    assert "peak_allocated_bytes" not in summary and not any(
+        "peak_allocated_bytes" in x for x in lines
+    )
     # every rank sends its shard, not the model: 4 outer steps
     assert summary["comm_bytes"] == 4 * held["parameters"]
     # the replica group's total: both ranks' shards, the whole model's bytes per outer step

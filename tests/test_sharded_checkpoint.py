@@ -324,14 +324,24 @@ def test_sharded_sparseloco_killed_and_resumed_ends_bit_identical(tmp_path):
     """SparseLoCo over sharded replica groups: each rank sends top-k of its own shard's
     pseudo-gradient (chunks start at the shard's start), and its error-feedback residual, per
     shard, travels in the checkpoint: a run killed after step 16 resumes to the same bits."""
-    args = JOB + SHARDED + ["sync=sparseloco", "sync.period=5", "sync.topk_chunk=64",
-                            "sync.topk_mean=senders", "sync.error_feedback_decay=0.9"]
+    args = (
+        JOB
+        + SHARDED
+        + [
+            "sync=sparseloco",
+            "sync.period=5",
+            "sync.topk_chunk=64",
+            "sync.topk_mean=senders",
+            "sync.error_feedback_decay=0.9",
+        ]
+    )
     whole, run_dir = tmp_path / "whole", tmp_path / "killed"
     _ok(cli(args + [f"hydra.run.dir={whole}", "sync.check_replicas=true"]))
     summary = json.loads((whole / "summary.json").read_text())
     assert summary["replica_checks"] > 0 and summary["shard_size"] == 2
-    proc, _ = cli(args + [f"hydra.run.dir={run_dir}", "sync.check_replicas=true"],
-                  fault="kill:1:18")
+    proc, _ = cli(
+        args + [f"hydra.run.dir={run_dir}", "sync.check_replicas=true"], fault="kill:1:18"
+    )
     assert proc.returncode != 0
     _ok(cli(args + [f"hydra.run.dir={run_dir}", "sync.check_replicas=true"]))
     assert same_model(run_dir / "model.pt", whole / "model.pt")

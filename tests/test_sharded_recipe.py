@@ -62,8 +62,9 @@ def _train(rank: int, world: int, shard_size: int) -> dict:
         computed = set()  # the dtypes the first linear computes with
         model[0].register_forward_pre_hook(lambda m, _, c=computed: c.add(m.weight.dtype))
         averager = PeriodicAverager(3, warmup, process_group=sharding.replicate_group, module=model)
-        grads = GradientAverager(model, sharding.replicate_group, init_sync=False,
-                                 aggregate=ROBUST_WARMUP.get(name))
+        grads = GradientAverager(
+            model, sharding.replicate_group, init_sync=False, aggregate=ROBUST_WARMUP.get(name)
+        )
         norms, models = [], []
 
         def recorded(params, max_norm, _norms=norms, **kw):

@@ -133,8 +133,17 @@ def _old_decode(x: torch.Tensor, k: int, chunk: int) -> torch.Tensor:
     return torch.zeros_like(chunks).scatter_(1, index, value).view(-1)[:n]
 
 
-@pytest.mark.parametrize("n, chunk, k", [(3680, 256, 16), (214996, 4096, 64), (5000, 64, 64),
-                                         (777, 2, 1), (12293, 4096, 60), (1000, 100, 5)])
+@pytest.mark.parametrize(
+    "n, chunk, k",
+    [
+        (3680, 256, 16),
+        (214996, 4096, 64),
+        (5000, 64, 64),
+        (777, 2, 1),
+        (12293, 4096, 60),
+        (1000, 100, 5),
+    ],
+)
 def test_the_decoded_values_are_the_int16_wires_bits(n, chunk, k):
     """Elias-Fano changes how the positions are written, not which: every value decodes to
     the same bits as with the int16 indices before it (so the sum in rank order is too)."""
@@ -149,6 +158,7 @@ def _positions(chunk: int, k: int, gen: torch.Generator) -> list[list[int]]:
     """Chunks of positions that test the coding's edges: random ones, runs of adjacent ones from
     the first position and up to the last, the first and last together, and a last chunk one
     value short (the zero-padded position left out unless every position is kept)."""
+
     def some(m: int, count: int) -> list[int]:
         return torch.randperm(m, generator=gen)[:count].tolist()
 
@@ -161,8 +171,20 @@ def _positions(chunk: int, k: int, gen: torch.Generator) -> list[list[int]]:
     return picks
 
 
-@pytest.mark.parametrize("chunk, k", [(4096, 64), (4096, 60), (4096, 1), (64, 64), (100, 7),
-                                      (2, 1), (2, 2), (256, 255), (1 << 20, 3)])
+@pytest.mark.parametrize(
+    "chunk, k",
+    [
+        (4096, 64),
+        (4096, 60),
+        (4096, 1),
+        (64, 64),
+        (100, 7),
+        (2, 1),
+        (2, 2),
+        (256, 255),
+        (1 << 20, 3),
+    ],
+)
 def test_elias_fano_round_trips_the_sorted_positions(chunk, k):
     """The k positions each chunk keeps, coded and decoded: exactly the picked positions,
     ascending, for random picks, positions 0 and chunk - 1, adjacent runs, k = 1, k = chunk
@@ -305,8 +327,9 @@ def test_the_senders_mean_divides_each_index_by_the_workers_that_sent_it():
             bad[0] = float("nan")  # rank 2's first chunk decodes to NaN: left out, uncounted
             gathered = torch.cat([codec.quantize(x) for x in (xs[0], xs[1], bad)])
             assert decode_mean_(out, wire, gathered, members, members, guard=True) == [2]
-            two = (decoded[0] + decoded[1]) / ((decoded[0] != 0).float()
-                                               + (decoded[1] != 0).float()).clamp(min=1)
+            two = (decoded[0] + decoded[1]) / (
+                (decoded[0] != 0).float() + (decoded[1] != 0).float()
+            ).clamp(min=1)
             assert torch.allclose(out, two, rtol=0, atol=1e-6)
 
 

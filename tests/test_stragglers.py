@@ -229,8 +229,17 @@ def test_a_sharded_replica_group_computes_a_tick_only_where_all_its_ranks_would(
     collectives waiting), the other group all 8, and the rounds weigh the groups 7:2 as the
     unsharded run weighs workers 0 and 3."""
     run = tmp_path / "run"
-    args = JOB + SLOW + ["sync.inner_time_s=0.016", "dist.shard_size=2", "dist.timeout_s=30",
-                         "sync.check_replicas=true", f"hydra.run.dir={run}"]
+    args = (
+        JOB
+        + SLOW
+        + [
+            "sync.inner_time_s=0.016",
+            "dist.shard_size=2",
+            "dist.timeout_s=30",
+            "sync.check_replicas=true",
+            f"hydra.run.dir={run}",
+        ]
+    )
     proc, _ = cli(args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((run / "summary.json").read_text())

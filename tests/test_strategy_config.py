@@ -160,8 +160,12 @@ def test_the_outer_warmup_reaches_the_averager_and_the_diloco_preset_has_it():
         [
             ["sync=diloco"],  # the preset: 4 rounds (the Shakespeare study's map)
             ["sync=diloco", "sync.outer_warmup_rounds=0"],  # the paper's step
-            ["sync.outer=diloco", "sync.fragments=2", "sync.period=8",
-             "sync.outer_warmup_rounds=3"],  # per fragment under streaming
+            [
+                "sync.outer=diloco",
+                "sync.fragments=2",
+                "sync.period=8",
+                "sync.outer_warmup_rounds=3",
+            ],  # per fragment under streaming
         ],  # fmt: skip
     )
     assert got == [4, 0, 3]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from localsgd.cli.forkserver import start_method
-from localsgd.data import ShardSampler, make_batches, shard_indices
+from localsgd.data import ShardSampler, load_data, make_batches, shard_indices
 from localsgd.data.datasets import cifar10, image_folder, synthetic
 from localsgd.data.loader import StreamBatches
 from tests.helpers import BASE, cli, fake_cifar, same_model, train_records
@@ -155,7 +155,8 @@ def test_max_epochs_counts_passes_over_the_smallest_shard(tmp_path):
     proc, _ = cli(args + partition + ["trainer.max_steps=null", "trainer.max_epochs=2"]
                   + [f"hydra.run.dir={run_dir}"])  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    labels = synthetic(num_samples=600, seed=0).train.targets
+    node = {"_target_": "localsgd.data.datasets.synthetic", "num_samples": 600, "val_fraction": 0.1}
+    labels = load_data(node, seed=0).train.targets  # less the validation split
     shards = [len(shard_indices(labels, 2, r, "dirichlet", 0, alpha=5.0)) for r in range(2)]
     assert shards[0] != shards[1]
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -56,6 +56,9 @@ def test_basic_launcher_sweep_gives_each_job_its_own_run(basic_sweep):
         assert job["summary"]["comm_rounds"] == -(-24 // period) + (23 % period != 0)
     for job in (p for p in basic_sweep.iterdir() if (p / "summary.json").is_file()):
         assert (job / "loss_vs_step.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    names = sorted(p.name for p in basic_sweep.iterdir() if p.is_dir())  # N_OVERRIDES
+    assert len(names) == 4 and not any("," in n for n in names), names  # no commas in a path
+    assert "_model.hidden=[64]_model=mlp_seed=1_sync.period=4_" in names[3]
     # the seed changes the run; the period changes the communication
     assert jobs["seed=0,sync.period=4"]["metrics"] != jobs["seed=1,sync.period=4"]["metrics"]
 
@@ -133,7 +136,7 @@ def test_submitit_local_launcher_reproduces_the_basic_launcher_job(basic_sweep, 
 
 
 @pytest.mark.timeout(300)
-def test_optuna_search_maximises_the_returned_test_accuracy(tmp_path):
+def test_optuna_search_maximises_the_returned_validation_accuracy(tmp_path):
     sweep = tmp_path / "sweep"
     proc = run_cli(
         [
@@ -146,7 +149,7 @@ def test_optuna_search_maximises_the_returned_test_accuracy(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     accuracies = [
-        json.loads((job / "summary.json").read_text())["test_accuracy"]
+        json.loads((job / "summary.json").read_text())["val_accuracy"]
         for job in sweep.iterdir()
         if (job / "summary.json").is_file()
     ]
@@ -160,14 +163,14 @@ def test_optuna_search_maximises_the_returned_test_accuracy(tmp_path):
 @pytest.mark.timeout(300)
 def test_optuna_search_minimises_the_optimized_metric(tmp_path):
     """`optimized_metric` names what each job returns and `direction` which way is better: two
-    trials minimising test_loss report the smaller of the two runs' losses as the best."""
+    trials minimising val_loss report the smaller of the two runs' losses as the best."""
     sweep = tmp_path / "sweep"
     proc = run_cli(
         [
             "-m",
             "+experiment=optuna_lr",
             "hydra.sweeper.n_trials=2",
-            "optimized_metric=test_loss",
+            "optimized_metric=val_loss",
             "hydra.sweeper.direction=minimize",
             *SWEEP,
             f"hydra.sweep.dir={sweep}",
@@ -176,7 +179,7 @@ def test_optuna_search_minimises_the_optimized_metric(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     losses = [
-        json.loads((job / "summary.json").read_text())["test_loss"]
+        json.loads((job / "summary.json").read_text())["val_loss"]
         for job in sweep.iterdir()
         if (job / "summary.json").is_file()
     ]
@@ -187,11 +190,13 @@ def test_optuna_search_minimises_the_optimized_metric(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_an_optimized_metric_the_summary_lacks_is_one_line_naming_the_keys(tmp_path):
-    run_dir = tmp_path / "run"
-    args = [*FAST, "dist.world_size=1", "trainer.max_steps=4", "optimized_metric=val_loss"]
-    proc, left = cli([*args, f"hydra.run.dir={run_dir}"], timeout=100)
+    """Under a sweep, whose sweeper reads it (a single run's objective is read by nobody)."""
+    sweep = tmp_path / "sweep"
+    args = [*FAST, "dist.world_size=1", "trainer.max_steps=4", "optimized_metric=val_loss_typo"]
+    proc, left = cli(["-m", *args, f"hydra.sweep.dir={sweep}", "seed=0"], timeout=100)
     assert proc.returncode == 2 and not left, proc.stderr[-3000:]
     line = proc.stderr.strip().splitlines()[-1]
     assert line.startswith("error: optimized_metric must be a numeric key of summary.json (")
-    assert line.endswith(", got 'val_loss'") and "(test_loss, test_accuracy, steps, " in line
-    assert (run_dir / "summary.json").is_file()  # the finished run is kept
+    assert line.endswith(", got 'val_loss_typo'")
+    assert "(test_loss, test_accuracy, val_loss, val_accuracy, steps, " in line
+    assert any(sweep.glob("*/summary.json"))  # the finished run is kept

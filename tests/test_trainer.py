@@ -17,7 +17,6 @@ from tests.helpers import SMALL, CollectiveCounter, compose_config, run_distribu
 pytestmark = pytest.mark.slow
 
 
-
 def _replicas_identical(trainer: Trainer) -> bool:
     """Checksum-free exact check: every rank's full flat buffer gathered and compared bytewise."""
     flat = torch.cat([b.reshape(-1) for b in trainer.sync.averager.flat.buffers])
@@ -82,10 +81,10 @@ def _slow_evaluation_worker(rank, world_size, cfg):
         )
         evaluate = trainer.evaluate
 
-        def slow(full: bool = False):
+        def slow(full: bool = False, split: str | None = None):
             if not full:  # only the periodic ones: the final evaluation is outside the timing
                 time.sleep(_EVAL_DELAY_S)
-            return evaluate(full)
+            return evaluate(full, split)
 
         trainer.evaluate = slow
         return trainer.train()

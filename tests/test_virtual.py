@@ -214,8 +214,14 @@ def test_virtual_workers_are_bit_identical_to_processes(tmp_path):
         (["+experiment=diloco_muon", "sync.period=8"], 3),
         # the median with scoring, a sign flip excluded: the gathers of the contributions and
         # of the held-out losses split by samples (localsgd/averaging/held_out.py)
-        (["+experiment=untrusted", "sync.period=8", "trainer.callbacks=[{_target_:"
-          "localsgd.loop.attacks.Attack,kind:sign_flip,rank:1}]"], 4),
+        (
+            [
+                "+experiment=untrusted",
+                "sync.period=8",
+                "trainer.callbacks=[{_target_:localsgd.loop.attacks.Attack,kind:sign_flip,rank:1}]",
+            ],
+            4,
+        ),
     ],
 )
 def test_virtual_workers_match_processes_long(args, workers, tmp_path):

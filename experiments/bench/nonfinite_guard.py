@@ -36,17 +36,22 @@ def main() -> None:
         times = row["max"]
         med = {m: statistics.median(times[m]) for m in ("raw", "ours", "unguarded", "gloo-avg")}
         per_rep = [a / b for a, b in zip(times["ours"], times["unguarded"], strict=True)]
-        print(json.dumps({
-            "world": row["world"],
-            "params": row["numel"],
-            "raw_ms": round(med["raw"] * 1e3, 2),
-            "guarded_vs_raw": round(med["ours"] / med["raw"], 3),
-            "unguarded_vs_raw": round(med["unguarded"] / med["raw"], 3),
-            "guarded_vs_unguarded": round(med["ours"] / med["unguarded"], 3),
-            "guarded_vs_gloo_avg": round(med["ours"] / med["gloo-avg"], 3),
-            "unguarded_vs_gloo_avg": round(med["unguarded"] / med["gloo-avg"], 3),
-            "per_rep_ratio_median": round(statistics.median(per_rep), 3),
-        }), flush=True)
+        print(
+            json.dumps(
+                {
+                    "world": row["world"],
+                    "params": row["numel"],
+                    "raw_ms": round(med["raw"] * 1e3, 2),
+                    "guarded_vs_raw": round(med["ours"] / med["raw"], 3),
+                    "unguarded_vs_raw": round(med["unguarded"] / med["raw"], 3),
+                    "guarded_vs_unguarded": round(med["ours"] / med["unguarded"], 3),
+                    "guarded_vs_gloo_avg": round(med["ours"] / med["gloo-avg"], 3),
+                    "unguarded_vs_gloo_avg": round(med["unguarded"] / med["gloo-avg"], 3),
+                    "per_rep_ratio_median": round(statistics.median(per_rep), 3),
+                }
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -91,8 +91,15 @@ def _held_out(model: GPT, batch: int):
 def _averager(model: GPT, fragments: int, **trust):
     if not fragments:
         return PeriodicAverager(1, module=model, **trust)
-    return StreamingAverager(fragments, module=model, fragments=fragments, outer_lr=1.0,
-                             outer_momentum=0.0, outer_nesterov=False, **trust)
+    return StreamingAverager(
+        fragments,
+        module=model,
+        fragments=fragments,
+        outer_lr=1.0,
+        outer_momentum=0.0,
+        outer_nesterov=False,
+        **trust,
+    )
 
 
 def _worker(
@@ -150,11 +157,20 @@ def main() -> None:
     parser.add_argument("--period", type=int, default=10, help="H: inner steps a round")
     parser.add_argument("--reps", type=int, default=8)
     parser.add_argument("--score-batch", type=int, default=256)
-    parser.add_argument("--fragments", type=int, default=0,
-                        help="P > 0: Streaming DiLoCo's blocking fragments (see the doc)")
+    parser.add_argument(
+        "--fragments",
+        type=int,
+        default=0,
+        help="P > 0: Streaming DiLoCo's blocking fragments (see the doc)",
+    )
     args = parser.parse_args()
     per_rank = run_world(
-        _worker, args.world, args.period, args.reps, args.score_batch, args.fragments,
+        _worker,
+        args.world,
+        args.period,
+        args.reps,
+        args.score_batch,
+        args.fragments,
         timeout_s=1800,
     )
     reps = len(per_rank[0]["compute"])
@@ -165,15 +181,20 @@ def main() -> None:
             (slowest[name][i] - slowest["mean"][i]) / (compute[i] + slowest["mean"][i])
             for i in range(reps)
         ]
-        print(json.dumps({
-            "world": args.world,
-            "period": args.period,
-            "fragments": args.fragments,
-            "method": name,
-            "sync_ms": round(statistics.median(slowest[name]) * 1e3, 1),
-            "compute_ms": round(statistics.median(compute) * 1e3, 1),
-            "extra_wall_vs_mean": round(statistics.median(extra), 4),
-        }), flush=True)
+        print(
+            json.dumps(
+                {
+                    "world": args.world,
+                    "period": args.period,
+                    "fragments": args.fragments,
+                    "method": name,
+                    "sync_ms": round(statistics.median(slowest[name]) * 1e3, 1),
+                    "compute_ms": round(statistics.median(compute) * 1e3, 1),
+                    "extra_wall_vs_mean": round(statistics.median(extra), 4),
+                }
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

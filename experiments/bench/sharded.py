@@ -53,9 +53,7 @@ def _job(rank: int, world_size: int, shape: dict, shard_size: int, args: dict) -
     params = sum(p.numel() for p in model.parameters())
     model = sharding.shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=4e-4, betas=(0.9, 0.95), weight_decay=0.1)
-    averager = OuterAverager(
-        args["period"], process_group=sharding.replicate_group, module=model
-    )
+    averager = OuterAverager(args["period"], process_group=sharding.replicate_group, module=model)
     # the state at its peak in a round: taken just before the mirror is pushed back and
     # released (sharded: the mirrored copy of the shards exists only then)
     peak = {"total": 0}
@@ -231,8 +229,10 @@ def main(argv: list[str] | None = None) -> None:
             f"{_gib(get(two['rank0']['host_state']))} |"
             for name, get in (
                 ("the averager's on the device (`averager`)", lambda s: s["averager"]),
-                ("in host memory (`host`: anchor, outer momentum, staging)",
-                 lambda s: s["host"]["total"]),
+                (
+                    "in host memory (`host`: anchor, outer momentum, staging)",
+                    lambda s: s["host"]["total"],
+                ),
             )
         ),  # fmt: skip
     ]

@@ -84,12 +84,21 @@ STEPS = 600
 BASE = ["sync=sparseloco", "sync.period=16"]
 SB95 = ["sync=sparseloco", "sync.topk_mean=senders", "sync.error_feedback_decay=0.95"]
 # stage 1's best (the decay last, so that stage 2 can replace it)
-K46_H16 = ["sync=sparseloco", "sync.topk_mean=senders", "sync.period=16",
-           "sync.topk_density=0.01123046875", "sync.error_feedback_decay=0.95"]
+K46_H16 = [
+    "sync=sparseloco",
+    "sync.topk_mean=senders",
+    "sync.period=16",
+    "sync.topk_density=0.01123046875",
+    "sync.error_feedback_decay=0.95",
+]
 K46_B90 = K46_H16[:-1] + ["sync.error_feedback_decay=0.9"]  # k46_h16_b90, the best so far
 # k46_h16_b80_n5 (the study's sparseloco_h16_k46_sb80_n5); FRESH changes one of its last 4
-K46_B80_N5 = K46_H16[:-1] + ["sync.error_feedback_decay=0.8", "sync.outer_momentum=0.5",
-                             "sync.outer_nesterov=true", "sync.outer_lr=1.0"]
+K46_B80_N5 = K46_H16[:-1] + [
+    "sync.error_feedback_decay=0.8",
+    "sync.outer_momentum=0.5",
+    "sync.outer_nesterov=true",
+    "sync.outer_lr=1.0",
+]
 N9 = ["sync.outer_momentum=0.9", "sync.outer_nesterov=true", "sync.outer_lr=0.7"]  # DiLoCo's
 
 # name -> (overrides on top of COMMON, what it asks)
@@ -198,8 +207,11 @@ def _restate(kept: dict) -> dict:
     if config.get("sync") == "sparseloco":
         config.setdefault("sync.compress", "topk")
     period = int(config.get("sync.period", 50 if config.get("sync") == "sparseloco" else 1))
-    summary = {"comm_bytes": kept["comm_bytes"], "params": kept["params"],
-               "comm_rounds": kept.get("comm_rounds", len(range(0, kept["steps"], period)) + 1)}
+    summary = {
+        "comm_bytes": kept["comm_bytes"],
+        "params": kept["params"],
+        "comm_rounds": kept.get("comm_rounds", len(range(0, kept["steps"], period)) + 1),
+    }
     int16 = restate_run(summary, config)
     return {"comm_bytes": summary["comm_bytes"], "int16": int16}
 
@@ -233,9 +245,10 @@ def report() -> None:
         "| probe | seed | what | val loss | vs sync | vs local_k16 | bytes / param / step |",
         "|---|---|---|---|---|---|---|",
     ]
-    for run_name, r in sorted(kept.items(), key=lambda kv: (kv[0].rsplit("_s", 1)[1],
-                                                            list(PROBES).index(
-                                                                kv[0].rsplit("_s", 1)[0]))):
+    for run_name, r in sorted(
+        kept.items(),
+        key=lambda kv: (kv[0].rsplit("_s", 1)[1], list(PROBES).index(kv[0].rsplit("_s", 1)[0])),
+    ):
         name, seed = run_name.rsplit("_s", 1)
         restated = _restate(r)
         ref = {k: kept.get(f"{k}_s{seed}", {}).get("test_loss") for k in ("sync", "local_k16")}

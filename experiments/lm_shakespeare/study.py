@@ -577,9 +577,7 @@ def paired_table(by_row) -> list[str]:
         d = [la[s] - lb[s] for s in seeds]
         if not d:
             continue
-        spread = max(
-            statistics.stdev(v.values()) if len(v) > 1 else 0.0 for v in (la, lb)
-        )
+        spread = max(statistics.stdev(v.values()) if len(v) > 1 else 0.0 for v in (la, lb))
         spread = max(spread, statistics.stdev(d) if len(d) > 1 else 0.0)
         mean = statistics.fmean(d)
         counts = (all(x > 0 for x in d) or all(x < 0 for x in d)) and abs(mean) > spread

@@ -24,6 +24,9 @@ TITLES = {
     "test_accuracy": "test accuracy",
     "test_loss": "test loss",
     "test_perplexity": "test perplexity",
+    "val_accuracy": "validation accuracy",
+    "val_loss": "validation loss",
+    "val_perplexity": "validation perplexity",
     "loss": "training loss",
 }
 
@@ -34,7 +37,7 @@ def _title(metric: str) -> str:
 
 def _stem(metric: str) -> str:
     """A metric's part of a file name (`accuracy_vs_step.png` as before for the default)."""
-    return "accuracy" if metric == "test_accuracy" else metric
+    return "accuracy" if metric in ("test_accuracy", "val_accuracy") else metric
 
 
 def _wrap(text: str, width: int = 48) -> str:
@@ -174,6 +177,7 @@ def plot_all(
     """Write the report's PNGs into `out`; returns their file names. `metric`: the runs' metric
     and whether lower is better (`localsgd.analysis.runs.report_metric`)."""
     name, _ = metric
+    final = test_of(name, groups)  # the final value: the test set's, read once at the end
     stem = _stem(name)
     written = [f"{stem}_vs_step.png", "train_loss_vs_step.png", "loss_vs_comm_bytes.png"]
     _curves(
@@ -209,8 +213,17 @@ def plot_all(
     )
     if len(groups) > 1:  # one group's final value is the table's
         written.append(f"{stem}_vs_k.png")
-        _final_vs_k(groups, keys, name, os.path.join(out, written[-1]))
+        _final_vs_k(groups, keys, final, os.path.join(out, written[-1]))
     return written
+
+
+def test_of(metric: str, groups: list[Group]) -> str:
+    """A validation metric's test counterpart (`val_accuracy` -> `test_accuracy`) where the runs'
+    summaries have it: what a final value is; the validation curve is what a sweep selected on."""
+    if not metric.startswith("val_"):
+        return metric
+    test = "test_" + metric[len("val_") :]
+    return test if any(g.values(test) for g in groups) else metric
 
 
 RUN_PLOT = "loss_vs_step.png"
@@ -218,17 +231,23 @@ RUN_PLOT = "loss_vs_step.png"
 
 def plot_run(run_dir: str) -> str:
     """One finished run's curves, written into its directory as `loss_vs_step.png`: the
-    training loss (rank 0's, as logged) and the test loss of the averaged model against step,
-    and beside them the run's `optimized_metric` where it is not the test loss. Returns the
-    file's path."""
+    training loss (rank 0's, as logged), the validation loss of the averaged model at each
+    evaluation and the test loss (read at the end) against step, and beside them the run's
+    `optimized_metric` where it is not a loss. Returns the file's path."""
     run = load_run(run_dir)
     metric = run.config.get("optimized_metric") or "test_accuracy"
-    second = metric if metric not in ("test_loss", "loss") else None
+    second = metric if metric not in ("test_loss", "val_loss", "loss") else None
     if second is not None and not any(second in r for r in run.metrics):
         second = None
     # one x axis: a run shorter than trainer.eval_every has one evaluation, at its last step
     fig, axes, _ = _grid(2 if second else 1, sharey=False, sharex=True)
-    _run_panel(axes[0], run, ("loss", "training loss"), ("test_loss", "test loss (averaged model)"))
+    _run_panel(
+        axes[0],
+        run,
+        ("loss", "training loss"),
+        ("val_loss", "validation loss (averaged model)"),
+        ("test_loss", "test loss (averaged model)"),
+    )
     axes[0].set_ylabel("loss")
     if second:
         _run_panel(axes[1], run, (second, f"{_title(second)} (averaged model)"))

@@ -5,7 +5,8 @@ A PATH is a directory or a run table. Every directory under a given one that hol
 A run table (`*.jsonl`, written by `--export`) holds one run per line: its name, overrides,
 config, summary and metrics curve, which is all a report needs, so a study keeps one file instead
 of a Hydra output tree. Runs that differ only in `seed` form one row: mean +- std over the seeds of
-the runs' `optimized_metric` (test accuracy; test loss and perplexity for language models),
+the runs' `optimized_metric` (validation accuracy, and the test accuracy the final model reached;
+the losses and test perplexity for language models),
 communication rounds and bytes, and wall time. Writes `report.md`, `report.csv` and the PNGs into
 `--out` (default: the first directory, or the table's folder).
 """
@@ -31,7 +32,12 @@ def mean_std(values: list[float]) -> tuple[float, float | None]:
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else None
 
 
-TITLES = {"test_accuracy": "test accuracy", "test_loss": "test loss"}
+TITLES = {
+    "test_accuracy": "test accuracy",
+    "test_loss": "test loss",
+    "val_accuracy": "val accuracy",
+    "val_loss": "val loss",
+}
 COMM = (
     ("comm_rounds", "comm rounds", "{:.0f}"),
     ("comm_bytes", "comm MB", "{:.2f}"),
@@ -41,11 +47,17 @@ COLUMNS = (("test_accuracy", "test accuracy ↑", "{:.4f}"), *COMM)  # a classif
 
 
 def columns(runs: list[Run]) -> tuple[tuple[str, str, str], ...]:
-    """The runs' `optimized_metric` first, with the way it improves (↑, ↓); a language model's
-    test loss (nats per character) with its perplexity."""
+    """The runs' `optimized_metric` first, with the way it improves (↑, ↓): a validation metric
+    as its test value (the final model on the test set, read once) and then itself (what a
+    sweep selected on); a language model's loss (nats per character) with its perplexity."""
     metric, lower = report_metric(runs)
-    lead = [(metric, f"{TITLES.get(metric, metric)} {'↓' if lower else '↑'}", "{:.4f}")]
-    if metric == "test_loss" and any("test_perplexity" in r.summary for r in runs):
+    arrow = "↓" if lower else "↑"
+    keys = [metric]
+    if metric.startswith("val_"):
+        test = "test_" + metric[len("val_") :]
+        keys = [test, metric] if any(test in r.summary for r in runs) else keys
+    lead = [(k, f"{TITLES.get(k, k)} {arrow}", "{:.4f}") for k in keys]
+    if keys[0] == "test_loss" and any("test_perplexity" in r.summary for r in runs):
         lead.append(("test_perplexity", "test perplexity ↓", "{:.2f}"))
     return (*lead, *COMM)
 
@@ -53,7 +65,13 @@ def columns(runs: list[Run]) -> tuple[tuple[str, str, str], ...]:
 def table_rows(groups: list[Group], cols=COLUMNS) -> list[dict[str, Any]]:
     rows = []
     for g in groups:
-        row: dict[str, Any] = {"config": g.label, "seeds": len(g.runs)}
+        # seeds, not runs: two runs of one seed (a config that differs only in what grouping
+        # ignores, e.g. logger.*) are one seed twice
+        row: dict[str, Any] = {
+            "config": g.label,
+            "seeds": len({r.seed for r in g.runs}),
+            "runs": len(g.runs),
+        }
         for key, _, _ in cols:
             values = g.values(key)
             if key == "comm_bytes":
@@ -67,7 +85,8 @@ def markdown(rows: list[dict[str, Any]], cols=COLUMNS) -> str:
     head = "| config | seeds | " + " | ".join(title for _, title, _ in cols) + " |"
     lines = [head, "|" + "---|" * (2 + len(cols))]
     for row in rows:
-        cells = [row["config"], str(row["seeds"])]
+        runs = "" if row["runs"] == row["seeds"] else f" ({row['runs']} runs)"
+        cells = [row["config"], f"{row['seeds']}{runs}"]
         for key, _, fmt in cols:
             std = row[key + "_std"]
             spread = "" if std is None else f" ± {fmt.format(std)}"
@@ -77,8 +96,8 @@ def markdown(rows: list[dict[str, Any]], cols=COLUMNS) -> str:
 
 
 def write_csv(path: str, rows: list[dict[str, Any]], cols=COLUMNS) -> None:
-    """`KEY_std` is empty for one seed."""
-    fields = ["config", "seeds"] + [k for key, _, _ in cols for k in (key, key + "_std")]
+    """`KEY_std` is empty for one run."""
+    fields = ["config", "seeds", "runs"] + [k for key, _, _ in cols for k in (key, key + "_std")]
     with open(path, "w", newline="", encoding="utf-8") as f:
         writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()

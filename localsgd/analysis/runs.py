@@ -77,6 +77,9 @@ CURVE_KEYS = (
     "test_loss",
     "test_accuracy",
     "test_perplexity",
+    "val_loss",
+    "val_accuracy",
+    "val_perplexity",
     "comm_rounds",
     "comm_bytes",
     "comm_seconds",
@@ -313,8 +316,9 @@ LOWER_IS_BETTER = ("loss", "perplexity", "seconds", "time", "bytes", "rounds")
 
 def report_metric(runs: list[Run]) -> tuple[str, bool]:
     """The metric a report leads with, and whether lower is better: the runs' `optimized_metric`
-    (`data=text`/`shakespeare` set test_loss, the default is test_accuracy), the most common one
-    if they differ, where their summaries have it."""
+    (`data=text`/`shakespeare` set val_loss, the default is val_accuracy; runs made before the
+    validation split: test_*), the most common one if they differ, where their summaries have
+    it."""
     named = Counter(r.config.get("optimized_metric") or "test_accuracy" for r in runs)
     for metric, _ in named.most_common():
         if any(isinstance(r.summary.get(metric), (int, float)) for r in runs):

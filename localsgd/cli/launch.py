@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import multiprocessing
 import multiprocessing.forkserver
 import os
@@ -28,6 +29,7 @@ from localsgd.cli.forkserver import (  # noqa: F401  (under_torchrun re-exported
 )
 from localsgd.cli.proctitle import set_title
 from localsgd.loop.metrics import notice
+from localsgd.loop.stop import announce
 from localsgd.loop.worker import WorkerInfo  # noqa: F401  (re-exported for the CLI)
 
 
@@ -172,6 +174,26 @@ def _server_died(context) -> str | None:
     )
 
 
+# What gloo raises in a worker whose peer's process is gone: a consequence, not the cause.
+_PEER_LOST = ("closed by peer", "reset by peer")
+
+
+def _lost_a_peer(line: str) -> bool:
+    return any(phrase in line for phrase in _PEER_LOST)
+
+
+def _peer_that_died(context, raised: int) -> str | None:
+    """The line for a worker killed by a signal, when another worker's error only says that its
+    connection to a peer closed: under load the survivor's exception can reach the launcher
+    before the dead worker's exit does, and the line should name the cause. Signals the
+    launcher's own clean-up sends (SIGTERM) are not a cause."""
+    for rank, process in enumerate(context.processes):
+        code = process.exitcode
+        if rank != raised and code is not None and code < 0 and -code != signal.SIGTERM:
+            return f"worker rank {rank} died with exit code {code}"
+    return None
+
+
 def spawn(
     fn: Callable, world_size: int, timeout_s: float, args: tuple = ()
 ) -> signal.Signals | None:
@@ -194,6 +216,7 @@ def spawn(
     # One thread per worker: more would oversubscribe the cores the workers share.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     previous = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    tell_workers = functools.partial(announce, store)  # which signal it was (stop.announce)
     interrupts = 0
     stopped_by: signal.Signals | None = None
     try:
@@ -209,6 +232,7 @@ def spawn(
             nonlocal stopped_by
             if stopped_by is None:
                 stopped_by = signal.Signals(signum)
+                tell_workers(signum)  # so their line names Ctrl-C, not the SIGTERM they get
             for p in context.processes:
                 if p.is_alive():
                     os.kill(p.pid, signal.SIGTERM)
@@ -243,6 +267,9 @@ def spawn(
         ) from None
     except mp.ProcessRaisedException as e:
         last = [line for line in str(e).strip().splitlines() if line.strip()][-1]
+        cause = _peer_that_died(context, e.error_index) if _lost_a_peer(last) else None
+        if cause is not None:
+            raise WorkerFailed(cause) from None
         raise WorkerFailed(f"worker rank {e.error_index} failed: {last}") from None
     finally:
         signal.signal(signal.SIGTERM, previous[0])

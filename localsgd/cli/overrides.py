@@ -107,6 +107,12 @@ def check_overrides(args: list[str]) -> None:
         key = o.key_or_group
         if key.startswith("hydra") or o.is_delete():
             continue
+        if key == "experiment" and not (o.is_add() or o.is_force_add()):
+            # lightning-hydra-template lists `experiment: null` in its defaults; ours does not
+            raise ConfigError(
+                f"experiment is added with a +: +experiment={_values(o)[0]} (it is not in the "
+                f"defaults list of conf/config.yaml)"
+            )
         if any(os.path.isdir(os.path.join(d, key)) for d in (CONF_DIR, *extra_dirs)):
             allowed = group_options(key, tuple(extra_dirs))
             for value in _values(o):
@@ -130,6 +136,62 @@ def check_overrides(args: list[str]) -> None:
                 node = OmegaConf.select(schema, key)
                 kind = type(node).__name__ if node is not None else "a valid value"
                 raise ConfigError(f"{key} must be of type {kind}, got {value!r}") from e
+
+
+def experiment_presets(name: str, extra_dirs: tuple[str, ...] = ()) -> tuple[dict, dict]:
+    """An experiment file's group choices (`override /optim: adamw` -> {"optim": "adamw"}) and
+    its top-level settings, read from `conf/experiment/NAME.yaml` (or a --config-dir's)."""
+    for root in (*extra_dirs, CONF_DIR):
+        path = os.path.join(root, "experiment", f"{name}.yaml")
+        if os.path.isfile(path):
+            node = OmegaConf.to_container(OmegaConf.load(path)) or {}
+            groups = {}
+            for entry in node.pop("defaults", None) or []:
+                if isinstance(entry, dict):
+                    for k, v in entry.items():
+                        groups[k.removeprefix("override ").strip().lstrip("/")] = v
+            return groups, node
+    return {}, {}
+
+
+def check_experiment_optimizer(args: list[str]) -> None:
+    """`+experiment=diloco optim=sgd`: the experiment's optimizer settings (lr 0.003, chosen for
+    AdamW) would be kept for another optimizer without a word. Refused unless the command also
+    gives each of them, since a learning rate tuned for one optimizer is wrong for another."""
+    extra_dirs, args = split_config_dirs(args)
+    candidates = [a for a in args if "=" in a and not a.startswith("-")]
+    try:
+        overrides = OverridesParser.create().parse_overrides(candidates)
+    except HydraException:
+        return  # check_overrides says why
+    chosen = {o.key_or_group: [str(v) for v in _values(o)] for o in overrides}
+    given = {o.key_or_group for o in overrides}
+    for name in chosen.get("experiment", []):
+        groups, settings = experiment_presets(name, tuple(extra_dirs))
+        kept = [k for k in (settings.get("optim") or {}) if f"optim.{k}" not in given]
+        if "optim" not in groups or not kept:
+            continue
+        for optim in chosen.get("optim", []):
+            if optim == groups["optim"]:
+                continue
+            theirs = ", ".join(f"optim.{k}={settings['optim'][k]}" for k in kept)
+            mine = _preset_defaults(optim, kept)
+            raise ConfigError(
+                f"optim={optim} replaces the {groups['optim']} of +experiment={name}, whose "
+                f"{theirs} was set for {groups['optim']} and would be kept for {optim}: give "
+                f"{' '.join(f'optim.{k}=...' for k in kept)} for {optim} too{mine}, or leave "
+                f"optim={groups['optim']}"
+            )
+
+
+def _preset_defaults(optim: str, keys: list[str]) -> str:
+    from localsgd.config import SCHEMAS
+
+    schema = SCHEMAS.get(("optim", f"{optim}_schema"))
+    if schema is None:
+        return ""
+    values = [f"optim.{k}={getattr(schema, k)}" for k in keys if hasattr(schema, k)]
+    return f" (the {optim} preset's own: {' '.join(values)})" if values else ""
 
 
 def composition_error(error: Exception) -> ConfigError:

@@ -19,6 +19,13 @@ from localsgd.loop.plan import SyncPlan
 
 _probed: dict[str, int | None] = {}  # the launcher checks twice (before and inside Hydra)
 _units: dict[str, list[str]] = {}  # the probed model's FSDP units (relayout.fsdp_units)
+_validated: dict[str, bool] = {}  # whether the probed data has a validation split
+
+
+def has_validation(cfg: Any, world_size: int) -> bool:
+    """Whether the data `check_data` built for `cfg` has a validation split."""
+    check_data(cfg, world_size)
+    return _validated[_probe_key(cfg, world_size)]
 
 
 def check_data(cfg: Any, world_size: int) -> int | None:
@@ -42,8 +49,16 @@ def check_data(cfg: Any, world_size: int) -> int | None:
 
 
 def _probe_key(cfg: Any, world_size: int) -> str:
-    keys = ("data", "model", "seed", "trainer.batch_size", "trainer.max_epochs", "sync.fragments",
-            "dist.shard_blocks", "optim._target_")
+    keys = (
+        "data",
+        "model",
+        "seed",
+        "trainer.batch_size",
+        "trainer.max_epochs",
+        "sync.fragments",
+        "dist.shard_blocks",
+        "optim._target_",
+    )
     return json.dumps([plain(_get(cfg, k)) for k in keys] + [world_size], sort_keys=True)
 
 
@@ -58,6 +73,10 @@ def _probe(
     from localsgd.models import build_model
 
     data = load_data(data_cfg, seed)
+    if key is not None:
+        from localsgd.data.validation import validation_of
+
+        _validated[key] = validation_of(data) is not None
     in_memory(data.train, data_cfg.get("loader", "auto"))  # refuses memory for a non-tensor set
     labels = labels_of(data.train)
     try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import multiprocessing
 import os
 import shlex
 import shutil
@@ -20,43 +21,47 @@ import hydra
 import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from localsgd.averaging.virtual import VIRTUAL_BACKEND
-from localsgd.cli.checks import _get, validate
+from localsgd.cli import run_dir as run_dirs
 from localsgd.cli.fault_tolerance import (
     ReplicasFailed,
     ReplicasStopped,
     replica_group_info,
     run_replicas,
 )
-from localsgd.cli.hf_checks import check_hf
 from localsgd.cli.launch import (
     WorkerFailed,
     WorkerInfo,
     init_process_group,
     pick_backend,
     pick_device,
-    resolve_world_size,
     spawn,
     torchrun_info,
     under_torchrun,
 )
+from localsgd.cli.outcome import show, summary_line
 from localsgd.cli.overrides import (
-    CONF_DIR,
     CONF_PACKAGE,
+    check_experiment_optimizer,
     check_overrides,
-    composition_error,
     split_config_dirs,
 )
-from localsgd.cli.preflight import check_data, resolve_resume
+from localsgd.cli.precheck import (
+    check_objective,
+    chosen,
+    decides_run_dir,
+    precheck,
+    preflight,
+    world_size_of,
+)
 from localsgd.cli.proctitle import launcher_title, set_title
 from localsgd.cli.virtual import spawn_virtual
 from localsgd.config import Config, ConfigError, register_schemas, typed
 from localsgd.loop.fault_tolerance import NoLivePeer
 from localsgd.loop.loggers import offline_runs, resolve_wandb_settings
 from localsgd.loop.metrics import notice, set_notice_log
-from localsgd.loop.reshard import written_at
 from localsgd.loop.resume import resume_line
 from localsgd.loop.stop import agreed_stop, first_signal, stopped_exit_code
 
@@ -69,11 +74,12 @@ def run_worker(
     """One worker, from process-group setup to teardown."""
     import torch
 
-    from localsgd.loop.stop import install_sigterm_handler
+    from localsgd.loop import stop
     from localsgd.loop.trainer import Trainer  # workers import the heavy parts, the CLI stays quick
 
     if threading.current_thread() is threading.main_thread():  # virtual workers: the launcher's
-        install_sigterm_handler()  # SIGTERM: checkpoint at an agreed step, then exit cleanly
+        set_title(worker_title(info))  # whoever forked it (under ft=torchft: nobody else names it)
+        stop.install_sigterm_handler()  # SIGTERM: checkpoint at an agreed step, then exit cleanly
     if cfg.trainer.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS starts
         torch.use_deterministic_algorithms(True)
@@ -100,6 +106,15 @@ def run_worker(
         Trainer(cfg, info, device, run_dir, resume_from=resume, store=store).train()
     finally:
         dist.destroy_process_group()
+
+
+def worker_title(info: WorkerInfo) -> str:
+    """`ps`'s name for this worker (localsgd/cli/proctitle.py)."""
+    if under_torchrun():
+        return f"localsgd worker {info.rank}/{info.world_size} (torchrun)"
+    launcher = multiprocessing.parent_process()
+    where = f" (launcher {launcher.pid})" if launcher is not None else ""
+    return f"localsgd worker {info.rank}/{info.world_size}{where}"
 
 
 def agree_on(value):
@@ -149,67 +164,40 @@ def fail(message: str, code: int = 2) -> None:
     sys.exit(code)
 
 
-def world_size_of(cfg) -> int:
-    if _get(cfg, "dist.virtual_workers") is not None:
-        return _get(cfg, "dist.virtual_workers")
-    if under_torchrun():
-        return int(os.environ["WORLD_SIZE"])
-    return resolve_world_size(cfg.dist.world_size, cfg.dist.device)
-
-
-def preflight(cfg, run_dir: str | None, quiet: bool = False) -> tuple[str | None, int | None]:
-    """Every check that can fail before a worker starts; returns the checkpoint to resume and
-    trainer.max_steps when trainer.max_epochs sets it (None otherwise)."""
-    world_size = world_size_of(cfg)
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if under_torchrun() else None
-    validate(cfg, world_size=world_size, local_world_size=local)
-    check_hf(cfg)  # model=hf / data=hf files and sizes, before anything is tokenized or built
-    steps = check_data(cfg, world_size)
-    resume = resolve_resume(cfg, world_size, run_dir, quiet)
-    if run_dir is not None and os.path.exists(os.path.join(run_dir, "summary.json")):
-        check_extension(cfg, run_dir, resume, steps)
-    return resume, steps
-
-
-def check_extension(cfg, run_dir: str, resume: str | None, steps: int | None) -> None:
-    """A finished run is never overwritten; it continues only when the command asks for more
-    steps than it trained and its final checkpoint is there to continue from."""
-    try:
-        with open(os.path.join(run_dir, "summary.json"), encoding="utf-8") as f:
-            finished = int(json.load(f)["steps"])
-    except (OSError, ValueError, KeyError, TypeError):
-        finished = None
-    if finished is None:
-        raise ConfigError(
-            f"hydra.run.dir: {run_dir} already holds a finished run; choose another directory"
-        )
-    wanted = steps if steps is not None else _get(cfg, "trainer.max_steps")
-    final = resume is not None and written_at(resume) == finished
-    if wanted > finished and final:
-        return
-    if not final:
-        raise ConfigError(
-            f"hydra.run.dir: {run_dir} already holds a run finished after {finished} steps, "
-            f"with no checkpoint of its last step to continue from; choose another directory"
-        )
-    raise ConfigError(
-        f"hydra.run.dir: {run_dir} already holds a run finished after {finished} steps; to "
-        f"train it further, run the same command with trainer.max_steps above {finished} (it "
-        f"continues from its final checkpoint), or choose another directory"
-    )
-
-
 # pkg://: the configs are the package localsgd.conf, in a checkout and in an installed wheel alike
 @hydra.main(version_base="1.3", config_path=f"pkg://{CONF_PACKAGE}", config_name="config")
 def main(cfg: DictConfig) -> float | None:
-    torchrun = under_torchrun()
     run_dir = HydraConfig.get().runtime.output_dir
     try:
+        return run_job(cfg, run_dir)
+    finally:  # the basic launcher runs a sweep's jobs in this one process
+        run_dirs.let_go(run_dir)
+
+
+def job_of_this_run() -> list[str]:
+    """This job's identity (`localsgd.cli.run_dir.job_overrides`), from Hydra's own record of
+    its overrides (a sweep's job: its values)."""
+    extra_dirs, _ = split_config_dirs(sys.argv[1:])
+    return run_dirs.job_overrides(list(HydraConfig.get().overrides.task), extra_dirs)
+
+
+def run_job(cfg: DictConfig, run_dir: str) -> float | None:
+    torchrun = under_torchrun()
+    sweep = HydraConfig.get().mode == RunMode.MULTIRUN
+    try:
         resume, epoch_steps = preflight(cfg, run_dir)
+        if sweep:  # a sweeper reads the objective (Optuna's trials are checked here)
+            check_objective(cfg)
+        if decides_run_dir():
+            run_dirs.hold(run_dir)  # two commands never train in one directory at once
     except ConfigError as e:
         fail(str(e))
     # Only now: a refused command must not write into an earlier run's log
     set_notice_log(run_log(run_dir), bar_elsewhere=cfg.trainer.progress)
+    if decides_run_dir():
+        run_dirs.write_job_file(run_dir, job_of_this_run())
+    if chosen.get("line"):
+        notice(chosen.pop("line"))
     summary_path = os.path.join(run_dir, "summary.json")
     run_cfg = typed(cfg)  # resolved here: workers cannot resolve ${hydra:...} or ${now:...}
     try:
@@ -271,41 +259,30 @@ def main(cfg: DictConfig) -> float | None:
             stopped_by = e.signum
     if not os.path.exists(summary_path):  # stopped by SIGTERM or Ctrl-C after a checkpoint
         code = stopped_exit_code(stopped_by)
-        print(f"run dir: {run_dir} (interrupted; resumable: run the same command again)")
-        print(
-            f"stopped with a checkpoint, not finished: exit code {code}",
-            file=sys.stderr,
-            flush=True,
-        )
-        sys.stdout.flush()
+        show(f"run dir: {run_dir} (interrupted, with a checkpoint)")
+        if torchrun:
+            show("to resume: run the same torchrun command again")
+        else:
+            extra_dirs, _ = split_config_dirs(sys.argv[1:])
+            args = [a for d in extra_dirs for a in ("--config-dir", d)]
+            args += list(HydraConfig.get().overrides.task)
+            show(f"to resume (or run the same command again): "
+                 f"{run_dirs.resume_command(args, run_dir)}")  # fmt: skip
+        show(f"stopped with a checkpoint, not finished: exit code {code}", err=True)
         sys.exit(code)
     with open(summary_path, encoding="utf-8") as f:
         summary = json.load(f)
-    print(f"run dir: {run_dir}")
-    print(
-        "summary: "
-        + ", ".join(
-            f"{k}={summary[k]}"
-            for k in (
-                "test_accuracy",
-                "test_loss",
-                "test_perplexity",
-                "steps",
-                "comm_rounds",
-                "comm_bytes",
-                "wall_time_s",
-                "eval_seconds",
-            )
-            if k in summary
-        )
-    )
+    show(f"run dir: {run_dir}")
+    show(summary_line(summary))
     if "sample" in summary:
-        print(f"sample:\n{summary['sample']}")
+        show(f"sample:\n{summary['sample']}")
     if run_cfg.logger.plots and (plot := write_run_plot(run_dir)):
-        print(f"plot: {plot}")
+        show(f"plot: {plot}")
     if run_cfg.logger.wandb.mode == "offline":
         for path in offline_runs(run_dir):
-            print(f"wandb offline run: upload it with `wandb sync {shlex.quote(path)}`")
+            show(f"wandb offline run: upload it with `wandb sync {shlex.quote(path)}`")
+    if not sweep:
+        return None  # nobody reads a single run's objective
     try:
         return objective(summary, run_cfg.optimized_metric)
     except ConfigError as e:
@@ -339,38 +316,23 @@ def objective(summary: dict, metric: str) -> float:
     return summary[metric]
 
 
-def precheck(args: list[str]) -> None:
-    """Compose and check the config before Hydra starts, since Hydra writes `.hydra/` into the
-    run directory first: a bad command must leave an earlier run's files untouched. Multirun
-    and Hydra's own flags are left to the per-job check in `main`; `--config-dir` is honoured."""
-    extra_dirs, args = split_config_dirs(args)
-    if any(a.startswith("-") for a in args):
-        return
-    if extra_dirs:  # what Hydra's --config-dir does: add the folders to the search path
-        args = [*args, f"hydra.searchpath=[{','.join('file://' + d for d in extra_dirs)}]"]
-    from hydra import compose, initialize_config_dir
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    try:
-        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-            cfg = compose("config", overrides=args, return_hydra_config=True)
-    except (HydraException, OmegaConfBaseException) as e:
-        raise composition_error(e) from None
-    try:
-        run_dir = OmegaConf.select(cfg, "hydra.run.dir")
-    except OmegaConfBaseException:
-        run_dir = None  # e.g. an interpolation only a running Hydra job can resolve
-    preflight(cfg, run_dir, quiet=True)  # `main` repeats it and warns then
-
-
 def cli() -> None:
     set_title(launcher_title(sys.argv[1:]))
+    extra_dirs, args = split_config_dirs(sys.argv[1:])
+    if "--help" in args or "-h" in args or "--list-experiments" in args:
+        from localsgd.cli.help import help_text, list_experiments
+
+        listing = "--list-experiments" in args
+        print((list_experiments if listing else help_text)(tuple(extra_dirs)))
+        return
     try:
         check_overrides(sys.argv[1:])
-        precheck(sys.argv[1:])
+        check_experiment_optimizer(sys.argv[1:])
+        chosen = precheck(sys.argv[1:])
     except ConfigError as e:
         fail(str(e))
+    if chosen is not None:  # Hydra resolves nothing more: the directory is this one
+        sys.argv.append(run_dirs.quote_override("hydra.run.dir", chosen))
     main()
 
 

@@ -1,7 +1,8 @@
 """The built-in datasets, each a callable that `conf/data/*.yaml` names with `_target_`.
 
 A dataset callable returns an object with `train` and `test` (torch Datasets of (x, y) pairs) and
-`num_classes`; these return a `DataSplits`. The tensor sets (mnist1d, digits, synthetic, text) are
+`num_classes`; these return a `DataSplits`. The validation split is carved from `train` by
+`load_data` (`localsgd.data.validation`). The tensor sets (mnist1d, digits, synthetic, text) are
 `TensorDataset`s, trained from memory; cifar10 and image_folder read files and augment per sample,
 through a DataLoader. Every callable is a pure function of its arguments and `seed`: ranks never
 exchange data, so each must rebuild exactly the same sets on its own.
@@ -55,6 +56,10 @@ class DataSplits:
     input_shape: tuple[int, ...] | None = None  # one sample's shape; None: read from a sample
     task: str = "classification"  # or "lm": (B, T) token ids, (B, T) next-token targets
     vocab: str = ""  # text only: character of each token id, to decode generated samples
+    # the validation split, carved from train by `load_data` (data.val_fraction) unless given
+    val: Dataset | None = None
+    # the train samples without random transforms, where the validation samples are read from
+    train_eval: Dataset | None = None
 
 
 def _standardise(train: torch.Tensor, test: torch.Tensor, dims: tuple[int, ...]) -> None:
@@ -276,7 +281,8 @@ def cifar10(root: str, augment: bool = True) -> DataSplits:
     reader = __getattr__("LocalCIFAR10")
     train = reader(str(folder), train=True, transform=v2.Compose(flips + normalise))
     test = reader(str(folder), train=False, transform=v2.Compose(normalise))
-    return DataSplits(train, test, 10, (3, 32, 32))
+    plain = reader(str(folder), train=True, transform=v2.Compose(normalise)) if augment else train
+    return DataSplits(train, test, 10, (3, 32, 32), train_eval=plain)
 
 
 def _local_cifar10_class():
@@ -361,4 +367,5 @@ def image_folder(
             f"data.test_dir must hold the same class folders as data.train_dir, got "
             f"{test.classes} and {train.classes}"
         )
-    return DataSplits(train, test, len(train.classes), (3, size, size))
+    plain = ImageFolder(str(base / train_dir), transform=v2.Compose(shape + finish))
+    return DataSplits(train, test, len(train.classes), (3, size, size), train_eval=plain)

@@ -1,6 +1,7 @@
 """A rank's batches: built from the `data` config node, in memory or through a DataLoader.
 
-`load_data` instantiates the dataset callable; `make_batches` gives the trainer one object with
+`load_data` instantiates the dataset callable (and carves the validation split:
+`localsgd.data.validation`); `make_batches` gives the trainer one object with
 `next() -> (x, y)` on the device and `state_dict()` / `load_state_dict()` (the ShardSampler's, so a
 run killed mid-epoch resumes at the same sample). Two paths, chosen by `data.loader`:
 
@@ -29,6 +30,7 @@ from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset, default
 from localsgd.config import DATA_OPTIONS, ConfigError
 from localsgd.data._seeding import derive_seed
 from localsgd.data.sampler import ShardSampler
+from localsgd.data.validation import with_validation
 from localsgd.instantiate import build
 
 _AUGMENT_STREAM = 4
@@ -54,7 +56,7 @@ def load_data(cfg: Mapping, seed: int) -> Any:
         size = len(getattr(data, split))
         if size < 1:
             raise ConfigError(f"data._target_ must give a non-empty {split} set, got {size}")
-    return data
+    return with_validation(data, cfg.get("val_fraction", 0.0), seed)
 
 
 def task_of(data: Any) -> str:
@@ -65,6 +67,8 @@ def labels_of(dataset: Dataset) -> torch.Tensor:
     """Labels for the partition: `.targets` where the set has them, else one pass over it."""
     if isinstance(dataset, TensorDataset):
         return dataset.tensors[1]
+    if isinstance(dataset, Subset):  # e.g. what the validation split left of a file-backed set
+        return labels_of(dataset.dataset)[torch.as_tensor(dataset.indices, dtype=torch.long)]
     targets = getattr(dataset, "targets", None)
     if targets is None:
         targets = [dataset[i][1] for i in range(len(dataset))]

@@ -51,8 +51,15 @@ class Attack:
     """Makes worker `rank` send a `kind` contribution at every sync over every worker after
     `start_step` (see the module doc)."""
 
-    def __init__(self, kind: str, rank: int = 1, start_step: int = 0, scale: float | None = None,
-                 seed: int = 0, every: int = 1):
+    def __init__(
+        self,
+        kind: str,
+        rank: int = 1,
+        start_step: int = 0,
+        scale: float | None = None,
+        seed: int = 0,
+        every: int = 1,
+    ):
         if isinstance(kind, float) and math.isnan(kind):
             kind = "nan"  # Hydra reads an unquoted `kind:nan` as the float NaN
         if kind not in ATTACKS:

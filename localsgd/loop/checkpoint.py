@@ -284,6 +284,7 @@ RESUME_MAY_CHANGE = (
     "trainer.checkpoint_every",
     "trainer.keep_checkpoints",
     "trainer.resume",
+    "trainer.keep_best",  # which weights are also kept, not how the run trains
     "dist.timeout_s",
     "dist.world_size",  # from a checkpoint taken at a sync (localsgd.loop.reshard)
     "data.num_workers",  # batches are seeded per batch: the same for any number of loaders
@@ -312,7 +313,7 @@ def _may_change(key: str) -> bool:
 
 # keys added after checkpoints were first written: the value a checkpoint without the key ran
 # with, so that a run interrupted before the key existed still resumes
-ADDED_KEYS = {"dist.shard_size": 1}
+ADDED_KEYS = {"dist.shard_size": 1, "data.val_fraction": 0.0}  # no validation split before
 
 
 def config_mismatch(marker: dict, config: dict) -> str | None:

@@ -1,4 +1,4 @@
-"""The loss every task trains on, and the evaluation of a model on the test set."""
+"""The loss every task trains on, and the evaluation of a model on a held-out split."""
 
 from __future__ import annotations
 
@@ -35,10 +35,12 @@ def evaluate(
     batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
     autocast: Callable[[], AbstractContextManager],
     task: str = "classification",
+    split: str = "test",
 ) -> dict[str, float]:
-    """Test loss (nats per target, i.e. per character for character-level LMs) and accuracy
-    over `batches`, plus perplexity for language models. `autocast`: the training precision's
-    context, so a model is evaluated in the precision it trains in."""
+    """The loss (nats per target, i.e. per character for character-level LMs) and accuracy over
+    `batches`, plus perplexity for language models, named for their `split` (`test_loss`,
+    `val_loss`, ...). `autocast`: the training precision's context, so a model is evaluated in
+    the precision it trains in."""
     model.eval()
     total_loss, correct, count = 0.0, 0, 0
     for x, y in batches:
@@ -49,9 +51,9 @@ def evaluate(
         correct += int(right)
         count += y.numel()
     model.train()
-    result = {"test_loss": total_loss / count, "test_accuracy": correct / count}
-    if task == "lm":
-        result["test_perplexity"] = math.exp(min(result["test_loss"], 700.0))  # no overflow
+    result = {f"{split}_loss": total_loss / count, f"{split}_accuracy": correct / count}
+    if task == "lm":  # no overflow
+        result[f"{split}_perplexity"] = math.exp(min(result[f"{split}_loss"], 700.0))
     return result
 
 
@@ -69,9 +71,10 @@ def held_out_loss(
     """The model's loss per sample (float64, on the CPU; a sequence's mean over its tokens),
     as it stands, on `batch_size` samples of `test` drawn from round `round_`'s seed: the same
     batch on every rank, a different one each round (`sync.score`, localsgd.averaging.trust).
-    Drawn from the test split, which no worker trains on; the final evaluation uses the whole
-    split, so a scored run's verdicts have seen part of it. `samples`: only that part of the
-    batch (the judge splits an evaluation by samples across the group)."""
+    The trainer passes the validation split, which no worker trains on (the test split only
+    with data.val_fraction=0: then a scored run's verdicts have seen part of the test set).
+    `samples`: only that part of the batch (the judge splits an evaluation by samples across
+    the group)."""
     gen = torch.Generator().manual_seed(seed * 1_000_003 + round_)
     picks = torch.randint(len(test), (batch_size,), generator=gen).tolist()
     if samples is not None:

@@ -50,12 +50,23 @@ def write_json(path: str, obj: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+class LoggedBar(tqdm):
+    """A progress bar whose last state also goes to the run's train.log when it closes: the
+    log holds what the console showed."""
+
+    def close(self) -> None:
+        if not self.disable and not getattr(self, "_logged", False):
+            self._logged = True
+            log_output(str(self))
+        super().close()
+
+
 def progress_bar(total: int, initial: int, enabled: bool, desc: str = "train") -> tqdm:
     # tqdm's default lock holds a multiprocessing semaphore, which a worker leaving by os._exit
     # never releases: the resource tracker then reports it leaked after every run. Each worker
     # draws (at most) its own bar, so a thread lock is all that is needed.
     tqdm.set_lock(threading.RLock())
-    return tqdm(
+    return LoggedBar(
         total=total,
         initial=initial,
         disable=not enabled,
@@ -96,11 +107,22 @@ def notice(line: str) -> None:
     stream.flush()
     if _notice_log is None:
         return
+    _append(line, "NOTICE")
+
+
+def log_output(text: str) -> None:
+    """`text`, which the console showed, into the run's train.log too (each of its lines)."""
+    if _notice_log is not None:
+        _append(text, "OUTPUT")
+
+
+def _append(text: str, level: str) -> None:
     now = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S,%f")[:-3]
-    try:  # one write per line, appended: processes of a run share the file without a lock
+    lines = "".join(f"[{now}][localsgd][{level}] - {line}\n" for line in text.splitlines())
+    try:  # one write, appended: processes of a run share the file without a lock
         with open(_notice_log, "a", encoding="utf-8") as f:
-            f.write(f"[{now}][localsgd][NOTICE] - {line}\n")
-    except OSError:  # the log is a copy; stderr has the line
+            f.write(lines)
+    except OSError:  # the log is a copy; the console has the line
         pass
 
 

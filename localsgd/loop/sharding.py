@@ -138,11 +138,7 @@ class Sharding:
         ranks that `evaluates`), for `model.pt`; None when unsharded (the module's own)."""
         if self.mesh is None:
             return None
-        return {
-            k: v.full_tensor() if is_dtensor(v) else v
-            for k, v in model.state_dict().items()
-        }
-
+        return {k: v.full_tensor() if is_dtensor(v) else v for k, v in model.state_dict().items()}
 
     def group_mean(self, loss: torch.Tensor) -> torch.Tensor:
         """`loss` averaged over this rank's replica group (a collective of the group's ranks):

@@ -14,12 +14,20 @@ from localsgd.loop.metrics import notice
 # ----------------------------------------------------------------------------------------------
 # SIGTERM: stop at a step every rank agrees on, without a collective between syncs.
 #
-# The signal only sets a flag. A rank that sees the flag before executing step s proposes to stop
-# after N, the first sync step >= s, by writing N+1 into the rendezvous store (first writer wins).
-# No rank can finish step N's collective before the proposer joins it, which happens after the
-# write, and every rank reads the store right after each sync step's collective: so every rank
-# learns the stop step at N+1 at the latest, and stops exactly there. The cost between syncs is
-# nothing; at each sync one store lookup (a key check, not a collective).
+# The signal only sets a flag. Each sync step N has a key of its own in the rendezvous store,
+# written once: every rank, right after N's collective, marks it "go" unless it holds something
+# already (compare_set: one store round trip), and stops after N if it reads "stop". A rank that
+# sees the flag before executing step s proposes "stop" for the first sync step N >= s; its
+# compare_set fails where a rank has already passed N (the key reads "go"), and it then tries the
+# next sync, until one holds "stop". A key never changes once written, so every rank reads the
+# same value at N, and all stop after the first sync whose key reads "stop".
+#
+# Why not one key and "no rank finishes step N's collective before the proposer joins it": under
+# sync.overlap (any delayed average) the proposer joined the merge step's collective a step
+# before it proposed, so a faster rank could pass that merge, and its check, before the write,
+# and stop a sync later than the rest (a checkpoint of mismatched steps, exit 1). The proposer
+# cannot know that from the schedule alone; the key tells it. The cost between syncs is nothing;
+# at each sync one store compare_set per rank (and on rank 0 the delete of an old key).
 # ----------------------------------------------------------------------------------------------
 
 _signalled = False
@@ -61,6 +69,16 @@ def _on_sigint(signum, frame) -> None:
     _on_sigterm(signum, frame)
 
 
+# What stopped the job, as the launcher got it: its workers ignore SIGINT and receive a first
+# Ctrl-C forwarded as SIGTERM, so their line would otherwise name the wrong one.
+SIGNAL_KEY = "localsgd/stop/signal"
+
+
+def announce(store: dist.Store, signum: int) -> None:
+    """The launcher's record of the signal it forwards (before it forwards it)."""
+    store.set(SIGNAL_KEY, signal.Signals(signum).name)
+
+
 def install_sigterm_handler() -> None:
     """SIGTERM asks for the agreed stop. So does a first Ctrl-C where it reaches this process
     (under torchrun; workers we spawn ignore SIGINT and leave it to the launcher)."""
@@ -69,12 +87,26 @@ def install_sigterm_handler() -> None:
         signal.signal(signal.SIGINT, _on_sigint)
 
 
+# Rank 0 deletes a sync's key this many syncs after checking it: no rank, and no proposer, is
+# that far behind it (a rank cannot finish a collective its peers have not joined, and a delayed
+# average is merged by the next sync at the latest).
+_KEEP_KEYS = 8
+
+
 class StopAgreement:
-    def __init__(self, store: dist.Store | None, run_id: str):
+    def __init__(self, store: dist.Store | None, run_id: str, cleans: bool | None = None):
         self.store = store  # the rendezvous store; None: a lone process decides alone
-        self.key = f"localsgd/stop/{run_id}"
+        self.prefix = f"localsgd/stop/{run_id}"
         self.stop_at: int | None = None
         self.proposed = False
+        # the rank that deletes old keys (rank 0 of the process group by default)
+        if cleans is None:
+            cleans = not dist.is_initialized() or dist.get_rank() == 0
+        self.cleans = cleans
+        self.checked: list[str] = []
+
+    def _key(self, sync_step: int) -> str:
+        return f"{self.prefix}/{sync_step}"
 
     def before_step(self, step: int, find_next_sync: Callable[[int], int | None]) -> None:
         """`find_next_sync(step)`: the first step index >= `step` that communicates (None if none
@@ -82,18 +114,35 @@ class StopAgreement:
         if not _signalled or self.proposed or self.stop_at is not None:
             return
         self.proposed = True
-        next_sync = find_next_sync(step)
-        if next_sync is None:
-            return  # no sync left: the run ends (with its final checkpoint) before anyone could
-        if self.store is None:
-            self.stop_at = next_sync + 1
-            return
-        stored = self.store.compare_set(self.key, "", str(next_sync + 1))
-        self.stop_at = int(stored)
+        candidate = find_next_sync(step)
+        while candidate is not None:  # no sync left: the run ends (with its final checkpoint)
+            if self.store is None:
+                self.stop_at = candidate + 1
+                return
+            if self.store.compare_set(self._key(candidate), "", "stop") == b"stop":
+                self.stop_at = candidate + 1
+                return
+            candidate = find_next_sync(candidate + 1)  # a rank passed it already: the next one
 
-    def after_sync(self) -> None:
-        if self.stop_at is None and self.store is not None and self.store.check([self.key]):
-            self.stop_at = int(self.store.get(self.key))
+    def after_sync(self, step: int) -> None:
+        """Right after sync step `step`'s collective: stop after it if a proposal says so."""
+        if self.store is None:
+            return
+        key = self._key(step)
+        if self.store.compare_set(key, "", "go") == b"stop" and self.stop_at is None:
+            self.stop_at = step + 1
+        if self.cleans:
+            self.checked.append(key)
+            if len(self.checked) > _KEEP_KEYS:
+                self.store.delete_key(self.checked.pop(0))
+
+    def reason(self) -> str:
+        """What the stop line names: Ctrl-C or SIGTERM, as the launcher got it (`announce`),
+        else as this process did."""
+        signum = first_signal()
+        if self.store is not None and self.store.check([SIGNAL_KEY]):
+            signum = signal.Signals[self.store.get(SIGNAL_KEY).decode()]
+        return "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
 
     def should_stop(self, steps_done: int) -> bool:
         global _agreed

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import time
 from functools import partial
 from typing import Any
@@ -13,8 +12,10 @@ import torch.distributed as dist
 
 from localsgd.config import Config, plain
 from localsgd.data import eval_batches, input_shape_of, load_data, task_of
+from localsgd.data.validation import validation_of
 from localsgd.instantiate import build, target_name
 from localsgd.loop import checkpoint, checkpoint_dcp, checkpoint_shared
+from localsgd.loop.best import KeepBest
 from localsgd.loop.build_sync import build_synchroniser
 from localsgd.loop.evaluation import evaluate, held_out_loss, loss_and_correct, text_sample
 from localsgd.loop.guards import NonFiniteTracker
@@ -33,7 +34,7 @@ from localsgd.loop.recipe import Recipe, checkpoint_activations
 from localsgd.loop.resume import resume_run
 from localsgd.loop.shard import worker_batches
 from localsgd.loop.sharding import Sharding
-from localsgd.loop.stop import StopAgreement, first_signal
+from localsgd.loop.stop import StopAgreement
 from localsgd.loop.worker import WorkerInfo
 from localsgd.models import build_model
 from localsgd.models.hf import HFCausalLM
@@ -122,6 +123,8 @@ class Trainer:
         ]
         self.nonfinite = NonFiniteTracker(device)
         self.stop = StopAgreement(store, str(info.attempt))
+        # trainer.keep_best: best.pt, the weights of the best evaluation by optimized_metric
+        self.best = KeepBest(run_dir, c.optimized_metric, c.trainer.keep_best and self.is_main)
 
     LOOP_STATE = (
         "in_sync",
@@ -254,27 +257,37 @@ class Trainer:
 
     def after_sync(self, step: int) -> None:
         self.sync.check_replicas(step, self.info.rank)
-        self.stop.after_sync()
+        self.stop.after_sync(step)
         if self.reassign is not None and self.sync.moves_shards:  # an excluded worker's shard
             self.reassign.after_sync(self.sync.trust, step)
 
-    def evaluate(self, full: bool = False) -> dict[str, float]:
-        """This rank's model on `trainer.eval_samples` of the test set (all of it if `full`)."""
+    @property
+    def held_out_split(self) -> str:
+        """What training may look at besides its own data: the validation split (the test set
+        when data.val_fraction=0 leaves none); the test set is otherwise read once, at the end."""
+        return "test" if validation_of(self.data) is None else "val"
+
+    def evaluate(self, full: bool = False, split: str | None = None) -> dict[str, float]:
+        """This rank's model on `trainer.eval_samples` of `split` (all of it if `full`; the
+        held-out split by default), its metrics named for the split (`val_loss`, ...)."""
         t = self.cfg.trainer
+        split = split or self.held_out_split
         limit = None if full else t.eval_samples
+        dataset = self.data.test if split == "test" else validation_of(self.data)
         batches = eval_batches(
-            self.data.test, t.eval_batch_size, self.device, self.cfg.data.num_workers, limit
+            dataset, t.eval_batch_size, self.device, self.cfg.data.num_workers, limit
         )
-        return evaluate(self.model, batches, self.recipe.autocast, task_of(self.data))
+        return evaluate(self.model, batches, self.recipe.autocast, task_of(self.data), split)
 
     def held_out_loss(
         self, round_: int, batch: int, samples: slice | None = None
     ) -> torch.Tensor:
         """The model's per-sample losses, as it stands, on round `round_`'s held-out batch of
-        `batch` samples (`sync.score`), or on its `samples`."""
+        `batch` samples (`sync.score`, from the validation split), or on its `samples`."""
+        split = self.held_out_split
         return held_out_loss(
             self.model,
-            self.data.test,
+            self.data.test if split == "test" else validation_of(self.data),
             self.cfg.seed,
             round_,
             batch,
@@ -406,6 +419,7 @@ class Trainer:
             record.update(self.comm_record(), **self.evaluate())
             if self.is_main:
                 self.logger.log(record)
+                self.best.observe(self.step, record, self.model)
             self.eval_s += time.perf_counter() - began
         self.next_eval = (self.step // c.eval_every + 1) * c.eval_every
 
@@ -419,7 +433,7 @@ class Trainer:
             final=final,
         )
         if stopping and self.sync.writes_results(self.info.rank):
-            why = "Ctrl-C" if first_signal() == signal.SIGINT else "SIGTERM"
+            why = self.stop.reason()  # a forwarded Ctrl-C reaches a worker as SIGTERM
             kept = (
                 "with a checkpoint; run the same command again to resume"
                 if self.saved_at == self.step
@@ -440,8 +454,11 @@ class Trainer:
         evaluates = sharding.sharded and self.sync.evaluates_final(rank, sharding)
         if not writes and not evaluates:
             return None
-        # sharded: every rank of the writer's replica group evaluates and gathers the model
-        result = self.evaluate(full=True)
+        # sharded: every rank of the writer's replica group evaluates and gathers the model;
+        # the test set's one reading, beside the validation split's
+        result = self.evaluate(full=True, split="test")
+        if self.held_out_split == "val":
+            result.update(self.evaluate(full=True, split="val"))
         sample = text_sample(self.model, self.data, self.cfg.trainer.sample_chars, self.cfg.seed)
         state = self.sharding.full_state(self.model)
         # what the whole replica group sent: each rank of it sends only its own shard
@@ -449,6 +466,7 @@ class Trainer:
         if not writes:
             return None
         self.logger.log({"step": self.step, **result})
+        self.best.observe(self.step, result, self.model)
         result.update(sample)
         checkpoint.save_model(self.model, self.run_dir, state)
         if isinstance(self.model, HFCausalLM):  # model=hf: hf/, what from_pretrained loads
@@ -470,6 +488,13 @@ class Trainer:
             "skipped_steps": self.skipped_steps,
             "dataset": target_name(self.config["data"]),
             "model": target_name(self.config["model"]),
+            # what building the model needs of the data: localsgd.load(run_dir) reads it
+            "model_inputs": {
+                "input_shape": list(input_shape_of(self.data)),
+                "num_classes": self.data.num_classes,
+                "task": task_of(self.data),
+            },
+            **self.best.summary(),  # trainer.keep_best
         }
         write_json(os.path.join(self.run_dir, "summary.json"), summary)
         self.logger.summary(summary)
