@@ -139,7 +139,7 @@ def test_training_reads_the_validation_split_and_the_test_set_once_at_the_end(
         lambda model, dataset, *a, **k: held.append(dataset) or real_held(model, dataset, *a, **k),
     )
     summary = trainer.train()
-    trainer.held_out_loss(0)  # what sync.score's judge calls
+    trainer.held_out_loss(0, 16)  # what sync.score's judge calls
     test, val = trainer.data.test, trainer.data.val
     assert sum(d is test for d in read) == 1 and read[-2] is test  # the final evaluation's
     assert all(d is val for d in read if d is not test) and len(read) > 2
