@@ -109,3 +109,48 @@ def test_muon_on_sharded_replicas_is_accepted():
     from localsgd.cli.checks import validate
 
     validate(compose_config(["optim=muon", "dist.shard_size=2", "dist.world_size=4"]))
+
+
+def _sharded_muon_worker(rank: int, world: int) -> dict:
+    """2 ranks as one replica group sharding an MLP (FSDP2), MuonAdamW over its DTensors, next
+    to the same MLP whole with torch's Muon: the same batch on both ranks (FSDP's mean of two
+    equal gradients is the gradient), 4 steps."""
+    from localsgd.loop.muon import MuonAdamW, ShardedMuon
+    from localsgd.loop.sharding import Sharding
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    whole = torch.nn.Sequential(torch.nn.Linear(8, 12), torch.nn.Tanh(), torch.nn.Linear(12, 12),
+                                torch.nn.Tanh(), torch.nn.Linear(12, 3))  # fmt: skip
+    sharded = copy.deepcopy(whole)
+    sharded = Sharding(2, world, torch.device("cpu")).shard(sharded)
+    opts = [MuonAdamW(m.parameters(), m, lr=0.02) for m in (whole, sharded)]
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        x, y = torch.randn(16, 8, generator=gen), torch.randint(0, 3, (16,), generator=gen)
+        for model, opt in zip((whole, sharded), opts, strict=True):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    full = {n: p.full_tensor() for n, p in sharded.named_parameters()}
+    return {
+        "sharded_muon": isinstance(opts[1].muon, ShardedMuon),
+        "diff": max((full[n] - p).abs().max().item() for n, p in whole.named_parameters()),
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_sharded_muon_takes_the_unsharded_step():
+    from localsgd.cli.launch import run_on_workers
+
+    for got in run_on_workers(_sharded_muon_worker, 2):
+        assert got["sharded_muon"]
+        assert got["diff"] <= 1e-6, got["diff"]
+
+
+def test_muon_on_a_model_without_matrices_is_refused_in_one_line(tmp_path, capsys):
+    from tests.helpers import refusal
+
+    line = refusal(["optim=muon", "model=cnn", f"hydra.run.dir={tmp_path / 'run'}"], capsys)
+    assert "optim=muon needs 2-D weight matrices" in line and "model=mlp" in line, line

@@ -409,7 +409,9 @@ class StreamingAverager(Averager):
                 rounds.finish(p, buffers, self.comm, self.step)
                 if self.weighted:
                     self.part_samples.merged(self.widest, p)
-        if (self.outer and not self.eager) or self.weighted:  # a weighted round a fragment
+        # a blocking round per fragment (weighted, plain streaming too); eager anchors are each
+        # worker's own: the plain mean of the whole model brings them together
+        if (self.outer or self.weighted) and not self.eager:
             for p in range(self.fragments):
                 plain = self.warmup_steps > 0 and self.step <= self.warmup_steps + p * self.offset
                 plain = plain and self.outer

@@ -321,6 +321,15 @@ def validate_sync(cfg: Any, ws: int | None, local_ws: int | None) -> None:
         _validate_streaming(cfg, plan)
     if not levels:
         return
+    # sharded replica groups: a level's group_size counts replica groups (one worker each), as
+    # the averages span one rank per group (`localsgd.loop.build_sync`)
+    shard = _get(cfg, "dist.shard_size")
+    shard = shard if isinstance(shard, int) and shard >= 1 else 1
+    what = "workers" if shard == 1 else f"replica groups of {shard} ranks"
+    if ws is not None:
+        ws = ws // shard if ws % shard == 0 else ws
+    if local_ws is not None:
+        local_ws = max(1, local_ws // shard)
     sizes, periods = [], []
     for i, level in enumerate(levels):
         size, lp = _get(level, "group_size"), _get(level, "period")
@@ -334,7 +343,15 @@ def validate_sync(cfg: Any, ws: int | None, local_ws: int | None) -> None:
     if ws is not None:
         for i, size in enumerate(sizes):
             _require(
-                ws % size == 0, f"sync.levels[{i}].group_size", f"a divisor of {ws} workers", size
+                ws % size == 0, f"sync.levels[{i}].group_size", f"a divisor of {ws} {what}", size
+            )
+        for i, size in enumerate(sizes[:-1]):  # an inner level as wide as the widest is it
+            _require(
+                size < ws,
+                f"sync.levels[{i}].group_size",
+                f"below the {ws} {what} of the widest level (an inner level that spans all of "
+                "them is the widest level again)",
+                size,
             )
     # torch's rule, nothing stricter: the last listed level whose period divides the step wins
     for i in range(1, len(levels)):
@@ -354,6 +371,6 @@ def validate_sync(cfg: Any, ws: int | None, local_ws: int | None) -> None:
         _require(
             sizes[-1] == ws,
             f"sync.levels[{len(levels) - 1}].group_size",
-            f"world (the widest level spans all {ws} workers)",
+            f"world (the widest level spans all {ws} {what})",
             sizes[-1],
         )
