@@ -1,10 +1,11 @@
-"""Robust aggregates and scoring over Streaming DiLoCo's fragments (localsgd.averaging.
-fragment_trust; docs/reliability.md, "Workers you cannot trust"): each fragment's median or
-trimmed mean equals a one-process reference (Aggregate.combine, then the fragment's outer SGD)
-to the last bit on every rank, a NaN fragment contribution reaches no replica, one verdict state
-serves every fragment, the model a judge evaluates is the same on every rank and the other
-fragments' local values come back exactly, the mean keeps today's reducer, and what is not
-built is refused in one line. The CLI run is `long` (`make test-long`)."""
+"""Robust aggregates and scoring over Streaming DiLoCo's fragments (a gathered combine stage per
+fragment, localsgd.averaging.rounds.combine.Gathered; docs/reliability.md, "Workers you cannot
+trust"): each fragment's median or trimmed mean equals a one-process reference
+(Aggregate.combine, then the fragment's outer SGD) to the last bit on every rank, a NaN fragment
+contribution reaches no replica, one verdict state serves every fragment, the model a judge
+evaluates is the same on every rank and the other fragments' local values come back exactly,
+the mean keeps the all-reduced rounds, and what does not compose is refused in one line. The
+CLI run is `long` (`make test-long`)."""
 
 from __future__ import annotations
 

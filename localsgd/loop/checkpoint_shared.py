@@ -3,8 +3,8 @@
 Under ft a checkpoint is one shared state: right after a committed round every replica group
 holds the same model, so one group's state is the job's (`checkpoint.save_shared` for groups of
 one process). Sharded, no process holds that state whole: the group that led the round (its S
-ranks, agreed on it by one broadcast from the group's rank 0, `FaultTolerance.writes`) writes it
-together, in `checkpoint_dcp`'s layout of one group:
+ranks, agreed on it by one broadcast from the group's rank 0,
+`FaultTolerance.writes_checkpoint`) writes it together, in `checkpoint_dcp`'s layout of one group:
 
 - `dcp/`: the group's model and optimizer state dicts under `group0`, one DCP save over the
   group's process group (under torchrun the default one is exactly the replica group, so the
