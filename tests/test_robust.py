@@ -604,7 +604,7 @@ def test_robust_mean_is_built_only_when_asked():
         dist.destroy_process_group()
 
 
-def test_scoring_with_fewer_than_3_workers_says_nobody_can_be_excluded(monkeypatch):
+def test_scoring_or_an_outvoting_rule_with_fewer_than_3_workers_says_so(monkeypatch):
     from localsgd.loop import build_sync as module
     from localsgd.loop.worker import WorkerInfo
 
@@ -615,7 +615,8 @@ def test_scoring_with_fewer_than_3_workers_says_nobody_can_be_excluded(monkeypat
     try:
         for overrides, warned in ((["+experiment=untrusted"], True),
                                   (["+experiment=untrusted", "sync.exclude_after=0"], False),
-                                  (["sync.aggregate=median"], False)):  # fmt: skip
+                                  (["sync.aggregate=median"], False),
+                                  (["sync.aggregate=mean"], False)):  # fmt: skip
             said.clear()
             cfg = compose_config(overrides + ["dist.world_size=1"])
             model = _Net()
@@ -623,6 +624,9 @@ def test_scoring_with_fewer_than_3_workers_says_nobody_can_be_excluded(monkeypat
             module.build_synchroniser(cfg, WorkerInfo(0, 1, 0, 1), model, opt,
                                       held_out=lambda round_, batch, samples=None: 0.0)
             assert any("nobody can be excluded" in line for line in said) is warned, said
+            # 1 worker's median is its own change; the mean says nothing
+            outvotes = "median with 1 worker (sharded: replica groups) outvotes nobody: it is the"
+            assert any(outvotes in line for line in said) is (cfg.sync.aggregate == "median"), said
     finally:
         dist.destroy_process_group()
 

@@ -80,6 +80,15 @@ def build_synchroniser(
             "is torchft's all-reduce, which leaves no NaN/Inf contribution out (a low-bit "
             "sync.comm_dtype is gathered and checked)"
         )
+    # the rules that outvote a minority, and what they are without one
+    outvoted = {"median": "the mean of what was sent", "trimmed_mean": "the mean of what was sent",
+                "sign": "a tie wherever the two disagree"}  # fmt: skip
+    if sync.aggregate in outvoted and group < 3 and info.rank == 0 and not fault_tolerant:
+        notice(
+            f"sync.aggregate={sync.aggregate} with {group} worker{'s' if group > 1 else ''} "
+            f"(sharded: replica groups) outvotes nobody: it is {outvoted[sync.aggregate]} "
+            "(an honest majority needs at least 3; sync.aggregate=clip still bounds each change)"
+        )
     if plan.score and sync.exclude_after and group < 3 and info.rank == 0 and not fault_tolerant:
         notice(
             f"sync.score with {group} worker{'s' if group > 1 else ''}: nobody can be excluded "
