@@ -2,7 +2,7 @@
 ratio to the model average it follows (one all-reduce of the flat fp32 buffer), side by side in
 the same 2 gloo processes, interleaved. Also the replica check (`sync.check_replicas=true`).
 
-    python experiments/bench_sync_overhead.py            # ~20 s
+    python experiments/bench/sync_overhead.py            # ~20 s
 """
 
 from __future__ import annotations

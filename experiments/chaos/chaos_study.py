@@ -28,11 +28,11 @@ marker records the step it fired at.
 Goodput: `merged_samples` (summary.json under ft: the samples whose training reached a committed
 global state, all workers') per second of training (`wall_time_s - eval_seconds`, the
 writer's clock), as a ratio to the fault-free run of the same seed and setting. Loss: the final
-test loss against the fault-free run's. Writes experiments/chaos_study.{md,json,png}.
+test loss against the fault-free run's. Writes experiments/chaos/chaos_study.{md,json,png}.
 
-    python experiments/chaos_study.py            # 3 seeds x 3 settings x 2 runs, ~30 min
-    python experiments/chaos_study.py --tiny     # smoke test: 1 seed, 900 steps, in /tmp
-    python experiments/chaos_study.py --report   # the .md and .png again from the .json
+    python experiments/chaos/chaos_study.py            # 3 seeds x 3 settings x 2 runs, ~30 min
+    python experiments/chaos/chaos_study.py --tiny     # smoke test: 1 seed, 900 steps, in /tmp
+    python experiments/chaos/chaos_study.py --report   # the .md and .png again from the .json
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))  # the study's folder: its results go here
+ROOT = os.path.dirname(os.path.dirname(HERE))
 WORKERS, BATCH, PERIOD, WARMUP = 4, 32, 16, 300  # the post_local_sgd preset's
 KINDS = ("kill", "freeze", "partition")
 SETTINGS = {  # name: overrides
@@ -250,7 +251,7 @@ def run_one(setting: str, seed: int, args, run_dir: str, faults: list[dict] | No
         with open(path, "w") as f:
             json.dump({"faults": faults}, f)
         command.append(
-            f"trainer.callbacks=[{{_target_:experiments.chaos_study.Chaos,path:'{path}'}}]"
+            f"trainer.callbacks=[{{_target_:experiments.chaos.chaos_study.Chaos,path:'{path}'}}]"
         )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     start = time.perf_counter()
@@ -402,7 +403,7 @@ def plot(runs: list[dict], rows: list[dict], out: str, seeds: list[int]) -> None
 
 def _command(args: argparse.Namespace) -> str:
     """The command that made the report (the options that differ from the study's)."""
-    cmd = "python experiments/chaos_study.py"
+    cmd = "python experiments/chaos/chaos_study.py"
     if args.tiny:
         return cmd + " --tiny"
     if getattr(args, "out", "chaos_study") != "chaos_study":
@@ -415,7 +416,7 @@ def _command(args: argparse.Namespace) -> str:
 
 
 def write_report(data: dict, out: str) -> None:
-    """experiments/chaos_study.{md,png} from the study's json (`data`)."""
+    """experiments/chaos/chaos_study.{md,png} from the study's json (`data`)."""
     args, runs, rows = argparse.Namespace(**data["args"]), data["runs"], data["rows"]
     lines = [
         "# Chaos on `make train`'s job through torchft: goodput against fault-free",
@@ -490,7 +491,7 @@ def write_report(data: dict, out: str) -> None:
             got = sorted(x for r in rows if r["setting"] == setting for x in r["stall_s"][kind])
             cells.append(", ".join(f"{x:.1f}" for x in got) or "-")
         lines.append(f"| {setting} | {' | '.join(cells)} |")
-    lines += ["", "Reading: [docs/reliability.md](../docs/reliability.md#a-chaos-study)."]
+    lines += ["", "Reading: [docs/reliability.md](../../docs/reliability.md#a-chaos-study)."]
     with open(out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     plot(runs, rows, out, args.seeds)
@@ -508,10 +509,10 @@ def main() -> None:
     parser.add_argument(
         "--out",
         default="chaos_study",
-        help="experiments/OUT.{json,md,png} (a partial run beside the study)",
+        help="experiments/chaos/OUT.{json,md,png} (a partial run beside the study)",
     )
     args = parser.parse_args()
-    out = os.path.join(ROOT, "experiments", args.out)
+    out = os.path.join(HERE, args.out)
     if args.tiny:
         args.seeds, args.steps, args.every, args.settings = [0], 900, 10, ["make train"]
         out = os.path.join(tempfile.gettempdir(), "chaos_study_tiny")

@@ -1,6 +1,7 @@
 """Compressed averaging on MNIST-1D: the same runs (same seed) in fp32 and low precision.
 
-    python experiments/compare_comm_dtype.py --out experiments/compare_comm_dtype.md
+    python experiments/comm_dtype/compare_comm_dtype.py \
+        --out experiments/comm_dtype/compare_comm_dtype.md
 
 Each row is a real `python -m localsgd.train` run (4 CPU workers, the default CNN, 3000 steps);
 bytes are the payload one worker put into all-reduces, ratios are to the fp32 run of the same
@@ -17,7 +18,8 @@ import subprocess
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))  # the study's folder: its results go here
+ROOT = os.path.dirname(os.path.dirname(HERE))
 STRATEGIES = {
     "local SGD, k=16": ["+experiment=local_sgd"],
     "local SGD, k=4": ["+experiment=local_sgd", "sync.period=4"],

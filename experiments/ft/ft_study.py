@@ -8,10 +8,10 @@ a live peer at the next sync), and one worker SIGKILLed at 30% with no restart l
 wall time relative to the run without `ft=` of the same seed (measured one after the other in
 this invocation), the participants and the samples lost: (steps the dead worker did not train)
 x batch size, the steps read from the healed worker's own line (`ft: worker 1 healed ...; it
-trains on from step S`). Writes experiments/ft_study.{md,json}.
+trains on from step S`). Writes experiments/ft/ft_study.{md,json}.
 
-    python experiments/ft_study.py              # 2 seeds x 4 rows, ~8 min on 2 cores
-    python experiments/ft_study.py --tiny       # smoke test: a few hundred steps
+    python experiments/ft/ft_study.py              # 2 seeds x 4 rows, ~8 min on 2 cores
+    python experiments/ft/ft_study.py --tiny       # smoke test: a few hundred steps
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))  # the study's folder: its results go here
+ROOT = os.path.dirname(os.path.dirname(HERE))
 VICTIM = 1
 ROWS = {  # name: (overrides, kill)
     "no ft (torch.distributed)": ([], False),
@@ -97,7 +98,7 @@ def write_report(results: list[dict], args, elapsed: float, out: str) -> None:
         "# Workers that die: `make train`'s job through torchft",
         "",
         f"Run {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
-        f"`python experiments/ft_study.py{' --tiny' if args.tiny else ''}`, {elapsed:.0f} s on "
+        f"`python experiments/ft/ft_study.py{' --tiny' if args.tiny else ''}`, {elapsed:.0f} s on "
         f"{os.cpu_count()} CPUs: MNIST-1D, the CNN, {args.workers} workers, {args.steps} steps "
         f"({args.warmup} synchronous, then k = 16), worker {VICTIM} SIGKILLed at step "
         f"{int(args.steps * 0.3)}. Wall time is the whole command's (start-up included), as a "
@@ -130,7 +131,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    parser.add_argument("--out", default=os.path.join(ROOT, "experiments", "ft_study"))
+    parser.add_argument("--out", default=os.path.join(HERE, "ft_study"))
     args = parser.parse_args()
     args.workers, args.steps, args.warmup = (3, 300, 30) if args.tiny else (4, 3000, 300)
     started = time.perf_counter()

@@ -32,7 +32,7 @@ import traceback
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)  # run as a script from anywhere: `localsgd` from this checkout
 
 # the small job of the exact-resume check (as tests/reliability_helpers.BASE): dropout makes the

@@ -6,10 +6,10 @@ links: this machine's own (gloo over loopback TCP, where the all-reduce is CPU w
 the training step for the same two cores) and a simulated link with 20 ms latency per collective
 (`comm.simulate`; the wait runs in parallel with compute, as a NIC or NCCL's copy engines do).
 Reports final test accuracy (mean and spread over seeds), wall time and the time rank 0 spent
-blocked in communication. Writes experiments/overlap_study.{md,json,png}.
+blocked in communication. Writes experiments/overlap/overlap_study.{md,json,png}.
 
-    python experiments/overlap_study.py            # 24 runs, ~15 min on 2 cores
-    python experiments/overlap_study.py --tiny     # smoke test: 2 workers, a few steps
+    python experiments/overlap/overlap_study.py            # 24 runs, ~15 min on 2 cores
+    python experiments/overlap/overlap_study.py --tiny     # smoke test: 2 workers, a few steps
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ import subprocess
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))  # the study's folder: its results go here
+ROOT = os.path.dirname(os.path.dirname(HERE))
 LINKS = {"loopback (real)": None, "simulated, 20 ms latency": 20.0}
 PERIODS = (4, 16)
 MODES = ("blocking", "overlap")
@@ -135,12 +136,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=300)
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--out", default=os.path.join(ROOT, "experiments", "overlap_study"))
+    parser.add_argument("--out", default=os.path.join(HERE, "overlap_study"))
     parser.add_argument("--replot", action="store_true", help="redo .md/.png from the .json")
     args = parser.parse_args()
     if args.tiny:
         args.steps, args.warmup, args.workers, args.seeds = 40, 8, 2, [0]
-    command = " ".join(["python experiments/overlap_study.py", *sys.argv[1:]])
+    command = " ".join(["python experiments/overlap/overlap_study.py", *sys.argv[1:]])
     if args.replot:
         with open(args.out + ".json") as f:
             results = json.load(f)

@@ -5,10 +5,10 @@ collective lasts at least `latency + bytes / bandwidth`; the runs differ only in
 strategy: local SGD with k = 1, 16, 64, k = 16 with `sync.overlap`, and DiLoCo
 (`+experiment=diloco`: H = 50, inner AdamW, outer Nesterov).
 The wall clock of each evaluation (taken before it, in metrics.jsonl) gives accuracy against
-time. Writes experiments/simulate_study.{md,json,png}.
+time. Writes experiments/simulate/simulate_study.{md,json,png}.
 
-    python experiments/simulate_study.py            # 6 runs, ~5 min on 2 cores
-    python experiments/simulate_study.py --tiny     # smoke test: 2 workers, a few steps
+    python experiments/simulate/simulate_study.py            # 6 runs, ~5 min on 2 cores
+    python experiments/simulate/simulate_study.py --tiny     # smoke test: 2 workers, a few steps
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ import subprocess
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))  # the study's folder: its results go here
+ROOT = os.path.dirname(os.path.dirname(HERE))
 LINKS = {  # name: (bandwidth_gbps, latency_ms)
     "10 Gbit/s, 0.1 ms": (10.0, 0.1),
     "100 Mbit/s, 10 ms": (0.1, 10.0),
@@ -137,12 +138,12 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=50)
     parser.add_argument("--target", type=float, default=0.7)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=os.path.join(ROOT, "experiments", "simulate_study"))
+    parser.add_argument("--out", default=os.path.join(HERE, "simulate_study"))
     parser.add_argument("--replot", action="store_true", help="redo .md/.png from the .json")
     args = parser.parse_args()
     if args.tiny:
         args.steps, args.workers, args.eval_every = 40, 2, 10
-    command = " ".join(["python experiments/simulate_study.py", *sys.argv[1:]])
+    command = " ".join(["python experiments/simulate/simulate_study.py", *sys.argv[1:]])
     if args.replot:
         with open(args.out + ".json") as f:
             saved = json.load(f)

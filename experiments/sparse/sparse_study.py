@@ -24,10 +24,10 @@ outer rounds). Rows, all fixed before any was run (nothing tuned):
 
 The gap of each row is its final test loss against `sync`'s at the same world size and seed.
 Bytes per parameter per step: `comm_bytes` (what one worker sent) / (parameters x steps).
-Writes experiments/sparse_study.{md,json}.
+Writes experiments/sparse/sparse_study.{md,json}.
 
-    python experiments/sparse_study.py                       # 24 runs, ~8 min on 2 cores
-    python experiments/sparse_study.py --seeds 0 --workers 2 --steps 40   # a smoke run
+    python experiments/sparse/sparse_study.py                       # 24 runs, ~8 min on 2 cores
+    python experiments/sparse/sparse_study.py --seeds 0 --workers 2 --steps 40   # a smoke run
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ import subprocess
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))  # the study's folder: its results go here
+ROOT = os.path.dirname(os.path.dirname(HERE))
 H = 32
 
 
@@ -124,7 +125,7 @@ def write(out: str, commands: list[str], results: list[dict]) -> None:
             "sparse_study.json):\n\n" + "".join(f"    {c}\n" for c in commands) + "\n"
             "Bytes per parameter per step as today's top-k wire counts them: those marked * "
             "were sent with int16 indices (before 2026-12-05) and are restated for the "
-            "Elias-Fano indices by `python experiments/sparse_study.py --report` "
+            "Elias-Fano indices by `python experiments/sparse/sparse_study.py --report` "
             "(`localsgd.analysis.restate`: exact; the positions, values and models are the "
             "same bits).\n\n" + "\n".join(table(results)) + "\n"
         )
@@ -168,7 +169,7 @@ def main() -> None:
     parser.add_argument("--rows", nargs="+", default=None, help="row names (default: all)")
     parser.add_argument("--append", action="store_true", help="add to the results in --out")
     parser.add_argument("--report", action="store_true", help="only rewrite --out's .md")
-    parser.add_argument("--out", default=os.path.join(ROOT, "experiments", "sparse_study"))
+    parser.add_argument("--out", default=os.path.join(HERE, "sparse_study"))
     args = parser.parse_args()
     results, commands = [], []
     if args.report:
@@ -203,7 +204,7 @@ def main() -> None:
     given = [("steps", args.steps), ("seeds", args.seeds), ("workers", args.workers)]
     given += [("rows", args.rows)] if args.rows else []
     command = (
-        "python experiments/sparse_study.py "
+        "python experiments/sparse/sparse_study.py "
         + " ".join(f"--{k} {' '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in given)
         + (" --append" if args.append else "")
     )

@@ -22,22 +22,24 @@ on a busy machine. Per seed and strategy, side by side in this one process:
 
 Throughput is rank 0's (a fast worker's) computed samples over its training seconds (wall time
 less the periodic evaluations); the ratio is against `free` of the same seed. Writes
-experiments/OUT.{md,json} (`--out`, straggler_study by default).
+experiments/stragglers/OUT.{md,json} (`--out`, straggler_study by default).
 
-    python experiments/straggler_study.py --steps 600 --step-s 0.015  # as committed, ~12 min
-    python experiments/straggler_study.py --steps 600 --step-s 0.015 --seeds 3 4 5 \
+    # as committed, ~12 min:
+    python experiments/stragglers/straggler_study.py --steps 600 --step-s 0.015
+    python experiments/stragglers/straggler_study.py --steps 600 --step-s 0.015 --seeds 3 4 5 \
         --slow 1 1 2 4 --out straggler_study_two_slow     # the setting nothing was chosen on
-    python experiments/straggler_study.py --setting lm --steps 400 --step-s 0.25 --seeds 0 1 \
-        --conditions free budget "budget, weighted" --out straggler_study_lm   # ~15 min
-    python experiments/straggler_study.py --steps 600 --step-s 0.015 --strategies \
+    python experiments/stragglers/straggler_study.py --setting lm --steps 400 --step-s 0.25 \
+        --seeds 0 1 --conditions free budget "budget, weighted" --out straggler_study_lm   # ~15 min
+    python experiments/stragglers/straggler_study.py --steps 600 --step-s 0.015 --strategies \
         "Streaming DiLoCo H=48 P=4" --conditions free blocking budget "budget, weighted" \
         --out straggler_study_streaming     # the fragments' weighted rounds, ~5 min
-    python experiments/straggler_study.py --steps 600 --step-s 0.015 --strategies \
+    python experiments/stragglers/straggler_study.py --steps 600 --step-s 0.015 --strategies \
         "Streaming DiLoCo H=48 P=4 tau=1" --conditions free blocking budget "budget, weighted" \
         --out straggler_study_streaming_delayed   # and "... tau=1 fp4": the 4-bit wire
-    python experiments/straggler_study.py --setting lm --steps 400 --step-s 0.25 --strategies \
-        "LM Streaming DiLoCo H=16 P=4" --conditions free budget --out straggler_study_lm_streaming
-    python experiments/straggler_study.py --tiny     # smoke test: 1 seed, a few steps
+    python experiments/stragglers/straggler_study.py --setting lm --steps 400 --step-s 0.25 \
+        --strategies "LM Streaming DiLoCo H=16 P=4" --conditions free budget \
+        --out straggler_study_lm_streaming
+    python experiments/stragglers/straggler_study.py --tiny     # smoke test: 1 seed, a few steps
 """
 
 from __future__ import annotations
@@ -51,7 +53,8 @@ import subprocess
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))  # the study's folder: its results go here
+ROOT = os.path.dirname(os.path.dirname(HERE))
 STRATEGIES = {  # name: (overrides, H)
     "local SGD H=16": (["sync.period=16"], 16),
     "DiLoCo H=50": (["+experiment=diloco", "sync.outer_warmup_rounds=0"], 50),
@@ -208,7 +211,9 @@ def main() -> None:
         default=[1, 1, 1, 3],
         help="the workers' slowdown factors in the straggler runs",
     )
-    parser.add_argument("--out", default="straggler_study", help="experiments/OUT.{md,json}")
+    parser.add_argument(
+        "--out", default="straggler_study", help="experiments/stragglers/OUT.{md,json}"
+    )
     parser.add_argument("--setting", choices=list(SETTINGS), default="mnist1d")
     parser.add_argument(
         "--conditions", nargs="+", choices=CONDITIONS, default=list(CONDITIONS),
@@ -275,7 +280,8 @@ def main() -> None:
     lines = [
         "# Slow workers: blocking against a time budget",
         "",
-        f"Run {stamp}, `python experiments/straggler_study.py {shlex.join(sys.argv[1:])}` "
+        f"Run {stamp}, `python experiments/stragglers/straggler_study.py "
+        f"{shlex.join(sys.argv[1:])}` "
         f"(seeds {', '.join(map(str, args.seeds))}, {args.steps} steps, step_s {args.step_s} s, "
         f"worker speeds {speeds('blocking', args.slow)}); {what}, 4 CPU workers, gloo. "
         "Ratios are against the straggler-free run of the same seed and strategy, measured in "
@@ -297,7 +303,7 @@ def main() -> None:
             + (", ".join(f"{x:+.1%}" for x in fair) if budget else "")
             + " |"
         )
-    out = os.path.join(ROOT, "experiments", args.out)
+    out = os.path.join(HERE, args.out)
     if not args.tiny:
         with open(out + ".md", "w") as f:
             f.write("\n".join(lines) + "\n")

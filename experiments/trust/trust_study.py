@@ -14,11 +14,11 @@ sync every 10 steps, each fragment's rounds robust and scored on their own).
 Columns: the final test loss (mean over seeds; a run that stopped on a non-finite loss is
 counted as diverged), its ratio to the same aggregator's clean run and to the mean's clean run,
 the round at which worker 1 was excluded (scored runs), and the training wall time.
-Writes experiments/trust_study_SETTING.{json,md}.
+Writes experiments/trust/trust_study_SETTING.{json,md}.
 
-    python experiments/trust_study.py                     # 108 runs, ~10 min on 2 cores
-    python experiments/trust_study.py --setting diloco
-    python experiments/trust_study.py --tiny              # smoke test
+    python experiments/trust/trust_study.py                     # 108 runs, ~10 min on 2 cores
+    python experiments/trust/trust_study.py --setting diloco
+    python experiments/trust/trust_study.py --tiny              # smoke test
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ import subprocess
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))  # the study's folder: its results go here
+ROOT = os.path.dirname(os.path.dirname(HERE))
 ATTACKS = ["none", "sign_flip", "noise", "stale", "nan", "zeros"]
 AGGREGATORS = {
     "mean": [],
@@ -168,7 +169,7 @@ def _md_commands(out: str) -> list[str]:
         return []
     with open(out + ".md") as f:
         head = f.read().split("\n| ")[0]
-    return re.findall(r"`(python experiments/trust_study\.py[^`]*)`", head)
+    return re.findall(r"`(python experiments/trust/trust_study\.py[^`]*)`", head)
 
 
 def _quoted(arg: str) -> str:
@@ -273,7 +274,7 @@ def main() -> None:
     seeds = args.seed_list if args.seed_list is not None else list(range(args.seeds))
     run_seeds = args.only_seeds if args.only_seeds is not None else seeds
     name = f"trust_study_{args.setting}" + (f"_{args.suffix}" if args.suffix else "")
-    out = os.path.join(ROOT, "experiments", name)
+    out = os.path.join(HERE, name)
     results, commands = {}, []
     if args.merge and os.path.exists(out + ".json"):
         with open(out + ".json") as f:
@@ -293,7 +294,7 @@ def main() -> None:
                     print(key, results[key], flush=True)
     if args.tiny:
         return
-    command = " ".join(["python experiments/trust_study.py", *map(_quoted, sys.argv[1:])])
+    command = " ".join(["python experiments/trust/trust_study.py", *map(_quoted, sys.argv[1:])])
     commands.append(command)
     with open(out + ".json", "w") as f:
         json.dump(

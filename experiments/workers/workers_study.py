@@ -2,11 +2,13 @@ r"""DiLoCo against synchronous training as the number of workers M grows (issue 
 "Workers"), with AdamW and with Muon inner steps, on MNIST-1D or the Shakespeare LM, with
 virtual workers.
 
-    python experiments/workers_study.py --workers 1 2 4 8 16 --seeds 0 1 --steps 1000
-    python experiments/workers_study.py --setting lm --workers 1 4 16 --seeds 0 1 2 --steps 1000
+    python experiments/workers/workers_study.py --workers 1 2 4 8 16 --seeds 0 1 --steps 1000
+    python experiments/workers/workers_study.py --setting lm --workers 1 4 16 --seeds 0 1 2 \
+        --steps 1000
     # one worker on the 4 windows each of 16 workers steps on (a diagnostic: the LM's reading)
-    python experiments/workers_study.py --setting lm --workers 1 --seeds 0 1 2 --steps 1000 \
-        --rows sync_adamw sync_muon --global-batch 4 --out experiments/workers_study_lm_batch4
+    python experiments/workers/workers_study.py --setting lm --workers 1 --seeds 0 1 2 \
+        --steps 1000 --rows sync_adamw sync_muon --global-batch 4 \
+        --out experiments/workers/workers_study_lm_batch4
 
 Every run is `python -m localsgd.train ... dist.virtual_workers=M` (the M workers as threads of
 one process, bit-identical to M gloo processes: tests/test_virtual.py). The setting of the DiLoCo
@@ -30,7 +32,7 @@ Rows, all fixed before any was run (nothing tuned):
 
 The gap of a DiLoCo row is its final test loss against the sync row with the same inner
 optimizer at the same M and seed (MuLoCo's comparison), and against `sync_adamw`.
-Writes experiments/workers_study.{md,json}; `--append` adds runs to them.
+Writes experiments/workers/workers_study.{md,json}; `--append` adds runs to them.
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ import subprocess
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))  # the study's folder: its results go here
+ROOT = os.path.dirname(os.path.dirname(HERE))
 # per setting: the global batch, DiLoCo's H and the job's overrides
 SETTINGS = {
     "mnist1d": (256, 32, ["data=mnist1d", "model=mlp", "optim.lr=0.003"]),
@@ -54,7 +57,7 @@ SETTINGS = {
         "trainer.eval_samples=1024", "trainer.eval_batch_size=256", "logger=jsonl",
     ]),
 }  # fmt: skip
-_OUT = os.path.join(ROOT, "experiments", "workers_study")
+_OUT = os.path.join(HERE, "workers_study")
 
 
 def rows(steps: int, period: int) -> dict[str, list[str]]:
@@ -222,7 +225,7 @@ def main() -> None:
     given += [("rows", args.rows)] if args.rows else []
     given += [("global-batch", args.global_batch)] if args.global_batch else []
     command = (
-        "python experiments/workers_study.py "
+        "python experiments/workers/workers_study.py "
         + " ".join(f"--{k} {' '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in given)
         + (" --append" if args.append else "")
     )
