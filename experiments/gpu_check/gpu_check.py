@@ -181,7 +181,7 @@ def _precision_worker(info, store, device: str, precision: str, out: str) -> Non
                 "dtypes": sorted(dtypes),
                 "scale": None if scaler is None else float(scaler.get_scale()),
                 "scaler_device": None if scaler is None else scaler._device,
-                "accuracy": t.evaluate()["test_accuracy"],
+                "accuracy": t.evaluate(split="test")["test_accuracy"],
             }
         torch.save(result, os.path.join(out, f"{info.rank}.pt"))
     finally:
