@@ -173,7 +173,7 @@ def _precision_worker(info, store, device: str, precision: str, out: str) -> Non
             t = Trainer(cfg, info, dev, run_dir)
             losses = [float(t.train_step(s)) for s in range(cfg.trainer.max_steps)]
             dtypes = {str(p.dtype) for p in t.model.parameters()}
-            dtypes |= {str(b.dtype) for b in t.sync.averager.flat.buffers}
+            dtypes |= t.sync.buffer_dtypes
             scaler = t.recipe.scaler
             result = {
                 "first": sum(losses[:10]) / 10,
