@@ -209,16 +209,6 @@ def rank_states(folder: str) -> int:
     return len(read_marker(folder)["files"])
 
 
-def shard_size_of(folder: str) -> int:
-    """The shard size a (verified) checkpoint was written with: 1 unless sharded (DCP)."""
-    return int((read_marker(folder) or {}).get("shard_size", 1))
-
-
-def is_shared(folder: str) -> bool:
-    """Whether a (verified) checkpoint holds one state for every worker (under ft=torchft)."""
-    return bool((read_marker(folder) or {}).get("shared"))
-
-
 def save_model(
     model: torch.nn.Module, run_dir: str, state: dict[str, torch.Tensor] | None = None
 ) -> None:

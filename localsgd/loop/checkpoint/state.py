@@ -13,9 +13,9 @@ component owns that rule:
   then takes over, `AveragerState.after_reshard`), else the old workers' mean;
 - torch's optimizers (they cannot carry the method; `moved_optimizer_state`): the old workers'
   mean moments, step counts the first's;
-- the averager (`localsgd.loop.checkpoint.averager.AveragerState`): anchors and outer momentum
-  cut to the new shards, error-feedback residuals each worker's own or summed over the old
-  workers, weighted rounds started afresh;
+- the averager (`averager_state.AveragerState`): anchors and outer momentum cut to the new
+  shards, error-feedback residuals each worker's own or summed over the old workers, weighted
+  rounds started afresh;
 - the data (`localsgd.data.ShardSampler`), the pacer (`localsgd.loop.pacing.Pacer`), RNG here;
 - anything else: the state every worker shared (`Reshard.source`'s).
 """
