@@ -10,9 +10,9 @@ import torch
 import torch.distributed as dist
 
 from localsgd.averaging import CommStats, OptimizerStateSync
+from localsgd.loop.checkpoint.state import moved_optimizer_state as _average_optimizer
 from localsgd.loop.muon import MuonAdamW
 from localsgd.loop.optim import build_optimizer, set_lr
-from localsgd.loop.reshard import _average_optimizer
 from localsgd.models.transformer import GPT
 from tests.helpers import compose_config
 

@@ -3,9 +3,9 @@
 Every part that needs to know what a sync config means asks a `SyncPlan`, never the raw keys:
 the averager factory (`localsgd.loop.strategies`), the config checks (`localsgd.cli.checks`),
 the fault-tolerance checks (`localsgd.cli.fault_tolerance`), the resume path and the reshard
-refusal (`localsgd.cli.preflight`, `localsgd.loop.reshard`). A question answered twice from the
-raw keys is how a config that passed every check crashed at run time (the streaming period was
-read as `sync.period` in one place and as the widest level's in another).
+refusal (`localsgd.cli.preflight`, `localsgd.loop.checkpoint.reshard`). A question answered
+twice from the raw keys is how a config that passed every check crashed at run time (the
+streaming period was read as `sync.period` in one place and as the widest level's in another).
 
 The plan reads a node that answers `sync.KEY` either way: a dataclass (`SyncConfig`), a Hydra
 DictConfig or a plain dict.

@@ -29,6 +29,7 @@ from localsgd.averaging import Averager
 from localsgd.averaging.flat import is_dtensor, local_tensor
 from localsgd.averaging.fragments import model_blocks
 from localsgd.averaging.timeouts import inherit_timeout
+from localsgd.averaging.trees import tensors_in
 
 
 class Sharding:
@@ -186,19 +187,9 @@ def _nbytes(tensors) -> int:
     return total
 
 
-def _tensors_in(tree: Any) -> list[torch.Tensor]:
-    if isinstance(tree, torch.Tensor):
-        return [tree]
-    if isinstance(tree, dict):
-        tree = list(tree.values())
-    if isinstance(tree, (list, tuple)):
-        return [t for item in tree for t in _tensors_in(item)]
-    return []
-
-
 def _optimizer_state(optimizers: Any) -> list[torch.Tensor]:
     opts = optimizers if isinstance(optimizers, (list, tuple)) else [optimizers]
-    return [t for o in opts if o is not None for t in _tensors_in(list(o.state.values()))]
+    return [t for o in opts if o is not None for t in tensors_in(list(o.state.values()))]
 
 
 def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, averager: Averager) -> dict:
