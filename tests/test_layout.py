@@ -322,3 +322,22 @@ def test_trees_of_tensors_are_walked_in_one_module():
     copy = "def _clone(t):\n    if isinstance(t, torch.Tensor):\n        return t.clone()\n"
     copy += "    if isinstance(t, dict):\n        return {k: _clone(v) for k, v in t.items()}\n"
     assert _tree_walkers(ast.parse(copy)) == ["_clone"]  # the finder finds one
+
+
+WINGS = {"rounds", "wire", "trust", "streaming", "torchft"}
+
+
+def test_the_averaging_core_is_a_folder_of_wings_each_mapped_by_its_docstring():
+    """`averaging/` holds the core's modules and one folder per wing; each wing's docstring names
+    every module in it (so the map a reader starts from stays true)."""
+    folder = os.path.join(ROOT, "averaging")
+    packages = {
+        n for n in os.listdir(folder) if os.path.isfile(os.path.join(folder, n, "__init__.py"))
+    }
+    assert packages == WINGS, packages
+    for wing in WINGS:
+        path = os.path.join(folder, wing)
+        doc = ast.get_docstring(ast.parse(_source("averaging", wing, "__init__.py"))) or ""
+        modules = {n[:-3] for n in os.listdir(path) if n.endswith(".py") and n != "__init__.py"}
+        unnamed = {m for m in modules if f"`{m}" not in doc}
+        assert not unnamed, (wing, unnamed)

@@ -115,8 +115,9 @@ def _sharded_muon_worker(rank: int, world: int) -> dict:
     """2 ranks as one replica group sharding an MLP (FSDP2), MuonAdamW over its DTensors, next
     to the same MLP whole with torch's Muon: the same batch on both ranks (FSDP's mean of two
     equal gradients is the gradient), 4 steps."""
+    from localsgd.loop.fsdp import Sharding
+
     from localsgd.loop.muon import MuonAdamW, ShardedMuon
-    from localsgd.loop.sharding import Sharding
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

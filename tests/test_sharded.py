@@ -30,10 +30,10 @@ from localsgd.averaging import (
 )
 from localsgd.averaging.flat import local_tensor
 from localsgd.averaging.optimizer_state import OptimizerStateSync
-from localsgd.averaging.robust import Aggregate
 from localsgd.averaging.schedule import AdaptivePeriod
-from localsgd.averaging.sparse import TopKCodec
-from localsgd.averaging.trust import Judge
+from localsgd.averaging.trust.robust import Aggregate
+from localsgd.averaging.trust.trusted_round import Judge
+from localsgd.averaging.wire.sparse import TopKCodec
 from localsgd.loop.fsdp import Sharding, state_bytes
 from tests.helpers import FAST, cli, refusal, run_distributed
 
@@ -157,7 +157,8 @@ def _tamper(kind: str, model, anchor, replica: int, shard: int | None) -> None:
             p.copy_(a + factor * (p - a))
 
 
-# robust rounds over sharded parameters (localsgd.averaging.trust with `mirror`): each against
+# robust rounds over sharded parameters (localsgd.averaging.trust.trusted_round with `mirror`):
+# each against
 # the replicated run with the same replica attacking. clip needs each contribution's norm over
 # both shards, the NaN in one shard must drop the whole contribution on every shard, and the
 # judge must evaluate the candidate written into the sharded parameters; each fails without.

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from localsgd.averaging import GradientAverager, PeriodicAverager
-from localsgd.averaging.robust import Aggregate
+from localsgd.averaging.trust.robust import Aggregate
 from localsgd.loop.fsdp import Sharding
 from localsgd.loop.recipe import Recipe, checkpoint_activations
 from tests.helpers import FAST, cli, run_distributed

@@ -124,7 +124,7 @@ def _probe(
                 f"model=transformer)"
             )
     if blocks is not None:
-        from localsgd.averaging.fragments import model_blocks
+        from localsgd.averaging.streaming.fragments import model_blocks
 
         try:
             model_blocks(model, blocks)
@@ -135,7 +135,7 @@ def _probe(
 
         _units[key] = fsdp_units(model, blocks)
     if fragments > 1:  # Streaming DiLoCo strides its fragments over the model's blocks
-        from localsgd.averaging.fragments import model_blocks
+        from localsgd.averaging.streaming.fragments import model_blocks
 
         blocks = len(model_blocks(model))
         if blocks < fragments:

@@ -27,7 +27,7 @@ from torch import nn
 
 from localsgd.averaging import Averager
 from localsgd.averaging.flat import is_dtensor, local_tensor
-from localsgd.averaging.fragments import model_blocks
+from localsgd.averaging.streaming.fragments import model_blocks
 from localsgd.averaging.timeouts import inherit_timeout
 from localsgd.averaging.trees import tensors_in
 

@@ -117,7 +117,7 @@ class SyncPlan:
         """What an average sends: `sync.comm_dtype` (a name), or a `TopKCodec` with
         `sync.compress=topk`."""
         if self.compress == "topk":
-            from localsgd.averaging.sparse import TopKCodec
+            from localsgd.averaging.wire.sparse import TopKCodec
 
             return TopKCodec(self.topk_density, self.topk_chunk, self.topk_mean)
         return comm_dtype

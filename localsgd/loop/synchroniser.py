@@ -386,7 +386,8 @@ class Synchroniser:
 
     @property
     def trust(self):
-        """The rounds over untrusted workers' contributions (`localsgd.averaging.trust.
+        """The rounds over untrusted workers' contributions
+        (`localsgd.averaging.trust.trusted_round.
         TrustedRound`), or None under the all-reduced mean."""
         return self.averager.rounds.trust
 

@@ -76,7 +76,7 @@ def fsdp_units(model: torch.nn.Module, blocks_path: str | None = None) -> list[s
     root; `blocks_path`: dist.shard_blocks), each as "name: param[shape], ...", global shapes;
     the same for the whole module and its sharded copy. A checkpoint of other units cannot be
     read into this model."""
-    from localsgd.averaging.fragments import model_blocks
+    from localsgd.averaging.streaming.fragments import model_blocks
 
     names = {id(m): n for n, m in model.named_modules()}
     blocks = model_blocks(model, blocks_path)
