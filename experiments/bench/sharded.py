@@ -3,7 +3,7 @@
 The same 4 worker processes' job twice, one after the other in one invocation: as 4 replicas
 (each the whole model, `dist.shard_size=1`) and as 2 replica groups of 2 ranks (FSDP2 inside,
 `dist.shard_size=2`). Each runs a few DiLoCo steps (inner AdamW, the outer Nesterov step every
-`--period` steps) on random tokens, then reports rank 0's state (`localsgd.loop.sharding.
+`--period` steps) on random tokens, then reports rank 0's state (`localsgd.loop.fsdp.
 state_bytes`: parameters, gradients, AdamW's moments, the averager's anchor and outer momentum)
 and the time of one blocking averaging round (`averager.average()`: the pseudo-gradient's
 all-reduce and the outer step), the median over `--rounds`, the slowest rank's. Then, in the
@@ -11,7 +11,7 @@ same processes, the same rounds again with the anchor and outer momentum in host
 (`sync.outer_state=cpu`, a new averager over the same model): the outer step's cost with and
 without the option, side by side. On a CPU machine the host *is* the device, so that ratio
 measures the option's extra copies only; the copies over PCIe need a GPU
-(experiments/gpu_check.py).
+(experiments/gpu_check/gpu_check.py).
 
     python experiments/bench/sharded.py               # GPT-2 small (124M), ~4 min, ~14 GB
     python experiments/bench/sharded.py --tiny        # smoke test, seconds
@@ -43,7 +43,7 @@ def _job(rank: int, world_size: int, shape: dict, shard_size: int, args: dict) -
     import torch
 
     from localsgd.averaging import OuterAverager
-    from localsgd.loop.sharding import Sharding, state_bytes
+    from localsgd.loop.fsdp import Sharding, state_bytes
     from localsgd.models.transformer import GPT
 
     torch.set_num_threads(1)
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> None:
         f"then {args.rounds} timed; the median of the {2 * args.rounds} rounds of each, the "
         "slowest rank's. **On this CPU machine the host is the device**: the ratio measures "
         "those extra copies only, and the option saves no memory here. What it costs over "
-        "PCIe, and saves on a GPU, is measured by experiments/gpu_check.py.",
+        "PCIe, and saves on a GPU, is measured by experiments/gpu_check/gpu_check.py.",
         "",
         "| one blocking averaging round (s, median of the slowest rank) | 4 x 1 | 2 x 2 |",
         "|---|---|---|",

@@ -14,7 +14,7 @@ from typing import Any
 
 from localsgd.averaging import COMM_DTYPES, OPTIMIZER_STATE_MODES
 from localsgd.averaging.offload import OUTER_STATES
-from localsgd.averaging.streaming import MERGE_RULES
+from localsgd.averaging.streaming.averager import MERGE_RULES
 from localsgd.cli.fault_tolerance import check_lighthouse, validate_ft
 from localsgd.cli.pacing import validate_pacing
 from localsgd.cli.refusals import check as check_refusals
@@ -344,14 +344,6 @@ def validate_sync(cfg: Any, ws: int | None, local_ws: int | None) -> None:
         for i, size in enumerate(sizes):
             _require(
                 ws % size == 0, f"sync.levels[{i}].group_size", f"a divisor of {ws} {what}", size
-            )
-        for i, size in enumerate(sizes[:-1]):  # an inner level as wide as the widest is it
-            _require(
-                size < ws,
-                f"sync.levels[{i}].group_size",
-                f"below the {ws} {what} of the widest level (an inner level that spans all of "
-                "them is the widest level again)",
-                size,
             )
     # torch's rule, nothing stricter: the last listed level whose period divides the step wins
     for i in range(1, len(levels)):
