@@ -137,7 +137,7 @@ class Rounds:
 
     @property
     def trust(self):
-        """The verdict state of gathered rounds (`trust.TrustedRound`), or None."""
+        """The verdict state of gathered rounds (`TrustedRound`), or None."""
         return self.combine.trust if self.gathered else None
 
     @property

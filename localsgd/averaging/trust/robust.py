@@ -356,7 +356,7 @@ class GatheredContributions:
 
 def robust_mean_(buffer: torch.Tensor, comm: Communicator, trust) -> None:
     """`buffer` combined over `comm`'s group by a robust round's rule (`trust`, a
-    `trust.TrustedRound`: its aggregate), over the workers it has not excluded and whose values
+    `TrustedRound`: its aggregate), over the workers it has not excluded and whose values
     are finite; kept as it is when none is left (optimizer state, an adaptive period's loss)."""
     workers, live = comm.members()
     rows = torch.empty(len(workers) * buffer.numel(), dtype=buffer.dtype, device=buffer.device)
