@@ -341,3 +341,37 @@ def test_the_averaging_core_is_a_folder_of_wings_each_mapped_by_its_docstring():
         modules = {n[:-3] for n in os.listdir(path) if n.endswith(".py") and n != "__init__.py"}
         unnamed = {m for m in modules if f"`{m}" not in doc}
         assert not unnamed, (wing, unnamed)
+
+
+# The modules that drive the averager (the Synchroniser, its builder, the plan's strategies, the
+# two round drivers) and its own checkpoint entry; anything else only calls its public methods.
+DRIVES_THE_AVERAGER = {
+    "loop/synchroniser.py",
+    "loop/build_sync.py",
+    "loop/strategies.py",
+    "loop/plan.py",
+    "loop/local_rounds.py",
+    "loop/fault_tolerance.py",
+    "loop/checkpoint/averager_state.py",
+}
+
+
+def test_nothing_outside_the_synchroniser_and_the_plan_touches_the_averagers_attributes():
+    import inspect
+
+    from localsgd.averaging import Averager
+
+    methods = {n for n, v in inspect.getmembers(Averager) if callable(v) and n[0] != "_"}
+    reached = {}
+    for path in _modules().values():
+        rel = os.path.relpath(path, ROOT).replace(os.sep, "/")
+        if rel.startswith("averaging/") or rel in DRIVES_THE_AVERAGER:
+            continue
+        for chain in _attribute_chains(ast.parse(_read(path))):
+            parts = chain.split(".")
+            if "averager" in parts[:-1]:
+                after = parts[parts.index("averager") + 1 :]
+                if len(after) > 1 or after[0] not in methods:
+                    reached.setdefault(rel, set()).add(chain)
+    assert reached == {}, reached
+    assert "held_bytes" in methods  # what loop/fsdp.py's state_bytes calls

@@ -152,3 +152,17 @@ def tree_mean(trees: list, where: Callable[[torch.Tensor], bool] = _every) -> An
     """The leaf-by-leaf mean of `trees`: summed in order, then divided once by their number
     (the leaves `where` picks; the others are the first tree's)."""
     return divide_(tree_sum(trees, where), len(trees), where)
+
+
+def distinct_nbytes(tensors) -> int:
+    """Bytes of the distinct tensors in `tensors` on this rank (a DTensor: its local shard; the
+    same memory reached twice, e.g. a view and its tensor's alias, counted once)."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for t in tensors:
+        local = local_tensor(t)
+        key = (local.data_ptr(), local.numel())
+        if local.numel() and key not in seen:
+            seen.add(key)
+            total += local.numel() * local.element_size()
+    return total
