@@ -605,31 +605,40 @@ def test_robust_mean_is_built_only_when_asked():
         dist.destroy_process_group()
 
 
-def test_scoring_or_an_outvoting_rule_with_fewer_than_3_workers_says_so(monkeypatch):
+def _notices_of_building(monkeypatch, runs: list[list[str]]) -> list[list[str]]:
+    """The notices `build_synchroniser` prints for each list of overrides, one process."""
     from localsgd.loop import build_sync as module
     from localsgd.loop.worker import WorkerInfo
 
     said: list[str] = []
     monkeypatch.setattr(module, "notice", said.append)
-    store = dist.HashStore()
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    out = []
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        for overrides, warned in ((["+experiment=untrusted"], True),
-                                  (["+experiment=untrusted", "sync.exclude_after=0"], False),
-                                  (["sync.aggregate=median"], False),
-                                  (["sync.aggregate=mean"], False)):  # fmt: skip
+        for overrides in runs:
             said.clear()
             cfg = compose_config(overrides + ["dist.world_size=1"])
             model = _Net()
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
             module.build_synchroniser(cfg, WorkerInfo(0, 1, 0, 1), model, opt,
-                                      held_out=lambda round_, batch, samples=None: 0.0)
-            assert any("nobody can be excluded" in line for line in said) is warned, said
-            # 1 worker's median is its own change; the mean says nothing
-            outvotes = "median with 1 worker (sharded: replica groups) outvotes nobody: it is the"
-            assert any(outvotes in line for line in said) is (cfg.sync.aggregate == "median"), said
+                                      held_out=lambda round_, batch, samples=None: 0.0)  # fmt: skip
+            out.append(list(said))
     finally:
         dist.destroy_process_group()
+    return out
+
+
+def test_scoring_or_an_outvoting_rule_with_fewer_than_3_workers_says_so(monkeypatch):
+    runs = [["+experiment=untrusted"], ["+experiment=untrusted", "sync.exclude_after=0"],
+            ["sync.aggregate=median"], ["sync.aggregate=mean"]]  # fmt: skip
+    excludes = [True, False, False, False]
+    medians = [True, True, True, False]  # the untrusted preset's rule is the median
+    # 1 worker's median is its own change; the mean says nothing
+    outvotes = "median with 1 worker (sharded: replica groups) outvotes nobody: it is the"
+    notices = _notices_of_building(monkeypatch, runs)
+    for said, warned, median in zip(notices, excludes, medians, strict=True):
+        assert any("nobody can be excluded" in line for line in said) is warned, said
+        assert any(outvotes in line for line in said) is median, said
 
 
 def test_the_warmup_guards_its_gradients_unless_fp16_scales_them():
@@ -1140,23 +1149,8 @@ def test_a_killed_scored_run_resumes_with_the_same_verdicts(tmp_path):
 
 def test_an_inner_level_as_wide_as_the_widest_says_its_averages_are_global(monkeypatch):
     # torch accepts it (its own 3-level test has 4 -> 4), so it runs, but not without a word
-    from localsgd.loop import build_sync as module
-    from localsgd.loop.worker import WorkerInfo
-
-    said: list[str] = []
-    monkeypatch.setattr(module, "notice", said.append)
-    store = dist.HashStore()
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        for levels, warned in (("[{group_size:node,period:2},{group_size:world,period:8}]", True),
-                               (None, False)):  # fmt: skip
-            said.clear()
-            overrides = [] if levels is None else [f"sync.levels={levels}"]
-            cfg = compose_config(overrides + ["dist.world_size=1"])
-            model = _Net()
-            opt = torch.optim.SGD(model.parameters(), lr=0.1)
-            module.build_synchroniser(cfg, WorkerInfo(0, 1, 0, 1), model, opt)
-            line = "sync.levels[0]: group_size spans all 1 workers, so those inner averages are"
-            assert any(line in s for s in said) is warned, said
-    finally:
-        dist.destroy_process_group()
+    wide = "sync.levels=[{group_size:node,period:2},{group_size:world,period:8}]"
+    line = "sync.levels[0]: group_size spans all 1 workers, so those inner averages are"
+    with_levels, without = _notices_of_building(monkeypatch, [[wide], []])
+    assert any(line in s for s in with_levels), with_levels
+    assert not any(line in s for s in without), without
