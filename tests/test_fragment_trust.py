@@ -334,8 +334,11 @@ def test_cli_streaming_diloco_with_a_robust_aggregate_drops_and_excludes(tmp_pat
         *STREAMING,
         "trainer.max_steps=40",
         "trainer.log_every=10",
-        "sync.check_replicas=true",
-    ]  # replicas compared bit for bit after every sync
+        "sync.check_replicas=true",  # replicas compared bit for bit after every sync
+        # the rounds below are this data's: with the default validation split the held-out
+        # batches differ and the attacker is judged bad at rounds 2, 4 and 5 (excluded at 5)
+        "data.val_fraction=0",
+    ]
     runs = {
         "nan": [*common, _attack("nan")],
         "scored": [*common, "sync.score=true", _attack("sign_flip")],
