@@ -215,19 +215,16 @@ class Communicator:
     def mean_(self, flat: torch.Tensor, through: torch.Tensor | None = None) -> None:
         """Replace `flat` in place by its mean over the group, with one all-reduce.
 
-        With AVG the backend divides inside the reduction; otherwise the buffer is divided in
-        place first, as torch's `average_parameters` does (and as a guarded mean does where the
-        check rides that division: `_reduction`). Either way every rank reduces the same
-        bytes, so the result is identical on every rank. `through`, a preallocated buffer of
-        another dtype, carries the communication in that precision (bytes counted at it).
+        With AVG the backend divides inside the reduction; otherwise (or where a guarded mean
+        checks in the division: `_reduction`) the buffer is divided in place first, as torch's
+        `average_parameters` does. Either way every rank gets the same bits. `through`, a
+        preallocated buffer of another dtype, carries the communication in that precision.
         """
         start = time.perf_counter()
         wire = flat if through is None else through.copy_(flat)
         multiply, divide, op = self._reduction(self.share, [wire])
-        guard = None
-        if self.guard:  # checked in the pass that scales it, where the round scales it
-            guard = NonFiniteGuard([wire], multiply, divide)
-        else:
+        guard = NonFiniteGuard([wire], multiply, divide) if self.guard else None  # checks, scales
+        if guard is None:
             scale_([wire], multiply, divide)
         dist.all_reduce(wire, op=op, group=self.group)
         if guard is not None:
@@ -236,15 +233,10 @@ class Communicator:
             flat.copy_(wire)
         self._account(start, _nbytes(wire))
 
-    def _reduction(
-        self, share: float | None, wires: list[torch.Tensor]
-    ) -> tuple[float | None, int | None, dist.ReduceOp]:
-        """What each contribution is multiplied by, or divided by, before the reduction, and
-        the reduction: a weighted round's share, summed; else, where the backend cannot
-        average, the group's size, summed; else the backend's AVG, undivided, except in a
-        guarded round that `finite.fuses_division` allows: there the wires are divided by the
-        size in the pass that checks them and summed, which saves the check its own pass and
-        gives AVG's bits (see finite.py for where they may differ)."""
+    def _reduction(self, share: float | None, wires: list[torch.Tensor]) -> tuple:
+        """(multiply, divide, op): a weighted round's share, summed; else the size, summed, where
+        the backend cannot average or a guarded round checks in the division
+        (`finite.fuses_division`: AVG's bits); else the backend's AVG."""
         if share is not None:
             return share, None, dist.ReduceOp.SUM
         if not self.use_avg or (self.guard and fuses_division(wires, self.size)):
@@ -284,8 +276,7 @@ class Communicator:
             t.copy_(p) for t, p in zip(through, pieces, strict=True)
         ]  # fmt: skip
         multiply, divide, op = self._reduction(share, wires)
-        # one verdict for the whole set: a contribution is dropped from every piece or none,
-        # each piece checked in the pass that scales it
+        # one verdict for the set (dropped from every piece or none), checked as it is scaled
         guard = NonFiniteGuard(wires, multiply, divide) if self.guard else None
         works = []
         for wire in wires:
