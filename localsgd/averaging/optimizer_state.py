@@ -28,7 +28,7 @@ import torch
 
 from localsgd.averaging.comm import Communicator
 from localsgd.averaging.flat import FlatBuffers, holds_dtensor, local_tensor
-from localsgd.averaging.robust import robust_mean_
+from localsgd.averaging.trust.robust import robust_mean_
 
 OPTIMIZER_STATE_MODES = ("local", "average", "reset", "desloc")
 SECOND_MOMENTS = ("exp_avg_sq", "max_exp_avg_sq")
@@ -128,7 +128,7 @@ class OptimizerStateSync:
     ) -> None:
         """After a round over `comm`: `key` names the round's level and part (its own clock),
         `params` the ids of the parameters it covered (None: all), `trust` the round's verdict
-        state (`trust.TrustedRound`) when it was robust (None: the mean)."""
+        state (`TrustedRound`) when it was robust (None: the mean)."""
         if self.mode == "local":
             return
         if self.mode == "reset":

@@ -8,9 +8,12 @@ names. What the config means is read once, by `localsgd.loop.plan.SyncPlan`, whi
 (`localsgd.cli.checks.validate`, run before any worker starts) read too; the averagers check
 their own arguments again. The loop sees the strategy through `localsgd.loop.synchroniser`.
 
-A new strategy touches `localsgd/averaging/` (its averager or reducer), `build_averager` here,
-the plan, the `SyncConfig` schema with its checks (`localsgd/config.py`,
-`localsgd/cli/checks.py`) and a `conf/sync/` preset; nothing in the trainer.
+A new strategy touches `localsgd/averaging/` (an averager for a new rule of *when*, or one
+stage's choice in `localsgd/averaging/rounds/` for a new *what*: a combine rule is an entry of
+`robust.RULES`, a wire a codec), `build_averager` here, the plan, the `SyncConfig` schema with
+its checks (`localsgd/config.py`, `localsgd/cli/checks.py`; a combination that cannot work is a
+row of `localsgd/cli/refusals.py`) and a `conf/sync/` preset; nothing in the trainer
+(docs/strategies.md, "Adding a strategy").
 """
 
 from __future__ import annotations
@@ -36,8 +39,8 @@ from localsgd.averaging import (
     StepPeriod,
     StreamingAverager,
 )
-from localsgd.averaging.robust import Aggregate
-from localsgd.averaging.trust import Judge
+from localsgd.averaging.trust.robust import Aggregate
+from localsgd.averaging.trust.trusted_round import Judge
 from localsgd.config import SyncConfig
 from localsgd.loop.plan import SyncPlan, strategy_name  # noqa: F401  (strategy_name re-exported)
 
@@ -79,15 +82,15 @@ def build_schedule(sync: SyncConfig, period: int | None = None) -> ConstantPerio
 
 
 def aggregate_of(sync: SyncConfig) -> Aggregate:
-    """The `sync.aggregate` rule with its keys (`localsgd.averaging.robust`)."""
+    """The `sync.aggregate` rule with its keys (`localsgd.averaging.trust.robust`)."""
     return Aggregate(sync.aggregate, sync.clip_multiple, sync.trim_fraction)
 
 
 def trust_of(
     sync: SyncConfig, plan: SyncPlan, loss_at: Callable[[int], float] | None
 ) -> dict[str, Any]:
-    """The `aggregate` and `judge` arguments of the averager (`localsgd.averaging.trust`): none
-    for the all-reduced mean."""
+    """The `aggregate` and `judge` arguments of the averager
+    (`localsgd.averaging.trust.trusted_round`): none for the all-reduced mean."""
     if not plan.gathered:
         return {}
     judge = None

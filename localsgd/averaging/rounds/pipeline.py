@@ -26,16 +26,16 @@ from itertools import chain
 import torch
 
 from localsgd.averaging.comm import Communicator
-from localsgd.averaging.compress import CommFormat
 from localsgd.averaging.flat import FlatBuffers, Relayout
-from localsgd.averaging.robust import Aggregate
 from localsgd.averaging.rounds.combine import Gathered, Mean
 from localsgd.averaging.rounds.contribution import Contribution
 from localsgd.averaging.rounds.merge import merge_
 from localsgd.averaging.rounds.outer import Anchors, OuterSGD
 from localsgd.averaging.rounds.part import Part, Tensors, new_like, views
 from localsgd.averaging.rounds.wire import Wire
-from localsgd.averaging.trust import Judge
+from localsgd.averaging.trust.robust import Aggregate
+from localsgd.averaging.trust.trusted_round import Judge
+from localsgd.averaging.wire.compress import CommFormat
 
 
 class Rounds:
@@ -137,7 +137,7 @@ class Rounds:
 
     @property
     def trust(self):
-        """The verdict state of gathered rounds (`trust.TrustedRound`), or None."""
+        """The verdict state of gathered rounds (`TrustedRound`), or None."""
         return self.combine.trust if self.gathered else None
 
     @property
@@ -145,7 +145,7 @@ class Rounds:
         """Every part's error-feedback residuals (None where nothing is rounded)."""
         return [w.residuals for w in self.wires]
 
-    def received(self, p: int) -> Tensors:
+    def received_in(self, p: int) -> Tensors:
         """What every rank received in part p's launched round (waited for): the mean, or the
         gathered contributions a robust rule combines at the finish."""
         if self.gathered:
