@@ -8,8 +8,9 @@ fp32 (item 1)
   raw         one `dist.all_reduce` (SUM) of a preallocated flat fp32 buffer of the same size
               (the limit)
   ours        `PeriodicAverager(1, module=model).average()`: in place over a persistent flat
-              buffer, `div_` then one all-reduce (on gloo), with the default NaN/Inf guard
-              (`localsgd.averaging.finite`: a finiteness pass before, a canary read after)
+              buffer, one AVG all-reduce, with the default NaN/Inf guard
+              (`localsgd.averaging.finite`: on 2 or 4 workers checked in a dividing pass
+              before a SUM all-reduce, else a summing pass before AVG; a canary read after)
   unguarded   the same with `drop_nonfinite=False`: what the guard costs is ours / unguarded
   gloo-avg    one `dist.all_reduce(op=ReduceOp.AVG)` of the raw fp32 buffer: gloo's own average,
               which runs a division pass itself (what separates any average from a raw sum)

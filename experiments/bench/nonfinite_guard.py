@@ -1,13 +1,14 @@
 """What the default NaN/Inf guard (`localsgd.averaging.finite`) costs a clean average.
 
-`PeriodicAverager(1, module=model).average()` (guarded: a finiteness pass over the buffer
-before the all-reduce, one read of the reduced canary after) against the same averager with
-`drop_nonfinite=False`, timed side by side in the same gloo processes by the averaging suite
-(`experiments/bench/averaging.py`: methods interleaved round-robin, a barrier before each call,
-a rep's time the max over ranks). Prints each (world, size)'s medians as ratios, and the median
-of the per-rep ratios guarded / unguarded.
+`PeriodicAverager(1, module=model).average()` (guarded: checked in the pass that divides the
+buffer before a SUM all-reduce where the group is a power of two, else one summing pass before
+gloo's AVG; one read of the reduced canary after) against the same averager with
+`drop_nonfinite=False` and gloo's own AVG of a raw buffer, timed side by side in the same gloo
+processes by the averaging suite (`experiments/bench/averaging.py`: methods interleaved
+round-robin, a barrier before each call, a rep's time the max over ranks). Prints each (world,
+size)'s medians as ratios, and the median of the per-rep ratios guarded / unguarded.
 
-    python experiments/bench/nonfinite_guard.py --worlds 2 4 --sizes 1000000 10000000 --reps 12
+    python experiments/bench/nonfinite_guard.py --worlds 2 --sizes 9800000 --reps 36
 """
 
 from __future__ import annotations

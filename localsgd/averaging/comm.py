@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.torch_version import TorchVersion
 
-from localsgd.averaging.finite import NonFiniteGuard, all_finite
+from localsgd.averaging.finite import NonFiniteGuard, all_finite, fuses_division, scale_
 from localsgd.averaging.timeouts import default_timeout
 
 # the backend name of `localsgd.averaging.virtual`'s thread group (defined here, where it is read)
@@ -215,27 +215,33 @@ class Communicator:
     def mean_(self, flat: torch.Tensor, through: torch.Tensor | None = None) -> None:
         """Replace `flat` in place by its mean over the group, with one all-reduce.
 
-        With AVG the backend divides inside the reduction; otherwise the buffer is divided in
-        place first, as torch's `average_parameters` does. Either way every rank reduces the same
-        bytes, so the result is identical on every rank. `through`, a preallocated buffer of
-        another dtype, carries the communication in that precision (bytes counted at it).
+        With AVG the backend divides inside the reduction; otherwise (or where a guarded mean
+        checks in the division: `_reduction`) the buffer is divided in place first, as torch's
+        `average_parameters` does. Either way every rank gets the same bits. `through`, a
+        preallocated buffer of another dtype, carries the communication in that precision.
         """
         start = time.perf_counter()
         wire = flat if through is None else through.copy_(flat)
-        guard = NonFiniteGuard([wire]) if self.guard else None
-        if self.share is not None:  # a weighted round: each rank's share, summed
-            wire.mul_(self.share)
-            dist.all_reduce(wire, group=self.group)
-        elif self.use_avg:
-            dist.all_reduce(wire, op=dist.ReduceOp.AVG, group=self.group)
-        else:
-            wire.div_(self.size)
-            dist.all_reduce(wire, group=self.group)
+        multiply, divide, op = self._reduction(self.share, [wire])
+        guard = NonFiniteGuard([wire], multiply, divide) if self.guard else None  # checks, scales
+        if guard is None:
+            scale_([wire], multiply, divide)
+        dist.all_reduce(wire, op=op, group=self.group)
         if guard is not None:
             self._settle(guard, self.share)
         if through is not None:
             flat.copy_(wire)
         self._account(start, _nbytes(wire))
+
+    def _reduction(self, share: float | None, wires: list[torch.Tensor]) -> tuple:
+        """(multiply, divide, op): a weighted round's share, summed; else the size, summed, where
+        the backend cannot average or a guarded round checks in the division
+        (`finite.fuses_division`: AVG's bits); else the backend's AVG."""
+        if share is not None:
+            return share, None, dist.ReduceOp.SUM
+        if not self.use_avg or (self.guard and fuses_division(wires, self.size)):
+            return None, self.size, dist.ReduceOp.SUM
+        return None, None, dist.ReduceOp.AVG
 
     def _settle(self, guard: NonFiniteGuard, share: float | None) -> None:
         """After a guarded reduction: the mean of the finite contributions (see finite.py);
@@ -266,18 +272,16 @@ class Communicator:
         shares are the ones set at the launch."""
         start = time.perf_counter()
         share = self.share  # a weighted round may end (`unweigh`) before the wait
-        op = dist.ReduceOp.AVG if self.use_avg and share is None else dist.ReduceOp.SUM
         wires = pieces if through is None else [
             t.copy_(p) for t, p in zip(through, pieces, strict=True)
         ]  # fmt: skip
-        # one verdict for the whole set: a contribution is dropped from every piece or none
-        guard = NonFiniteGuard(wires) if self.guard else None
+        multiply, divide, op = self._reduction(share, wires)
+        # one verdict for the set (dropped from every piece or none), checked as it is scaled
+        guard = NonFiniteGuard(wires, multiply, divide) if self.guard else None
         works = []
         for wire in wires:
-            if share is not None:
-                wire.mul_(share)
-            elif not self.use_avg:
-                wire.div_(self.size)
+            if guard is None:  # unguarded: scaled one piece at a time, its transfer then started
+                scale_([wire], multiply, divide)
             works.append(dist.all_reduce(wire, op=op, group=self.group, async_op=True))
         nbytes = sum(_nbytes(w) for w in wires)
         self.stats.bytes += nbytes
