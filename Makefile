@@ -47,7 +47,7 @@ bench: $(STAMP)  ## the performance suite, ~20 min, into outputs/bench/ (BENCH_O
 	$(BIN)/python experiments/bench/run.py --out $(BENCH_OUT) $(ARGS)
 
 gpu-check: $(STAMP)  ## on a CUDA machine: NCCL, mixed precision, pinned memory, CUDA RNG, resume, train (<5 min)
-	$(BIN)/python experiments/gpu_check.py $(ARGS)
+	$(BIN)/python experiments/gpu_check/gpu_check.py $(ARGS)
 
 clean:  ## remove .venv and run outputs
 	rm -rf $(VENV) outputs multirun

@@ -1,5 +1,6 @@
-"""`make gpu-check` (experiments/gpu_check.py): refuses in one line without CUDA, and its checks
-pass on CPU/gloo with `--cpu`, so the script itself is known to run where no GPU is lent."""
+"""`make gpu-check` (experiments/gpu_check/gpu_check.py): refuses in one line without CUDA, and
+its checks pass on CPU/gloo with `--cpu`, so the script itself is known to run where no GPU is
+lent."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 
 from tests.helpers import ROOT
 
-SCRIPT = os.path.join(ROOT, "experiments", "gpu_check.py")
+SCRIPT = os.path.join(ROOT, "experiments", "gpu_check", "gpu_check.py")
 
 
 def _run(*args: str, timeout: float, **extra_env: str) -> subprocess.CompletedProcess:
@@ -30,7 +31,7 @@ def _run(*args: str, timeout: float, **extra_env: str) -> subprocess.CompletedPr
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 @pytest.mark.timeout(60)
 def test_without_cuda_it_says_so_in_one_line_and_fails(capsys):
-    from experiments.gpu_check import main
+    from experiments.gpu_check.gpu_check import main
 
     assert main([]) == 2  # the script's exit code
     (line,) = capsys.readouterr().out.strip().splitlines()
@@ -62,7 +63,7 @@ def test_the_checks_pass_on_cpu_one_line_each():
 
 
 def test_a_failing_check_is_one_fail_line_and_the_rest_still_run(capsys):
-    from experiments.gpu_check import Checks, Skip
+    from experiments.gpu_check.gpu_check import Checks, Skip
 
     checks = Checks()
     checks.run("broken", lambda: 1 / 0)

@@ -373,7 +373,7 @@ def test_ungated_a_partitioned_worker_stays_in_the_quorum_and_costs_the_whole_pa
     (`ft.heartbeat_gate=false`); the window is 2 s. The others' round fails after one window,
     but the lighthouse still hears worker 2, so the next quorum waits for it: nobody is dropped
     or heals, the others stand still for about the whole partition (what
-    experiments/chaos_study.py measured), and the job exits 0 with the failed round's samples
+    experiments/chaos/chaos_study.py measured), and the job exits 0 with the failed round's samples
     not merged."""
     run_dir = tmp_path / "run"
     cut_s, grace_s = 5.0, 2.0
@@ -479,7 +479,7 @@ def test_two_partitions_in_a_row_cost_the_others_about_the_partitions_not_a_spli
         {"step": 56, "kind": "partition", "rank": 2, "seconds": 4.0},
     ]
     (tmp_path / "schedule.json").write_text(json.dumps({"faults": faults}))
-    chaos = f"{{_target_:experiments.chaos_study.Chaos,path:'{tmp_path / 'schedule.json'}'}}"
+    chaos = f"{{_target_:experiments.chaos.chaos_study.Chaos,path:'{tmp_path / 'schedule.json'}'}}"
     proc, left = cli(
         _three_paced_workers_under_ft(
             120, run_dir, f"trainer.callbacks=[{chaos}]", "ft.heartbeat_gate=false"

@@ -97,7 +97,7 @@ def _precision_worker(rank, world_size, cfg):
                 identical_after_sync.append(_identical(_flat(t)))
         dtypes = {p.dtype for p in t.model.parameters()}
         dtypes |= {p.grad.dtype for p in t.model.parameters() if p.grad is not None}
-        dtypes |= {b.dtype for b in t.sync.averager.flat.buffers}
+        dtypes |= {getattr(torch, d.removeprefix("torch.")) for d in t.sync.buffer_dtypes}
         dtypes |= {v.dtype for s in t.optimizer.state.values() for v in s.values() if v.dim()}
         scaler = t.recipe.scaler.get_scale() if t.recipe.scaler is not None else None
         return {

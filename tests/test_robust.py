@@ -604,7 +604,7 @@ def test_robust_mean_is_built_only_when_asked():
         dist.destroy_process_group()
 
 
-def test_scoring_with_fewer_than_3_workers_says_nobody_can_be_excluded(monkeypatch):
+def test_scoring_or_an_outvoting_rule_with_fewer_than_3_workers_says_so(monkeypatch):
     from localsgd.loop import build_sync as module
     from localsgd.loop.worker import WorkerInfo
 
@@ -615,7 +615,8 @@ def test_scoring_with_fewer_than_3_workers_says_nobody_can_be_excluded(monkeypat
     try:
         for overrides, warned in ((["+experiment=untrusted"], True),
                                   (["+experiment=untrusted", "sync.exclude_after=0"], False),
-                                  (["sync.aggregate=median"], False)):  # fmt: skip
+                                  (["sync.aggregate=median"], False),
+                                  (["sync.aggregate=mean"], False)):  # fmt: skip
             said.clear()
             cfg = compose_config(overrides + ["dist.world_size=1"])
             model = _Net()
@@ -623,6 +624,9 @@ def test_scoring_with_fewer_than_3_workers_says_nobody_can_be_excluded(monkeypat
             module.build_synchroniser(cfg, WorkerInfo(0, 1, 0, 1), model, opt,
                                       held_out=lambda round_, batch, samples=None: 0.0)
             assert any("nobody can be excluded" in line for line in said) is warned, said
+            # 1 worker's median is its own change; the mean says nothing
+            outvotes = "median with 1 worker (sharded: replica groups) outvotes nobody: it is the"
+            assert any(outvotes in line for line in said) is (cfg.sync.aggregate == "median"), said
     finally:
         dist.destroy_process_group()
 
@@ -1131,3 +1135,27 @@ def test_a_killed_scored_run_resumes_with_the_same_verdicts(tmp_path):
     assert ref["trust"]["judged_bad"] and ref["trust"]["excluded"], "no verdict to carry"
     assert ours["trust"] == ref["trust"]
     assert same_model(tmp_path / "run" / "model.pt", tmp_path / "ref" / "model.pt")
+
+
+def test_an_inner_level_as_wide_as_the_widest_says_its_averages_are_global(monkeypatch):
+    # torch accepts it (its own 3-level test has 4 -> 4), so it runs, but not without a word
+    from localsgd.loop import build_sync as module
+    from localsgd.loop.worker import WorkerInfo
+
+    said: list[str] = []
+    monkeypatch.setattr(module, "notice", said.append)
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        for levels, warned in (("[{group_size:node,period:2},{group_size:world,period:8}]", True),
+                               (None, False)):  # fmt: skip
+            said.clear()
+            overrides = [] if levels is None else [f"sync.levels={levels}"]
+            cfg = compose_config(overrides + ["dist.world_size=1"])
+            model = _Net()
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            module.build_synchroniser(cfg, WorkerInfo(0, 1, 0, 1), model, opt)
+            line = "sync.levels[0]: group_size spans all 1 workers, so those inner averages are"
+            assert any(line in s for s in said) is warned, said
+    finally:
+        dist.destroy_process_group()

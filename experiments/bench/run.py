@@ -7,7 +7,7 @@ All figures are ratios of things measured side by side in the same processes, in
 repetitions; absolute times are context only (the machine may be shared). Items:
 1-2 averaging cost, low-precision and hierarchical averaging (averaging.py), 3 trainer throughput
 vs k, with and without `sync.overlap` (item 6), 4 framework overhead, 5 memory (training.py).
-Item 6's accuracy effect is measured by experiments/overlap_study.py (training runs).
+Item 6's accuracy effect is measured by experiments/overlap/overlap_study.py (training runs).
 After the suite, ft_sync.py measures a sync through torchft's quorum against plain
 torch.distributed (FT_SYNC.md, ~1 min). The full suite ends with the communication frontier
 (frontier.py, 7-10 min more: the LM job on a simulated 1 Gbit/s and 100 Mbit/s link, writing
@@ -65,7 +65,7 @@ NOT_MEASURED = """## Not measured here
 - accelerate's LocalSGD: accelerate is not installed (it averages with a barrier and one
   `accelerator.reduce(param.data, "mean")` per parameter: the per-tensor column's pattern).
 - `sync.overlap`'s effect on accuracy, and on a network that is not the training's own CPU:
-  experiments/overlap_study.md.
+  experiments/overlap/overlap_study.md.
 """
 
 

@@ -11,7 +11,7 @@ same processes, the same rounds again with the anchor and outer momentum in host
 (`sync.outer_state=cpu`, a new averager over the same model): the outer step's cost with and
 without the option, side by side. On a CPU machine the host *is* the device, so that ratio
 measures the option's extra copies only; the copies over PCIe need a GPU
-(experiments/gpu_check.py).
+(experiments/gpu_check/gpu_check.py).
 
     python experiments/bench/sharded.py               # GPT-2 small (124M), ~4 min, ~14 GB
     python experiments/bench/sharded.py --tiny        # smoke test, seconds
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> None:
         f"then {args.rounds} timed; the median of the {2 * args.rounds} rounds of each, the "
         "slowest rank's. **On this CPU machine the host is the device**: the ratio measures "
         "those extra copies only, and the option saves no memory here. What it costs over "
-        "PCIe, and saves on a GPU, is measured by experiments/gpu_check.py.",
+        "PCIe, and saves on a GPU, is measured by experiments/gpu_check/gpu_check.py.",
         "",
         "| one blocking averaging round (s, median of the slowest rank) | 4 x 1 | 2 x 2 |",
         "|---|---|---|",

@@ -101,7 +101,10 @@ def render(results: dict, command: str, started: str) -> str:
         [
             "# +experiment=hf_llama_shakespeare: issue 50's targets",
             "",
-            f"- command: `{command}`; started {started}",
+            f"- command: `{command}`; started {started}; every figure in results.json",
+            "- read in [docs/performance.md](../../docs/performance.md#hugging-face-models-modelhf)"
+            " and [docs/configuration.md]"
+            "(../../docs/configuration.md#exporting-hf-and-python--m-localsgdexport)",
             "- the preset: transformers' LlamaForCausalLM, 4 layers of 128, 4 heads, SwiGLU 344 "
             "(0.9M parameters), on the Shakespeare corpus in bytes (data=hf, 257 tokens, "
             "windows of 128+1), DiLoCo every 25 steps (the first 2 outer steps warmed up), "

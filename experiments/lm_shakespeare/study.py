@@ -183,14 +183,15 @@ ROWS = {
     # values in 2 bits, one fp32 scale per chunk, error feedback in place of outer momentum, outer
     # SGD at lr 1) beside diloco_h16_int4ef and sync (kept above), at 4 and 2 workers. Two
     # periods, fixed before any ran, nothing tuned: H = 16, the 4-bit row's (the codec alone
-    # differs, as in experiments/sparse_study.py, where every compressed row had one H), and the
-    # preset's own H = 50, the one at or under the 0.001 bytes per parameter per step
+    # differs, as in experiments/sparse/sparse_study.py, where every compressed row had one H),
+    # and the preset's own H = 50, the one at or under the 0.001 bytes per parameter per
+    # step
     "sparseloco_h50": ["sync=sparseloco"],
     "sparseloco_h16": ["sync=sparseloco", "sync.period=16"],
     "sparseloco_h50_w2": ["sync=sparseloco", "dist.world_size=2"],
     "sparseloco_h16_w2": ["sync=sparseloco", "sync.period=16", "dist.world_size=2"],
     # ... and SparseLoCo's decayed accumulator (e <- 0.95 e + d), which helped the preset on
-    # MNIST-1D on every seed (experiments/sparse_study.md): the check on a setting it was not
+    # MNIST-1D on every seed (experiments/sparse/sparse_study.md): the check on a setting it was not
     # chosen on (added after sparseloco_h50 seed 0 was seen; the value is the MNIST study's)
     "sparseloco_h50_b95": ["sync=sparseloco", "sync.error_feedback_decay=0.95"],
     # ... and SparseLoCo as its reference code aggregates (added 2026-12-05 after the 600-step

@@ -10,9 +10,9 @@ simulated bandwidth; the check's 12th setting (a modelled slow worker) trains ex
 H=16 does (no time budget: every worker computes every step), so it is not trained twice.
 
 Jobs:
-- MNIST-1D: the k-sweep's job (experiments/README.md: SGD with momentum 0.9, lr 0.1, 4 workers,
-  batch 32, 1000 steps) with a third hidden layer (MLP 256-256-256, as `+experiment=
-  streaming_diloco` has) so that 4 fragments exist for the streaming rows;
+- MNIST-1D: the k-sweep's job (experiments/ksweep/README.md: SGD with momentum 0.9, lr 0.1,
+  4 workers, batch 32, 1000 steps) with a third hidden layer (MLP 256-256-256, as
+  `+experiment=streaming_diloco` has) so that 4 fragments exist for the streaming rows;
 - the Shakespeare LM: the LM study's job (experiments/lm_shakespeare/study.py) at 2 workers.
 
     python experiments/plan_check/trained.py            # both jobs, ~1 h on 2 shared cores

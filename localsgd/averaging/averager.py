@@ -10,18 +10,9 @@ params)`, called once after every `optimizer.step()`. It is composed of three pa
 - `Rounds` for *what* (`localsgd.averaging.rounds`): the stages of a round, the same for
   every rule: contribution, wire, transport and combine, outer step, merge.
 
-The tensors averaged become views of persistent flat buffers, built from `module=` at
-construction or from the parameters of the first `average_parameters(params)` call. Before each
-average every tensor is checked to still live in its buffer and is put back if it left (torch
-averages whatever the parameters are now, so must we).
-
-Sharded parameters (DTensors: FSDP2's, `dist.shard_size`) are *mirrored* instead
-(`FlatBuffers(mirror=True)`): the buffers hold copies of this rank's local shards, pulled in
-before a step that acts (an average at any level, a launch, a merge; `acts_at`) and pushed back
-after it, and nothing at the other steps, so the local phase stays free of collectives and
-copies. Between those steps the buffers' storage is released, so a rank holds no second copy
-of its shards. The rounds' state (anchors, outer momentum, residuals) is laid out like the
-buffers, so it is sharded too. `mirrored` is the one place that happens.
+The tensors averaged are views of persistent flat buffers, mirrored for sharded parameters
+(`localsgd.averaging.binding`); what a round driver asks about each step is
+`localsgd.averaging.driver_view`.
 
 **Weighted rounds** (per-worker step counts, `weighted`): every round over all ranks weighs each
 rank by the samples it trained on since that part's values last started from the global ones
@@ -34,7 +25,6 @@ plain mean, bit for bit.
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable, Iterable
 from typing import Protocol
@@ -43,12 +33,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.model_averaging.averagers import ModelAverager
 
+from localsgd.averaging.binding import FlatBinding, mirrored, parameters_of
 from localsgd.averaging.comm import CommStats, Communicator
-from localsgd.averaging.flat import FlatBuffers, averaged_tensors, holds_dtensor
+from localsgd.averaging.driver_view import RoundDriverView
+from localsgd.averaging.flat import FlatBuffers, averaged_tensors
 from localsgd.averaging.robust import robust_mean_
 from localsgd.averaging.rounds import Rounds
-from localsgd.averaging.rounds.part import views
+from localsgd.averaging.samples import PartSamples
 from localsgd.averaging.schedule import ConstantPeriod
+
+__all__ = ["Averager", "AverageHook", "GlobalSyncHook", "mirrored", "parameters_of"]
 
 # Called after every round with the level's communicator, `key` (the round's level and part,
 # "level/part" or "level/all"), `params` (the ids of the parameters it covered; None: all) and
@@ -66,92 +60,7 @@ class GlobalSyncHook(Protocol):
     def after(self, buffers: list[torch.Tensor]) -> None: ...
 
 
-def parameters_of(params: Iterable) -> list[torch.Tensor]:
-    """The floating-point tensors in `params`: parameters, or an optimizer's param groups
-    (dicts), as torch's averagers accept. An integer parameter cannot be averaged; like an
-    integer buffer it stays local."""
-    out: list[torch.Tensor] = []
-    for item in params:
-        if isinstance(item, dict):
-            out.extend(item["params"])
-        elif isinstance(item, torch.Tensor):
-            out.append(item)
-        else:
-            raise TypeError(
-                f"average_parameters() takes parameters or param groups (dicts), got {type(item)}"
-            )
-    return [t for t in out if torch.is_floating_point(t)]
-
-
-def mirrored(when_acting: bool = False):
-    """Decorates an averager method that may act on the flat buffers: in mirror mode the
-    tensors are pulled into the buffers before it and pushed back after it (`when_acting`:
-    only when `acts_at(step)` says this step touches them). Without mirroring it is the method
-    itself."""
-
-    def wrap(method):
-        @functools.wraps(method)
-        def run(self: Averager, *args, **kwargs):
-            flat = self._bound()
-            if not flat.mirror or flat.pulled or (when_acting and not self.acts_at(self.step)):
-                return method(self, *args, **kwargs)  # the unsharded path: nothing added
-            flat.pull()
-            try:
-                return method(self, *args, **kwargs)
-            finally:
-                flat.push()
-
-        return run
-
-    return wrap
-
-
-class PartSamples:
-    """Per level and part, the samples this rank trained on since the part's values last started
-    afresh at that level or a wider one: a weighted round's weight (see the module doc)."""
-
-    def __init__(self, parts: int, progress: bool, levels: int = 1):
-        self.since = [[0.0] * parts for _ in range(levels)]
-        self.progress = progress  # a launched round's merge keeps what trained meanwhile
-
-    def trained(self, samples: float) -> None:
-        self.since = [[n + samples for n in row] for row in self.since]
-
-    def restart(self) -> None:
-        """Every part starts here (each step of a synchronous warmup, a resume at another world
-        size)."""
-        self.since = [[0.0] * len(row) for row in self.since]
-
-    def weight(self, level: int, p: int, launched: bool) -> float:
-        """Part p's weight in a round at `level`; the round restarts the counts of its level
-        and the narrower ones (their values start from its result), a launched one at its
-        merge unless the merge keeps the progress."""
-        own = self.since[level][p]
-        if not launched or self.progress:
-            self._restart(level, p)
-        return own
-
-    def merged(self, level: int, p: int) -> None:
-        """Part p's launched round merged, replacing (or, at alpha > 0, mostly replacing) what
-        trained while it was in flight."""
-        if not self.progress:
-            self._restart(level, p)
-
-    def _restart(self, level: int, p: int) -> None:
-        for row in self.since[: level + 1]:
-            row[p] = 0.0
-
-    def state_dict(self) -> list:
-        return [list(row) for row in self.since]
-
-    def load_state_dict(self, saved: list) -> None:
-        if saved and not isinstance(saved[0], list):  # one level's counts
-            saved = [saved]
-        for row, values in zip(self.since, saved, strict=False):
-            row[:] = [float(n) for n in values]
-
-
-class Averager(ModelAverager):
+class Averager(FlatBinding, RoundDriverView, ModelAverager):
     """What the trainer depends on. Subclasses give `round_at`, `next_sync` and `period_of`
     (and `inner_level_at` where inner levels average plainly beside the rounds)."""
 
@@ -312,70 +221,6 @@ class Averager(ModelAverager):
         Summed on the device: nothing is read back until the next sync."""
         self.schedule.observe_loss(loss)
 
-    # --- binding -------------------------------------------------------------------------------
-
-    def _bind(self, params: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:
-        self.param_count = len(params)
-        device = tensors[0].device if tensors else torch.device("cpu")
-        extra = self.extra_tensors(device)
-        mirror = holds_dtensor(tensors) if self.mirror is None else self.mirror
-        self.extra_count = len(extra)
-        self.flat = FlatBuffers(tensors + extra, mirror=mirror)
-        self.rounds = self.make_rounds(self.flat)
-        self.part_samples.progress = self.rounds.progress
-        # each part's parameters (the ids a hook reads), where a round covers only part of them
-        self.part_params = [
-            frozenset(
-                id(t)
-                for t, (g, off, _) in zip(self.flat.tensors, self.flat.slots, strict=True)
-                if any(sl.g == g and sl.start <= off < sl.end for sl in part)
-            )
-            for part in self.rounds.parts
-        ]
-        # An anchor (DiLoCo, SlowMo, compressed changes) taken from differing replicas would keep
-        # them apart for good, so those start from rank 0's tensors, as DDP does when built.
-        if self.rounds.anchored if self.init_sync is None else self.init_sync:
-            self.broadcast_(src=0)
-        self.flat.release()  # mirror: held only while a step acts (the rounds took their copies)
-
-    def _bound(self) -> FlatBuffers:
-        if self.flat is None:
-            raise ValueError(
-                "the averager holds no parameters yet: pass them to average_parameters(params) "
-                "or build it with module=..."
-            )
-        return self.flat
-
-    def _follow_module(self) -> None:
-        """`load_state_dict(assign=True)` swaps new Parameter objects into the module."""
-        if self.module is None:
-            return
-        held = self._bound().tensors
-        current = self._module_tensors() + self.extra_tensors(held[0].device)
-        if len(current) != len(held) or any(a is not b for a, b in zip(current, held, strict=True)):
-            self.flat.replace(current)
-
-    def _module_tensors(self) -> list[torch.Tensor]:
-        return averaged_tensors(self.module)
-
-    def ensure_bound(self) -> None:
-        """Put back every tensor that left its buffer (cheap: one pointer compare per tensor)."""
-        self._follow_module()
-        convert = self._bound().rebind()
-        if convert is not None:
-            self.rounds.relayout(self.flat, convert)
-
-    def _check_params(self, given: list[torch.Tensor]) -> None:
-        held = self._bound().tensors[: self.param_count]
-        held_ids = {id(t) for t in held}
-        foreign = sum(id(t) not in held_ids for t in given)
-        if foreign or len({id(t) for t in given}) != len(held_ids):
-            raise ValueError(
-                f"average_parameters() got {len(given)} parameters ({foreign} not held), the "
-                f"averager holds {len(held)}: it averages the tensors it was built with; build a "
-                "new averager for other parameters"
-            )
-
     # --- the torch API and the trainer's ---------------------------------------------------
 
     def trained(self, samples: float) -> None:
@@ -533,24 +378,6 @@ class Averager(ModelAverager):
         self._round(0, len(self.levels) - 1, scheduled=False)
         self.all_in_sync = True
 
-    @torch.no_grad()
-    def _extras_into_buffers(self) -> None:
-        """Mirror mode: the buffers hold copies, taken before the schedule's `before_sync` /
-        `after_sync` changed its loss slot; refresh them, so the reduction averages what the
-        schedule prepared and the push after the step writes back what it left."""
-        if self.flat.mirror and self.extra_count:
-            n = len(self.flat.tensors) - self.extra_count
-            for t, v in zip(self.flat.tensors[n:], self.flat.views[n:], strict=True):
-                v.copy_(t)
-
-    @torch.no_grad()
-    def _extras_from_buffers(self) -> None:
-        """Mirror mode: hand the reduced loss slot to the schedule before it reads it."""
-        if self.flat.mirror and self.extra_count:
-            n = len(self.flat.tensors) - self.extra_count
-            for t, v in zip(self.flat.tensors[n:], self.flat.views[n:], strict=True):
-                t.copy_(v)
-
     def _global_hooks(self, when: str) -> None:
         for hook in self.global_hooks:
             getattr(hook, when)(self.flat.buffers)
@@ -564,96 +391,10 @@ class Averager(ModelAverager):
         for hook in self.hooks:
             hook(comm, key=key, params=params, trust=trust)
 
-    def averages_all(self, step: int) -> bool:
-        """Whether the update after step `step` starts a round over every rank."""
-        at = self.round_at(step)
-        return at is not None and at[1] == len(self.levels) - 1
-
-    rounds_overlap = False  # one step closes a round and opens the next (see StreamingAverager)
-
-    @property
-    def delayed_syncs(self) -> bool:
-        """Whether a sync over every rank is launched after one step and merged after a later
-        one (`sync_at` says "launch", then "merge"), rather than done within one step."""
-        return self.delay > 0
-
-    def sync_at(self, step: int) -> str | None:
-        """What the update after step `step` does across every rank: None (nothing, or an
-        inner level's average), "sync" (a blocking round), "launch" (a delayed one opens) or
-        "merge" (one launched earlier closes). A round driver (torchft's) runs a round around
-        each."""
-        if self.delay:
-            rounds = self.rounds
-            if any(
-                rounds.holding[q] and rounds.pending_step[q] == step - self.delay
-                for q in range(self.parts)
-            ):
-                return "merge"
-            return "launch" if self.averages_all(step) else None
-        return "sync" if self.averages_all(step) else None
-
-    @property
-    def in_warmup(self) -> bool:
-        """True while the next optimizer step belongs to the synchronous warmup."""
-        return self.step < self.warmup_steps
-
-    def common_tensors(self) -> list[torch.Tensor]:
-        """Flat tensors every rank holds identically right now: the buffers after a full
-        average; after a merge, what every rank received (the anchors with an outer step, the
-        part's values under a replacing merge, else the mean received)."""
-        if self.all_in_sync or not self.merged:
-            return self._bound().current()  # mirror, between steps: a transient copy
-        rounds, p = self.rounds, self.last_part
-        if rounds.eager:
-            return list(rounds.received[p])
-        if rounds.anchored:
-            out = list(rounds.anchors.first)
-        elif rounds.in_place:
-            out = []
-        else:
-            out = list(self.received_mean if self.received_mean is not None else rounds.sent[p])
-        if self._replaces:
-            current = self.flat.current()  # mirror, between steps: a transient copy
-            out += views(current, rounds.parts[p])
-        return out
-
-    received_mean: list[torch.Tensor] | None = None  # a relaunched part's mean (StreamingAverager)
-
-    def launched_received(self, step: int) -> list[torch.Tensor]:
-        """What every rank received in the launched round that merges after step `step`
-        (waited for): the same on every rank, before the merge applies it."""
-        rounds = self.rounds
-        for q in range(self.parts):
-            if rounds.holding[q] and rounds.pending_step[q] == step - self.delay:
-                rounds.wait(q)
-                return rounds.received(q)
-        return []
-
-    def complete_launched(self) -> None:
-        """Wait for the collectives this averager launched and left in flight (a delayed
-        round's, an eager one's); a round driver calls it before closing a round, whose
-        process group may not outlive it."""
-        self.rounds.wait_all()
-
-    def global_state(self) -> list[torch.Tensor] | None:
-        """Between syncs, flat tensors (laid out as the flat buffers) that every rank holds
-        identically and that training can continue from, losing only the local progress since
-        (a checkpoint of it: `Synchroniser.checkpoint`); None where there are none (the replicas
-        are together only right after a sync)."""
-        return None
-
     @property
     def needs_loss(self) -> bool:
         """Whether `observe_loss` feeds anything (a schedule that adapts to the loss)."""
         return self.schedule.needs_loss
-
-    @mirrored()
-    def broadcast_(self, src: int = 0) -> None:
-        """Give every rank rank `src`'s tensors (`src`: a rank of the averager's group; setup:
-        not counted as training communication)."""
-        for flat in self._bound().buffers:
-            self.comm.broadcast_(flat, src)
-        self.rounds.reset(self.flat.buffers)
 
     def comm_levels(self) -> list[dict]:
         """Per-level communication of the averages, for summaries."""

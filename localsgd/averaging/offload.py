@@ -17,7 +17,7 @@ Same bits as `outer_state="device"`: each value is computed by the same fp32 ope
 same operands (a subtraction, the SGD step), only on another device, and copies are exact. On
 a CPU-only run the two are the same memory, so the copies are pure overhead; on CUDA, the GPU's
 SGD kernels may contract a multiply-add that the CPU's do not (the last bit of a value;
-experiments/gpu_check.py reports the largest difference).
+experiments/gpu_check/gpu_check.py reports the largest difference).
 
 Host copies are pinned (page-locked) where CUDA is available, so copies to and from the GPU
 go straight to that memory; pinning needs an accelerator (torch refuses it without one).

@@ -345,14 +345,6 @@ def validate_sync(cfg: Any, ws: int | None, local_ws: int | None) -> None:
             _require(
                 ws % size == 0, f"sync.levels[{i}].group_size", f"a divisor of {ws} {what}", size
             )
-        for i, size in enumerate(sizes[:-1]):  # an inner level as wide as the widest is it
-            _require(
-                size < ws,
-                f"sync.levels[{i}].group_size",
-                f"below the {ws} {what} of the widest level (an inner level that spans all of "
-                "them is the widest level again)",
-                size,
-            )
     # torch's rule, nothing stricter: the last listed level whose period divides the step wins
     for i in range(1, len(levels)):
         _require(

@@ -16,7 +16,7 @@ from localsgd.loop.drift import DriftMeter
 from localsgd.loop.local_rounds import LocalRounds
 from localsgd.loop.metrics import notice
 from localsgd.loop.plan import SyncPlan
-from localsgd.loop.strategies import aggregate_of, build_averager
+from localsgd.loop.strategies import aggregate_of, build_averager, resolve_group_size
 from localsgd.loop.synchroniser import Synchroniser
 from localsgd.loop.worker import WorkerInfo
 
@@ -50,13 +50,14 @@ def build_synchroniser(
     if sharding is not None:
         group //= sharding.size  # the averages span one rank per replica group
     stats = CommStats()
+    # a machine's replica groups (sync.levels' group_size: node)
+    local = min(info.local_world_size // (sharding.size if sharding is not None else 1), group)
     averager = build_averager(
         sync,
         model,
         optimizer,
         group,
-        # a machine's replica groups (sync.levels' group_size: node)
-        min(info.local_world_size // (sharding.size if sharding is not None else 1), group),
+        local,
         stats,
         link,
         communicate=not comm.disabled,
@@ -72,6 +73,17 @@ def build_synchroniser(
             "sync.outer_state=cpu on a CPU run saves nothing: the anchors and outer momentum "
             "were in host memory already (the outer step still runs through its host staging)"
         )
+    # torch accepts an inner level as wide as the widest; say so, as it averages everyone
+    inner = [
+        i for i, level in enumerate(sync.levels[:-1])
+        if resolve_group_size(level.group_size, group, local) == group
+    ]  # fmt: skip
+    if inner and info.rank == 0:
+        notice(
+            f"sync.levels{inner}: group_size spans all {group} "
+            f"{'workers' if sharding is None else 'replica groups'}, so those inner averages are "
+            "global ones (an inner level needs a group_size below that)"
+        )
     plan = SyncPlan.of(sync)
     gathered = plan.gathered_wire(sync.comm_dtype) or plan.gathered
     if fault_tolerant and info.rank == 0 and averager.comm.guard and not gathered:
@@ -79,6 +91,15 @@ def build_synchroniser(
             "sync.drop_nonfinite: under ft=torchft the full-precision mean across replica groups "
             "is torchft's all-reduce, which leaves no NaN/Inf contribution out (a low-bit "
             "sync.comm_dtype is gathered and checked)"
+        )
+    # the rules that outvote a minority, and what they are without one
+    outvoted = {"median": "the mean of what was sent", "trimmed_mean": "the mean of what was sent",
+                "sign": "a tie wherever the two disagree"}  # fmt: skip
+    if sync.aggregate in outvoted and group < 3 and info.rank == 0 and not fault_tolerant:
+        notice(
+            f"sync.aggregate={sync.aggregate} with {group} worker{'s' if group > 1 else ''} "
+            f"(sharded: replica groups) outvotes nobody: it is {outvoted[sync.aggregate]} "
+            "(an honest majority needs at least 3; sync.aggregate=clip still bounds each change)"
         )
     if plan.score and sync.exclude_after and group < 3 and info.rank == 0 and not fault_tolerant:
         notice(

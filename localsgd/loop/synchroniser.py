@@ -404,6 +404,12 @@ class Synchroniser:
             record["dropped_nonfinite"] = record.get("dropped_nonfinite", 0) + dropped
         return record
 
+    @property
+    def buffer_dtypes(self) -> set[str]:
+        """The dtypes of the flat buffers the averages run over (a mixed-precision run keeps
+        them fp32 under bf16 parameters)."""
+        return {str(b.dtype) for b in self.averager.flat.buffers}
+
     def state_bytes(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
         """The training state this rank holds (`localsgd.loop.sharding.state_bytes`)."""
         from localsgd.loop.sharding import state_bytes

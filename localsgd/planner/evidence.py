@@ -39,10 +39,10 @@ class Finding:
         return f"{', '.join(f'{g:+.1f}%' for g in self.gaps)} at {self.workers} workers"
 
 
-# experiments/lm_shakespeare/README.md, its bytes_study.md, and experiments/README.md's k-sweep
+# experiments/lm_shakespeare/README.md, its bytes_study.md, and experiments/ksweep/README.md
 _LM_README = "lm_shakespeare"
 _BYTES = "lm_shakespeare/bytes_study"
-_KSWEEP = "ksweep_iid"
+_KSWEEP = "ksweep/iid"
 
 FINDINGS = (
     # --- the Shakespeare LM (docs/studies.md: the LM, its frontier and bytes studies) ---------

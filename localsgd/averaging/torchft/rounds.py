@@ -169,7 +169,7 @@ class FaultTolerantRounds:
     def merged_samples(self) -> int:
         """Samples whose training reached a committed global state, over every replica group:
         a rolled-back round's, a dead or frozen replica's since its last round, a healed one's
-        own are not (the goodput a chaos run keeps; `experiments/chaos_study.py`)."""
+        own are not (the goodput a chaos run keeps; `experiments/chaos/chaos_study.py`)."""
         return self.comm.merged_samples
 
     def stepped(self) -> None:
