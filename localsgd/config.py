@@ -30,7 +30,8 @@ class DistConfig:
     shard_size: int = 1
     # the dotted name of the submodule whose children are the FSDP units (and the blocks that
     # trainer.activation_checkpointing / trainer.compile treat one by one), e.g. "transformer.h";
-    # null: the automatic rule, the longest ModuleList/Sequential (localsgd.averaging.fragments)
+    # null: the automatic rule, the longest ModuleList/Sequential
+    # (localsgd.averaging.streaming.fragments)
     shard_blocks: str | None = None
     # M: run the M workers as threads of this one process (virtual workers, taking turns) instead
     # of M processes: the same training, with gloo's bits, on one core (localsgd/cli/virtual.py;
@@ -132,7 +133,7 @@ class SyncConfig:
     # COMPRESSIONS: none | topk. topk (SparseLoCo): from each chunk of `topk_chunk` values of the
     # change (pseudo-gradient) only the round(topk_density * topk_chunk) largest go on the wire,
     # as Elias-Fano coded indices (about 2 + log2(chunk / k) bits each), 2-bit values and one
-    # fp32 scale per chunk (localsgd/averaging/sparse.py);
+    # fp32 scale per chunk (localsgd/averaging/wire/sparse.py);
     # it replaces sync.comm_dtype (leave it float32) and needs sync.error_feedback=true
     compress: str = "none"
     topk_density: float = 0.015625  # 1/64: 64 of every 4096 values
@@ -166,10 +167,10 @@ class SyncConfig:
     # to the round's most samples, so a slow worker's short change does not shrink the mean:
     # FedNova's normalized averaging) | weighted (the changes as they are, weighed by samples)
     budget_merge: str = "normalized"
-    # Workers you cannot trust (localsgd.averaging.robust, docs/reliability.md): how each sync
+    # Workers you cannot trust (localsgd.averaging.trust.robust, docs/reliability.md): how each sync
     # combines the workers' contributions (changes since the last sync; DiLoCo's pseudo-
     # gradients). mean: today's all-reduce; clip | trimmed_mean | median all-gather them
-    aggregate: str = "mean"  # localsgd.averaging.robust.AGGREGATES
+    aggregate: str = "mean"  # localsgd.averaging.trust.robust.AGGREGATES
     clip_multiple: float = 2.0  # clip: each contribution's norm <= this x the round's median norm
     trim_fraction: float = 0.25  # trimmed_mean: cut from each side, per coordinate, in [0, 0.5)
     # drop a contribution holding NaN/Inf from its round (null: true). The mean checks in band

@@ -258,3 +258,44 @@ def test_a_finished_run_without_its_final_checkpoint_cannot_be_extended(tmp_path
         f"error: hydra.run.dir: {tmp_path} already holds a run finished after 10 steps, with no "
         f"checkpoint of its last step to continue from; choose another directory"
     )
+
+
+class _Plain(_State):
+    def load_state_dict(self, state):
+        self.value = state
+
+
+class _Moving(_Plain):
+    """A component that says how its state moves to another world size."""
+
+    def __init__(self, value, moved):
+        super().__init__(value)
+        self.moved, self.seen = moved, None
+
+    def resharded_state(self, states, reshard):
+        self.seen = (list(states), reshard.rank, reshard.world_size, reshard.old_world)
+        return self.moved
+
+
+def test_a_resume_at_another_world_size_asks_each_component_to_move_its_own_state(tmp_path):
+    """The loader parses no component's state: each moves its own (`resharded_state`, given
+    every old worker's state of it); one that returns None keeps its own (a new rank's RNG);
+    one without the method takes the first old worker's state (what every worker shared)."""
+    from localsgd.loop.checkpoint.reshard import load_resharded
+
+    folder = checkpoint.step_dir(str(tmp_path), 6)
+    os.makedirs(folder)
+    sizes = {}
+    for r in range(3):
+        state = {"step": 6, "loop": {"in_sync": True}, "mine": r, "kept": r, "plain": 10 + r}
+        torch.save(state, checkpoint.rank_file(folder, r))
+        sizes[f"rank-{r}.pt"] = os.path.getsize(checkpoint.rank_file(folder, r))
+    with open(os.path.join(folder, checkpoint.MARKER), "w") as f:
+        json.dump({"step": 6, "world_size": 3, "files": sizes}, f)
+    mine, kept, plain = _Moving(None, moved="moved"), _Moving("own", moved=None), _Plain(None)
+    components = {"mine": mine, "kept": kept, "plain": plain, "loop": _Plain(None)}
+    step = load_resharded(folder, 1, torch.device("cpu"), components, world_size=2)
+    assert step == 6
+    assert mine.value == "moved" and mine.seen == ([0, 1, 2], 1, 2, 3)
+    assert kept.value == "own"
+    assert plain.value == 10

@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 from localsgd.averaging import HierarchicalAverager, OuterAverager, PeriodicAverager
-from localsgd.averaging.robust import Aggregate
-from localsgd.averaging.sparse import TopKCodec
-from localsgd.averaging.streaming import StreamingAverager
+from localsgd.averaging.streaming.averager import StreamingAverager
+from localsgd.averaging.trust.robust import Aggregate
+from localsgd.averaging.wire.sparse import TopKCodec
 from tests.helpers import run_distributed
 
 pytestmark = pytest.mark.timeout(120)

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from localsgd.averaging import StreamingAverager
-from localsgd.averaging.robust import Aggregate
-from localsgd.averaging.trust import Judge
+from localsgd.averaging.trust.robust import Aggregate
+from localsgd.averaging.trust.trusted_round import Judge
 from localsgd.cli.checks import validate
 from localsgd.config import ConfigError
 from tests.helpers import FAST, cli, compose_config, run_distributed, same_model
@@ -286,7 +286,7 @@ class _Alone:
 def test_gathered_rounds_decay_the_residual_as_the_mean_does():
     """`sync.error_feedback_decay` (beta) under a gathered sync: `beta * residual` is added
     before the contribution is rounded, as `lossy_mean_` does (it was added whole)."""
-    from localsgd.averaging.robust import GatheredContributions
+    from localsgd.averaging.trust.robust import GatheredContributions
 
     flat = torch.linspace(-1, 1, 33)
     residual = torch.full((33,), 0.3)

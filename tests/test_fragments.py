@@ -1,4 +1,5 @@
-"""Streaming DiLoCo: fragments, delayed merges with mixing, eager outer steps (streaming.py)."""
+"""Streaming DiLoCo: fragments, delayed merges with mixing, eager outer steps
+(averaging/streaming/averager.py)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from torch import nn
 
 from localsgd.averaging import CommStats, OuterAverager, PeriodicAverager, SimulatedLink
 from localsgd.averaging.comm import supports_avg
-from localsgd.averaging.fragments import fragment_ids, model_blocks
-from localsgd.averaging.streaming import StreamingAverager
+from localsgd.averaging.streaming.averager import StreamingAverager
+from localsgd.averaging.streaming.fragments import fragment_ids, model_blocks
 from localsgd.config import SyncConfig, SyncLevel
 from localsgd.loop.strategies import build_averager
 from tests.helpers import run_distributed

@@ -11,9 +11,9 @@ import torch.distributed as dist
 from torch import nn
 
 from localsgd.averaging.comm import supports_avg
-from localsgd.averaging.fragments import fragment_ids
-from localsgd.averaging.quantize import BlockCodec
-from localsgd.averaging.streaming import StreamingAverager
+from localsgd.averaging.streaming.averager import StreamingAverager
+from localsgd.averaging.streaming.fragments import fragment_ids
+from localsgd.averaging.wire.quantize import BlockCodec
 from localsgd.cli.checks import validate
 from tests.helpers import compose_config, killed_and_resumed, run_distributed
 from tests.test_comm_frontier_cli import STREAMING

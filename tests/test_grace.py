@@ -502,7 +502,7 @@ def test_the_round_clock_warns_once_when_rounds_outlast_the_join_timeout():
     """`RoundClock`: the median of the last 5 gaps between committed rounds against
     `ft.join_timeout_s`. Rounds of 2.5 s under a 1-s join timeout warn, once; under a 5-s one
     they do not; one long gap (a round held by a freeze) among short ones does not."""
-    from localsgd.loop.fault_tolerance import RoundClock
+    from localsgd.loop.ft_clocks import RoundClock
 
     def lines(gaps, join_s):
         now = [0.0]

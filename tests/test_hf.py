@@ -197,7 +197,7 @@ def test_the_loss_is_the_models_own_shifted_cross_entropy():
 
 @pytest.mark.timeout(90)
 def test_families_sizes_config_folders_and_weights(tmp_path):
-    from localsgd.averaging.fragments import model_blocks
+    from localsgd.averaging.streaming.fragments import model_blocks
 
     gpt2 = causal_lm(300, (24,), family="gpt2", **TINY)
     assert (gpt2.lm.config.n_embd, gpt2.lm.config.n_layer, gpt2.lm.config.n_positions) == (

@@ -135,11 +135,14 @@ def test_a_shared_checkpoint_gives_each_worker_its_own_residual(tmp_path, world_
     held only the writer's, which every worker then took: counted W times. Now each worker
     takes its own at the same world size, and at another every worker takes the old residuals'
     sum over the old world size, so the next average adds what the old one would have."""
-    from localsgd.loop.reshard import load_resharded
+    from localsgd.loop.checkpoint import AveragerState
+    from localsgd.loop.checkpoint.reshard import load_resharded
 
     folder = _shared_checkpoint_with_own_residuals(tmp_path, [1.0, 2.0, 4.0])
     averager = _Held(None)
-    components = {"averager": averager, "optimizer": _Held(None), "loop": _Held(None)}
+    components = {  # the averager moves its own state (`AveragerState.resharded_state`)
+        "averager": AveragerState(averager), "optimizer": _Held(None), "loop": _Held(None)
+    }
     load_resharded(folder, rank, torch.device("cpu"), components, world_size=world_size)
     got = averager.state["rounds"]["residuals"][0]
     assert torch.allclose(got, torch.tensor([want])), got

@@ -6,9 +6,11 @@ Hydra nor wandb."""
 from __future__ import annotations
 
 import ast
+import functools
 import os
 
 import pytest
+import torch
 
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "localsgd")
 
@@ -165,3 +167,211 @@ def test_no_module_is_over_about_400_lines_without_a_reason():
         if lines > LIMIT:
             long[rel] = lines
     assert set(long) == set(LONG_MODULES), long
+
+
+# --- checkpoints: one save skeleton, one tree helper ---------------------------------------------
+
+
+class _Loop:
+    """The loop's state as a checkpoint holds it: taken at a sync (a shared checkpoint must be)."""
+
+    def state_dict(self):
+        return {"in_sync": True}
+
+    def load_state_dict(self, state):
+        pass
+
+
+class _Own(_Loop):
+    """A component with a part of its own beside a shared checkpoint (as the averager's
+    error-feedback residuals)."""
+
+    def own_state(self):
+        return {"residuals": [torch.ones(2)]}
+
+
+def _recording(cls, calls: list[str]):
+    """`cls` with each step of the save skeleton recorded in `calls` as it runs."""
+
+    class Recording(cls):
+        def write(self, *args):
+            calls.append("write")
+            return super().write(*args)
+
+        def barrier(self):
+            calls.append("barrier")
+            return super().barrier()
+
+        def marker(self, *args):
+            calls.append("marker")
+            return super().marker(*args)
+
+        def publish(self, *args):
+            calls.append("publish")
+            return super().publish(*args)
+
+    return Recording
+
+
+@pytest.fixture
+def one_process():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name", ["PerRank", "Shared", "Sharded", "SharedSharded"])
+def test_every_checkpoint_layout_is_written_by_the_one_save_skeleton(tmp_path, one_process, name):
+    """`checkpoint.save` is the only way a checkpoint is written, whatever its layout: each
+    writer writes, the writers meet, one marks it complete, then it is published, in that order;
+    the result verifies, and a shared layout keeps each worker's own part beside it."""
+    from localsgd.loop import checkpoint
+    from localsgd.loop.checkpoint import layout
+
+    calls: list[str] = []
+    cls = _recording(getattr(layout, name), calls)
+    sharded = name in ("Sharded", "SharedSharded")
+    chosen = cls(0, 1, 1) if sharded else cls(0, 1)
+    model = torch.nn.Linear(3, 2)
+    components = {
+        "model": checkpoint.ModuleState(model),
+        "optimizer": torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        "loop": _Loop(),
+        "averager": _Own(),
+    }
+    folder = checkpoint.save(chosen, str(tmp_path), 4, components, keep=2)
+    assert calls == ["write", "barrier", "marker", "publish"]
+    assert folder == checkpoint.step_dir(str(tmp_path), 4)
+    marker = checkpoint.verify(folder)
+    assert bool(marker.get("shared")) == chosen.shared and ("dcp_files" in marker) == sharded
+    own = os.path.join(checkpoint.own_dir(str(tmp_path), 4), "rank-0.pt")
+    assert os.path.exists(own) == chosen.shared
+    calls.clear()  # a shared checkpoint another worker writes: this one keeps only its own
+    assert checkpoint.save(chosen, str(tmp_path), 8, components, keep=2, writes=False) == ""
+    assert calls == [] and checkpoint.listed_steps(str(tmp_path)) == [4]
+
+
+@functools.cache
+def _parsed() -> dict[str, ast.Module]:
+    return {module: ast.parse(_read(path)) for module, path in _modules().items()}
+
+
+def _calls_of(tree: ast.AST, name: str) -> bool:
+    return any(
+        isinstance(n, ast.Call)
+        and (getattr(n.func, "id", None) == name or getattr(n.func, "attr", None) == name)
+        for n in ast.walk(tree)
+    )
+
+
+def _functions(tree: ast.Module):
+    """The module's functions and methods (nested ones count as part of theirs)."""
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef):
+            yield node
+        elif isinstance(node, ast.ClassDef):
+            yield from (n for n in node.body if isinstance(n, ast.FunctionDef))
+
+
+def test_only_the_save_skeleton_marks_a_checkpoint_and_only_layouts_meet():
+    """The marker is written in one place (`layout.save`), and the checkpoint package meets the
+    other ranks (`barrier`) only in its layouts."""
+    markers, barriers = set(), set()
+    for module, tree in _parsed().items():
+        for fn in _functions(tree):
+            if _calls_of(fn, "write_marker"):
+                markers.add(f"{module}.{fn.name}")
+            if module.startswith("localsgd.loop.checkpoint") and _calls_of(fn, "barrier"):
+                barriers.add(module)
+    assert markers == {"localsgd.loop.checkpoint.layout.save"}
+    assert barriers == {"localsgd.loop.checkpoint.layout"}
+
+
+_TREE_KINDS = {"dict", "list", "tuple"}
+
+
+def _tree_walkers(tree: ast.Module) -> list[str]:
+    """Functions that walk trees of tensors: recursive, with a check for a container (dict, list,
+    tuple) and one for a tensor (`torch.Tensor`, `is_dtensor`)."""
+    found = []
+    for fn in ast.walk(tree):
+        if not isinstance(fn, ast.FunctionDef):
+            continue
+        kinds = set()
+        for n in ast.walk(fn):
+            if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "isinstance":
+                checked = n.args[1]
+                for e in checked.elts if isinstance(checked, ast.Tuple) else [checked]:
+                    kinds.add(getattr(e, "attr", None) or getattr(e, "id", None))
+            if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "is_dtensor":
+                kinds.add("Tensor")
+        if _calls_of(fn, fn.name) and kinds & _TREE_KINDS and "Tensor" in kinds:
+            found.append(fn.name)
+    return found
+
+
+def test_trees_of_tensors_are_walked_in_one_module():
+    """Cloning, summing, scaling or re-sharding state dicts is `localsgd/averaging/trees.py`'s;
+    no other module writes its own walk."""
+    walkers = {
+        module: names for module, tree in _parsed().items() if (names := _tree_walkers(tree))
+    }
+    assert set(walkers) == {"localsgd.averaging.trees"}, walkers
+    copy = "def _clone(t):\n    if isinstance(t, torch.Tensor):\n        return t.clone()\n"
+    copy += "    if isinstance(t, dict):\n        return {k: _clone(v) for k, v in t.items()}\n"
+    assert _tree_walkers(ast.parse(copy)) == ["_clone"]  # the finder finds one
+
+
+WINGS = {"rounds", "wire", "trust", "streaming", "torchft"}
+
+
+def test_the_averaging_core_is_a_folder_of_wings_each_mapped_by_its_docstring():
+    """`averaging/` holds the core's modules and one folder per wing; each wing's docstring names
+    every module in it (so the map a reader starts from stays true)."""
+    folder = os.path.join(ROOT, "averaging")
+    packages = {
+        n for n in os.listdir(folder) if os.path.isfile(os.path.join(folder, n, "__init__.py"))
+    }
+    assert packages == WINGS, packages
+    for wing in WINGS:
+        path = os.path.join(folder, wing)
+        doc = ast.get_docstring(ast.parse(_source("averaging", wing, "__init__.py"))) or ""
+        modules = {n[:-3] for n in os.listdir(path) if n.endswith(".py") and n != "__init__.py"}
+        unnamed = {m for m in modules if f"`{m}" not in doc}
+        assert not unnamed, (wing, unnamed)
+
+
+# The modules that drive the averager (the Synchroniser, its builder, the plan's strategies, the
+# two round drivers) and its own checkpoint entry; anything else only calls its public methods.
+DRIVES_THE_AVERAGER = {
+    "loop/synchroniser.py",
+    "loop/build_sync.py",
+    "loop/strategies.py",
+    "loop/plan.py",
+    "loop/local_rounds.py",
+    "loop/fault_tolerance.py",
+    "loop/checkpoint/averager_state.py",
+}
+
+
+def test_nothing_outside_the_synchroniser_and_the_plan_touches_the_averagers_attributes():
+    import inspect
+
+    from localsgd.averaging import Averager
+
+    methods = {n for n, v in inspect.getmembers(Averager) if callable(v) and n[0] != "_"}
+    reached = {}
+    for path in _modules().values():
+        rel = os.path.relpath(path, ROOT).replace(os.sep, "/")
+        if rel.startswith("averaging/") or rel in DRIVES_THE_AVERAGER:
+            continue
+        for chain in _attribute_chains(ast.parse(_read(path))):
+            parts = chain.split(".")
+            if "averager" in parts[:-1]:
+                after = parts[parts.index("averager") + 1 :]
+                if len(after) > 1 or after[0] not in methods:
+                    reached.setdefault(rel, set()).add(chain)
+    assert reached == {}, reached
+    assert "held_bytes" in methods  # what loop/fsdp.py's state_bytes calls

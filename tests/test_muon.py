@@ -10,9 +10,9 @@ import torch
 import torch.distributed as dist
 
 from localsgd.averaging import CommStats, OptimizerStateSync
+from localsgd.loop.checkpoint.state import moved_optimizer_state as _average_optimizer
 from localsgd.loop.muon import MuonAdamW
 from localsgd.loop.optim import build_optimizer, set_lr
-from localsgd.loop.reshard import _average_optimizer
 from localsgd.models.transformer import GPT
 from tests.helpers import compose_config
 
@@ -115,8 +115,9 @@ def _sharded_muon_worker(rank: int, world: int) -> dict:
     """2 ranks as one replica group sharding an MLP (FSDP2), MuonAdamW over its DTensors, next
     to the same MLP whole with torch's Muon: the same batch on both ranks (FSDP's mean of two
     equal gradients is the gradient), 4 steps."""
+    from localsgd.loop.fsdp import Sharding
+
     from localsgd.loop.muon import MuonAdamW, ShardedMuon
-    from localsgd.loop.sharding import Sharding
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

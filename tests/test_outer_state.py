@@ -15,8 +15,8 @@ from torch import nn
 from localsgd.averaging import OuterAverager, StreamingAverager
 from localsgd.cli.checks import validate
 from localsgd.config import ConfigError
+from localsgd.loop.fsdp import state_bytes
 from localsgd.loop.metrics import PeakMemory
-from localsgd.loop.sharding import state_bytes
 from tests.helpers import compose_config
 
 CASES = {  # every path through the outer step: warmups, low bits, each merge rule, eager

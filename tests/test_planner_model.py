@@ -66,7 +66,8 @@ def test_ddp_is_a_period_of_one_step():
 
 
 def test_sync_steps_follow_the_averagers_schedule():
-    # H = 8, P = 4, τ = 1 (streaming.py's drawing): fragment p launched after steps 2p, 2p + 8
+    # H = 8, P = 4, τ = 1 (streaming/averager.py's drawing): fragment p launched after steps 2p,
+    # 2p + 8
     got = sync_steps(Schedule(8, (1, 1, 1, 1), delay=1), 12)
     assert [(p, s) for p, s, _ in got] == [(0, 0), (1, 2), (2, 4), (3, 6), (0, 8), (1, 10)]
     assert all(m == s + 1 for _, s, m in got)

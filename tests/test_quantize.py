@@ -19,7 +19,7 @@ from localsgd.averaging import (
     PeriodicAverager,
     QuantizedWire,
 )
-from localsgd.averaging.compress import comm_dtype_of
+from localsgd.averaging.wire.compress import comm_dtype_of
 from localsgd.cli.launch import run_on_workers
 
 # --- the codecs, in process ----------------------------------------------------------------------

@@ -14,7 +14,7 @@ from localsgd.config import ConfigError
 from localsgd.data.loader import MemoryBatches
 from localsgd.data.partition import shard_indices
 from localsgd.data.sampler import ShardSampler
-from localsgd.loop.shard import ShardReassignment
+from localsgd.loop.data_shard import ShardReassignment
 from tests.helpers import FAST, cli, compose_config, same_model, train_records
 
 WORLD, N = 4, 103
@@ -128,7 +128,7 @@ def test_scoring_reassigns_by_default():
     """`sync.excluded_shard` null: reassign when scoring (the trust study: better on every
     setting), nothing to reassign without it; `skip` keeps the old behaviour."""
     from localsgd.data import load_data
-    from localsgd.loop.shard import worker_batches
+    from localsgd.loop.data_shard import worker_batches
 
     for overrides, built in (
         ([], False),

@@ -1,4 +1,4 @@
-"""Resuming at another world size (localsgd.loop.reshard): 4 -> 2 and 2 -> 4.
+"""Resuming at another world size (localsgd.loop.checkpoint.reshard): 4 -> 2 and 2 -> 4.
 
 A run is SIGKILLed after its step-10 checkpoint (taken at a sync) and resumed with another
 `dist.world_size`. Every new worker starts from rank 0's averaged model, the step and the
@@ -183,7 +183,7 @@ def _fake(folder, world: int, state: dict) -> str:
 
 @pytest.mark.timeout(30)
 def test_the_resume_line_says_where_the_new_workers_start(tmp_path):
-    from localsgd.loop.reshard import resume_line
+    from localsgd.loop.checkpoint.reshard import resume_line
 
     loop = {"loop": {"in_sync": False}}
     plain = _fake(tmp_path / "plain", 4, {**loop, "averager": {"last_average": 4}})

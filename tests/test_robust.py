@@ -1,4 +1,5 @@
-"""Workers you cannot trust (localsgd.averaging.robust, trust; docs/reliability.md): the robust
+"""Workers you cannot trust (localsgd.averaging.trust.robust, trust; docs/reliability.md): the
+robust
 rules against a one-process reference to the last bit, a NaN contribution that never reaches a
 replica, the same exclusion on every rank, the mean's bits and bytes unchanged, the bytes of an
 all-gather, the honest-majority cap, checkpointed verdicts, and the refusals. The CLI runs are
@@ -15,9 +16,9 @@ import torch
 import torch.distributed as dist
 
 from localsgd.averaging import GradientAverager, OuterAverager, PeriodicAverager
-from localsgd.averaging.robust import Aggregate
-from localsgd.averaging.sparse import TopKCodec
-from localsgd.averaging.trust import Judge
+from localsgd.averaging.trust.robust import Aggregate
+from localsgd.averaging.trust.trusted_round import Judge
+from localsgd.averaging.wire.sparse import TopKCodec
 from localsgd.cli.checks import validate
 from localsgd.config import ConfigError
 from tests.helpers import FAST, cli, compose_config, run_distributed, same_model
@@ -119,8 +120,8 @@ def test_the_mean_and_clip_over_topk_divide_each_index_by_its_senders():
 
 
 def test_a_per_coordinate_rule_over_topk_is_refused():
-    from localsgd.averaging.compress import wire_buffers
-    from localsgd.averaging.trust import TrustedRound
+    from localsgd.averaging.trust.trusted_round import TrustedRound
+    from localsgd.averaging.wire.compress import wire_buffers
 
     buffers = [torch.zeros(64)]
     low = wire_buffers(buffers, TopKCodec(1 / 16, 32))
@@ -604,31 +605,40 @@ def test_robust_mean_is_built_only_when_asked():
         dist.destroy_process_group()
 
 
-def test_scoring_or_an_outvoting_rule_with_fewer_than_3_workers_says_so(monkeypatch):
+def _notices_of_building(monkeypatch, runs: list[list[str]]) -> list[list[str]]:
+    """The notices `build_synchroniser` prints for each list of overrides, one process."""
     from localsgd.loop import build_sync as module
     from localsgd.loop.worker import WorkerInfo
 
     said: list[str] = []
     monkeypatch.setattr(module, "notice", said.append)
-    store = dist.HashStore()
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    out = []
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        for overrides, warned in ((["+experiment=untrusted"], True),
-                                  (["+experiment=untrusted", "sync.exclude_after=0"], False),
-                                  (["sync.aggregate=median"], False),
-                                  (["sync.aggregate=mean"], False)):  # fmt: skip
+        for overrides in runs:
             said.clear()
             cfg = compose_config(overrides + ["dist.world_size=1"])
             model = _Net()
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
             module.build_synchroniser(cfg, WorkerInfo(0, 1, 0, 1), model, opt,
-                                      held_out=lambda round_, batch, samples=None: 0.0)
-            assert any("nobody can be excluded" in line for line in said) is warned, said
-            # 1 worker's median is its own change; the mean says nothing
-            outvotes = "median with 1 worker (sharded: replica groups) outvotes nobody: it is the"
-            assert any(outvotes in line for line in said) is (cfg.sync.aggregate == "median"), said
+                                      held_out=lambda round_, batch, samples=None: 0.0)  # fmt: skip
+            out.append(list(said))
     finally:
         dist.destroy_process_group()
+    return out
+
+
+def test_scoring_or_an_outvoting_rule_with_fewer_than_3_workers_says_so(monkeypatch):
+    runs = [["+experiment=untrusted"], ["+experiment=untrusted", "sync.exclude_after=0"],
+            ["sync.aggregate=median"], ["sync.aggregate=mean"]]  # fmt: skip
+    excludes = [True, False, False, False]
+    medians = [True, True, True, False]  # the untrusted preset's rule is the median
+    # 1 worker's median is its own change; the mean says nothing
+    outvotes = "median with 1 worker (sharded: replica groups) outvotes nobody: it is the"
+    notices = _notices_of_building(monkeypatch, runs)
+    for said, warned, median in zip(notices, excludes, medians, strict=True):
+        assert any("nobody can be excluded" in line for line in said) is warned, said
+        assert any(outvotes in line for line in said) is median, said
 
 
 def test_the_warmup_guards_its_gradients_unless_fp16_scales_them():
@@ -777,7 +787,7 @@ def test_a_healing_member_is_no_contribution_and_verdicts_follow_workers():
     gone), the second of them healing in this round (its row is a copy of a peer's). Its row
     never reaches the median, and the verdicts name workers, not places: worker 5's flipped
     change is judged bad and, two rounds running, worker 5 is excluded."""
-    from localsgd.averaging.trust import TrustedRound
+    from localsgd.averaging.trust.trusted_round import TrustedRound
 
     flat = torch.zeros(1)
 
@@ -815,7 +825,7 @@ def test_cli_excludes_an_intermittent_attacker_within_its_window(tmp_path):
 
 
 def test_never_more_than_a_minority_is_excluded():
-    from localsgd.averaging.trust import TrustedRound
+    from localsgd.averaging.trust.trusted_round import TrustedRound
 
     flat = torch.zeros(3)
     # worker 0 helps; workers 1 and 2 change nothing (free riders) and 3 helps: the loss is
@@ -841,7 +851,7 @@ def test_an_attacker_bad_every_other_round_is_excluded_within_a_window(window, e
     `exclude_after=3` it never runs up 3 bad rounds in a row, and is never excluded (each bad
     round is still dropped); with `exclude_window=5` its third bad round among its last 5
     judged ones (round 4) excludes it."""
-    from localsgd.averaging.trust import TrustedRound
+    from localsgd.averaging.trust.trusted_round import TrustedRound
 
     flat = torch.zeros(2)
 
@@ -873,7 +883,7 @@ def test_a_newcomer_bad_two_rounds_running_is_excluded(bad_rounds, probation, ex
     (`exclude_after=3` elsewhere). Worker 3 sends -5x in `bad_rounds` and an honest change in
     the others: bad at rounds 1 and 2, it is out at round 2 (at round 3 without probation); bad
     at 5 and 6, or at 2 and 3 (its fourth round is past probation), it is not."""
-    from localsgd.averaging.trust import TrustedRound
+    from localsgd.averaging.trust.trusted_round import TrustedRound
 
     flat = torch.zeros(2)
 
@@ -907,7 +917,7 @@ def test_scattered_bad_rounds_where_no_change_helps_do_not_add_up():
     the rounds between, which end its run: it is never excluded. (Rounds between that kept its
     streak excluded such an honest worker of plain local SGD at round 20, on the trust study's
     seed 8.)"""
-    from localsgd.averaging.trust import TrustedRound
+    from localsgd.averaging.trust.trusted_round import TrustedRound
 
     flat = torch.zeros(1)
     targets = torch.randn(256, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
@@ -933,7 +943,7 @@ def test_scattered_bad_rounds_where_no_change_helps_do_not_add_up():
 def test_each_contribution_z_against_the_median_is_in_the_metrics():
     """`trust_z`: by worker, how many standard errors of the paired differences its held-out
     losses exceed the median contribution's by; the median's own is 0."""
-    from localsgd.averaging.trust import TrustedRound
+    from localsgd.averaging.trust.trusted_round import TrustedRound
 
     flat = torch.zeros(1)
     gen = torch.Generator().manual_seed(0)
@@ -962,7 +972,7 @@ def test_an_unlucky_honest_contribution_is_not_judged_bad():
     on this batch, but its per-sample losses are too spread to call it worse than the median
     contribution's; the free rider (worker 1) changes nothing, and every sample says so. With
     `score_z=0` (the fraction alone) worker 3 is excluded as well."""
-    from localsgd.averaging.trust import TrustedRound
+    from localsgd.averaging.trust.trusted_round import TrustedRound
 
     flat = torch.zeros(1)
     gen = torch.Generator().manual_seed(0)
@@ -1031,7 +1041,7 @@ def test_a_harmful_contribution_is_caught_when_the_median_does_not_help():
     """A round whose median score is negative (every honest change hurts the batch a little):
     the flipped sign (worker 3) raises the loss on every sample and is dropped, and excluded
     after 2 such rounds; the honest ones, spread around the median, are not judged bad."""
-    from localsgd.averaging.trust import TrustedRound
+    from localsgd.averaging.trust.trusted_round import TrustedRound
 
     flat = torch.zeros(1)
     gen = torch.Generator().manual_seed(1)
@@ -1064,7 +1074,7 @@ def test_a_contribution_that_helps_alone_but_spoils_the_mean_is_caught(rule):
     same here). Scored alone only, it would never be judged bad; under the median, whose
     aggregate it does not move (0.95 with it, as good as the honest mean), neither would it be
     when held against the median rather than the mean."""
-    from localsgd.averaging.trust import TrustedRound
+    from localsgd.averaging.trust.trusted_round import TrustedRound
 
     flat = torch.zeros(1)
     gen = torch.Generator().manual_seed(2)
@@ -1139,23 +1149,8 @@ def test_a_killed_scored_run_resumes_with_the_same_verdicts(tmp_path):
 
 def test_an_inner_level_as_wide_as_the_widest_says_its_averages_are_global(monkeypatch):
     # torch accepts it (its own 3-level test has 4 -> 4), so it runs, but not without a word
-    from localsgd.loop import build_sync as module
-    from localsgd.loop.worker import WorkerInfo
-
-    said: list[str] = []
-    monkeypatch.setattr(module, "notice", said.append)
-    store = dist.HashStore()
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        for levels, warned in (("[{group_size:node,period:2},{group_size:world,period:8}]", True),
-                               (None, False)):  # fmt: skip
-            said.clear()
-            overrides = [] if levels is None else [f"sync.levels={levels}"]
-            cfg = compose_config(overrides + ["dist.world_size=1"])
-            model = _Net()
-            opt = torch.optim.SGD(model.parameters(), lr=0.1)
-            module.build_synchroniser(cfg, WorkerInfo(0, 1, 0, 1), model, opt)
-            line = "sync.levels[0]: group_size spans all 1 workers, so those inner averages are"
-            assert any(line in s for s in said) is warned, said
-    finally:
-        dist.destroy_process_group()
+    wide = "sync.levels=[{group_size:node,period:2},{group_size:world,period:8}]"
+    line = "sync.levels[0]: group_size spans all 1 workers, so those inner averages are"
+    with_levels, without = _notices_of_building(monkeypatch, [[wide], []])
+    assert any(line in s for s in with_levels), with_levels
+    assert not any(line in s for s in without), without

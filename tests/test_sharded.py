@@ -1,4 +1,4 @@
-"""Sharded replica groups (`dist.shard_size`, localsgd/loop/sharding.py): FSDP2 inside each
+"""Sharded replica groups (`dist.shard_size`, localsgd/loop/fsdp.py): FSDP2 inside each
 group, the averagers' mirror mode across groups.
 
 The parity: 4 processes as 2 groups of 2 against 2 processes each holding the whole model, where
@@ -30,11 +30,11 @@ from localsgd.averaging import (
 )
 from localsgd.averaging.flat import local_tensor
 from localsgd.averaging.optimizer_state import OptimizerStateSync
-from localsgd.averaging.robust import Aggregate
 from localsgd.averaging.schedule import AdaptivePeriod
-from localsgd.averaging.sparse import TopKCodec
-from localsgd.averaging.trust import Judge
-from localsgd.loop.sharding import Sharding, state_bytes
+from localsgd.averaging.trust.robust import Aggregate
+from localsgd.averaging.trust.trusted_round import Judge
+from localsgd.averaging.wire.sparse import TopKCodec
+from localsgd.loop.fsdp import Sharding, state_bytes
 from tests.helpers import FAST, cli, refusal, run_distributed
 
 BATCH = 8  # rows per replica group and step; halved between a group's 2 ranks
@@ -157,7 +157,8 @@ def _tamper(kind: str, model, anchor, replica: int, shard: int | None) -> None:
             p.copy_(a + factor * (p - a))
 
 
-# robust rounds over sharded parameters (localsgd.averaging.trust with `mirror`): each against
+# robust rounds over sharded parameters (localsgd.averaging.trust.trusted_round with `mirror`):
+# each against
 # the replicated run with the same replica attacking. clip needs each contribution's norm over
 # both shards, the NaN in one shard must drop the whole contribution on every shard, and the
 # judge must evaluate the candidate written into the sharded parameters; each fails without.
@@ -636,8 +637,8 @@ def test_every_rank_enumerates_the_same_subgroups_of_the_replicate_groups(monkey
 def test_dist_shard_blocks_names_the_fsdp_units_and_a_wrong_name_is_refused(
     monkeypatch, tmp_path, capsys
 ):
-    from localsgd.loop import sharding as sharding_module
-    from localsgd.loop.relayout import fsdp_units
+    from localsgd.loop import fsdp as sharding_module
+    from localsgd.loop.checkpoint.relayout import fsdp_units
     from localsgd.models.transformer import GPT
 
     model = GPT(vocab_size=11, d_model=8, n_heads=2, n_layers=2, max_len=4)

@@ -1,4 +1,4 @@
-"""Checkpoints of sharded runs (`dist.shard_size` > 1, localsgd/loop/checkpoint_dcp.py): one DCP
+"""Checkpoints of sharded runs (`dist.shard_size` > 1, localsgd/loop/checkpoint/): one DCP
 save of every replica group's model and optimizer, the rest per rank, complete once marked.
 
 The job: 4 processes as 2 replica groups of 2, DiLoCo (period 5: outer steps after steps 0, 5,
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from localsgd.loop import checkpoint
-from localsgd.loop.checkpoint_dcp import resume_line
-from localsgd.loop.relayout import relayout
+from localsgd.loop.checkpoint.relayout import relayout
+from localsgd.loop.checkpoint.reshard import resume_line
 from tests.helpers import cli, refusal, same_model
 
 JOB = [
@@ -156,7 +156,7 @@ def test_the_averager_state_is_cut_to_the_new_shards_and_residuals_summed_over_t
     from types import SimpleNamespace
 
     from localsgd.averaging import FlatBuffers
-    from localsgd.loop.relayout import averager_state
+    from localsgd.loop.checkpoint.averager_state import averager_state
 
     params = [torch.nn.Parameter(torch.zeros(5, 2)), torch.nn.Parameter(torch.zeros(3))]
     averager = SimpleNamespace(flat=FlatBuffers(params))  # the new layout: unsharded
@@ -299,7 +299,7 @@ def test_a_shared_checkpoint_gives_each_rank_its_own_residuals_or_its_shards_ove
     """Under ft a shared checkpoint holds the writing group's state; every rank of every group
     saved its own error-feedback residuals beside it. With the same groups each rank takes its
     own; as one group, shard s takes the old groups' shard-s residuals summed over 2."""
-    from localsgd.loop.checkpoint_shared import _own_residuals
+    from localsgd.loop.checkpoint.averager_state import own_residuals as _own_residuals
 
     folder = checkpoint.step_dir(str(tmp_path), 8)
     os.makedirs(folder)

@@ -237,7 +237,7 @@ def _heal_round_trip(rank: int, world: int) -> dict:
     from localsgd.averaging.flat import local_tensor
     from localsgd.loop.checkpoint import ModuleState
     from localsgd.loop.fault_tolerance import _heal_loader, _heal_state
-    from localsgd.loop.sharding import Sharding
+    from localsgd.loop.fsdp import Sharding
 
     torch.set_num_threads(1)
     sharding = Sharding(world, world, torch.device("cpu"))

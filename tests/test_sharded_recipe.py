@@ -1,4 +1,4 @@
-"""The recipe under sharded replica groups (`dist.shard_size` > 1, localsgd/loop/sharding.py):
+"""The recipe under sharded replica groups (`dist.shard_size` > 1, localsgd/loop/fsdp.py):
 the synchronous warmup (HSDP's gradient average), gradient clipping and accumulation, and mixed
 precision against the replicated run on the union of each group's batches, as
 tests/test_sharded.py's parity; compile and activation checkpointing against eager runs."""
@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 from localsgd.averaging import GradientAverager, PeriodicAverager
-from localsgd.averaging.robust import Aggregate
+from localsgd.averaging.trust.robust import Aggregate
+from localsgd.loop.fsdp import Sharding
 from localsgd.loop.recipe import Recipe, checkpoint_activations
-from localsgd.loop.sharding import Sharding
 from tests.helpers import FAST, cli, run_distributed
 from tests.test_sharded import _batch, _model
 

@@ -190,7 +190,7 @@ def test_elias_fano_round_trips_the_sorted_positions(chunk, k):
     ascending, for random picks, positions 0 and chunk - 1, adjacent runs, k = 1, k = chunk
     (every position), the largest chunk allowed and a last chunk cut short; and the values land
     where they were; a message whose bitmap does not hold k positions a chunk is refused."""
-    from localsgd.averaging.sparse import MAX_CHUNK
+    from localsgd.averaging.wire.sparse import MAX_CHUNK
 
     gen = torch.Generator().manual_seed(chunk * 7 + k)
     picks = _positions(chunk, k, gen)

@@ -217,7 +217,7 @@ def test_fragment_pacing_that_cannot_hold_is_refused_in_one_line(extra, named, t
 def _unweighable_worker(rank: int, world: int) -> dict[str, str]:
     """What a weighted round says over robust fragments, and a normalized one over a delayed
     mixed merge."""
-    from localsgd.averaging.robust import Aggregate
+    from localsgd.averaging.trust.robust import Aggregate
 
     torch.set_num_threads(1)
     averagers = {

@@ -213,7 +213,7 @@ def test_virtual_workers_are_bit_identical_to_processes(tmp_path):
         (["+experiment=hierarchical"], 4),  # subgroups
         (["+experiment=diloco_muon", "sync.period=8"], 3),
         # the median with scoring, a sign flip excluded: the gathers of the contributions and
-        # of the held-out losses split by samples (localsgd/averaging/held_out.py)
+        # of the held-out losses split by samples (localsgd/averaging/trust/held_out.py)
         (
             [
                 "+experiment=untrusted",

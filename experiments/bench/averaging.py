@@ -20,7 +20,7 @@ fp32 (item 1)
 low precision (item 2)
   raw-bf16    one all-reduce of a persistent bf16 buffer of as many elements (the limit)
   ours-bf16   `PeriodicAverager(..., comm_dtype=torch.bfloat16).average()`: the change since the
-              last sync, communicated in bf16 (localsgd/averaging/compress.py)
+              last sync, communicated in bf16 (localsgd/averaging/wire/compress.py)
   raw-fp16, ours-fp16   the same in fp16
 hierarchical (world 4 only: levels {period 1: groups of 2, period 2: all 4})
   hier-world        `HierarchicalAverager.maybe_average()` at a step where the world level averages

@@ -3,7 +3,7 @@
 The same 4 worker processes' job twice, one after the other in one invocation: as 4 replicas
 (each the whole model, `dist.shard_size=1`) and as 2 replica groups of 2 ranks (FSDP2 inside,
 `dist.shard_size=2`). Each runs a few DiLoCo steps (inner AdamW, the outer Nesterov step every
-`--period` steps) on random tokens, then reports rank 0's state (`localsgd.loop.sharding.
+`--period` steps) on random tokens, then reports rank 0's state (`localsgd.loop.fsdp.
 state_bytes`: parameters, gradients, AdamW's moments, the averager's anchor and outer momentum)
 and the time of one blocking averaging round (`averager.average()`: the pseudo-gradient's
 all-reduce and the outer step), the median over `--rounds`, the slowest rank's. Then, in the
@@ -43,7 +43,7 @@ def _job(rank: int, world_size: int, shape: dict, shard_size: int, args: dict) -
     import torch
 
     from localsgd.averaging import OuterAverager
-    from localsgd.loop.sharding import Sharding, state_bytes
+    from localsgd.loop.fsdp import Sharding, state_bytes
     from localsgd.models.transformer import GPT
 
     torch.set_num_threads(1)

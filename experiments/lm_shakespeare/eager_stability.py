@@ -6,8 +6,8 @@ Take one direction of the loss along which every worker's H inner steps move the
 same fraction c of its distance e to the minimum (c near 1 where the inner loop converges, small
 where it barely moves): each pseudo-gradient is d_t = c e_t. With M workers that agree (iid
 shards, the linearisation's deterministic part), the eager step's `d_t/M + D_{t-1} - d_{t-1}/M`
-(`localsgd/averaging/streaming.py`) is `(c/M) e_t + (1 - 1/M) c e_{t-1}`: a quarter fresh and
-three quarters one round late at M = 4. Blocking DiLoCo uses `c e_t`. The outer optimizer is
+(`localsgd/averaging/streaming/averager.py`) is `(c/M) e_t + (1 - 1/M) c e_{t-1}`: a quarter fresh
+and three quarters one round late at M = 4. Blocking DiLoCo uses `c e_t`. The outer optimizer is
 torch's SGD with Nesterov momentum mu and lr eta:
 
     v_t = mu v_{t-1} + g_t,    e_{t+1} = e_t - eta (g_t + mu v_t)

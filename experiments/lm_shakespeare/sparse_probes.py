@@ -9,7 +9,7 @@ changes one thing of `sparseloco_h16`; its final validation loss is compared wit
     python experiments/lm_shakespeare/sparse_probes.py report   # -> sparse_probes.md
 
 FRONTIER (fixed 2026-12-05 21:05 UTC, before any of these ran; branch ef): with the Elias-Fano
-index wire (localsgd/averaging/sparse.py) the largest k of 4096 at or under 0.001 bytes per
+index wire (localsgd/averaging/wire/sparse.py) the largest k of 4096 at or under 0.001 bytes per
 parameter per step over the study's 2000 steps is 46 at H = 16, 53 at H = 18, 60 at H = 20
 (`sync.topk_mean=senders`, decay 0.95, as `sparseloco_h16_sb95`, +2.7 to +3.2% at 0.0013).
 Stage 1 probes those three (`k46_h16`, `k53_h18`, `k60_h20`) and `k32_h20` (the study's row at

@@ -1,7 +1,7 @@
 """The pair matrix: 18 modes, each added to a 64-step, 4-worker MNIST-1D job with replica
 checks on, crossed in pairs (issue 47's composition target).
 
-    python experiments/pair_matrix/pair_matrix.py [--only NAME ...] [--out DIR]
+    python experiments/pair_matrix/pair_matrix.py [--only NAME ...] [--out DIR] [--extra K=V ...]
 
 Every pair runs `python -m localsgd.train` for real: a refusal is the one line the CLI exits 2
 with, before any worker starts; an accepted pair must exit 0 with every sync checked
@@ -83,9 +83,10 @@ def combine(a: str, b: str) -> list[str] | None:
     return list(out.values())
 
 
-def run_one(overrides: list[str], timeout: float) -> dict:
+def run_one(overrides: list[str], timeout: float, extra: list[str] = ()) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "localsgd.train", *JOB, *overrides, f"hydra.run.dir={tmp}"]
+        cmd = [sys.executable, "-m", "localsgd.train", *JOB, *overrides, *extra,
+               f"hydra.run.dir={tmp}"]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         start = time.perf_counter()
         try:
@@ -176,6 +177,11 @@ def main() -> None:
     parser.add_argument("--singles", action="store_true", help="also each mode alone")
     parser.add_argument("--timeout", type=float, default=240)
     parser.add_argument("--out", default=HERE)
+    parser.add_argument(
+        "--extra", nargs="*", default=[],
+        help="overrides added to every run (data.val_fraction=0: the data split of code before "
+        "the validation split, to compare model bits with it)",
+    )  # fmt: skip
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "pair_matrix.json")
@@ -198,7 +204,7 @@ def main() -> None:
         if overrides is None:
             results[key] = {"status": "same key"}
             continue
-        results[key] = run_one(overrides, args.timeout)
+        results[key] = run_one(overrides, args.timeout, args.extra)
         print(f"{key:22s} {results[key]['status']:8s} {results[key].get('line', '')[:150]}"
               f"{results[key].get('tail', '')[-300:]}", flush=True)  # fmt: skip
         with open(path, "w") as f:

@@ -1,7 +1,7 @@
 """The `comm_bytes` of top-k runs made before 2026-12-05, restated as today's wire counts them.
 
 Until then `sync.compress=topk` sent each kept position as int16 (2 bytes); it now sends the same
-positions Elias-Fano coded (`localsgd.averaging.sparse`), about 8 bits each at 64 of 4096. The
+positions Elias-Fano coded (`localsgd.averaging.wire.sparse`), about 8 bits each at 64 of 4096. The
 positions, the values and so the model are the same bits; only the index bytes differ. A run's
 `comm_bytes` is a whole number of rounds, each one message of the flat buffer's `numel` values,
 so the restated count is exact: rounds x today's message. A count that is not whole int16 rounds
@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from localsgd.averaging.sparse import TopKCodec
+from localsgd.averaging.wire.sparse import TopKCodec
 
 # the sparseloco preset's and the config's defaults (conf/sync/sparseloco.yaml, config.SyncConfig)
 DEFAULT_DENSITY, DEFAULT_CHUNK = 0.015625, 4096

@@ -37,10 +37,10 @@ from localsgd.averaging.binding import FlatBinding, mirrored, parameters_of
 from localsgd.averaging.comm import CommStats, Communicator
 from localsgd.averaging.driver_view import RoundDriverView
 from localsgd.averaging.flat import FlatBuffers, averaged_tensors
-from localsgd.averaging.robust import robust_mean_
 from localsgd.averaging.rounds import Rounds
 from localsgd.averaging.samples import PartSamples
 from localsgd.averaging.schedule import ConstantPeriod
+from localsgd.averaging.trust.robust import robust_mean_
 
 __all__ = ["Averager", "AverageHook", "GlobalSyncHook", "mirrored", "parameters_of"]
 

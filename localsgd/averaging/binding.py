@@ -22,6 +22,7 @@ from collections.abc import Iterable
 import torch
 
 from localsgd.averaging.flat import FlatBuffers, averaged_tensors, holds_dtensor
+from localsgd.averaging.trees import distinct_nbytes
 
 __all__ = ["FlatBinding", "mirrored", "parameters_of"]
 
@@ -157,3 +158,25 @@ class FlatBinding:
         for flat in self._bound().buffers:
             self.comm.broadcast_(flat, src)
         self.rounds.reset(self.flat.buffers)
+
+    def held_bytes(self) -> tuple[dict[str, int], dict[str, int] | None]:
+        """The bytes the averager holds of its own between steps, on the accelerator: the
+        mirrored copy of the parameters (0 between steps where it is released; unsharded the
+        flat buffers *are* the parameters' storage), anchors, outer momentum, error-feedback
+        residuals, and `other` (wire buffers, fragments' in-flight copies); and, with
+        `sync.outer_state=cpu`, what it holds in host memory instead (anchors, outer momentum
+        and the outer step's staging buffer), else None."""
+        held = self.rounds.held_tensors()
+        outer = {
+            "anchors": distinct_nbytes(held["anchors"]),
+            "outer_momentum": distinct_nbytes(held["outer_momentum"]),
+        }
+        on_host = self.rounds.host  # sync.outer_state=cpu
+        own = {
+            "mirror": self.flat.held_bytes if self.flat is not None and self.flat.mirror else 0,
+            **({"anchors": 0, "outer_momentum": 0} if on_host else outer),
+            "residuals": distinct_nbytes(held["residuals"]),
+            "other": distinct_nbytes(held["other"]),
+        }
+        host = {**outer, "staging": distinct_nbytes(held["staging"])} if on_host else None
+        return own, host

@@ -24,7 +24,7 @@ from localsgd.averaging.timeouts import default_timeout
 VIRTUAL_BACKEND = "virtual"
 
 if TYPE_CHECKING:
-    from localsgd.averaging.quantize import QuantizedWire
+    from localsgd.averaging.wire.quantize import QuantizedWire
 
 
 @dataclass
@@ -361,7 +361,7 @@ class Communicator:
     ) -> None:
         """Replace `flat` by the mean over the group of every rank's quantised `flat`.
 
-        `wire` (a `localsgd.averaging.quantize.QuantizedWire` for `flat.numel()` values) holds
+        `wire` (a `localsgd.averaging.wire.quantize.QuantizedWire` for `flat.numel()` values) holds
         the preallocated buffers. Each rank encodes its `flat`; the messages (payload plus
         scales, uint8) are all-gathered, since integers cannot be summed in a reduction; then
         every rank decodes them all and sums them in fp32 in rank order, so every rank gets the

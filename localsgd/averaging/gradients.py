@@ -20,8 +20,8 @@ import torch.distributed as dist
 
 from localsgd.averaging.comm import CommStats, Communicator, SimulatedLink
 from localsgd.averaging.flat import averaged_tensors, holds_dtensor, local_tensor, shard_group_of
-from localsgd.averaging.robust import Aggregate
-from localsgd.averaging.trust import TrustedRound
+from localsgd.averaging.trust.robust import Aggregate
+from localsgd.averaging.trust.trusted_round import TrustedRound
 
 
 class GradientAverager:

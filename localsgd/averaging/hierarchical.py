@@ -9,11 +9,11 @@ import torch.distributed as dist
 
 from localsgd.averaging.averager import Averager
 from localsgd.averaging.comm import CommStats, Communicator, SimulatedLink
-from localsgd.averaging.compress import comm_dtype_of
 from localsgd.averaging.flat import FlatBuffers
-from localsgd.averaging.quantize import DEFAULT_BLOCK_SIZE
 from localsgd.averaging.rounds import Rounds, whole
 from localsgd.averaging.schedule import ConstantPeriod
+from localsgd.averaging.wire.compress import comm_dtype_of
+from localsgd.averaging.wire.quantize import DEFAULT_BLOCK_SIZE
 
 
 def check_levels(period_group_size_dict: dict[int, int], overall: int) -> None:

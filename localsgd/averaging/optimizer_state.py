@@ -28,7 +28,7 @@ import torch
 
 from localsgd.averaging.comm import Communicator
 from localsgd.averaging.flat import FlatBuffers, holds_dtensor, local_tensor
-from localsgd.averaging.robust import robust_mean_
+from localsgd.averaging.trust.robust import robust_mean_
 
 OPTIMIZER_STATE_MODES = ("local", "average", "reset", "desloc")
 SECOND_MOMENTS = ("exp_avg_sq", "max_exp_avg_sq")

@@ -19,15 +19,15 @@ import torch
 import torch.distributed as dist
 
 from localsgd.averaging.comm import CommStats, SimulatedLink
-from localsgd.averaging.compress import CommFormat, comm_dtype_of
 from localsgd.averaging.flat import FlatBuffers
 from localsgd.averaging.offload import check_outer_state
 from localsgd.averaging.periodic import PeriodicAverager
-from localsgd.averaging.quantize import DEFAULT_BLOCK_SIZE
-from localsgd.averaging.robust import Aggregate
 from localsgd.averaging.rounds import DILOCO, OUTER_DEFAULTS, Rounds, outer_step, whole
 from localsgd.averaging.schedule import ConstantPeriod
-from localsgd.averaging.trust import Judge
+from localsgd.averaging.trust.robust import Aggregate
+from localsgd.averaging.trust.trusted_round import Judge
+from localsgd.averaging.wire.compress import CommFormat, comm_dtype_of
+from localsgd.averaging.wire.quantize import DEFAULT_BLOCK_SIZE
 
 __all__ = ["DILOCO", "OUTER_DEFAULTS", "OuterAverager", "outer_step"]
 
@@ -39,7 +39,7 @@ class OuterAverager(PeriodicAverager):
     (DiLoCo: 0.7, 0.9, Nesterov; SlowMo: slow learning rate alpha, slow momentum beta).
     With `comm_dtype` bfloat16/float16 the pseudo-gradient is communicated in that precision;
     with int8/float8_e4m3fn/int4/float4_e2m1 it is block-quantised with one fp32 scale per
-    `quant_block_size` values (`localsgd.averaging.quantize`). `error_feedback` adds each
+    `quant_block_size` values (`localsgd.averaging.wire.quantize`). `error_feedback` adds each
     worker's rounding residual to its next pseudo-gradient (checkpointed; see `compress`),
     times `error_feedback_decay` (1: every error is kept).
     `outer_warmup_rounds` = R moves the first R outer steps linearly from a plain average to the
@@ -47,7 +47,7 @@ class OuterAverager(PeriodicAverager):
     in host memory (pinned where CUDA is available) and runs the outer step there, with the
     same bits (`localsgd.averaging.offload`).
     `aggregate`/`judge`: the pseudo-gradients gathered and combined robustly, non-finite ones
-    dropped, workers scored and excluded (`localsgd.averaging.trust`); None: the mean.
+    dropped, workers scored and excluded (`localsgd.averaging.trust.trusted_round`); None: the mean.
     The anchor must exist from the start, so `module` is required. The outer step moves the
     anchor by the mean pseudo-gradient, so anchors that differed when built would never meet:
     with `init_sync` (the default) every rank starts from rank 0's parameters and buffers.

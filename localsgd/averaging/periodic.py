@@ -7,13 +7,13 @@ import torch.distributed as dist
 
 from localsgd.averaging.averager import Averager, RoundsFactory
 from localsgd.averaging.comm import CommStats, Communicator, SimulatedLink
-from localsgd.averaging.compress import comm_dtype_of
 from localsgd.averaging.flat import FlatBuffers
-from localsgd.averaging.quantize import DEFAULT_BLOCK_SIZE
-from localsgd.averaging.robust import Aggregate
 from localsgd.averaging.rounds import Rounds, whole
 from localsgd.averaging.schedule import ConstantPeriod
-from localsgd.averaging.trust import Judge
+from localsgd.averaging.trust.robust import Aggregate
+from localsgd.averaging.trust.trusted_round import Judge
+from localsgd.averaging.wire.compress import comm_dtype_of
+from localsgd.averaging.wire.quantize import DEFAULT_BLOCK_SIZE
 
 
 class PeriodicAverager(Averager):
@@ -33,7 +33,7 @@ class PeriodicAverager(Averager):
     `schedule.period_at(s)` steps have passed since its last average. `comm_dtype` (bfloat16 /
     float16, or block-quantised int8 / float8_e4m3fn / int4 / float4_e2m1 with
     `quant_block_size` values per scale) communicates the change since the last sync in low
-    precision (`localsgd.averaging.compress`); `error_feedback` carries each worker's rounding
+    precision (`localsgd.averaging.wire.compress`); `error_feedback` carries each worker's rounding
     residual into its next sync. `overlap=True`
     launches each average asynchronously in `bucket_mb` buckets and applies it one step later
     (`localsgd.averaging.overlap`; the same bits as `StreamingAverager(delay_steps=1,
@@ -43,9 +43,9 @@ class PeriodicAverager(Averager):
     Sharded parameters (DTensors, e.g. FSDP2's) are averaged through copies of their local
     shards (`mirror`; None: exactly when there are DTensors; see `localsgd.averaging.averager`).
 
-    `aggregate` (a `localsgd.averaging.robust.Aggregate`) gathers every worker's change since
+    `aggregate` (a `localsgd.averaging.trust.robust.Aggregate`) gathers every worker's change since
     the last sync and combines them robustly, dropping non-finite ones; `judge` scores and
-    excludes workers (`localsgd.averaging.trust`). None: the plain all-reduced mean.
+    excludes workers (`localsgd.averaging.trust.trusted_round`). None: the plain all-reduced mean.
 
     `round_starts=True` keeps, with the plain fp32 mean, the state after each average
     (`reduce.RoundStartMean`: one more copy of the buffers), which normalized weighted rounds

@@ -14,7 +14,7 @@ from typing import Any
 
 from localsgd.averaging import COMM_DTYPES, OPTIMIZER_STATE_MODES
 from localsgd.averaging.offload import OUTER_STATES
-from localsgd.averaging.streaming import MERGE_RULES
+from localsgd.averaging.streaming.averager import MERGE_RULES
 from localsgd.cli.fault_tolerance import check_lighthouse, validate_ft
 from localsgd.cli.pacing import validate_pacing
 from localsgd.cli.refusals import check as check_refusals

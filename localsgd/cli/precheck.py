@@ -23,7 +23,6 @@ from localsgd.cli.overrides import CONF_DIR, composition_error, split_config_dir
 from localsgd.cli.preflight import check_data, has_validation, resolve_resume
 from localsgd.config import ConfigError
 from localsgd.loop import checkpoint
-from localsgd.loop.reshard import written_at
 
 MULTIRUN_FLAGS = ("-m", "--multirun")
 
@@ -121,7 +120,7 @@ def check_extension(cfg, run_dir: str, resume: str | None, steps: int | None) ->
             f"hydra.run.dir: {run_dir} already holds a finished run; choose another directory"
         )
     wanted = steps if steps is not None else _get(cfg, "trainer.max_steps")
-    final = resume is not None and written_at(resume) == finished
+    final = resume is not None and checkpoint.written_at(resume) == finished
     if wanted > finished and final:
         return
     if not final:

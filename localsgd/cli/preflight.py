@@ -124,18 +124,18 @@ def _probe(
                 f"model=transformer)"
             )
     if blocks is not None:
-        from localsgd.averaging.fragments import model_blocks
+        from localsgd.averaging.streaming.fragments import model_blocks
 
         try:
             model_blocks(model, blocks)
         except ValueError as e:
             raise ConfigError(f"dist.shard_blocks={blocks}: {e}") from None
     if key is not None:  # what a sharded run's checkpoint must have been written from
-        from localsgd.loop.relayout import fsdp_units
+        from localsgd.loop.checkpoint.relayout import fsdp_units
 
         _units[key] = fsdp_units(model, blocks)
     if fragments > 1:  # Streaming DiLoCo strides its fragments over the model's blocks
-        from localsgd.averaging.fragments import model_blocks
+        from localsgd.averaging.streaming.fragments import model_blocks
 
         blocks = len(model_blocks(model))
         if blocks < fragments:
@@ -163,7 +163,7 @@ def resolve_resume(
         marker = checkpoint.verify(found, world_size)
         config = plain(cfg)
         # a checkpoint of one worker per rank continues with any shard size, resharded on
-        # load (localsgd.loop.checkpoint_dcp); a shared one (ft) with its own: the key stays
+        # load (localsgd.loop.checkpoint.reshard); a shared one (ft) with its own: the key stays
         shards = _shard_size_of(marker)
         if marker.get("shared") and shards != _get(cfg, "dist.shard_size"):
             raise ConfigError(
@@ -212,7 +212,7 @@ def _check_units(cfg: Any, world_size: int, marker: dict, found: str) -> None:
 
 def _shard_size_of(marker: dict) -> int:
     """The dist.shard_size a checkpoint was written with (1 before the key existed)."""
-    if "shard_size" in marker:  # a sharded run's (checkpoint_dcp)
+    if "shard_size" in marker:  # a sharded run's (checkpoint.dcp)
         return int(marker["shard_size"])
     saved = (marker.get("config") or {}).get("dist") or {}
     return int(saved.get("shard_size", checkpoint.ADDED_KEYS["dist.shard_size"]))

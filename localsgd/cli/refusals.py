@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from localsgd.averaging.robust import COORDINATE_RULES
+from localsgd.averaging.trust.robust import COORDINATE_RULES
 from localsgd.config import ConfigError
 from localsgd.loop.plan import SyncPlan
 

@@ -1,4 +1,4 @@
-"""The checks of `dist.shard_size` (sharded replica groups, `localsgd.loop.sharding`): a divisor
+"""The checks of `dist.shard_size` (sharded replica groups, `localsgd.loop.fsdp`): a divisor
 of the world size and of a machine's workers, and the same as a machine's workers under torchft
 (what it does not combine with is a row of `localsgd.cli.refusals`)."""
 

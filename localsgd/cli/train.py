@@ -59,10 +59,10 @@ from localsgd.cli.precheck import (
 from localsgd.cli.proctitle import launcher_title, set_title
 from localsgd.cli.virtual import spawn_virtual
 from localsgd.config import Config, ConfigError, register_schemas, typed
+from localsgd.loop.checkpoint import resume_line
 from localsgd.loop.fault_tolerance import NoLivePeer
 from localsgd.loop.loggers import offline_runs, resolve_wandb_settings
 from localsgd.loop.metrics import notice, set_notice_log
-from localsgd.loop.resume import resume_line
 from localsgd.loop.stop import agreed_stop, first_signal, stopped_exit_code
 
 register_schemas()

@@ -1,6 +1,6 @@
 """The checks of the untrusted workers' keys (`sync.aggregate`, `sync.score` and their
-companions; `localsgd.averaging.trust`): their ranges (what they do not combine with is a row
-of `localsgd.cli.refusals`). Called by `localsgd.cli.checks.validate`, each a one-line
+companions; `localsgd.averaging.trust.trusted_round`): their ranges (what they do not combine with
+is a row of `localsgd.cli.refusals`). Called by `localsgd.cli.checks.validate`, each a one-line
 ConfigError naming the key."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from localsgd.averaging.robust import AGGREGATES
+from localsgd.averaging.trust.robust import AGGREGATES
 from localsgd.config import ConfigError
 
 
@@ -22,7 +22,7 @@ def _number(value: Any) -> bool:
 
 
 def validate_trust(cfg: Any, get: Callable[[Any, str], Any]) -> None:
-    """The keys of untrusted workers' syncs (`localsgd.averaging.trust`)."""
+    """The keys of untrusted workers' syncs (`localsgd.averaging.trust.trusted_round`)."""
     aggregate = get(cfg, "sync.aggregate")
     allowed = "one of " + ", ".join(AGGREGATES)
     _require(aggregate in AGGREGATES, "sync.aggregate", allowed, aggregate)

@@ -1,5 +1,5 @@
 """The checks of the wire's keys: error feedback's decay and `sync.compress=topk`'s
-(`localsgd.averaging.sparse`) ranges; what they combine with is a row of
+(`localsgd.averaging.wire.sparse`) ranges; what they combine with is a row of
 `localsgd.cli.refusals`. Called by `localsgd.cli.checks.validate`, each a one-line ConfigError
 naming the key."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from localsgd.averaging.sparse import MAX_CHUNK, MEANS
+from localsgd.averaging.wire.sparse import MAX_CHUNK, MEANS
 from localsgd.config import ConfigError
 
 

@@ -127,6 +127,9 @@ class MemoryBatches:
     def state_dict(self) -> dict:
         return self.sampler.state_dict()
 
+    def resharded_state(self, states: list[dict], reshard) -> dict:
+        return self.sampler.resharded_state(states, reshard)
+
     def load_state_dict(self, state: dict) -> None:
         self.sampler.load_state_dict(state)
 
@@ -203,6 +206,9 @@ class StreamBatches:
 
     def state_dict(self) -> dict:
         return self.sampler.state_dict()
+
+    def resharded_state(self, states: list[dict], reshard) -> dict:
+        return self.sampler.resharded_state(states, reshard)
 
     def load_state_dict(self, state: dict) -> None:
         self.sampler.load_state_dict(state)

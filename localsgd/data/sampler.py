@@ -89,6 +89,18 @@ class ShardSampler:
             state["batch_size"] = self.batch_size
         return state
 
+    def resharded_state(self, states: list[dict], reshard) -> dict:
+        """This worker's sampler state when a checkpoint continues at another layout
+        (`localsgd.loop.checkpoint.state`): at the same world size each worker its own position;
+        otherwise, or from a shared checkpoint, the old workers' epoch at the same fraction of
+        this worker's new shard."""
+        if not reshard.shared and reshard.old_world == reshard.world_size:
+            return states[reshard.rank]
+        old = states[reshard.source]
+        old_n, new_n = int(old["num_indices"]), len(self.own)
+        position = int(old["position"]) * new_n // max(old_n, 1)
+        return {**old, "position": min(position, new_n), "num_indices": new_n}
+
     def load_state_dict(self, state: dict) -> None:
         n = int(state["num_indices"])
         if n != len(self.own):

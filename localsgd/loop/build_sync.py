@@ -21,7 +21,7 @@ from localsgd.loop.synchroniser import Synchroniser
 from localsgd.loop.worker import WorkerInfo
 
 if TYPE_CHECKING:
-    from localsgd.loop.sharding import Sharding
+    from localsgd.loop.fsdp import Sharding
 
 
 def build_synchroniser(

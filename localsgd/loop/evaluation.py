@@ -70,7 +70,8 @@ def held_out_loss(
 ) -> torch.Tensor:
     """The model's loss per sample (float64, on the CPU; a sequence's mean over its tokens),
     as it stands, on `batch_size` samples of `test` drawn from round `round_`'s seed: the same
-    batch on every rank, a different one each round (`sync.score`, localsgd.averaging.trust).
+    batch on every rank, a different one each round (`sync.score`,
+    localsgd.averaging.trust.trusted_round).
     The trainer passes the validation split, which no worker trains on (the test split only
     with data.val_fraction=0: then a scored run's verdicts have seen part of the test set).
     `samples`: only that part of the batch (the judge splits an evaluation by samples across

@@ -12,19 +12,20 @@ error-feedback residuals. The sampler takes the peer's position in the data, whi
 shares at a given step, on its own shard. The RNG is the worker's own, reseeded for the new
 attempt, so that no two workers draw the same dropout masks.
 
-Checkpoints on disk are *shared* (`checkpoint.save_shared`): right after a committed round every
-worker holds the same model, so one worker's state is the job's. The first committed round at or
-after each multiple of `trainer.checkpoint_every` (and the final average) is written by the
-replica group that ranked first in its quorum (its rank 0), with no collective; a sharded group
-(`dist.shard_size` > 1) writes it with all its ranks together, through DCP
-(`localsgd.loop.checkpoint_shared`), having agreed within the group that it leads; with error
-feedback every worker also writes its own residual beside it (`checkpoint.save_residual`), so
-that a resume gives each its own. A stop (SIGTERM or Ctrl-C reaching any worker) is carried by
-the next round to every replica group, which all stop after it, with a shared checkpoint. A
-round that finds no quorum (fewer than `ft.min_replicas` groups for `ft.quorum_timeout_s`) is
-put back to the last global state; every surviving group's rank 0 then races to write that
-state as the stop checkpoint (one folder wins whole) and the worker raises `QuorumLost` naming
-it. The job continues from either at any world size, with or without ft (`localsgd.loop.reshard`).
+Checkpoints on disk are *shared* (`shared_checkpoints`: `localsgd.loop.checkpoint.layout`'s
+`Shared`): right after a committed round every worker holds the same model, so one worker's
+state is the job's. The first committed round at or after each multiple of
+`trainer.checkpoint_every` (and the final average) is written by the replica group that ranked
+first in its quorum (its rank 0), with no collective; a sharded group (`dist.shard_size` > 1)
+writes it with all its ranks together, through DCP (`SharedSharded`), having agreed within the
+group that it leads; with error feedback every worker also writes its own residual beside it
+(`checkpoints/own/`), so that a resume gives each its own. A stop (SIGTERM or Ctrl-C reaching
+any worker) is carried by the next round to every replica group, which all stop after it, with a
+shared checkpoint. A round that finds no quorum (fewer than `ft.min_replicas` groups for
+`ft.quorum_timeout_s`) is put back to the last global state; every surviving group's rank 0 then
+races to write that state as the stop checkpoint (one folder wins whole) and the worker raises
+`QuorumLost` naming it. The job continues from either at any world size, with or without ft
+(`localsgd.loop.checkpoint.reshard`).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from localsgd.averaging.torchft import (
     TorchftCommunicator,
     make_manager,
 )
+from localsgd.averaging.trees import as_dtensor_like, into_dtensors, local_tree
 from localsgd.config import FtConfig
 from localsgd.loop.ft_clocks import RoundClock, gate_notice, grace_window, heartbeat_gate
 from localsgd.loop.metrics import notice
@@ -79,6 +81,7 @@ class FaultTolerance:
     Synchroniser."""
 
     checks_inside = True  # the replica checks run inside each round
+    shared_checkpoints = True  # one state for every worker, right after a committed round
 
     def __init__(
         self,
@@ -359,7 +362,7 @@ def _heal_state(component) -> Callable[[], Any]:
     group's model and optimizer state, FSDP2's) as its local shard. A DTensor pickles with its
     device mesh, which names this process's groups: torchft's checkpoint transport cannot carry
     it, and the healer's rank r needs only the shard that the peer's rank r holds anyway."""
-    return lambda: _local_tree(component.state_dict())
+    return lambda: local_tree(component.state_dict())
 
 
 def _heal_loader(key: str, component) -> Callable[[Any], None]:
@@ -377,23 +380,10 @@ def _heal_loader(key: str, component) -> Callable[[Any], None]:
         if isinstance(component, torch.optim.Optimizer):
             state = _optimizer_dtensors(state, component)
         else:
-            state = _into_dtensors(state, component.state_dict())
+            state = into_dtensors(state, component.state_dict())
         component.load_state_dict(state)
 
     return load_shards
-
-
-def _as_dtensor_like(local: torch.Tensor, like) -> Any:
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.from_local(
-        local.to(like.device),
-        like.device_mesh,
-        like.placements,
-        run_check=False,
-        shape=like.shape,
-        stride=like.stride(),
-    )
 
 
 def _optimizer_dtensors(state: dict, optimizer: torch.optim.Optimizer) -> dict:
@@ -407,35 +397,13 @@ def _optimizer_dtensors(state: dict, optimizer: torch.optim.Optimizer) -> dict:
         if is_dtensor(param):
             shape = param.to_local().shape
             entries = {
-                k: _as_dtensor_like(v, param)
+                k: as_dtensor_like(v, param)
                 if isinstance(v, torch.Tensor) and v.dim() and v.shape == shape
                 else v
                 for k, v in entries.items()
             }
         out[index] = entries
     return {**state, "state": out}
-
-
-def _local_tree(tree: Any) -> Any:
-    if is_dtensor(tree):
-        return tree.to_local()
-    if isinstance(tree, dict):
-        return {k: _local_tree(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_local_tree(v) for v in tree)
-    return tree
-
-
-def _into_dtensors(theirs: Any, own: Any) -> Any:
-    """`theirs` with each tensor where `own` holds a DTensor made a DTensor like it."""
-    if is_dtensor(own):
-        return _as_dtensor_like(theirs, own)
-    if isinstance(theirs, dict) and isinstance(own, dict):
-        return {k: _into_dtensors(v, own.get(k)) for k, v in theirs.items()}
-    pairs = isinstance(theirs, (list, tuple)) and isinstance(own, (list, tuple))
-    if pairs and len(theirs) == len(own):
-        return type(theirs)(_into_dtensors(t, o) for t, o in zip(theirs, own, strict=True))
-    return theirs
 
 
 def _group_store() -> dict[str, Any]:

@@ -21,6 +21,7 @@ class LocalRounds:
     """The syncs of `averager` (and a warmup's gradient averages) as plain collectives."""
 
     checks_inside = False  # replica checks run after the sync, not inside a round
+    shared_checkpoints = False  # every rank writes its own state
     comms: tuple = ()  # no communicator beside the averager's and the warmup's
 
     def __init__(self, averager: Averager, gradients: GradientAverager | None = None):
@@ -79,7 +80,7 @@ class LocalRounds:
         stopping = stop.should_stop(step) and step < max_steps
         due = every > 0 and (step % every == 0 or step == max_steps)
         if due or stopping:
-            save(False)
+            save()
         return stopping
 
     def writes_results(self, rank: int) -> bool:

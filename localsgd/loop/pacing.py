@@ -122,11 +122,13 @@ class Pacer:
         self.idle_steps = int(state["idle_steps"])
         self.round_start = time.perf_counter() - (0.0 if self.modelled else self.round_seconds)
 
-
-def new_round(state: dict[str, Any]) -> dict[str, Any]:
-    """A pacer's checkpointed `state` with its round started afresh (a resume at another world
-    size puts every worker on one model, which is where a round starts); its counts kept."""
-    return {**state, "round_seconds": 0.0, "round_samples": 0}
+    @staticmethod
+    def resharded_state(states: list[dict[str, Any]], reshard) -> dict[str, Any]:
+        """This worker's pacer state at another world size (`localsgd.loop.checkpoint.state`):
+        its rank's counts (the last old rank's for a new one), with its round started afresh:
+        every worker starts from one model, which is where a round starts."""
+        state = states[min(reshard.rank, len(states) - 1)]
+        return {**state, "round_seconds": 0.0, "round_samples": 0}
 
 
 def build_pacer(cfg: Any, rank: int) -> Pacer:

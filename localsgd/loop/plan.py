@@ -3,9 +3,9 @@
 Every part that needs to know what a sync config means asks a `SyncPlan`, never the raw keys:
 the averager factory (`localsgd.loop.strategies`), the config checks (`localsgd.cli.checks`),
 the fault-tolerance checks (`localsgd.cli.fault_tolerance`), the resume path and the reshard
-refusal (`localsgd.cli.preflight`, `localsgd.loop.reshard`). A question answered twice from the
-raw keys is how a config that passed every check crashed at run time (the streaming period was
-read as `sync.period` in one place and as the widest level's in another).
+refusal (`localsgd.cli.preflight`, `localsgd.loop.checkpoint.reshard`). A question answered
+twice from the raw keys is how a config that passed every check crashed at run time (the
+streaming period was read as `sync.period` in one place and as the widest level's in another).
 
 The plan reads a node that answers `sync.KEY` either way: a dataclass (`SyncConfig`), a Hydra
 DictConfig or a plain dict.
@@ -117,7 +117,7 @@ class SyncPlan:
         """What an average sends: `sync.comm_dtype` (a name), or a `TopKCodec` with
         `sync.compress=topk`."""
         if self.compress == "topk":
-            from localsgd.averaging.sparse import TopKCodec
+            from localsgd.averaging.wire.sparse import TopKCodec
 
             return TopKCodec(self.topk_density, self.topk_chunk, self.topk_mean)
         return comm_dtype

@@ -22,7 +22,7 @@ import functools
 
 import torch
 
-from localsgd.averaging.fragments import model_blocks
+from localsgd.averaging.streaming.fragments import model_blocks
 
 # trainer.precision -> the autocast dtype (None: plain fp32)
 PRECISIONS: dict[str, torch.dtype | None] = {

@@ -36,8 +36,8 @@ from localsgd.averaging import (
     StepPeriod,
     StreamingAverager,
 )
-from localsgd.averaging.robust import Aggregate
-from localsgd.averaging.trust import Judge
+from localsgd.averaging.trust.robust import Aggregate
+from localsgd.averaging.trust.trusted_round import Judge
 from localsgd.config import SyncConfig
 from localsgd.loop.plan import SyncPlan, strategy_name  # noqa: F401  (strategy_name re-exported)
 
@@ -79,15 +79,15 @@ def build_schedule(sync: SyncConfig, period: int | None = None) -> ConstantPerio
 
 
 def aggregate_of(sync: SyncConfig) -> Aggregate:
-    """The `sync.aggregate` rule with its keys (`localsgd.averaging.robust`)."""
+    """The `sync.aggregate` rule with its keys (`localsgd.averaging.trust.robust`)."""
     return Aggregate(sync.aggregate, sync.clip_multiple, sync.trim_fraction)
 
 
 def trust_of(
     sync: SyncConfig, plan: SyncPlan, loss_at: Callable[[int], float] | None
 ) -> dict[str, Any]:
-    """The `aggregate` and `judge` arguments of the averager (`localsgd.averaging.trust`): none
-    for the all-reduced mean."""
+    """The `aggregate` and `judge` arguments of the averager
+    (`localsgd.averaging.trust.trusted_round`): none for the all-reduced mean."""
     if not plan.gathered:
         return {}
     judge = None

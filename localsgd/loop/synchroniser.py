@@ -20,14 +20,15 @@ import torch.distributed as dist
 
 from localsgd.averaging import Averager, GradientAverager, OptimizerStateSync
 from localsgd.averaging.flat import local_tensor
+from localsgd.loop.checkpoint.averager_state import AveragerState
 from localsgd.loop.drift import DriftMeter
 from localsgd.loop.guards import DroppedContributions, check_replicas
 from localsgd.loop.metrics import notice
 from localsgd.loop.stop import StopAgreement
 
 if TYPE_CHECKING:
+    from localsgd.loop.fsdp import Sharding
     from localsgd.loop.local_rounds import LocalRounds
-    from localsgd.loop.sharding import Sharding
 
 
 @dataclass
@@ -264,8 +265,9 @@ class Synchroniser:
     ) -> bool:
         """After step `step` (`final`: after the final average): checkpoint when due (every
         `every` steps and at the end) or at an agreed stop; True to stop the run there.
-        `save(shared, writes=True)` writes: every rank its own state, or (`shared`, under
-        torchft) the one state every replica holds, by the worker that leads (`writes`)."""
+        `save(writes=True)` writes the checkpoint in the run's layout: every rank its own
+        state, or (`shared_checkpoints`, under torchft) the one state every replica holds, by the
+        worker that leads (`writes`)."""
         if self.driver.rolled_back:  # every worker holds the last global state
             self.in_sync = True
         return self.driver.checkpoint(
@@ -288,27 +290,19 @@ class Synchroniser:
         self.in_sync = self.driver.average()
         return self.in_sync
 
-    def own_state(self) -> dict | None:
-        """What is this worker's own in a shared checkpoint: its error-feedback residuals (what
-        it failed to send; the writer's would be every worker's otherwise), or None."""
-        rounds = self.averager.rounds
-        if not _holds_tensor(rounds.residuals):
-            return None  # no error feedback: nothing of its own (and no state_dict's copies)
-        return {"residuals": [w.state_dict() for w in rounds.wires]}
-
     def _save_shared(self, save: Callable[..., str], writes: bool) -> str:
         """The one state every worker holds (written by the worker that `writes`): the model
         itself when in sync, else the global state (Streaming DiLoCo's anchors) in the model's
         place for the save, so that a resume continues from it, losing only the local progress
         since each fragment's last sync."""
         if self.in_sync or not writes:
-            return save(True, writes)
+            return save(writes)
         flat = self.averager.flat  # sharded (mirror mode): the values live in the tensors
         local = [b.clone() for b in flat.current()]
         flat.assign(self.averager.global_state())
         self.in_sync = True  # what the checkpoint's loop state says: resumed, all start alike
         try:
-            return save(True, writes)
+            return save(writes)
         finally:
             self.in_sync = False
             flat.assign(local)
@@ -392,7 +386,8 @@ class Synchroniser:
 
     @property
     def trust(self):
-        """The rounds over untrusted workers' contributions (`localsgd.averaging.trust.
+        """The rounds over untrusted workers' contributions
+        (`localsgd.averaging.trust.trusted_round.
         TrustedRound`), or None under the all-reduced mean."""
         return self.averager.rounds.trust
 
@@ -411,14 +406,16 @@ class Synchroniser:
         return {str(b.dtype) for b in self.averager.flat.buffers}
 
     def state_bytes(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-        """The training state this rank holds (`localsgd.loop.sharding.state_bytes`)."""
-        from localsgd.loop.sharding import state_bytes
+        """The training state this rank holds (`localsgd.loop.fsdp.state_bytes`)."""
+        from localsgd.loop.fsdp import state_bytes
 
         return state_bytes(model, optimizer, self.averager)
 
     def checkpoint_state(self) -> dict[str, Any]:
-        """What a checkpoint holds of the strategy, by the names checkpoints use."""
-        state = {"averager": self.averager, "comm": self.stats}
+        """What a checkpoint holds of the strategy, by the names checkpoints use; the averager
+        as a checkpointed component (its own part of a shared checkpoint, how its state moves to
+        another layout: `localsgd.loop.checkpoint.AveragerState`)."""
+        state = {"averager": AveragerState(self.averager), "comm": self.stats}
         if self.drift is not None:
             state["drift"] = self.drift
         state.update(self.driver.checkpoint_state())  # under ft: its counters
@@ -427,8 +424,8 @@ class Synchroniser:
     # what a checkpoint may lack of `checkpoint_state` (written without drift, or without ft)
     optional_state = ("drift", "ft")
 
-
-def _holds_tensor(tree) -> bool:
-    if isinstance(tree, torch.Tensor):
-        return True
-    return isinstance(tree, (list, tuple)) and any(_holds_tensor(t) for t in tree)
+    @property
+    def shared_checkpoints(self) -> bool:
+        """Whether checkpoints hold one state for every worker, written by one (under torchft,
+        right after committed rounds), rather than every rank's own: the round driver's word."""
+        return self.driver.shared_checkpoints

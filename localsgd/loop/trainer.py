@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import time
-from functools import partial
 from typing import Any
 
 import torch
@@ -14,10 +13,12 @@ from localsgd.config import Config, plain
 from localsgd.data import eval_batches, input_shape_of, load_data, task_of
 from localsgd.data.validation import validation_of
 from localsgd.instantiate import build, target_name
-from localsgd.loop import checkpoint, checkpoint_dcp, checkpoint_shared
+from localsgd.loop import checkpoint
 from localsgd.loop.best import KeepBest
 from localsgd.loop.build_sync import build_synchroniser
+from localsgd.loop.data_shard import worker_batches
 from localsgd.loop.evaluation import evaluate, held_out_loss, loss_and_correct, text_sample
+from localsgd.loop.fsdp import Sharding
 from localsgd.loop.guards import NonFiniteTracker
 from localsgd.loop.loggers import build_loggers
 from localsgd.loop.metrics import (
@@ -31,9 +32,6 @@ from localsgd.loop.metrics import (
 from localsgd.loop.optim import build_optimizer, build_schedule, set_lr
 from localsgd.loop.pacing import build_pacer, pace_record
 from localsgd.loop.recipe import Recipe, checkpoint_activations
-from localsgd.loop.resume import resume_run
-from localsgd.loop.shard import worker_batches
-from localsgd.loop.sharding import Sharding
 from localsgd.loop.stop import StopAgreement
 from localsgd.loop.worker import WorkerInfo
 from localsgd.models import build_model
@@ -111,10 +109,19 @@ class Trainer:
             "loop": self,
             **({"pacer": self.pacer} if self.pacer.active else {}),
         }
+        # how this run's checkpoints are written: every rank its own, or one shared state (the
+        # round driver's word), sharded through DCP or not; decided once (loop/checkpoint/)
+        self.checkpoint_layout = checkpoint.layout_for(
+            self.sync.shared_checkpoints, self.sharding.size, info.rank, info.world_size
+        )
         self.resumed_from = resume_from
-        if resume_from is not None:  # its own, resharded, or shared (loop/resume.py)
-            self.step = resume_run(
-                resume_from, info, self.sharding.size, device, self.stateful,
+        if resume_from is not None:  # its own state, or every component moved to this layout
+            self.step = checkpoint.resume(
+                resume_from,
+                info,
+                self.sharding.size,
+                device,
+                self.stateful,
                 self.sync.optional_state,
             )
         # objects with optional on_step_start(trainer, step) / on_step_end(trainer, step)
@@ -500,44 +507,20 @@ class Trainer:
         self.logger.summary(summary)
         return summary
 
-    def save_checkpoint(self, shared: bool = False, writes: bool = True) -> str:
-        """Every rank's own state (a collective); `shared`: one state for every worker (all
-        hold the same model), written if `writes` (by one process, with no collective; sharded,
-        by every rank of one replica group together); every worker saves beside it what is
-        its own (`Synchroniser.own_state`)."""
+    def save_checkpoint(self, writes: bool = True) -> str:
+        """This rank's part of the checkpoint of this step, in the run's layout (a collective
+        where every rank writes its own); `writes` False: a shared checkpoint another worker
+        writes, of which this one saves only what is its own (`checkpoint.save`)."""
         self.nonfinite.check(self.info.rank)  # a checkpoint never holds a diverged state
         self.elapsed_s = self.elapsed()
-        if shared:
-            own = self.sync.own_state()
-            if own is not None:
-                checkpoint.save_own(self.run_dir, self.step, self.info.rank, own)
-            if not writes:
-                return ""
+        if writes:
             self.saved_at = self.step
-            save_shared = checkpoint.save_shared
-            if self.sharding.sharded:  # the writing replica group's ranks together, via DCP
-                size = self.sharding.size
-                save_shared = partial(
-                    checkpoint_shared.save_shared, shard_size=size, group=self.info.rank // size
-                )
-            return save_shared(
-                self.run_dir,
-                self.step,
-                self.info.world_size,
-                self.stateful,
-                self.cfg.trainer.keep_checkpoints,
-                config=self.config,
-            )
-        save = checkpoint.save
-        if self.sharding.sharded:  # the sharded state through DCP, the rest per rank
-            save = partial(checkpoint_dcp.save, shard_size=self.sharding.size)
-        self.saved_at = self.step
-        return save(
+        return checkpoint.save(
+            self.checkpoint_layout,
             self.run_dir,
             self.step,
-            self.info.rank,
-            self.info.world_size,
             self.stateful,
             self.cfg.trainer.keep_checkpoints,
             config=self.config,
+            writes=writes,
         )

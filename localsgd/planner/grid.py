@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from localsgd.averaging.sparse import TopKCodec
+from localsgd.averaging.wire.sparse import TopKCodec
 from localsgd.planner.model import Schedule
 from localsgd.planner.sizes import ModelShape, gathered, wire_bytes
 

@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from localsgd.averaging.compress import comm_dtype_of
 from localsgd.averaging.flat import averaged_tensors
-from localsgd.averaging.fragments import fragment_ids
-from localsgd.averaging.quantize import QUANTIZED_FORMATS, BlockCodec
-from localsgd.averaging.sparse import TopKCodec
+from localsgd.averaging.streaming.fragments import fragment_ids
+from localsgd.averaging.wire.compress import comm_dtype_of
+from localsgd.averaging.wire.quantize import QUANTIZED_FORMATS, BlockCodec
+from localsgd.averaging.wire.sparse import TopKCodec
 
 # the fragment counts a plan may ask about
 FRAGMENT_COUNTS = (1, 2, 4, 8)

@@ -5,7 +5,8 @@
   NaN/Inf is dropped in band (`localsgd.averaging.finite`); a weighted round's shares are the
   communicator's (`Communicator.weigh`);
 - `Gathered`: every contribution gathered, then dropped when not finite, scored by a judge and
-  combined by a robust rule (`localsgd.averaging.trust.TrustedRound`: clip, trimmed mean, median,
+  combined by a robust rule (`localsgd.averaging.trust.trusted_round.TrustedRound`: clip, trimmed
+  mean, median,
   sign, or the gathered mean). One verdict state serves every part: a worker is one worker
   whichever part it sends, so an exclusion holds for all of them.
 
@@ -18,10 +19,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 from localsgd.averaging.comm import Communicator
-from localsgd.averaging.robust import Aggregate, GatheredContributions
 from localsgd.averaging.rounds.part import Tensors
 from localsgd.averaging.rounds.wire import Wire
-from localsgd.averaging.trust import Judge, TrustedRound
+from localsgd.averaging.trust.robust import Aggregate, GatheredContributions
+from localsgd.averaging.trust.trusted_round import Judge, TrustedRound
 
 
 class Mean:

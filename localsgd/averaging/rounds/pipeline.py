@@ -26,16 +26,16 @@ from itertools import chain
 import torch
 
 from localsgd.averaging.comm import Communicator
-from localsgd.averaging.compress import CommFormat
 from localsgd.averaging.flat import FlatBuffers, Relayout
-from localsgd.averaging.robust import Aggregate
 from localsgd.averaging.rounds.combine import Gathered, Mean
 from localsgd.averaging.rounds.contribution import Contribution
 from localsgd.averaging.rounds.merge import merge_
 from localsgd.averaging.rounds.outer import Anchors, OuterSGD
 from localsgd.averaging.rounds.part import Part, Tensors, new_like, views
 from localsgd.averaging.rounds.wire import Wire
-from localsgd.averaging.trust import Judge
+from localsgd.averaging.trust.robust import Aggregate
+from localsgd.averaging.trust.trusted_round import Judge
+from localsgd.averaging.wire.compress import CommFormat
 
 
 class Rounds:

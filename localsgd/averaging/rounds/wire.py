@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 
 from localsgd.averaging.comm import Communicator, PendingMean
-from localsgd.averaging.compress import (
+from localsgd.averaging.rounds.part import Tensors
+from localsgd.averaging.wire.compress import (
     MESSAGE_FORMATS,
     CommFormat,
     feed_back_,
@@ -23,7 +24,6 @@ from localsgd.averaging.compress import (
     residual_buffers,
     wire_buffers,
 )
-from localsgd.averaging.rounds.part import Tensors
 
 
 def buckets(pieces: Tensors, bucket_bytes: int | None) -> Tensors:

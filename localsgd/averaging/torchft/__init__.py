@@ -5,6 +5,8 @@
   commit or put back);
 - `grace.GraceWindow`: how long a round's collectives wait for a peer that stopped answering;
 - `services`: torchft's lighthouse and Manager, every server bound to one interface.
+- `gathered`: what a round gathers across replica groups (low-bit messages, trusted
+  contributions, a weighted round's weights).
 
 Importing this package imports no torchft module: its functions import torchft when called, so
 a run without fault tolerance never loads it.

@@ -1,8 +1,8 @@
 """The gathered collectives of a round across replica groups (`TorchftCommunicator`'s): the
 block-quantised mean, whose messages are all-gathered through the Manager's process group and
 decoded in rank order as `Communicator.quantized_mean_` does; the all-gather of gathered
-contributions (`localsgd.averaging.trust`) with the members it holds; and the weights of a
-weighted round (per-worker step counts). A mixin over the communicator's round state
+contributions (`localsgd.averaging.trust.trusted_round`) with the members it holds; and the weights
+of a weighted round (per-worker step counts). A mixin over the communicator's round state
 (`in_round`, `live`, `lost`, `manager`, `window_s`, `local`, `stats`); torchft is imported only
 inside functions that need it.
 """

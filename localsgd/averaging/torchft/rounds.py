@@ -39,25 +39,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from localsgd.averaging.torchft.comm import QuorumLost, TorchftCommunicator, _sum_then_divide
+from localsgd.averaging.trees import clone_tree
 
 FT_STATE_KEY = "localsgd_ft"  # our entry in the Manager's state dict
 
 
 class ReplicaGroupsDiverged(RuntimeError):
     """`check_replicas`: the replica groups do not hold the same weights after an average."""
-
-
-def _clone_tree(value):
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, dict):
-        return {k: _clone_tree(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_clone_tree(v) for v in value)
-    return value
 
 
 def without_residuals(averager_state: dict) -> dict:
@@ -202,8 +191,8 @@ class FaultTolerantRounds:
         return {
             # mirror mode (sharded) between steps: the values live in the tensors
             "buffers": [b.detach().clone() for b in av.flat.current()],
-            "rounds": _clone_tree(av.rounds.state_dict()),
-            "rule": _clone_tree(av.rule_state()),  # an adaptive period's
+            "rounds": clone_tree(av.rounds.state_dict()),
+            "rule": clone_tree(av.rule_state()),  # an adaptive period's
             "samples": av.part_samples.state_dict(),  # weighted rounds' counts
         }
 
@@ -211,8 +200,8 @@ class FaultTolerantRounds:
         av = self.averager
         av.ensure_bound()
         av.flat.assign(snap["buffers"])
-        av.rounds.load_state_dict(_clone_tree(snap["rounds"]))
-        av.load_rule_state(_clone_tree(snap.get("rule", {})))
+        av.rounds.load_state_dict(clone_tree(snap["rounds"]))
+        av.load_rule_state(clone_tree(snap.get("rule", {})))
         if "samples" in snap:
             av.part_samples.load_state_dict(snap["samples"])
 
@@ -243,7 +232,7 @@ class FaultTolerantRounds:
         if committed is not None:  # the peer's residuals are not this replica's
             committed = {**committed, "rounds": without_residuals(
                 {"rounds": committed["rounds"]})["rounds"]}  # fmt: skip
-        self.committed = _clone_tree(committed)
+        self.committed = clone_tree(committed)
         self.failed_syncs = int(state["failed_syncs"])
         self.participants_min = min(self.participants_min, int(state["participants_min"]))
         self.heals_seen = int(state["heals_seen"])
@@ -420,7 +409,7 @@ class FaultTolerantRounds:
             # a round from the launch to the merge: a failed one merges nothing, and the
             # fragment keeps its local values and its state (anchor, outer state, residual)
             self.heals += self._begin("sync")
-            self._open_rounds = _clone_tree(av.rounds.state_dict())
+            self._open_rounds = clone_tree(av.rounds.state_dict())
             return av.maybe_average()
         if kind == "merge" and self._open_rounds is not None:
             av.complete_launched()  # the fragment launched a round ago

@@ -38,9 +38,9 @@ from dataclasses import dataclass
 import torch
 
 from localsgd.averaging.comm import Communicator
-from localsgd.averaging.compress import feed_back_
 from localsgd.averaging.finite import all_finite
-from localsgd.averaging.quantize import GatheredWire
+from localsgd.averaging.wire.compress import feed_back_
+from localsgd.averaging.wire.quantize import GatheredWire
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Streaming DiLoCo's fragments: how the model is split (`model_blocks`, `fragment_ids`). Each
 fragment is a part of the flat buffers (`rounds.part.fragments`) whose rounds `Rounds` runs;
-`StreamingAverager` (`localsgd.averaging.streaming`, whose docstring gives the semantics)
+`StreamingAverager` (`localsgd.averaging.streaming.averager`, whose docstring gives the semantics)
 schedules them.
 """
 

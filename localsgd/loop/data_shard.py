@@ -4,7 +4,8 @@ shard taken over by the others (`sync.excluded_shard=reassign|take_over`).
 `worker_batches` cuts this worker's shard (`data.partition`) and streams it (`ShardSampler`,
 exactly resumable).
 
-Scoring (`sync.score`, `localsgd.averaging.trust`) excludes a worker for good: it still trains
+Scoring (`sync.score`, `localsgd.averaging.trust.trusted_round`) excludes a worker for good: it
+still trains
 and takes part in the collectives, but its contributions never reach the aggregate, and neither
 does what it learns from its shard. With `sync.excluded_shard=skip` that part of the data is
 lost to the run; with `reassign` (the default under scoring), after the sync that excluded it,

@@ -26,9 +26,10 @@ import torch.distributed as dist
 from torch import nn
 
 from localsgd.averaging import Averager
-from localsgd.averaging.flat import is_dtensor, local_tensor
-from localsgd.averaging.fragments import model_blocks
+from localsgd.averaging.flat import is_dtensor
+from localsgd.averaging.streaming.fragments import model_blocks
 from localsgd.averaging.timeouts import inherit_timeout
+from localsgd.averaging.trees import distinct_nbytes, tensors_in
 
 
 class Sharding:
@@ -172,33 +173,9 @@ class Sharding:
         return int(total.item())
 
 
-def _nbytes(tensors) -> int:
-    """Bytes of the distinct tensors in `tensors` on this rank (a DTensor: its local shard; the
-    same memory reached twice, e.g. a view and its tensor's alias, counted once)."""
-    seen: set[tuple[int, int]] = set()
-    total = 0
-    for t in tensors:
-        local = local_tensor(t)
-        key = (local.data_ptr(), local.numel())
-        if local.numel() and key not in seen:
-            seen.add(key)
-            total += local.numel() * local.element_size()
-    return total
-
-
-def _tensors_in(tree: Any) -> list[torch.Tensor]:
-    if isinstance(tree, torch.Tensor):
-        return [tree]
-    if isinstance(tree, dict):
-        tree = list(tree.values())
-    if isinstance(tree, (list, tuple)):
-        return [t for item in tree for t in _tensors_in(item)]
-    return []
-
-
 def _optimizer_state(optimizers: Any) -> list[torch.Tensor]:
     opts = optimizers if isinstance(optimizers, (list, tuple)) else [optimizers]
-    return [t for o in opts if o is not None for t in _tensors_in(list(o.state.values()))]
+    return [t for o in opts if o is not None for t in tensors_in(list(o.state.values()))]
 
 
 def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, averager: Averager) -> dict:
@@ -216,25 +193,14 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, averager: Av
     mirrored copy and drift's scratch during a step that acts, a replica check's copy) and the
     allocator's caches; the peak at a round is measured apart (experiments/bench/sharded.py)."""
     params = list(model.parameters())
-    flat = averager.flat
-    held = averager.rounds.held_tensors()
-    anchors, momentum, staging = held["anchors"], held["outer_momentum"], held["staging"]
-    outer = {"anchors": _nbytes(anchors), "outer_momentum": _nbytes(momentum)}
-    on_host = averager.rounds.host  # sync.outer_state=cpu
-    own = {
-        "mirror": flat.held_bytes if flat is not None and flat.mirror else 0,
-        **({"anchors": 0, "outer_momentum": 0} if on_host else outer),
-        "residuals": _nbytes(held["residuals"]),
-        "other": _nbytes(held["other"]),
-    }
+    own, host = averager.held_bytes()
     parts = {
-        "parameters": _nbytes(params),
-        "gradients": _nbytes(p.grad for p in params if p.grad is not None),
-        "optimizer": _nbytes(_optimizer_state(optimizer)),
+        "parameters": distinct_nbytes(params),
+        "gradients": distinct_nbytes(p.grad for p in params if p.grad is not None),
+        "optimizer": distinct_nbytes(_optimizer_state(optimizer)),
         "averager": sum(own.values()),
     }
     out = {"total": sum(parts.values()), **parts, "averager_parts": own}
-    if on_host:
-        host = {**outer, "staging": _nbytes(staging)}
+    if host is not None:
         out["host"] = {"total": sum(host.values()), **host}
     return out

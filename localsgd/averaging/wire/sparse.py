@@ -31,7 +31,7 @@ chunk of 4096 at density 1/64 (k = 64, l = 6) is 4 + 64 + 16 = 84 bytes per 4096
 bytes per value, 195x less than fp32 (int16 indices made it 148 bytes before 2026-12-05). A
 chunk of zeros has scale 0 and decodes to zeros.
 
-The exchange is the block-quantised formats' (`localsgd.averaging.quantize`): every rank
+The exchange is the block-quantised formats' (`localsgd.averaging.wire.quantize`): every rank
 encodes its own message, the messages are all-gathered (`Communicator.quantized_mean_`), and
 every rank decodes every rank's message and sums them in fp32 in rank order, so every rank gets
 the same bits. The sum is divided by the number of workers (`mean="all"`, the mean of the
@@ -51,7 +51,7 @@ import math
 
 import torch
 
-from localsgd.averaging.quantize import GatheredWire
+from localsgd.averaging.wire.quantize import GatheredWire
 
 DEFAULT_CHUNK = 4096
 DEFAULT_DENSITY = 1 / 64

@@ -1,5 +1,5 @@
-"""The judge of untrusted contributions (`localsgd.averaging.trust`): its settings and the paired
-test its verdicts rest on. `TrustedRound` asks it; it holds no state of its own."""
+"""The judge of untrusted contributions (`localsgd.averaging.trust.trusted_round`): its settings
+and the paired test its verdicts rest on. `TrustedRound` asks it; it holds no state of its own."""
 
 from __future__ import annotations
 

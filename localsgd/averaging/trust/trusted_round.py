@@ -1,7 +1,7 @@
 """One round over gathered contributions: drop what is not finite, score, exclude, aggregate.
 
 `TrustedRound` is what a reducer calls at each sync once it holds this rank's contribution in
-its flat buffers (`localsgd.averaging.robust` gathers and combines them):
+its flat buffers (`localsgd.averaging.trust.robust` gathers and combines them):
 
 1. every rank's contribution is gathered in rank order;
 2. a contribution that holds NaN or Inf is dropped from the round (an event names the rank and
@@ -32,7 +32,7 @@ its flat buffers (`localsgd.averaging.robust` gathers and combines them):
    honest majority, and a noisy score must not whittle the group down to one worker. An
    excluded worker still takes part in the collectives and receives the model; what it learns
    never reaches the aggregate (what becomes of its shard is the training loop's:
-   `localsgd.loop.shard`). A round a contribution is not judged bad in ends its run of bad
+   `localsgd.loop.data_shard`). A round a contribution is not judged bad in ends its run of bad
    rounds, whatever the median: under plain local SGD each worker's change alone can raise
    the held-out loss for tens of rounds (each local model is worse than their average), and an
    honest worker's scattered bad rounds there added up to an exclusion when such rounds kept
@@ -55,9 +55,9 @@ import torch.distributed as dist
 
 from localsgd.averaging.comm import Communicator
 from localsgd.averaging.flat import FlatBuffers
-from localsgd.averaging.held_out import HeldOutLosses
-from localsgd.averaging.judge import Judge, paired_z, worse
-from localsgd.averaging.robust import (
+from localsgd.averaging.trust.held_out import HeldOutLosses
+from localsgd.averaging.trust.judge import Judge, paired_z, worse
+from localsgd.averaging.trust.robust import (
     COORDINATE_RULES,
     PER_COORDINATE,
     Aggregate,
@@ -65,7 +65,7 @@ from localsgd.averaging.robust import (
     finite_rows,
     median_of,
 )
-from localsgd.averaging.sparse import SparseWire
+from localsgd.averaging.wire.sparse import SparseWire
 
 MEAN = Aggregate("mean")
 

@@ -1,6 +1,6 @@
 """How a group of ranks evaluates candidate models on the judge's held-out batch
-(`localsgd.averaging.trust`): the anchor, each contribution applied to it, the aggregate, the
-aggregate without each contribution.
+(`localsgd.averaging.trust.trusted_round`): the anchor, each contribution applied to it, the
+aggregate, the aggregate without each contribution.
 
 Every rank must hold every candidate's per-sample losses, the same bits on every rank, so the
 verdicts agree. Three ways to get them, the cheapest the group allows (`HeldOutLosses.of`):
@@ -27,7 +27,7 @@ import torch
 
 from localsgd.averaging.comm import Communicator
 from localsgd.averaging.flat import FlatBuffers
-from localsgd.averaging.judge import Judge, per_sample
+from localsgd.averaging.trust.judge import Judge, per_sample
 
 Change = list[torch.Tensor] | None  # one tensor per flat buffer; None: the anchor itself
 

@@ -61,7 +61,7 @@ eager), the merged fragment's values when α=0 under "mix", or the mean received
 **Below fp32** (`comm_dtype`, outer steps only: the pseudo-gradient is what is rounded). Every
 fragment goes on the wire through `Fragments.exchange`, one message per piece (the fragment's
 region of one flat buffer). bfloat16/float16: the piece is cast to a 16-bit copy and all-reduced,
-as `LowPrecisionMean` does. int8/float8_e4m3fn/int4/float4_e2m1 (`localsgd.averaging.quantize`,
+as `LowPrecisionMean` does. int8/float8_e4m3fn/int4/float4_e2m1 (`localsgd.averaging.wire.quantize`,
 one fp32 scale per `quant_block_size` values, blocks starting at the piece's start): each rank
 encodes its piece, the messages are all-gathered (asynchronously when τ>0 and for eager rounds),
 and every rank decodes them all and averages in fp32 in rank order, so all ranks get the same
@@ -89,18 +89,18 @@ from torch import nn
 
 from localsgd.averaging.averager import Averager, mirrored
 from localsgd.averaging.comm import CommStats, Communicator, SimulatedLink
-from localsgd.averaging.compress import CommFormat, comm_dtype_of
 from localsgd.averaging.flat import FlatBuffers, averaged_tensors
-from localsgd.averaging.fragments import Tensors, fragment_ids
 from localsgd.averaging.hierarchical import level_by_period
 from localsgd.averaging.offload import check_outer_state
-from localsgd.averaging.quantize import DEFAULT_BLOCK_SIZE
-from localsgd.averaging.robust import Aggregate
 from localsgd.averaging.rounds import DILOCO, Rounds
 from localsgd.averaging.rounds.merge import MERGE_RULES
 from localsgd.averaging.rounds.part import fragments as fragment_parts
 from localsgd.averaging.schedule import ConstantPeriod
-from localsgd.averaging.trust import Judge
+from localsgd.averaging.streaming.fragments import Tensors, fragment_ids
+from localsgd.averaging.trust.robust import Aggregate
+from localsgd.averaging.trust.trusted_round import Judge
+from localsgd.averaging.wire.compress import CommFormat, comm_dtype_of
+from localsgd.averaging.wire.quantize import DEFAULT_BLOCK_SIZE
 
 __all__ = ["MERGE_RULES", "StreamingAverager"]
 

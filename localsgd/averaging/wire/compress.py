@@ -7,7 +7,7 @@ in the low precision; the result is `anchor + mean(change)`, added in fp32. All 
 group hold the same anchor (the state right after their last common sync), so the result is the
 same on every rank, bit for bit. The low-precision buffers are allocated once.
 
-Below 16 bits (`int8`, `float8_e4m3fn`, `int4`, `float4_e2m1`: `localsgd.averaging.quantize`)
+Below 16 bits (`int8`, `float8_e4m3fn`, `int4`, `float4_e2m1`: `localsgd.averaging.wire.quantize`)
 each value is sent as a code with one fp32 scale per block of values; the messages are
 all-gathered and every rank decodes and averages them in fp32 in rank order
 (`Communicator.quantized_mean_`), again the same bits on every rank.
@@ -28,13 +28,13 @@ import torch
 
 from localsgd.averaging.comm import Communicator
 from localsgd.averaging.finite import all_finite
-from localsgd.averaging.quantize import (
+from localsgd.averaging.wire.quantize import (
     DEFAULT_BLOCK_SIZE,
     QUANTIZED_FORMATS,
     BlockCodec,
     QuantizedWire,
 )
-from localsgd.averaging.sparse import SparseWire, TopKCodec
+from localsgd.averaging.wire.sparse import SparseWire, TopKCodec
 
 COMM_DTYPES = {
     "float32": torch.float32,
@@ -45,7 +45,7 @@ COMM_DTYPES = {
 }
 
 # What `comm_dtype_of` returns: a dtype to cast to, a block-quantised format, or chunked top-k
-# (`localsgd.averaging.sparse`). The last two are exchanged as messages (all-gathered, decoded
+# (`localsgd.averaging.wire.sparse`). The last two are exchanged as messages (all-gathered, decoded
 # in rank order): `MESSAGE_FORMATS`, each with its wire (`MESSAGE_WIRES`).
 CommFormat = torch.dtype | BlockCodec | TopKCodec
 MESSAGE_FORMATS = (BlockCodec, TopKCodec)
