@@ -1,5 +1,6 @@
 """The docs a newcomer reads: a README of at most 200 lines, and no broken relative link (file or
-#anchor) in README.md or docs/*.md. Reads files only: no subprocess, no import of localsgd."""
+#anchor) in README.md or docs/*.md. Reads files only: no subprocess, no import of localsgd.
+(tests/test_docs_names.py checks the names and paths they mention.)"""
 
 from __future__ import annotations
 

@@ -1,10 +1,11 @@
-"""Robust aggregates and scoring over Streaming DiLoCo's fragments (localsgd.averaging.
-fragment_trust; docs/reliability.md, "Workers you cannot trust"): each fragment's median or
-trimmed mean equals a one-process reference (Aggregate.combine, then the fragment's outer SGD)
-to the last bit on every rank, a NaN fragment contribution reaches no replica, one verdict state
-serves every fragment, the model a judge evaluates is the same on every rank and the other
-fragments' local values come back exactly, the mean keeps today's reducer, and what is not
-built is refused in one line. The CLI run is `long` (`make test-long`)."""
+"""Robust aggregates and scoring over Streaming DiLoCo's fragments (a gathered combine stage per
+fragment, localsgd.averaging.rounds.combine.Gathered; docs/reliability.md, "Workers you cannot
+trust"): each fragment's median or trimmed mean equals a one-process reference
+(Aggregate.combine, then the fragment's outer SGD) to the last bit on every rank, a NaN fragment
+contribution reaches no replica, one verdict state serves every fragment, the model a judge
+evaluates is the same on every rank and the other fragments' local values come back exactly,
+the mean keeps the all-reduced rounds, and what does not compose is refused in one line. The
+CLI run is `long` (`make test-long`)."""
 
 from __future__ import annotations
 
@@ -333,8 +334,11 @@ def test_cli_streaming_diloco_with_a_robust_aggregate_drops_and_excludes(tmp_pat
         *STREAMING,
         "trainer.max_steps=40",
         "trainer.log_every=10",
-        "sync.check_replicas=true",
-    ]  # replicas compared bit for bit after every sync
+        "sync.check_replicas=true",  # replicas compared bit for bit after every sync
+        # the rounds below are this data's: with the default validation split the held-out
+        # batches differ and the attacker is judged bad at rounds 2, 4 and 5 (excluded at 5)
+        "data.val_fraction=0",
+    ]
     runs = {
         "nan": [*common, _attack("nan")],
         "scored": [*common, "sync.score=true", _attack("sign_flip")],

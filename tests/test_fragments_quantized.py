@@ -1,5 +1,6 @@
-"""Streaming DiLoCo's fragments below fp32 (streaming.py's `Fragments.exchange`): 4-bit and 16-bit
-pseudo-gradients, blocking, delayed and eager, with error feedback; bytes as sent; resume."""
+"""Streaming DiLoCo's fragments below fp32 (each fragment's wire stage, `rounds.wire.Wire`): 4-bit
+and 16-bit pseudo-gradients, blocking, delayed and eager, with error feedback; bytes as sent;
+resume."""
 
 from __future__ import annotations
 
@@ -69,7 +70,7 @@ def _launch_fragment(s: int, warmup: int, period: int, fragments: int) -> int | 
 
 
 @pytest.mark.timeout(60)
-def test_streaming_accepts_formats_below_fp32_with_an_outer_step_only():
+def test_streaming_accepts_formats_below_fp32_and_feedback_needs_one():
     streaming = ["sync.period=8", "sync.fragments=2", "sync.delay_steps=1", "sync.merge_alpha=0.5"]
     for fmt in ("float4_e2m1", "int4", "int8", "float8_e4m3fn", "bfloat16", "float16"):
         for ef in ("true", "false"):

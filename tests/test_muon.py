@@ -116,7 +116,6 @@ def _sharded_muon_worker(rank: int, world: int) -> dict:
     to the same MLP whole with torch's Muon: the same batch on both ranks (FSDP's mean of two
     equal gradients is the gradient), 4 steps."""
     from localsgd.loop.fsdp import Sharding
-
     from localsgd.loop.muon import MuonAdamW, ShardedMuon
 
     torch.set_num_threads(1)

@@ -142,7 +142,8 @@ def test_overlap_refuses_what_it_does_not_support():
 
 
 def _general_worker(rank, world_size, steps):
-    """PeriodicAverager(overlap=True) (DelayedMean) next to the general mechanism it is a case of:
+    """PeriodicAverager(overlap=True) (its rule: a round launched after each sync step, merged
+    with the progress rule one step later) next to the general mechanism it is a case of:
     StreamingAverager with τ=1, merge_rule=progress, plain averaging, the same buckets."""
     out = {}
     for period, warmup in ((3, 2), (1, 0)):  # period 1: each step merges, then launches again
@@ -168,7 +169,8 @@ def _general_worker(rank, world_size, steps):
             if new.merged:
                 ours = torch.cat([t.reshape(-1) for t in new.common_tensors()])
                 theirs = torch.cat([t.reshape(-1) for t in old.common_tensors()])
-                # (at period 1 DelayedMean's `averages` already hold the next launch's values)
+                # (at period 1 PeriodicAverager's common_tensors() reads its launched wire
+                # buffer, `rounds.sent`, which already holds the next launch's values)
                 assert period == 1 or torch.equal(ours, theirs)
                 received.append(ours)
         old.average()

@@ -171,7 +171,7 @@ def _unscalable_worker(rank: int, world: int) -> str:
 
 @pytest.mark.slow
 @pytest.mark.timeout(60)
-def test_a_normalized_round_over_a_reducer_without_the_round_start_is_refused():
+def test_a_normalized_round_over_plain_rounds_without_the_round_start_is_refused():
     for said in run_distributed(_unscalable_worker, 3, timeout_s=60):
         assert "does not keep: build the averager with round_starts=True" in said
 

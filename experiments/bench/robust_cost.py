@@ -32,8 +32,8 @@ within each rep.
 
 `--fragments P` times Streaming DiLoCo's blocking fragments instead (`StreamingAverager(P,
 fragments=P, outer lr 1, no momentum)`: its `average()` syncs the P fragments in turn, one
-period's syncs; the mean is the all-reduced fragments, the others `fragment_trust`'s rounds,
-each fragment scored on its own).
+period's syncs; the mean is the all-reduced fragments, the others gathered fragment rounds
+(`rounds.combine.Gathered`), each fragment scored on its own).
 """
 
 from __future__ import annotations

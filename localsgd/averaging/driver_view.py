@@ -78,7 +78,7 @@ class RoundDriverView:
         for q in range(self.parts):
             if rounds.holding[q] and rounds.pending_step[q] == step - self.delay:
                 rounds.wait(q)
-                return rounds.received(q)
+                return rounds.received_in(q)
         return []
 
     def complete_launched(self) -> None:

@@ -96,7 +96,7 @@ class FlatBuffers:
     @torch.no_grad()
     def show(self) -> None:
         """Mirror: write every slot into its tensor and keep the buffers, so that the model
-        computes with what they hold (a judge evaluating a candidate, `trust.TrustedRound`)."""
+        computes with what they hold (a judge evaluating a candidate, `TrustedRound`)."""
         for t, v in zip(self.tensors, self.views, strict=True):
             local_tensor(t).copy_(v)
 

@@ -6,9 +6,9 @@ into a DTensor of its own, which a view of our buffer cannot replace. Inside a r
 has averaged the gradient already; the all-reduce over the replicate group then averages the
 groups' local shards, so the step is HSDP's: the gradient of the mean loss over every rank.
 
-With `aggregate` (a `robust.Aggregate`: clip, trimmed mean, median) every step's gradients are
+With `aggregate` (a `robust.Aggregate`, any rule of `robust.RULES`) every step's gradients are
 all-gathered instead and combined by the rule, NaN/Inf ones dropped (their ranks appended to
-`comm.dropped`), as a `trust.TrustedRound` without a judge does for the local phase's changes:
+`comm.dropped`), as a `TrustedRound` without a judge does for the local phase's changes:
 the warmup of post-local SGD over workers you cannot trust is Byzantine-robust mini-batch SGD.
 It costs an all-gather of every worker's gradients a step (the all-reduce moves about 2x).
 """

@@ -1,7 +1,8 @@
 """The outer state off the accelerator (`outer_state="cpu"`).
 
-DiLoCo's and SlowMo's anchor and outer momentum (`OuterStep`), and each Streaming DiLoCo
-fragment's (`Fragments`), are two model-sized fp32 copies that the inner steps never read: with
+DiLoCo's and SlowMo's anchor and outer momentum (`rounds.outer`: `Anchors`, `OuterSGD`), for the
+whole model or each Streaming DiLoCo fragment, are two model-sized fp32 copies that the inner
+steps never read: with
 `outer_state="cpu"` they live in host memory, as torchft keeps its backups of the global
 weights. They are laid out like the flat buffers, so in mirror mode (sharded replica groups)
 they hold this rank's local shards only.
@@ -9,9 +10,9 @@ they hold this rank's local shards only.
 At an outer step the wire stays on the device (NCCL reduces device memory): the pseudo-gradient
 `anchor - local` goes out from the device, its mean comes back to a host staging buffer, the
 outer step runs there on the host anchor and momentum, and the new values go back to the
-device. `OuterStep` (the whole model) computes the pseudo-gradient on the host too (the local
-values copied down, the difference copied up: no device scratch, four model-sized copies a
-round); `Fragments` stage the anchor through the fragment's own wire buffer (three copies).
+device. The pseudo-gradient is computed on the host too (`rounds.contribution`: the local values
+copied down into the part's staging buffer, the difference copied up: no device scratch, four
+part-sized copies a round), the whole model or a fragment alike.
 
 Same bits as `outer_state="device"`: each value is computed by the same fp32 operation from the
 same operands (a subtraction, the SGD step), only on another device, and copies are exact. On

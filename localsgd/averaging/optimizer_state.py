@@ -128,7 +128,7 @@ class OptimizerStateSync:
     ) -> None:
         """After a round over `comm`: `key` names the round's level and part (its own clock),
         `params` the ids of the parameters it covered (None: all), `trust` the round's verdict
-        state (`trust.TrustedRound`) when it was robust (None: the mean)."""
+        state (`TrustedRound`) when it was robust (None: the mean)."""
         if self.mode == "local":
             return
         if self.mode == "reset":

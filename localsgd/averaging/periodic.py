@@ -36,9 +36,9 @@ class PeriodicAverager(Averager):
     precision (`localsgd.averaging.wire.compress`); `error_feedback` carries each worker's rounding
     residual into its next sync. `overlap=True`
     launches each average asynchronously in `bucket_mb` buckets and applies it one step later
-    (`localsgd.averaging.overlap`; the same bits as `StreamingAverager(delay_steps=1,
-    merge_rule="progress", outer=False)`, the general form the trainer runs). `link` simulates
-    a slow network for every collective.
+    with the progress merge (`Rounds(launched=True, progress=True)`; the same bits as
+    `StreamingAverager(delay_steps=1, merge_rule="progress", outer=False)`, the general form the
+    trainer runs). `link` simulates a slow network for every collective.
 
     Sharded parameters (DTensors, e.g. FSDP2's) are averaged through copies of their local
     shards (`mirror`; None: exactly when there are DTensors; see `localsgd.averaging.averager`).
@@ -47,14 +47,19 @@ class PeriodicAverager(Averager):
     the last sync and combines them robustly, dropping non-finite ones; `judge` scores and
     excludes workers (`localsgd.averaging.trust.trusted_round`). None: the plain all-reduced mean.
 
-    `round_starts=True` keeps, with the plain fp32 mean, the state after each average
-    (`reduce.RoundStartMean`: one more copy of the buffers), which normalized weighted rounds
-    need (`Averager.normalized`); the other reducers hold it already.
+    `round_starts=True` keeps, with the plain fp32 mean, the state after each average (the
+    rounds' anchors, `Rounds(anchored=True)`: one more copy of the buffers), which normalized
+    weighted rounds need (`Averager.normalized`); the rounds that send a change or a
+    pseudo-gradient hold it already.
+
+    `rounds`: a factory of the `Rounds` to run, a function of the bound `FlatBuffers`, instead of
+    the one the keywords above build (docs/averaging-api.md, "Building blocks").
 
     `init_sync=True` gives every rank rank 0's tensors when they are bound, as DDP does when
-    built; None (the default) does so only where replicas that start apart would never meet: a
-    reducer that keeps an anchor (low-precision changes, an outer optimizer). torch's averager
-    does not, and a plain average brings differing replicas together at its first sync anyway.
+    built; None (the default) does so only where replicas that start apart would never meet:
+    rounds that keep an anchor (`Rounds.anchored`: low-precision or robust changes, an outer
+    optimizer). torch's averager does not, and a plain average brings differing replicas
+    together at its first sync anyway.
     """
 
     def __init__(

@@ -1,7 +1,7 @@
 """Virtual workers: M workers as M threads of one process, joined in a process group of threads.
 
 `dist.virtual_workers=M` runs each worker's whole training loop (the same `Trainer`, averagers,
-reducers and codecs) in a thread of its own, with `torch.distributed` calls going to the
+round pipelines and codecs) in a thread of its own, with `torch.distributed` calls going to the
 `VirtualGroup` below instead of gloo. Three things make the threads behave as M processes:
 
 - **One thread runs at a time** (`Baton`): a worker runs until it calls a collective, then hands

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from localsgd.averaging.trust.robust import COORDINATE_RULES
+from localsgd.averaging.trust.robust import AGGREGATES, COORDINATE_RULES
 from localsgd.config import ConfigError
 from localsgd.loop.plan import SyncPlan
 
@@ -247,7 +247,8 @@ REFUSALS: tuple[Refusal, ...] = (
         "sync.score=true with sync.aggregate=mean and sync.warmup_steps > 0",
         lambda f: f.plan.score and f.plan.aggregate == "mean" and f.plan.warmup_steps > 0,
         DESIGN, "the warmup's gradients are averaged every step and never scored",
-        "set a robust sync.aggregate (clip, trimmed_mean, median), which combines them too",
+        f"set a robust sync.aggregate ({', '.join(a for a in AGGREGATES if a != 'mean')}), "
+        "which combines them too",
     ),
     Refusal(
         ("sync.aggregate", "sync.warmup_steps", "trainer.precision"),

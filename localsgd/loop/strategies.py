@@ -8,9 +8,12 @@ names. What the config means is read once, by `localsgd.loop.plan.SyncPlan`, whi
 (`localsgd.cli.checks.validate`, run before any worker starts) read too; the averagers check
 their own arguments again. The loop sees the strategy through `localsgd.loop.synchroniser`.
 
-A new strategy touches `localsgd/averaging/` (its averager or reducer), `build_averager` here,
-the plan, the `SyncConfig` schema with its checks (`localsgd/config.py`,
-`localsgd/cli/checks.py`) and a `conf/sync/` preset; nothing in the trainer.
+A new strategy touches `localsgd/averaging/` (an averager for a new rule of *when*, or one
+stage's choice in `localsgd/averaging/rounds/` for a new *what*: a combine rule is an entry of
+`robust.RULES`, a wire a codec), `build_averager` here, the plan, the `SyncConfig` schema with
+its checks (`localsgd/config.py`, `localsgd/cli/checks.py`; a combination that cannot work is a
+row of `localsgd/cli/refusals.py`) and a `conf/sync/` preset; nothing in the trainer
+(docs/strategies.md, "Adding a strategy").
 """
 
 from __future__ import annotations

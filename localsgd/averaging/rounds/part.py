@@ -5,7 +5,7 @@ A slice `(g, start, lead, end)` is `buffers[g][start:end]`, whose first `lead - 
 are parameters and the rest floating-point buffers (BatchNorm statistics): an outer step moves
 the parameters by momentum and takes the buffers plainly. `averaged_tensors` lists parameters
 first, so in the whole model each buffer's parameters lead it; a fragment's slice holds its
-parameters, then its buffers (`streaming.fragments` orders the tensors so).
+parameters, then its buffers (`StreamingAverager` binds the tensors in that order).
 """
 
 from __future__ import annotations

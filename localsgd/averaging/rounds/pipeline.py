@@ -137,7 +137,7 @@ class Rounds:
 
     @property
     def trust(self):
-        """The verdict state of gathered rounds (`trust.TrustedRound`), or None."""
+        """The verdict state of gathered rounds (`TrustedRound`), or None."""
         return self.combine.trust if self.gathered else None
 
     @property
@@ -145,7 +145,7 @@ class Rounds:
         """Every part's error-feedback residuals (None where nothing is rounded)."""
         return [w.residuals for w in self.wires]
 
-    def received(self, p: int) -> Tensors:
+    def received_in(self, p: int) -> Tensors:
         """What every rank received in part p's launched round (waited for): the mean, or the
         gathered contributions a robust rule combines at the finish."""
         if self.gathered:

@@ -1,11 +1,12 @@
 """The wire stage: how a part's contribution goes out, and what error feedback keeps.
 
 Each slice of a part is one *piece* on the wire, in `sync.comm_dtype`: as it is (fp32), through
-a 16-bit copy, or as block-quantised or top-k messages (`localsgd.averaging.wire`), which are
-all-gathered and decoded in rank order. With error feedback each piece keeps a residual, what
-this worker wanted to send minus what its message decodes to, added (times the decay) to its
-next contribution before encoding (`compress.lossy_mean_`). The mean over the transport is one
-call, blocking or launched; a robust combine gathers the pieces instead (`combine.Gathered`).
+a 16-bit copy, or as block-quantised or top-k messages (`localsgd.averaging.wire.quantize`,
+`localsgd.averaging.wire.sparse`), which are all-gathered and decoded in rank order. With error
+feedback each piece keeps a residual, what this worker wanted to send minus what its message
+decodes to, added (times the decay) to its next contribution before encoding
+(`compress.lossy_mean_`). The mean over the transport is one call, blocking or launched; a
+robust combine gathers the pieces instead (`combine.Gathered`).
 """
 
 from __future__ import annotations

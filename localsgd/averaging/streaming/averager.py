@@ -32,9 +32,12 @@ the mean plainly; the fragment's first sync after a warmup is a plain average, a
 and `local` the values at the merge (α=0: DiLoCo's replacement): `merge_rule="mix"`. With
 `merge_rule="progress"` (τ >= 1, α = 0) a merge keeps this rank's progress since the launch
 instead: `local <- global + (local - local at the launch)`, the delayed averaging of DaSGD.
-`outer=False` is plain averaging by fragment: the global value is the mean of the values launched.
-P=1, τ=1, `outer=False`, "progress" is `PeriodicAverager(overlap=True)` (`overlap.DelayedMean`)
-bit for bit: the trainer's `sync.overlap=true` is that configuration of this averager.
+`outer=False` is plain averaging by fragment: the global value is the mean of the values launched
+(below fp32 or under a robust rule, the anchor plus the combined change since the fragment's
+last sync).
+P=1, τ=1, `outer=False`, "progress" is `PeriodicAverager(overlap=True)` bit for bit (the same
+launched round and progress merge): the trainer's `sync.overlap=true` is that configuration of
+this averager.
 
 **Eager** (`eager=True`, Kale et al. 2025, "eager updates"): the whole outer step overlaps the
 next H steps. At fragment p's round t each worker m computes its fresh pseudo-gradient
@@ -58,25 +61,27 @@ in flight are never touched by an inner average.
 Replicas share bit for bit, after each merge, what `common_tensors()` returns: every anchor (not
 eager), the merged fragment's values when α=0 under "mix", or the mean received (plain, eager).
 
-**Below fp32** (`comm_dtype`, outer steps only: the pseudo-gradient is what is rounded). Every
-fragment goes on the wire through `Fragments.exchange`, one message per piece (the fragment's
-region of one flat buffer). bfloat16/float16: the piece is cast to a 16-bit copy and all-reduced,
-as `LowPrecisionMean` does. int8/float8_e4m3fn/int4/float4_e2m1 (`localsgd.averaging.wire.quantize`,
+**Below fp32** (`comm_dtype`: the pseudo-gradient is what is rounded, or in plain streaming each
+fragment's change since its last sync). Every fragment goes on the wire through its own wire
+stage (`rounds.wire.Wire`), one message per piece (the fragment's region of one flat buffer).
+bfloat16/float16: the piece is cast to a 16-bit copy and all-reduced, as for the whole model.
+int8/float8_e4m3fn/int4/float4_e2m1 (`localsgd.averaging.wire.quantize`,
 one fp32 scale per `quant_block_size` values, blocks starting at the piece's start): each rank
 encodes its piece, the messages are all-gathered (asynchronously when τ>0 and for eager rounds),
 and every rank decodes them all and averages in fp32 in rank order, so all ranks get the same
 bits, blocking or launched. A sync counts what this rank sends: payload plus scales (4 bits at
 the default block: 0.133x fp32). `error_feedback` keeps one residual per piece (what this rank
 wanted to send minus what its message decodes to), adds it to that fragment's next
-pseudo-gradient before encoding, and checkpoints it. The final blocking `average()` of plain or
+contribution before encoding, and checkpoints it. The final blocking `average()` of plain or
 eager runs sends the whole model in fp32.
 
-Memory beyond the model: the anchors and outer momentum, one fragment-sized wire buffer per
-fragment (all fragments together: one model), one more under "progress", three more with
-`eager`; below fp32, per piece the wire's buffers (`QuantizedWire`: about two fp32 copies of
-the piece for float4_e2m1 and the gathered messages) or a 16-bit copy, and a residual with
-`error_feedback`. `outer_state="cpu"` moves the anchors and outer momentum to host memory, with
-a host staging copy of the fragments' wire (`localsgd.averaging.offload`; the same bits).
+Memory beyond the model: the anchors and outer momentum; for launched, mixed (α > 0) or eager
+rounds one fragment-sized work buffer per fragment (all fragments together: one model; a
+blocking round that replaces runs in place in the flat buffers), one more under "progress",
+three more with `eager`; below fp32, per piece the wire's buffers (`QuantizedWire`: about two
+fp32 copies of the piece for float4_e2m1 and the gathered messages) or a 16-bit copy, and a
+residual with `error_feedback`. `outer_state="cpu"` moves the anchors and outer momentum to host
+memory, with a host staging copy per fragment (`localsgd.averaging.offload`; the same bits).
 """
 
 from __future__ import annotations

@@ -6,22 +6,24 @@ the last sync (`local - anchor`; DiLoCo's pseudo-gradient is its negation). The 
 all-reduces them, so one worker's NaN or a change 1000x too large moves every replica. Here
 every rank all-gathers the contributions in rank order instead (decoded to fp32 when a
 low-precision `comm_dtype` or a top-k message carried them), drops those that are not finite,
-and combines the rest with an `Aggregate` rule:
+and combines the rest with an `Aggregate` rule, one entry of the table `RULES`:
 
 - `mean`: the plain mean, summed in rank order;
 - `clip`: each contribution scaled down to at most `clip_multiple` times the round's median
   norm (the norm over the whole contribution), then the mean;
 - `trimmed_mean`: per coordinate, the `trim_fraction` largest and smallest values cut, the rest
   summed in sorted order and divided;
-- `median`: per coordinate, the middle value (the mean of the two middle ones for an even count).
+- `median`: per coordinate, the middle value (the mean of the two middle ones for an even count);
+- `sign`: per coordinate, the sign most contributions sent (a tie: 0), times the round's median
+  RMS magnitude (signSGD's majority vote).
 
 Every rank holds the same gathered bytes and runs the same deterministic operations, so every
 rank reaches the same bits; `combine` is a plain function of the stacked contributions, so a
 one-process reference computes the same bits too (`tests/test_robust.py`). With nothing
 dropped, the gathered mean of low-bit or top-k messages has the bits of their decoded mean
 (`comm.decode_mean_`), top-k's senders' mean included. A per-coordinate rule (median, trimmed
-mean) is refused over top-k messages (`PER_COORDINATE`). A round with no contribution left
-keeps the anchor.
+mean, sign: `COORDINATE_RULES`) is refused over top-k messages (`PER_COORDINATE`). A round with
+no contribution left keeps the anchor.
 
 The gather is counted as what this rank sends (its contribution's bytes in the wire format),
 the rule every collective here follows (`Communicator.all_gather_`). It receives `size - 1`
@@ -354,7 +356,7 @@ class GatheredContributions:
 
 def robust_mean_(buffer: torch.Tensor, comm: Communicator, trust) -> None:
     """`buffer` combined over `comm`'s group by a robust round's rule (`trust`, a
-    `trust.TrustedRound`: its aggregate), over the workers it has not excluded and whose values
+    `TrustedRound`: its aggregate), over the workers it has not excluded and whose values
     are finite; kept as it is when none is left (optimizer state, an adaptive period's loss)."""
     workers, live = comm.members()
     rows = torch.empty(len(workers) * buffer.numel(), dtype=buffer.dtype, device=buffer.device)

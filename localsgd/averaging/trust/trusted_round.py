@@ -1,7 +1,8 @@
 """One round over gathered contributions: drop what is not finite, score, exclude, aggregate.
 
-`TrustedRound` is what a reducer calls at each sync once it holds this rank's contribution in
-its flat buffers (`localsgd.averaging.trust.robust` gathers and combines them):
+`TrustedRound` is what a gathered round's combine stage (`rounds.combine.Gathered`) calls at each
+sync once it holds this rank's contribution (`localsgd.averaging.trust.robust` gathers and combines
+them):
 
 1. every rank's contribution is gathered in rank order;
 2. a contribution that holds NaN or Inf is dropped from the round (an event names the rank and
@@ -41,9 +42,10 @@ its flat buffers (`localsgd.averaging.trust.robust` gathers and combines them):
 
 Every rank holds the same gathered bytes, evaluates the same model on the same batch and runs
 the same deterministic operations, so the verdicts (and the events) are identical on every rank.
-`robust_mean.RobustMean` is the reducer for plain local SGD (the contribution is the change
-since the last sync, held against an anchor as `compress.LowPrecisionMean` does);
-`outer_step.OuterStep` takes a `TrustedRound` for DiLoCo/SlowMo (the pseudo-gradient).
+The contribution is the round's (`rounds.contribution`): the change since the last sync, held
+against the anchor, for plain local SGD; the pseudo-gradient for DiLoCo/SlowMo. `Gathered` keeps
+one `TrustedRound` for every part of the model (a worker is one worker whichever part it sends);
+the warmup's robust gradient average (`gradients.GradientAverager`) keeps its own.
 """
 
 from __future__ import annotations
@@ -131,8 +133,8 @@ class TrustedRound:
     ) -> None:
         """`flats` hold this rank's contribution; they receive the aggregate (zeros when no
         contribution is left). `contributions`: where they are gathered, when the rounds take
-        turns over parts of the model (Streaming DiLoCo's fragments, `fragment_trust`); None:
-        the buffers this round was built for."""
+        turns over parts of the model (Streaming DiLoCo's fragments: `rounds.combine.Gathered`
+        keeps one per part); None: the buffers this round was built for."""
         workers, live = comm.members()
         self._grow(max(workers, default=-1) + 1)
         self.current = contributions or self.contributions

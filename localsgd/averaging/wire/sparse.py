@@ -41,8 +41,8 @@ over what was sent): an index that one worker of R sent then moves by its whole 
 1/R of it. Each worker's sent + residual still sums to its true pseudo-gradients; what the
 model moves by is then no longer their mean. Without error feedback the values not sent are
 lost; with it (`compress`'s residual) each worker keeps them and adds them to its next
-pseudo-gradient, which is what makes top-k work (the checks require it). Pure torch: CPU and
-CUDA.
+pseudo-gradient, which is what makes top-k work (a row of `localsgd.cli.refusals` requires it).
+Pure torch: CPU and CUDA.
 """
 
 from __future__ import annotations
@@ -131,8 +131,9 @@ class TopKCodec:
 class SparseWire(GatheredWire):
     """The preallocated buffers that send one flat buffer of `numel` values as top-k messages:
     `send`, a gather buffer per group size and the fp32 work space. The interface of
-    `quantize.QuantizedWire`, so every path that exchanges quantised messages (plain, outer,
-    fragments, launched, torchft) exchanges these."""
+    `quantize.QuantizedWire`, so the wire stage (`rounds.wire.Wire`) and a gathered round
+    (`robust.GatheredContributions`) exchange these as they exchange quantised messages, whatever
+    the part, the transport (blocking, launched, torchft) or the outer step."""
 
     def __init__(self, codec: TopKCodec, numel: int, device: torch.device | str):
         self.codec, self.numel = codec, numel
