@@ -138,7 +138,7 @@ def test_a_failed_collective_closes_at_once_and_a_wait_accrues_no_stall():
 
 
 class DictStore:
-    """torch's `Store.add` on a dict."""
+    """`torch.distributed.Store.add` on a dict."""
 
     def __init__(self):
         self.values: dict[str, int] = {}

@@ -222,7 +222,7 @@ class GroupBeats:
     """A replica group's ranks in one gate: rank r > 0 `publish()`es (bumps its counter in the
     group's store) on every tick its own gate is open; rank 0's `healthy()` is whether every
     other rank's counter moved within `stale_s`, by rank 0's clock. `store`: anything with
-    torch's `Store.add(key, amount) -> int` (add 0 reads without blocking)."""
+    `torch.distributed.Store.add(key, amount) -> int` (add 0 reads without blocking)."""
 
     def __init__(
         self,
