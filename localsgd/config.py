@@ -251,6 +251,14 @@ class FtConfig:
     # next quorum from each worker's state before it, instead of rolling back to the last
     # global state and syncing again a period later (plain and outer averaging)
     retry_failed_sync: bool = False
+    # a worker heartbeats to the lighthouse only while healthy: it stops when a collective of
+    # its round fails, or its training thread makes no progress (a step, a collective, a
+    # quorum) for stall_s (inside a round, for the round's grace window if shorter), so the
+    # others' next quorum forms without a cut-off worker after one window and the heartbeat
+    # timeout instead of join_timeout_s; it rejoins and heals when it is back. false: torchft's
+    # own heartbeats, which go on whatever the worker does
+    heartbeat_gate: bool = True
+    stall_s: float = 30.0  # longer than any step, evaluation or checkpoint between rounds
     host: str = "127.0.0.1"  # the interface the lighthouse, managers and heal servers bind to
 
 

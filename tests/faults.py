@@ -93,7 +93,7 @@ class Fault:
             while not os.path.exists(self.wait_for) and time.monotonic() < deadline:
                 time.sleep(0.05)
         if self.kind in ("freeze", "partition"):
-            self._hold_next_round(trainer.sync.fault_tolerance.rounds.comm)
+            self._hold_next_round(trainer.sync.driver.rounds.comm)
         if self.kind == "nan":
             self._poison = trainer.model.register_forward_hook(lambda m, i, out: out * float("nan"))
         if self.kind == "desync":

@@ -243,6 +243,7 @@ def test_below_min_replicas_the_job_stops_with_a_checkpoint_and_resumes_at_anoth
         ("ft.grace_min_s=0", "ft.grace_min_s"),
         ("ft.heartbeat_timeout_s=0", "ft.heartbeat_timeout_s"),
         ("ft.join_timeout_s=-1", "ft.join_timeout_s"),
+        ("ft.stall_s=0", "ft.stall_s"),
         ("ft.heartbeat_timeout_s=4", "ft.grace_min_s"),  # above the adaptive window's floor (3)
         ("ft.retry_failed_sync=true sync.fragments=2 sync.outer=diloco", "ft.retry_failed_sync"),
         ("ft.replica_id=a", "ft.replica_id"),

@@ -11,7 +11,9 @@ then the round fails, is rolled back and is retried without it.
 - end to end (`-m long`): one of three workers SIGSTOPped inside a round for 6 s, then
   SIGCONTed: the others wait about one window, it heals from a live peer, the job exits 0;
   and one whose collectives are held 5 s while its heartbeats go on (a partition of its data
-  plane): it stays in the quorum, so the others wait out the whole partition, not one window.
+  plane): with torchft's own heartbeats (`ft.heartbeat_gate=false`) it stays in the quorum, so
+  the others wait out the whole partition, not one window (with the gate it drops itself:
+  tests/test_heartbeat_gate.py).
 """
 
 from __future__ import annotations
@@ -365,17 +367,20 @@ def test_a_worker_frozen_inside_a_round_costs_the_others_one_window_then_heals(t
 @pytest.mark.slow
 @pytest.mark.long
 @pytest.mark.timeout(240)
-def test_a_partitioned_worker_stays_in_the_quorum_and_costs_the_whole_partition(tmp_path):
+def test_ungated_a_partitioned_worker_stays_in_the_quorum_and_costs_the_whole_partition(tmp_path):
     """Worker 2's collectives send nothing for 5 s from its round after step 40 (a partition
-    of its data plane: `tests/faults.py`), its process and heartbeats running on; the window is
-    2 s. The others' round fails after one window, but the lighthouse still hears worker 2, so
-    the next quorum waits for it: nobody is dropped or heals, the others stand still for about
-    the whole partition (what experiments/chaos/chaos_study.py measured), and the job exits 0 with
-    the failed round's samples not merged."""
+    of its data plane: `tests/faults.py`), its process and torchft's own heartbeats running on
+    (`ft.heartbeat_gate=false`); the window is 2 s. The others' round fails after one window,
+    but the lighthouse still hears worker 2, so the next quorum waits for it: nobody is dropped
+    or heals, the others stand still for about the whole partition (what
+    experiments/chaos/chaos_study.py measured), and the job exits 0 with the failed round's samples
+    not merged."""
     run_dir = tmp_path / "run"
     cut_s, grace_s = 5.0, 2.0
     proc, left = cli(
-        _three_paced_workers_under_ft(160, run_dir, f"ft.grace_s={grace_s}"),
+        _three_paced_workers_under_ft(
+            160, run_dir, f"ft.grace_s={grace_s}", "ft.heartbeat_gate=false"
+        ),  # fmt: skip
         fault=f"partition:2:40:{cut_s}",
         timeout=200,
     )
@@ -400,15 +405,15 @@ def test_a_partitioned_worker_stays_in_the_quorum_and_costs_the_whole_partition(
 @pytest.mark.timeout(240)
 def test_with_a_short_join_timeout_a_partitioned_worker_is_left_out_and_heals(tmp_path):
     """The same 5-s partition with `ft.join_timeout_s=1` (the lighthouse the command starts
-    forms a quorum without a live worker that has not joined within 1 s): after the failed
-    round the others go on in a pair instead of waiting for the cut to end, and worker 2,
-    back, finds itself behind and heals; the job exits 0 with 3."""
+    forms a quorum without a live worker that has not joined within 1 s) and torchft's own
+    heartbeats: after the failed round the others go on in a pair instead of waiting for the
+    cut to end, and worker 2, back, finds itself behind and heals; the job exits 0 with 3."""
     run_dir = tmp_path / "run"
     cut_s, grace_s = 5.0, 2.0
     proc, left = cli(
         _three_paced_workers_under_ft(
-            160, run_dir, f"ft.grace_s={grace_s}", "ft.join_timeout_s=1"
-        ),  # fmt: skip
+            160, run_dir, f"ft.grace_s={grace_s}", "ft.join_timeout_s=1", "ft.heartbeat_gate=false"
+        ),
         fault=f"partition:2:40:{cut_s}",
         timeout=200,
     )
@@ -466,7 +471,8 @@ def test_two_partitions_in_a_row_cost_the_others_about_the_partitions_not_a_spli
     each worker's own window, worker 0's ran out first in the second cut's round and worker 2
     then waited its 12 s in a round its peers had left, while they waited for it in the next
     quorum: worker 0 stood still ~16 s. With the window agreed, the second cut's round waits
-    12 s on every worker, so it commits when worker 2 comes back: ~4 s."""
+    12 s on every worker, so it commits when worker 2 comes back: ~4 s. With torchft's own
+    heartbeats (`ft.heartbeat_gate=false`): the cut workers stay in the quorum."""
     run_dir = tmp_path / "run"
     faults = [
         {"step": 40, "kind": "partition", "rank": 0, "seconds": 3.5},
@@ -475,7 +481,9 @@ def test_two_partitions_in_a_row_cost_the_others_about_the_partitions_not_a_spli
     (tmp_path / "schedule.json").write_text(json.dumps({"faults": faults}))
     chaos = f"{{_target_:experiments.chaos.chaos_study.Chaos,path:'{tmp_path / 'schedule.json'}'}}"
     proc, left = cli(
-        _three_paced_workers_under_ft(120, run_dir, f"trainer.callbacks=[{chaos}]"),
+        _three_paced_workers_under_ft(
+            120, run_dir, f"trainer.callbacks=[{chaos}]", "ft.heartbeat_gate=false"
+        ),
         timeout=200,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -494,7 +502,7 @@ def test_the_round_clock_warns_once_when_rounds_outlast_the_join_timeout():
     """`RoundClock`: the median of the last 5 gaps between committed rounds against
     `ft.join_timeout_s`. Rounds of 2.5 s under a 1-s join timeout warn, once; under a 5-s one
     they do not; one long gap (a round held by a freeze) among short ones does not."""
-    from localsgd.loop.fault_tolerance import RoundClock
+    from localsgd.loop.ft_clocks import RoundClock
 
     def lines(gaps, join_s):
         now = [0.0]

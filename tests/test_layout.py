@@ -152,7 +152,6 @@ def test_the_trainer_reads_no_sync_setting_and_never_touches_the_averager():
 LONG_MODULES = {
     "config.py": "the schema: one dataclass per config group, every documented key",
     "loop/trainer.py": "the loop as it reads, plus evaluation, logging and the summary",
-    "loop/fault_tolerance.py": "torchft's round driver: quorum, heal, commit and rollback",
     "averaging/torchft/rounds.py": "one round across replica groups: torchft's protocol in order",
 }
 LIMIT = 450  # "about 400"

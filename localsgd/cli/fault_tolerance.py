@@ -151,7 +151,7 @@ def validate_ft(cfg: Any, get: Callable[[Any, str], Any], world_size: int | None
         raise ConfigError(
             f"ft.grace_min_s must be > 0 seconds, got {get(cfg, 'ft.grace_min_s')!r}"
         )
-    for key in ("ft.heartbeat_timeout_s", "ft.join_timeout_s"):
+    for key in ("ft.heartbeat_timeout_s", "ft.join_timeout_s", "ft.stall_s"):
         if not _positive(get(cfg, key)):
             raise ConfigError(f"{key} must be > 0 seconds, got {get(cfg, key)!r}")
     heartbeat = get(cfg, "ft.heartbeat_timeout_s")

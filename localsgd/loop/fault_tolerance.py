@@ -30,8 +30,6 @@ races to write that state as the stop checkpoint (one folder wins whole) and the
 
 from __future__ import annotations
 
-import statistics
-import time
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -46,9 +44,9 @@ from localsgd.averaging.torchft import (
     TorchftCommunicator,
     make_manager,
 )
-from localsgd.averaging.torchft.grace import GraceWindow
 from localsgd.averaging.trees import as_dtensor_like, into_dtensors, local_tree
 from localsgd.config import FtConfig
+from localsgd.loop.ft_clocks import RoundClock, gate_notice, grace_window, heartbeat_gate
 from localsgd.loop.metrics import notice
 from localsgd.loop.stop import signalled
 from localsgd.loop.worker import WorkerInfo
@@ -60,43 +58,6 @@ from localsgd.loop.worker import WorkerInfo
 NOT_HEALED = ("averager", "rng", "drift", "ft", "pacer")
 
 
-class RoundClock:
-    """Times committed rounds against the lighthouse's join timeout (`ft.join_timeout_s`).
-
-    torchft's lighthouse forms a quorum without waiting for stragglers once the earliest member
-    waiting joined `join_timeout_s` ago. A worker that misses a quorum (it arrived a moment after
-    it formed, or restarted) waits inside the next one from the moment it missed, so when rounds
-    last longer than the join timeout, the next quorum forms as soon as most workers arrive, the
-    last to arrive misses it and waits in turn: every round from then on one worker sits out
-    and heals, losing its round (measured: 25-58 heals where 4-5 faults needed 4-5). `committed()`
-    returns a one-line warning the first time the median of the last `window` gaps between
-    committed rounds exceeds the join timeout, else None."""
-
-    def __init__(self, join_timeout_s: float, window: int = 5, clock=time.monotonic):
-        self.join_timeout_s, self.window, self.clock = join_timeout_s, window, clock
-        self.last: float | None = None
-        self.gaps: list[float] = []
-        self.warned = False
-
-    def committed(self) -> str | None:
-        now = self.clock()
-        if self.last is not None:
-            self.gaps = [*self.gaps, now - self.last][-self.window :]
-        self.last = now
-        if self.warned or len(self.gaps) < self.window:
-            return None
-        typical = statistics.median(self.gaps)
-        if typical <= self.join_timeout_s:
-            return None
-        self.warned = True
-        return (
-            f"ft: rounds last {typical:.1f} s, longer than the lighthouse's join timeout "
-            f"(ft.join_timeout_s={self.join_timeout_s:g}): once a worker misses a quorum, every "
-            "later quorum forms without the last worker to arrive, which heals and loses its "
-            "round; set ft.join_timeout_s above a round's length"
-        )
-
-
 class NoLivePeer(RuntimeError):
     """A restarted worker found no live peer to heal from (the others finished, or died)."""
 
@@ -105,14 +66,6 @@ def replica_name(rank: int) -> str:
     """torchft orders quorum members by id and reads trailing digits as ranks: zero-padded,
     the replicas sum in the same order as ranks do on the torch.distributed path."""
     return f"replica_{rank:03d}"
-
-
-def grace_window(ft: FtConfig) -> GraceWindow:
-    """The per-collective timeout of the rounds (`ft.grace_s`, or adaptive from
-    `ft.grace_factor` and `ft.grace_min_s`), never above `ft.timeout_s`."""
-    return GraceWindow(
-        fixed_s=ft.grace_s, factor=ft.grace_factor, min_s=ft.grace_min_s, max_s=ft.timeout_s
-    )
 
 
 def replica_groups(ft: FtConfig, info: WorkerInfo) -> int:
@@ -160,6 +113,7 @@ class FaultTolerance:
         if ft.replica_groups is not None:  # torchrun: this machine's ranks are the replica group
             group = {**_group_store(), "rank": dist.get_rank(), "world_size": dist.get_world_size()}
         device = averager.flat.buffers[0].device if averager.flat.buffers else torch.device("cpu")
+        gate = heartbeat_gate(ft)  # it heartbeats only while healthy (None: torchft's own)
         manager = make_manager(
             replica_id=ft.replica_id or replica_name(info.rank),
             lighthouse=ft.lighthouse,
@@ -169,6 +123,8 @@ class FaultTolerance:
             quorum_timeout_s=ft.quorum_timeout_s,
             connect_timeout_s=min(ft.timeout_s, 10.0),
             device_type=device.type,
+            gate=gate,
+            on_gate_change=gate_notice(info.rank, ft),
             **group,
         )
         comm = TorchftCommunicator(
@@ -179,6 +135,7 @@ class FaultTolerance:
             device=device,
             grace=grace_window(ft),
             worker=info.rank,
+            gate=gate,
         )
         group_size = info.world_size // replica_groups(ft, info)
         rounds = FaultTolerantRounds(
@@ -190,6 +147,8 @@ class FaultTolerance:
             samples_per_step=batch * group_size,
             retry_failed=ft.retry_failed_sync,
         )
+        if gate is not None:  # an optimizer step is progress
+            gate.watch(lambda: averager.step)
         return cls(ft, info, rounds, seed, sharded)
 
     # --- the first round -----------------------------------------------------------------------
@@ -318,6 +277,7 @@ class FaultTolerance:
             "grace_timeouts": rounds.comm.timeouts,
             "grace_waited_s": round(rounds.comm.waited_s, 3),
             "grace_s": round(rounds.comm.grace.seconds(), 3) if rounds.comm.grace else None,
+            "gate_closes": rounds.comm.gate.closes,  # times this worker stopped heartbeating
             # samples whose training reached a committed global state, all workers'
             "merged_samples": rounds.merged_samples,
         }

@@ -4,6 +4,8 @@
 - `rounds.FaultTolerantRounds`: each sync across groups as a torchft round (quorum, heal,
   commit or put back);
 - `grace.GraceWindow`: how long a round's collectives wait for a peer that stopped answering;
+- `heartbeat_gate.HeartbeatGate`: a worker heartbeats to the lighthouse only while it is healthy,
+  so one cut off from its peers drops out of their next quorum (`GatedHeartbeats`, its thread);
 - `services`: torchft's lighthouse and Manager, every server bound to one interface.
 - `gathered`: what a round gathers across replica groups (low-bit messages, trusted
   contributions, a weighted round's weights).

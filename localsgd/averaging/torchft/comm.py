@@ -29,6 +29,7 @@ from localsgd.averaging.comm import (
 )
 from localsgd.averaging.torchft.gathered import GatheredCollectives, _RoundWork, trailing_index
 from localsgd.averaging.torchft.grace import GraceWindow
+from localsgd.averaging.torchft.heartbeat_gate import HeartbeatGate, Ungated
 
 __all__ = ["QuorumLost", "TorchftCommunicator"]
 
@@ -74,6 +75,9 @@ class TorchftCommunicator(GatheredCollectives, Communicator):
     the process group's timeout: a heal takes as long as the state takes to fetch. `timeouts`
     counts the rounds whose window ran out on this replica, `waited_s` the seconds their
     collectives waited.
+
+    `gate`: this worker's `HeartbeatGate` (it heartbeats to the lighthouse only while healthy):
+    told of every quorum request, collective wait, success and failure of a round here.
     """
 
     def __init__(
@@ -88,8 +92,10 @@ class TorchftCommunicator(GatheredCollectives, Communicator):
         grace: GraceWindow | None = None,
         guard: bool = True,
         worker: int | None = None,
+        gate: HeartbeatGate | None = None,
     ):
         self.manager = manager
+        self.gate = gate if gate is not None else Ungated()
         # this replica's worker index (`members`): given, or the trailing digits of its
         # replica id (replica_003 -> 3)
         self.worker = worker if worker is not None else trailing_index(manager)
@@ -153,7 +159,8 @@ class TorchftCommunicator(GatheredCollectives, Communicator):
         self.lost = False
         self.longest_s, self.ran_out, self.window_s = 0.0, False, None
         try:
-            self.manager.start_quorum()
+            with self.gate.quorum_request():  # never closed inside one
+                self.manager.start_quorum()
         except Exception as e:  # the quorum's timeout, or the lighthouse gone
             self.lost = True
             raise QuorumLost(f"no quorum: {type(e).__name__}") from e
@@ -165,6 +172,7 @@ class TorchftCommunicator(GatheredCollectives, Communicator):
                 self._members_ran_out = None
             # the window the last round agreed on: the same on every member of that round
             self.window_s = self.grace.seconds()
+        self.gate.in_round(self.window_s)  # how long its peers wait for it in this round
         self.live = not self.healed and self.manager.errored() is None
         count = self._round_count(agreeing)
         count[0] = 1.0 if self.live else 0.0
@@ -201,11 +209,15 @@ class TorchftCommunicator(GatheredCollectives, Communicator):
     def commit(self) -> bool:
         """End the round: True when every replica group may keep its result."""
         self.in_round = False
+        self.gate.in_round(None)
         if self.lost:
             return False
         ok = bool(self.manager.should_commit() and self.participants > 0)
         if ok:
             self.merged_samples += self.round_samples
+            self.gate.progress()
+        elif self.manager.errored() is not None:
+            self.gate.failed("a collective of its round failed")
         if self.grace is not None:
             if ok:
                 self.grace.committed(self.longest_s)
@@ -220,7 +232,8 @@ class TorchftCommunicator(GatheredCollectives, Communicator):
         grace window as its timeout (torchft's `Manager.allreduce` takes none: its ops wait
         `ft.timeout_s`). `whole_timeout`: the process group's own timeout instead."""
         if self.grace is None:
-            return self.manager.allreduce(tensor, reduce_op=op)
+            work = self.manager.allreduce(tensor, reduce_op=op)
+            return work if isinstance(self.gate, Ungated) else _RoundWork(self, work)
         from torch.distributed.distributed_c10d import AllreduceOptions
 
         if self.manager.errored() is not None:
@@ -241,12 +254,15 @@ class TorchftCommunicator(GatheredCollectives, Communicator):
     def _collective_done(self, seconds: float, window_s: float | None) -> None:
         if window_s is not None:  # a heal's wait says nothing of the collectives' time
             self.longest_s = max(self.longest_s, seconds)
+        if self.manager.errored() is None:
+            self.gate.progress()
 
     def _collective_failed(self, error: Exception, seconds: float, window_s: float | None):
         """A collective failed: the round will not commit. Where it waited out its window (a
         launched collective's clock started at its launch, so gloo's own word counts too), a
         peer is frozen or slow: counted in `timeouts`/`waited_s` at the commit."""
         self.manager.report_error(error)
+        self.gate.failed(f"a collective failed ({type(error).__name__})")
         timed_out = "timed out" in str(error).lower() or (
             window_s is not None and seconds >= 0.95 * window_s
         )

@@ -32,7 +32,8 @@ class _RoundWork:
             return
         begin = time.perf_counter()
         try:
-            self.work.wait()
+            with self.comm.gate.waiting():  # no stall while a collective waits its timeout
+                self.work.wait()
         except Exception as e:
             self.comm._collective_failed(e, time.perf_counter() - begin, self.window_s)
         else:

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from localsgd.averaging.torchft.heartbeat_gate import MANAGER_HEARTBEAT, gate_heartbeats
+
 
 def lighthouse_url(address: str) -> str:
     """`host:port` (as `torchft_lighthouse --bind` takes it) or `http://host:port`, as
@@ -174,6 +176,8 @@ def make_manager(
     heartbeat_ms: int = 100,
     init_sync: bool = False,
     device_type: str = "cpu",
+    gate=None,
+    on_gate_change=None,
     **kwargs,
 ):
     """A torchft `Manager` for one rank of a replica group, every server bound to `host`.
@@ -189,6 +193,11 @@ def make_manager(
     step 0. `device_type` "cuda": the replicas' tensors live on GPUs and average through
     torchft's NCCL process group (gloo otherwise). Extra `kwargs` go to `Manager`. The Manager
     is built with `use_async_quorum=False`; it keeps each quorum (`_QuorumRecorder`).
+
+    `gate` (a `heartbeat_gate.HeartbeatGate`): the ManagerServer heartbeats once, and this rank's
+    `GatedHeartbeats` thread (`manager.localsgd_heartbeats`, stopped by `manager.shutdown()`)
+    heartbeats every `heartbeat_ms` while the gate is open (`on_gate_change(open, why)` when it
+    closes or reopens); None: the ManagerServer's own heartbeats.
     """
     import torchft.manager as ft_manager
     from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
@@ -211,6 +220,8 @@ def make_manager(
         return real_server(**kw)
 
     transport = _loopback_transport(host, timeout)
+    # under a gate the ManagerServer heartbeats once; our thread heartbeats while it is open
+    heartbeat = MANAGER_HEARTBEAT if gate is not None else timedelta(milliseconds=heartbeat_ms)
     with _patched(ft_manager, "ManagerServer", bound_server):
         manager = ft_manager.Manager(
             # NCCL for tensors on a GPU (torchft's own group, reconfigured at every quorum)
@@ -230,7 +241,7 @@ def make_manager(
             lighthouse_addr=lighthouse,
             replica_id=replica_id,
             hostname=host,
-            heartbeat_interval=timedelta(milliseconds=heartbeat_ms),
+            heartbeat_interval=heartbeat,
             checkpoint_transport=transport,
             init_sync=init_sync,
             **kwargs,
@@ -238,4 +249,8 @@ def make_manager(
     manager._localsgd_store = store
     manager.localsgd_quorum = None
     manager._client = _QuorumRecorder(manager)
+    if gate is not None:
+        group = (store_addr, store_port, rank, world_size) if world_size > 1 else None
+        interval_s = heartbeat_ms / 1000
+        gate_heartbeats(manager, gate, lighthouse, interval_s, timeout_s, group, on_gate_change)
     return manager
