@@ -7,7 +7,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import sys
 import warnings
+from unittest import mock
 
 import pytest
 import torch
@@ -120,6 +122,7 @@ OLD_EXPERIMENTS = {
         "sync.outer": "diloco",
         "optim._target_": "localsgd.loop.muon.MuonAdamW",
         "optim.lr": 0.003,
+        "model._target_": "localsgd.models.mlp",  # the CNN has no matrix for Muon
     },  # fmt: skip
 }
 JOB_TYPES = {
@@ -386,3 +389,26 @@ def test_the_optuna_presets_start_tpe_after_4_random_trials(preset):
     sampler = instantiate(cfg.hydra.sweeper.sampler)
     assert type(sampler).__name__ == "TPESampler"
     assert sampler._n_startup_trials == 4 < cfg.hydra.sweeper.n_trials
+
+
+def test_every_experiment_passes_the_checks_before_the_launch(capsys):
+    """`python -m localsgd.train +experiment=NAME`, as README and the docs type it, is not
+    refused: the entry point's checks (the preflight's model and data included) let every
+    preset through to the launch (replaced here by a note that it was reached)."""
+    from localsgd.cli import train as entry
+
+    refused = {}
+    names = {n.removesuffix(".yaml") for n in os.listdir(os.path.join(CONF, "experiment"))}
+    # the HF preset's checks import transformers (~7 s): tests/test_hf_cli.py runs that preset
+    for name in sorted(names - {"hf_llama_shakespeare"}):
+        reached = []
+        with (
+            mock.patch.object(sys, "argv", ["localsgd.train", f"+experiment={name}"]),
+            mock.patch.object(entry, "main", lambda reached=reached: reached.append(True)),
+        ):
+            try:
+                entry.cli()
+            except SystemExit:
+                refused[name] = capsys.readouterr().err.strip()
+        assert reached or name in refused, name
+    assert refused == {}, refused
