@@ -144,3 +144,23 @@ def test_a_filesystem_without_locks_is_not_taken_for_a_run_in_use(tmp_path, monk
     assert run_dirs.in_use(str(tmp_path)) is None
     run_dirs.hold(str(tmp_path))
     run_dirs.let_go(str(tmp_path))
+
+
+def test_under_torchft_only_the_first_replica_groups_rank_0_holds_a_shared_run_dir(monkeypatch):
+    """Every replica group's torchrun may share one run directory: only the first group's rank
+    0 holds it (the others' rank 0 were refused as "in use" by the first's lock)."""
+    from localsgd.cli.forkserver import TORCHRUN_VARS
+    from localsgd.cli.precheck import decides_run_dir
+    from tests.helpers import compose_config
+
+    assert decides_run_dir()  # the launcher of local workers
+    for var in TORCHRUN_VARS:
+        monkeypatch.setenv(var, "0")
+    monkeypatch.setenv("RANK", "0")
+    plain = compose_config([])
+    assert decides_run_dir(plain)
+    for replica_id, decides in (("group_0", True), ("group_1", False), ("machine_12", False)):
+        cfg = compose_config(["ft=torchft", f"ft.replica_id={replica_id}"])
+        assert decides_run_dir(cfg) is decides, replica_id
+    monkeypatch.setenv("RANK", "1")
+    assert not decides_run_dir(plain)

@@ -153,9 +153,18 @@ def check_writable(key: str, folder: str) -> None:
         ) from None
 
 
-def decides_run_dir() -> bool:
-    """The process that picks and holds the run directory: the launcher, or torchrun's rank 0."""
-    return not under_torchrun() or os.environ.get("RANK", "0") == "0"
+def decides_run_dir(cfg=None) -> bool:
+    """The process that picks and holds the run directory: the launcher, or torchrun's rank 0;
+    under ft=torchft, the first replica group's (`ft.replica_id` ending in 0), as every group's
+    torchrun may share one directory (its leading group writes the checkpoints)."""
+    if not under_torchrun():
+        return True
+    if os.environ.get("RANK", "0") != "0":
+        return False
+    from localsgd.cli.fault_tolerance import replica_index
+
+    index = replica_index(getattr(getattr(cfg, "ft", None), "replica_id", None))
+    return index in (None, 0)
 
 
 # What `precheck` chose for `main`: the line saying which run continues (or why none could)
@@ -214,7 +223,7 @@ def precheck(args: list[str]) -> str | None:
     run_dir = _resolved(cfg, "hydra.run.dir")
     pattern = cfg.hydra.run._get_node("dir")._value()
     stamped = run_dirs.pattern_root(pattern) if isinstance(pattern, str) else None
-    decides = decides_run_dir() and run_dir is not None
+    decides = decides_run_dir(cfg) and run_dir is not None
     chosen.clear()
     continuing = False
     if decides and stamped is not None and _get(cfg, "trainer.resume") == "auto":
