@@ -38,7 +38,7 @@ def _train(model, gen, scale=1.0):  # a local step's change
 
 
 def _region(avg, p):
-    (g, s, _, e), = avg.rounds.parts[p]  # one flat buffer: one piece per fragment
+    ((g, s, _, e),) = avg.rounds.parts[p]  # one flat buffer: one piece per fragment
     return g, s, e
 
 
@@ -71,8 +71,9 @@ def _rounds(rank, rule, comm_dtype="float32", error_feedback=False):
     out["anchor"] = avg.rounds.anchors.first[0].clone()
     out["bytes"] = avg.stats.bytes
     # error feedback: no residual carries a dropped NaN into later rounds
-    out["residuals_finite"] = all(torch.isfinite(r).all() for rs in avg.rounds.residuals
-                                  for r in rs if r is not None)
+    out["residuals_finite"] = all(
+        torch.isfinite(r).all() for rs in avg.rounds.residuals for r in rs if r is not None
+    )
     return out
 
 
@@ -116,9 +117,14 @@ def _scored(rank, split, exclude_after=2, bad_from=0):
     )
     again.load_state_dict(avg.state_dict())
     trust = avg.rounds.trust
-    return {"seen": seen, "excluded": dict(trust.excluded), "events": list(trust.events),
-            "anchor": avg.rounds.anchors.first[0].clone(), "kept_exactly": kept_exactly,
-            "reloaded": again.rounds.trust.state_dict() == trust.state_dict()}
+    return {
+        "seen": seen,
+        "excluded": dict(trust.excluded),
+        "events": list(trust.events),
+        "anchor": avg.rounds.anchors.first[0].clone(),
+        "kept_exactly": kept_exactly,
+        "reloaded": again.rounds.trust.state_dict() == trust.state_dict(),
+    }
 
 
 def _worker(rank, world_size):
@@ -229,8 +235,9 @@ def test_the_mean_keeps_todays_rounds_and_robust_rules_build_gathered_fragment_r
             validate(cfg, 4)
             model = nn.Sequential(*(nn.Linear(4, 4) for _ in range(4)))
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
-            avg = build_averager(cfg.sync, model, opt, 1, 1, CommStats(),
-                                 loss_at=lambda round_: 0.0)
+            avg = build_averager(
+                cfg.sync, model, opt, 1, 1, CommStats(), loss_at=lambda round_: 0.0
+            )
             assert avg.rounds.gathered is trusted
             assert len(avg.rounds.parts) == cfg.sync.fragments
     finally:
@@ -271,8 +278,7 @@ def test_what_does_not_compose_is_refused_in_one_line():
         validate(compose_config(overrides), 4)
     # an eager round steps before any aggregate exists: the averager refuses it too
     with pytest.raises(ValueError, match="eager=False"):
-        StreamingAverager(2, module=_net(), fragments=2, eager=True,
-                          aggregate=Aggregate("median"))
+        StreamingAverager(2, module=_net(), fragments=2, eager=True, aggregate=Aggregate("median"))
 
 
 class _Alone:

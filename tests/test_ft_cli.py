@@ -247,8 +247,10 @@ def test_below_min_replicas_the_job_stops_with_a_checkpoint_and_resumes_at_anoth
         ("ft.heartbeat_timeout_s=4", "ft.grace_min_s"),  # above the adaptive window's floor (3)
         ("ft.retry_failed_sync=true sync.fragments=2 sync.outer=diloco", "ft.retry_failed_sync"),
         ("ft.replica_id=a", "ft.replica_id"),
-        ("sync.levels=[{group_size:1,period:2},{group_size:world,period:4}]",
-         "ft=torchft with sync.levels on one machine"),
+        (
+            "sync.levels=[{group_size:1,period:2},{group_size:world,period:4}]",
+            "ft=torchft with sync.levels on one machine",
+        ),
         ("sync.delay_steps=1 sync.fragments=4", "sync.delay_steps"),  # 4/4 = 1 step apart
         ("ft.lighthouse=127.0.0.1:1", "ft.lighthouse"),  # nothing listens on port 1
         ("ft.lighthouse=nohost", "ft.lighthouse"),

@@ -141,7 +141,9 @@ def test_a_shared_checkpoint_gives_each_worker_its_own_residual(tmp_path, world_
     folder = _shared_checkpoint_with_own_residuals(tmp_path, [1.0, 2.0, 4.0])
     averager = _Held(None)
     components = {  # the averager moves its own state (`AveragerState.resharded_state`)
-        "averager": AveragerState(averager), "optimizer": _Held(None), "loop": _Held(None)
+        "averager": AveragerState(averager),
+        "optimizer": _Held(None),
+        "loop": _Held(None),
     }
     load_resharded(folder, rank, torch.device("cpu"), components, world_size=world_size)
     got = averager.state["rounds"]["residuals"][0]

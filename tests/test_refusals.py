@@ -118,7 +118,10 @@ def test_each_row_refuses_its_combination_in_its_own_line(condition, monkeypatch
         validate(cfg, 4, None if TORCHRUN not in CASES[condition] else 2)
     assert str(info.value) == row.line()
     assert "\n" not in row.line() and row.kind in (
-        refusals.MEANINGLESS, refusals.UNAVAILABLE, refusals.DESIGN)
+        refusals.MEANINGLESS,
+        refusals.UNAVAILABLE,
+        refusals.DESIGN,
+    )
     # the condition names every key the row reads (ft.backend as ft=torchft)
     named = condition.replace("ft=torchft", "ft.backend")
     assert all(key in named for key in row.keys), row.keys
@@ -158,8 +161,12 @@ def test_the_cli_exits_2_with_the_rows_line(tmp_path, capsys):
         ["ft=torchft", "+experiment=diloco", "sync.eager=true", "trainer.checkpoint_every=8"],
         ["ft=torchft", "sync.delay_steps=1", "sync.check_replicas=true"],
         ["dist.shard_size=2", "optim=muon", "model=mlp"],
-        [*VIRTUAL, "sync.inner_time_s=0.2", "comm.simulate.worker_speed=[1,1,1,3]",
-         "comm.simulate.step_s=0.01"],
+        [
+            *VIRTUAL,
+            "sync.inner_time_s=0.2",
+            "comm.simulate.worker_speed=[1,1,1,3]",
+            "comm.simulate.step_s=0.01",
+        ],
     ],
 )
 def test_what_the_rows_do_not_name_is_accepted(overrides):

@@ -155,10 +155,14 @@ def test_bad_values_are_refused_in_one_line():
     for overrides, keys in (
         (["sync.score=true", "sync.warmup_steps=4"], "sync.warmup_steps"),
         (["sync.aggregate=median", "sync.warmup_steps=4", "ft=torchft"], "which no rule can judge"),
-        (["sync.aggregate=median", "sync.warmup_steps=4", "trainer.precision=16-mixed"],
-         "16-mixed"),
-        (["+experiment=untrusted", "sync.excluded_shard=reassign", "dist.shard_size=2"],
-         "dist.shard_size > 1 with sync.excluded_shard"),
+        (
+            ["sync.aggregate=median", "sync.warmup_steps=4", "trainer.precision=16-mixed"],
+            "16-mixed",
+        ),
+        (
+            ["+experiment=untrusted", "sync.excluded_shard=reassign", "dist.shard_size=2"],
+            "dist.shard_size > 1 with sync.excluded_shard",
+        ),
         (["sync.aggregate=median", "sync.drop_nonfinite=false"], "sync.drop_nonfinite"),
         (["sync.aggregate=median", "sync=hierarchical"], "sync.levels"),
         (["sync.drop_nonfinite=true", "ft=torchft"], "and a 16/32-bit sync.comm_dtype"),
@@ -181,8 +185,12 @@ def test_bad_values_are_refused_in_one_line():
     # rounds that compose with a robust rule: plain streaming (the change since each fragment's
     # sync), averaged optimizer state (combined by the rule), a delayed merge (the gather
     # launched), an adaptive period (its loss agreed by the rule)
-    for extra in (["sync.fragments=2", "sync.period=4"], ["sync.optimizer_state=average"],
-                  ["sync.overlap=true"], ["sync=adaptive"]):
+    for extra in (
+        ["sync.fragments=2", "sync.period=4"],
+        ["sync.optimizer_state=average"],
+        ["sync.overlap=true"],
+        ["sync=adaptive"],
+    ):
         validate(compose_config(["sync.aggregate=median", *extra]), 4)
     # post-local SGD: the warmup's gradients combined by the robust rule too
     validate(
@@ -233,10 +241,14 @@ def _worker(rank, world_size):
             avg.maybe_average()
             if step == 0:
                 anchor = avg.flat.buffers[0].clone()
-        out[rule] = {"change": change, "anchor": anchor, "result": avg.flat.buffers[0].clone(),
-                     "events": list(avg.rounds.trust.events),
-                     # the all-gather counted as what this rank sends: fp32, 2 rounds
-                     "bytes": avg.stats.bytes == 2 * 4 * avg.flat.buffers[0].numel()}
+        out[rule] = {
+            "change": change,
+            "anchor": anchor,
+            "result": avg.flat.buffers[0].clone(),
+            "events": list(avg.rounds.trust.events),
+            # the all-gather counted as what this rank sends: fp32, 2 rounds
+            "bytes": avg.stats.bytes == 2 * 4 * avg.flat.buffers[0].numel(),
+        }
     # 2. scoring and exclusion: rank 3 moves away from the held-out optimum, 10x; the others
     #    towards it. Every rank must reach the same verdicts.
     #    Each contribution's losses evaluated by one rank and shared (the default) or by every
@@ -271,8 +283,10 @@ def _worker(rank, world_size):
         again = OuterAverager(1, module=_Net(), aggregate=Aggregate("mean"), judge=judge)
         again.load_state_dict(avg.state_dict())
         out["verdicts" if split else "verdicts_unsplit"] = {
-            "excluded": dict(trust.excluded), "events": list(trust.events),
-            "model": avg.flat.buffers[0].clone(), "calls": calls[0],
+            "excluded": dict(trust.excluded),
+            "events": list(trust.events),
+            "model": avg.flat.buffers[0].clone(),
+            "calls": calls[0],
             "reloaded": again.rounds.trust.state_dict() == trust.state_dict(),
         }
     #    With per-sample losses, the evaluations split by samples (`Judge.batch`): the same
@@ -329,9 +343,11 @@ def _worker(rank, world_size):
         with torch.no_grad():
             model.fc.bias[0] = float("inf")
     avg.maybe_average()
-    out["int8"] = {"model": avg.flat.buffers[0].clone(),
-                   "events": list(avg.rounds.trust.events),
-                   "bytes": avg.stats.bytes == sum(w.nbytes for w in avg.rounds.wires[0].low)}
+    out["int8"] = {
+        "model": avg.flat.buffers[0].clone(),
+        "events": list(avg.rounds.trust.events),
+        "bytes": avg.stats.bytes == sum(w.nbytes for w in avg.rounds.wires[0].low),
+    }
     # 4. the mean, by default: today's rounds, the bits of one all-reduce, its bytes
     model = _Net()
     avg = PeriodicAverager(1, module=model)
@@ -408,9 +424,11 @@ def _topk_cases(rank: int) -> dict:
                 if rank == 2 and round_ == 1:
                     _poison(model)
                 avg.maybe_average()
-            out[mean, name] = {"model": avg.flat.buffers[0].clone(),
-                               "residual": avg.rounds.residuals[0][0].clone(),
-                               "bytes": avg.stats.bytes}
+            out[mean, name] = {
+                "model": avg.flat.buffers[0].clone(),
+                "residual": avg.rounds.residuals[0][0].clone(),
+                "bytes": avg.stats.bytes,
+            }
     return out
 
 
@@ -435,9 +453,13 @@ def _guard_cases(rank: int) -> dict:
         if avg.rounds.delays:  # what every rank received (each keeps its own progress)
             avg.rounds.wait_all()
             received = avg.rounds.averages[0]
-        out[name] = {"held": held, "model": received.clone(),
-                     "dropped": list(avg.comm.dropped), "bytes": avg.stats.bytes - before,
-                     "numel": avg.flat.buffers[0].numel()}
+        out[name] = {
+            "held": held,
+            "model": received.clone(),
+            "dropped": list(avg.comm.dropped),
+            "bytes": avg.stats.bytes - before,
+            "numel": avg.flat.buffers[0].numel(),
+        }
         return avg
 
     model = _Net()
@@ -453,9 +475,20 @@ def _guard_cases(rank: int) -> dict:
         value=float("inf"),
     )
     model = _Net()
-    avg = run("int4", OuterAverager(1, module=model, outer_lr=1.0, outer_momentum=0.0,
-                                    outer_nesterov=False, comm_dtype="int4",
-                                    error_feedback=True), model, bad_rank=3)
+    avg = run(
+        "int4",
+        OuterAverager(
+            1,
+            module=model,
+            outer_lr=1.0,
+            outer_momentum=0.0,
+            outer_nesterov=False,
+            comm_dtype="int4",
+            error_feedback=True,
+        ),
+        model,
+        bad_rank=3,
+    )
     out["int4"]["residual_finite"] = bool(torch.isfinite(avg.rounds.residuals[0][0]).all())
     model = _Net()  # launched at the sync, merged at the next step
     run("overlap", PeriodicAverager(1, module=model, overlap=True), model, bad_rank=1)

@@ -526,10 +526,14 @@ def test_the_cli_adapts_the_period_to_the_group_loss_and_averages_the_sharded_mo
         (["trainer.nan_policy=skip"], "dist.shard_size > 1 with trainer.nan_policy=skip"),
         (["dist.shard_size=0"], "dist.shard_size must be an integer >= 1, got 0"),
         # a level's group_size counts replica groups (2 here), not ranks
-        (["sync.levels=[{group_size:4,period:4},{group_size:world,period:8}]"],
-         "sync.levels[0].group_size must be a divisor of 2 replica groups of 2 ranks, got 4"),
-        (["sync.levels=[{group_size:3,period:4},{group_size:world,period:8}]"],
-         "a divisor of 2 replica groups of 2 ranks, got 3"),
+        (
+            ["sync.levels=[{group_size:4,period:4},{group_size:world,period:8}]"],
+            "sync.levels[0].group_size must be a divisor of 2 replica groups of 2 ranks, got 4",
+        ),
+        (
+            ["sync.levels=[{group_size:3,period:4},{group_size:world,period:8}]"],
+            "a divisor of 2 replica groups of 2 ranks, got 3",
+        ),
     ],
 )
 @pytest.mark.timeout(30)

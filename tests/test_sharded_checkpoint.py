@@ -174,10 +174,12 @@ def test_the_averager_state_is_cut_to_the_new_shards_and_residuals_summed_over_t
                 "step": 7,
                 "rounds": {
                     "anchors": [shard(anchor, s)],
-                    "optimizers": [{
-                        "state": {0: {"momentum_buffer": shard(momentum, s)}},
-                        "param_groups": [{"params": [0]}],
-                    }],
+                    "optimizers": [
+                        {
+                            "state": {0: {"momentum_buffer": shard(momentum, s)}},
+                            "param_groups": [{"params": [0]}],
+                        }
+                    ],
                     "residuals": [[shard(residuals[g], s)]],  # part 0, one piece a buffer
                 },
             }

@@ -370,8 +370,10 @@ def test_the_config_builds_top_k_and_the_sparseloco_preset(lone_group):
         (["sync.error_feedback_decay=0.9"], "sync.error_feedback_decay < 1"),
         (["sync=sparseloco", "sync.topk_chunk=2000000"], "sync.topk_chunk"),
         (["sync=sparseloco", "sync.topk_mean=median"], "sync.topk_mean"),
-        (["sync=sparseloco", "sync.topk_mean=senders", "sync.aggregate=median"],
-         "sync.compress=topk with sync.aggregate="),
+        (
+            ["sync=sparseloco", "sync.topk_mean=senders", "sync.aggregate=median"],
+            "sync.compress=topk with sync.aggregate=",
+        ),
     ],
 )
 def test_what_cannot_hold_is_refused_in_one_line(overrides, key):

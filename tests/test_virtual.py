@@ -138,10 +138,14 @@ def test_a_failed_worker_stops_the_others():
         (["dist.virtual_workers=4", "ft=torchft"], "dist.virtual_workers with ft=torchft"),
         (["dist.virtual_workers=4", "dist.shard_size=2"], "dist.virtual_workers with dist.shard_"),
         (["dist.virtual_workers=4", "dist.device=cuda"], "dist.device must be auto or cpu"),
-        (["dist.virtual_workers=4", "sync.inner_time_s=1"],
-         "dist.virtual_workers with sync.inner_time_s and no comm.simulate.worker_speed"),
-        (["dist.virtual_workers=4", "comm.simulate.latency_ms=5"],
-         "dist.virtual_workers with comm.simulate.bandwidth_gbps or comm.simulate.latency_ms"),
+        (
+            ["dist.virtual_workers=4", "sync.inner_time_s=1"],
+            "dist.virtual_workers with sync.inner_time_s and no comm.simulate.worker_speed",
+        ),
+        (
+            ["dist.virtual_workers=4", "comm.simulate.latency_ms=5"],
+            "dist.virtual_workers with comm.simulate.bandwidth_gbps or comm.simulate.latency_ms",
+        ),
     ],
 )
 def test_refusals(args, key, capsys):

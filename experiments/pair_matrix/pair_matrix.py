@@ -113,8 +113,16 @@ def run_one(overrides: list[str], timeout: float, extra: list[str] = ()) -> dict
             h = hashlib.sha256()
             for name in sorted(state):
                 h.update(name.encode())
-                h.update(state[name].detach().cpu().contiguous().view(-1).view(torch.uint8)
-                         .numpy().tobytes())
+                h.update(
+                    state[name]
+                    .detach()
+                    .cpu()
+                    .contiguous()
+                    .view(-1)
+                    .view(torch.uint8)
+                    .numpy()
+                    .tobytes()
+                )
             digest = h.hexdigest()[:16]
         return {
             "status": "ok" if ok else "crashed",

@@ -126,8 +126,9 @@ class FlatBuffers:
     @property
     def held_bytes(self) -> int:
         """Bytes the buffers hold now: `nbytes`, or 0 in mirror mode between steps."""
-        return sum(min(b.untyped_storage().nbytes(), b.numel() * b.element_size())
-                   for b in self.buffers)
+        return sum(
+            min(b.untyped_storage().nbytes(), b.numel() * b.element_size()) for b in self.buffers
+        )
 
     def current(self) -> list[torch.Tensor]:
         """The tensors' values laid out as the buffers: the buffers themselves unless they are

@@ -148,9 +148,7 @@ def validate_ft(cfg: Any, get: Callable[[Any, str], Any], world_size: int | None
     if not get(cfg, "ft.grace_factor") >= 1:
         raise ConfigError(f"ft.grace_factor must be >= 1, got {get(cfg, 'ft.grace_factor')!r}")
     if not get(cfg, "ft.grace_min_s") > 0:
-        raise ConfigError(
-            f"ft.grace_min_s must be > 0 seconds, got {get(cfg, 'ft.grace_min_s')!r}"
-        )
+        raise ConfigError(f"ft.grace_min_s must be > 0 seconds, got {get(cfg, 'ft.grace_min_s')!r}")
     for key in ("ft.heartbeat_timeout_s", "ft.join_timeout_s", "ft.stall_s"):
         if not _positive(get(cfg, key)):
             raise ConfigError(f"{key} must be > 0 seconds, got {get(cfg, key)!r}")

@@ -63,7 +63,15 @@ def _probe_key(cfg: Any, world_size: int) -> str:
 
 
 def _probe(
-    data_cfg, model_cfg, seed, batch, epochs, world_size, fragments=1, key=None, blocks=None,
+    data_cfg,
+    model_cfg,
+    seed,
+    batch,
+    epochs,
+    world_size,
+    fragments=1,
+    key=None,
+    blocks=None,
     muon=False,
 ) -> int | None:
     import torch

@@ -63,9 +63,9 @@ def build_synchroniser(
         communicate=not comm.disabled,
         process_group=replicas,
         # sync.score: the model's loss on a round's held-out batch (or its samples)
-        loss_at=None if held_out is None else (
-            lambda round_, samples=None: held_out(round_, sync.score_batch, samples)
-        ),
+        loss_at=None
+        if held_out is None
+        else (lambda round_, samples=None: held_out(round_, sync.score_batch, samples)),
     )
     buffers = averager.flat.buffers
     if sync.outer_state == "cpu" and info.rank == 0 and buffers and buffers[0].device.type == "cpu":

@@ -286,9 +286,7 @@ class Trainer:
         )
         return evaluate(self.model, batches, self.recipe.autocast, task_of(self.data), split)
 
-    def held_out_loss(
-        self, round_: int, batch: int, samples: slice | None = None
-    ) -> torch.Tensor:
+    def held_out_loss(self, round_: int, batch: int, samples: slice | None = None) -> torch.Tensor:
         """The model's per-sample losses, as it stands, on round `round_`'s held-out batch of
         `batch` samples (`sync.score`, from the validation split), or on its `samples`."""
         split = self.held_out_split

@@ -91,9 +91,7 @@ class Rounds:
         self.in_place = not (launched or eager or self.alpha)
         self.sent = [new_like(buffers, part) for part in parts] if not self.in_place else []
         shapes = self.sent or [views(buffers, part) for part in parts]
-        self.wires = [
-            Wire(s, fmt, error_feedback, feedback_decay, bucket_bytes) for s in shapes
-        ]
+        self.wires = [Wire(s, fmt, error_feedback, feedback_decay, bucket_bytes) for s in shapes]
         self.combine: Mean | Gathered = (
             Gathered(shapes, size, self.wires, aggregate, judge, self.contribution.sign, flat)
             if aggregate is not None

@@ -220,8 +220,9 @@ class StreamingAverager(Averager):
         def make_rounds(flat: FlatBuffers) -> Rounds:
             return Rounds(
                 flat,
-                fragment_parts(flat, [ids[i] for i in self._order],
-                               [i < n_params for i in self._order]),  # fmt: skip
+                fragment_parts(
+                    flat, [ids[i] for i in self._order], [i < n_params for i in self._order]
+                ),  # fmt: skip
                 size=comm.size,  # M, the workers of the widest level
                 contribution=kind,
                 outer=sgd if outer else None,

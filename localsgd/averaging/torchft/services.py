@@ -225,8 +225,9 @@ def make_manager(
     with _patched(ft_manager, "ManagerServer", bound_server):
         manager = ft_manager.Manager(
             # NCCL for tensors on a GPU (torchft's own group, reconfigured at every quorum)
-            pg=ProcessGroupNCCL(timeout=timeout) if device_type == "cuda" else ProcessGroupGloo(
-                timeout=timeout),  # fmt: skip
+            pg=ProcessGroupNCCL(timeout=timeout)
+            if device_type == "cuda"
+            else ProcessGroupGloo(timeout=timeout),  # fmt: skip
             load_state_dict=None,
             state_dict=None,
             min_replica_size=min_replicas,

@@ -190,9 +190,7 @@ def _sum_in_order(values: list[torch.Tensor], divisor: int | torch.Tensor) -> to
 
 def row_norms(rows: list[torch.Tensor], keep: list[int]) -> list[float]:
     """The norm of each kept contribution over every flat buffer (summed in float64)."""
-    return [
-        math.sqrt(sum(float(r[i].double().square().sum()) for r in rows)) for i in keep
-    ]
+    return [math.sqrt(sum(float(r[i].double().square().sum()) for r in rows)) for i in keep]
 
 
 def median_of(values: list[float]) -> float:

@@ -98,9 +98,7 @@ class TrustedRound:
     ):
         # `decay`: error feedback's beta (`compress`), for a low-precision wire's residuals;
         # `shards`: the shard group, given where the buffers are no `FlatBuffers` (gradients)
-        if aggregate.rule in COORDINATE_RULES and any(
-            isinstance(w, SparseWire) for w in low
-        ):
+        if aggregate.rule in COORDINATE_RULES and any(isinstance(w, SparseWire) for w in low):
             raise ValueError(f"aggregate {aggregate.rule} over top-k messages: {PER_COORDINATE}")
         self.contributions = GatheredContributions(buffers, size, low, decay)
         self.current = self.contributions  # the round's, `run_`
@@ -302,8 +300,10 @@ class TrustedRound:
         for rank, without in zip(keep, evaluated, strict=True):
             gain = float((before - without).mean())
             harm = float((together - without).mean())
-            if gain > 0 and harm >= judge.score_fraction * gain and worse(
-                together, without, judge.score_z
+            if (
+                gain > 0
+                and harm >= judge.score_fraction * gain
+                and worse(together, without, judge.score_z)
             ):
                 harmful.append(rank)
         return harmful
@@ -375,8 +375,11 @@ class TrustedRound:
         }
         return [
             f"trust: worker {e['rank']} at round {e['round']} (step {e['step']}): {what[e['why']]}"
-            + (" (2 bad rounds running on probation: sync.probation_rounds)"
-               if e.get("probation") else "")  # fmt: skip
+            + (
+                " (2 bad rounds running on probation: sync.probation_rounds)"
+                if e.get("probation")
+                else ""
+            )  # fmt: skip
             for e in events
             if e["why"] in what
         ]

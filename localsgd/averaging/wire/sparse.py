@@ -211,8 +211,10 @@ class SparseWire(GatheredWire):
         # wire (anything else would decode to positions outside the chunk, so it is refused)
         ones = self.bitmap.nonzero()
         if ones.shape[0] != self.sent or not torch.equal(ones[:, 0], self.chunk_of):
-            raise ValueError(f"not a top-k message of this wire: its index bitmaps do not hold "
-                             f"{self.codec.k} positions in each of {self.chunks} chunks")
+            raise ValueError(
+                f"not a top-k message of this wire: its index bitmaps do not hold "
+                f"{self.codec.k} positions in each of {self.chunks} chunks"
+            )
         high = ones[:, 1].view(self.chunks, self.codec.k).sub_(self.ranks)
         low = (self.low_parts.long() << self.shifts).sum(2)
         torch.bitwise_or(high.bitwise_left_shift_(self.codec.low_bits), low, out=self.index)
