@@ -153,6 +153,7 @@ LONG_MODULES = {
     "config.py": "the schema: one dataclass per config group, every documented key",
     "loop/trainer.py": "the loop as it reads, plus evaluation, logging and the summary",
     "averaging/torchft/rounds.py": "one round across replica groups: torchft's protocol in order",
+    "cli/refusals.py": "the one table of refusals: a row per combination, each keys, why and fix",
 }
 LIMIT = 450  # "about 400"
 
