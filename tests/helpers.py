@@ -259,6 +259,20 @@ FT_JOB = FAST + [
 ]
 
 
+def three_paced_workers_under_ft(steps: int, run_dir, *extra: str) -> list[str]:
+    """FT_JOB for `steps` steps under ft=torchft, each step lasting >= 50 ms (so that the job
+    outlives the faults it is given), with `extra` overrides, in `run_dir`."""
+    job = [f"trainer.max_steps={steps}" if a.startswith("trainer.max_steps=") else a
+           for a in FT_JOB]  # fmt: skip
+    return job + [
+        "ft=torchft",
+        "comm.simulate.worker_speed=[1,1,1]",
+        "comm.simulate.step_s=0.05",
+        *extra,
+        f"hydra.run.dir={run_dir}",
+    ]
+
+
 def as_torchrun_rank(monkeypatch, world_size: int = 2) -> None:
     """This process's environment as rank 0 of a torchrun machine of `world_size` processes
     (undone after the test), for what the entry point's checks refuse under torchrun."""

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from localsgd.averaging.torchft.grace import GraceWindow
-from tests.helpers import FT_JOB, cli
+from tests.helpers import cli, three_paced_workers_under_ft
 
 
 def test_a_fixed_window_is_the_window():
@@ -314,20 +314,6 @@ def test_a_late_peer_costs_one_window_and_the_next_round_commits_on_a_rebuilt_gr
     assert merged == late_merged == 2 * (10 + 20)
 
 
-def _three_paced_workers_under_ft(steps: int, run_dir, *extra: str) -> list[str]:
-    """3 workers under ft=torchft, a sync every 4 steps, each step lasting >= 50 ms (so that the
-    job outlives the faults), a metrics line every 4 steps."""
-    job = [f"trainer.max_steps={steps}" if a.startswith("trainer.max_steps=") else a
-           for a in FT_JOB]  # fmt: skip
-    return job + [
-        "ft=torchft",
-        "comm.simulate.worker_speed=[1,1,1]",
-        "comm.simulate.step_s=0.05",
-        *extra,
-        f"hydra.run.dir={run_dir}",
-    ]
-
-
 @pytest.mark.slow
 @pytest.mark.long
 @pytest.mark.timeout(240)
@@ -340,7 +326,7 @@ def test_a_worker_frozen_inside_a_round_costs_the_others_one_window_then_heals(t
     run_dir = tmp_path / "run"
     freeze_s, grace_s = 6.0, 2.0
     proc, left = cli(
-        _three_paced_workers_under_ft(240, run_dir, f"ft.grace_s={grace_s}"),
+        three_paced_workers_under_ft(240, run_dir, f"ft.grace_s={grace_s}"),
         fault=f"freeze:2:40:{freeze_s}",
         timeout=200,
     )
@@ -378,7 +364,7 @@ def test_ungated_a_partitioned_worker_stays_in_the_quorum_and_costs_the_whole_pa
     run_dir = tmp_path / "run"
     cut_s, grace_s = 5.0, 2.0
     proc, left = cli(
-        _three_paced_workers_under_ft(
+        three_paced_workers_under_ft(
             160, run_dir, f"ft.grace_s={grace_s}", "ft.heartbeat_gate=false"
         ),  # fmt: skip
         fault=f"partition:2:40:{cut_s}",
@@ -411,7 +397,7 @@ def test_with_a_short_join_timeout_a_partitioned_worker_is_left_out_and_heals(tm
     run_dir = tmp_path / "run"
     cut_s, grace_s = 5.0, 2.0
     proc, left = cli(
-        _three_paced_workers_under_ft(
+        three_paced_workers_under_ft(
             160, run_dir, f"ft.grace_s={grace_s}", "ft.join_timeout_s=1", "ft.heartbeat_gate=false"
         ),
         fault=f"partition:2:40:{cut_s}",
@@ -446,7 +432,7 @@ def test_a_failed_sync_retried_at_once_keeps_the_rounds_work(tmp_path):
         extra = ["ft.grace_s=2", "sync.check_replicas=true",
                  f"ft.retry_failed_sync={str(retry).lower()}"]  # fmt: skip
         proc, left = cli(
-            _three_paced_workers_under_ft(160, run_dir, *extra),
+            three_paced_workers_under_ft(160, run_dir, *extra),
             fault="freeze:2:40:4",
             timeout=200,
         )
@@ -481,7 +467,7 @@ def test_two_partitions_in_a_row_cost_the_others_about_the_partitions_not_a_spli
     (tmp_path / "schedule.json").write_text(json.dumps({"faults": faults}))
     chaos = f"{{_target_:experiments.chaos.chaos_study.Chaos,path:'{tmp_path / 'schedule.json'}'}}"
     proc, left = cli(
-        _three_paced_workers_under_ft(
+        three_paced_workers_under_ft(
             120, run_dir, f"trainer.callbacks=[{chaos}]", "ft.heartbeat_gate=false"
         ),
         timeout=200,

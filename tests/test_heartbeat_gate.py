@@ -27,7 +27,7 @@ from localsgd.averaging.torchft.heartbeat_gate import (
     GroupBeats,
     HeartbeatGate,
 )
-from tests.helpers import FT_JOB, cli
+from tests.helpers import cli, three_paced_workers_under_ft
 
 
 class Clock:
@@ -381,19 +381,6 @@ def test_ungated_the_cut_replica_holds_the_others_for_the_whole_cut():
     assert first[2][1] - first[1][0] > cut_s, first
 
 
-def _three_paced_workers(steps: int, run_dir, *extra: str) -> list[str]:
-    """3 workers under ft=torchft, a sync every 4 steps, each step >= 50 ms, a line every 4."""
-    job = [f"trainer.max_steps={steps}" if a.startswith("trainer.max_steps=") else a
-           for a in FT_JOB]  # fmt: skip
-    return job + [
-        "ft=torchft",
-        "comm.simulate.worker_speed=[1,1,1]",
-        "comm.simulate.step_s=0.05",
-        *extra,
-        f"hydra.run.dir={run_dir}",
-    ]
-
-
 @pytest.mark.slow
 @pytest.mark.long
 @pytest.mark.timeout(240)
@@ -408,7 +395,7 @@ def test_a_partitioned_worker_drops_itself_and_heals_end_to_end(tmp_path):
     run_dir = tmp_path / "run"
     cut_s, grace_s, heartbeat_s = 6.0, 1.0, 1.0
     proc, left = cli(
-        _three_paced_workers(
+        three_paced_workers_under_ft(
             200,
             run_dir,
             f"ft.grace_s={grace_s}",

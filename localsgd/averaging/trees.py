@@ -116,27 +116,26 @@ def add_(total: Any, other: Any, where: Callable[[torch.Tensor], bool] = _every)
     return total
 
 
-def scale_(tree: Any, factor: float, where: Callable[[torch.Tensor], bool] = _every) -> Any:
-    """Every tensor `where` picks multiplied by `factor` in place. Returns `tree`."""
+def _each_(tree: Any, op: Callable[[torch.Tensor], Any], where: Callable[[torch.Tensor], bool]):
+    """`op` on this rank's part of every tensor `where` picks, in place. Returns `tree`."""
     if isinstance(tree, torch.Tensor):
         if where(tree):
-            local_tensor(tree).mul_(factor)
+            op(local_tensor(tree))
         return tree
     for _, child in _children(tree):
-        scale_(child, factor, where)
+        _each_(child, op, where)
     return tree
+
+
+def scale_(tree: Any, factor: float, where: Callable[[torch.Tensor], bool] = _every) -> Any:
+    """Every tensor `where` picks multiplied by `factor` in place. Returns `tree`."""
+    return _each_(tree, lambda t: t.mul_(factor), where)
 
 
 def divide_(tree: Any, divisor: float, where: Callable[[torch.Tensor], bool] = _every) -> Any:
     """Every tensor `where` picks divided by `divisor` in place (`div_`: a division is not a
     multiplication by the reciprocal, bit for bit). Returns `tree`."""
-    if isinstance(tree, torch.Tensor):
-        if where(tree):
-            local_tensor(tree).div_(divisor)
-        return tree
-    for _, child in _children(tree):
-        divide_(child, divisor, where)
-    return tree
+    return _each_(tree, lambda t: t.div_(divisor), where)
 
 
 def tree_sum(trees: list, where: Callable[[torch.Tensor], bool] = _every) -> Any:

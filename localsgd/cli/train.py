@@ -184,17 +184,18 @@ def job_of_this_run() -> list[str]:
 def run_job(cfg: DictConfig, run_dir: str) -> float | None:
     torchrun = under_torchrun()
     sweep = HydraConfig.get().mode == RunMode.MULTIRUN
+    decides = decides_run_dir(cfg)
     try:
         resume, epoch_steps = preflight(cfg, run_dir)
         if sweep:  # a sweeper reads the objective (Optuna's trials are checked here)
             check_objective(cfg)
-        if decides_run_dir(cfg):
+        if decides:
             run_dirs.hold(run_dir)  # two commands never train in one directory at once
     except ConfigError as e:
         fail(str(e))
     # Only now: a refused command must not write into an earlier run's log
     set_notice_log(run_log(run_dir), bar_elsewhere=cfg.trainer.progress)
-    if decides_run_dir(cfg):
+    if decides:
         run_dirs.write_job_file(run_dir, job_of_this_run())
     if chosen.get("line"):
         notice(chosen.pop("line"))
