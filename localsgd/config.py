@@ -158,6 +158,15 @@ class SyncConfig:
     # and applied one step later, keeping that step's progress
     overlap: bool = False
     bucket_mb: float = 25.0  # a launched (delay_steps >= 1) fp32 average: buckets of this many MiB
+    # ASYNC_MODES: sync (every round a barrier) | async (docs/asynchronous.md: each worker
+    # sends its pseudo-gradient when its inner phase ends and trains on from the newest global
+    # model; a syncer on rank 0 merges what has arrived; the workers meet at checkpoints)
+    mode: str = "sync"
+    min_quorum: int = 1  # async: the syncer merges once this many workers' contributions wait
+    grace_s: float = 0.0  # async: ... this many seconds later (modelled, under worker_speed)
+    # async: Delayed Nesterov's N, the merges between outer momentum steps (Liu et al. 2024);
+    # null: the number of workers; 1: the synchronous outer step (torch's SGD)
+    outer_delay: int | None = None
     # per-worker step counts: each round's inner phase lasts at most this many seconds per
     # worker, a slow worker computing fewer of the round's steps instead of holding up the
     # others, and averages weigh each worker by the samples it trained on (localsgd.loop.pacing;
@@ -266,6 +275,9 @@ FT_BACKENDS = ("none", "torchft")
 
 # sync.compress
 COMPRESSIONS = ("none", "topk")
+
+# sync.mode
+ASYNC_MODES = ("sync", "async")
 
 
 # The optimizer and the LR schedule are built with hydra.utils.instantiate from `_target_`

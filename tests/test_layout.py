@@ -324,7 +324,7 @@ def test_trees_of_tensors_are_walked_in_one_module():
     assert _tree_walkers(ast.parse(copy)) == ["_clone"]  # the finder finds one
 
 
-WINGS = {"rounds", "wire", "trust", "streaming", "torchft"}
+WINGS = {"rounds", "wire", "trust", "streaming", "torchft", "asynchronous"}
 
 
 def test_the_averaging_core_is_a_folder_of_wings_each_mapped_by_its_docstring():

@@ -92,6 +92,14 @@ CASES: dict[str, list[str]] = {
     "comm.disabled=true with sync.warmup_steps > 0": ["comm.disabled=true", "sync.warmup_steps=4"],
     "comm.disabled=true with sync.outer_state=cpu": [
         "comm.disabled=true", "sync.outer=diloco", "sync.outer_state=cpu"],
+    "sync.mode=async with Streaming DiLoCo (sync.fragments, sync.delay_steps, sync.eager, "
+    "...) or sync.levels": ["+experiment=streaming_diloco", "sync.mode=async"],
+    "sync.mode=async with a lossy wire or a robust combine (sync.comm_dtype, sync.compress, "
+    "sync.aggregate, sync.score)": ["sync.mode=async", "sync.comm_dtype=int8"],
+    "sync.mode=async with sync.optimizer_state other than local or a sync.schedule other "
+    "than constant": ["sync.mode=async", "sync.schedule=adaptive"],
+    "sync.mode=async with ft=torchft, dist.shard_size > 1, dist.virtual_workers or "
+    "comm.disabled=true": ["sync.mode=async", "dist.shard_size=2"],
 }  # fmt: skip
 
 

@@ -7,8 +7,9 @@ torch's `ModelAverager`; `OuterAverager` adds DiLoCo/SlowMo. Every collective go
 The core (this folder) holds the averagers, the flat buffers, the communicator and the
 schedules; every sync round runs through one pipeline of stages (`rounds/`). The features are
 wings around it, each a folder: `wire/` (low-bit and sparse formats, error feedback), `trust/`
-(robust combine rules, scoring, trusted rounds), `streaming/` (Streaming DiLoCo's fragments) and
-`torchft/` (rounds across replica groups through torchft).
+(robust combine rules, scoring, trusted rounds), `streaming/` (Streaming DiLoCo's fragments),
+`torchft/` (rounds across replica groups through torchft) and `asynchronous/` (outer rounds
+without the barrier: workers on their own clocks and a syncer).
 """
 
 from localsgd.averaging.averager import Averager

@@ -280,8 +280,7 @@ class Averager(FlatBinding, RoundDriverView, ModelAverager):
     @property
     def _replaces(self) -> bool:
         """A merge leaves the merged part equal to the global value on every rank."""
-        rounds = self.rounds
-        return not rounds.alpha and not rounds.eager and not rounds.progress
+        return not (self.rounds.alpha or self.rounds.eager or self.rounds.progress)
 
     def _finish(self, q: int) -> None:
         self._global_hooks("before")  # a merge brings every rank onto the average
@@ -396,6 +395,9 @@ class Averager(FlatBinding, RoundDriverView, ModelAverager):
         """Whether `observe_loss` feeds anything (a schedule that adapts to the loss)."""
         return self.schedule.needs_loss
 
+    def summary(self) -> dict:  # what it records beyond the levels' counters (none here)
+        return {}
+
     def comm_levels(self) -> list[dict]:
         """Per-level communication of the averages, for summaries."""
         return [
@@ -444,5 +446,5 @@ class Averager(FlatBinding, RoundDriverView, ModelAverager):
         stateful = [h for h in self.hooks if hasattr(h, "load_state_dict")]
         for hook, saved in zip(stateful, state.get("hooks", []), strict=False):
             hook.load_state_dict(saved)
-        if self.flat is not None:
+        if self.flat is not None:  # (rounds after the rest: they read nothing of it)
             self.rounds.load_state_dict(state.get("rounds", {}))

@@ -22,7 +22,14 @@ from localsgd.cli.sharding import validate_sharding
 from localsgd.cli.trust_checks import validate_trust
 from localsgd.cli.virtual import validate_virtual
 from localsgd.cli.wire_checks import validate_wire
-from localsgd.config import BACKENDS, COMPRESSIONS, DEVICES, ConfigError, data_options
+from localsgd.config import (
+    ASYNC_MODES,
+    BACKENDS,
+    COMPRESSIONS,
+    DEVICES,
+    ConfigError,
+    data_options,
+)
 from localsgd.data.loader import LOADERS
 from localsgd.data.partition import PARTITIONS
 from localsgd.loop.guards import NAN_POLICIES
@@ -262,6 +269,7 @@ def _validate_streaming(cfg: Any, plan: SyncPlan) -> None:
 def validate_sync(cfg: Any, ws: int | None, local_ws: int | None) -> None:
     """The averaging strategy's keys and their combinations. `ws` None: not known yet."""
     for key, choices in (
+        ("sync.mode", ASYNC_MODES),
         ("sync.compress", COMPRESSIONS),
         ("sync.schedule", SCHEDULES),
         ("sync.outer", OUTERS),
@@ -304,6 +312,18 @@ def validate_sync(cfg: Any, ws: int | None, local_ws: int | None) -> None:
         _require(False, "sync.outer_nesterov", "false when sync.outer_momentum is 0", True)
     warm = _get(cfg, "sync.outer_warmup_rounds")
     _require(warm >= 0, "sync.outer_warmup_rounds", "an integer >= 0", warm)
+    quorum = _get(cfg, "sync.min_quorum")
+    workers = f"the {ws} workers" if ws is not None else "the workers"
+    _require(
+        isinstance(quorum, int) and quorum >= 1 and (ws is None or quorum <= ws),
+        "sync.min_quorum", f"an integer in [1, {ws if ws is not None else 'world size'}] "
+        f"({workers})", quorum,
+    )  # fmt: skip
+    grace = _get(cfg, "sync.grace_s")
+    _require(grace >= 0, "sync.grace_s", ">= 0 (seconds)", grace)
+    delay = _get(cfg, "sync.outer_delay")
+    _require(delay is None or (isinstance(delay, int) and delay >= 1), "sync.outer_delay",
+             "an integer >= 1 (or null: the number of workers)", delay)  # fmt: skip
 
     block = _get(cfg, "sync.quant_block_size")
     _require(block >= 1, "sync.quant_block_size", "an integer >= 1", block)

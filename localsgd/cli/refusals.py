@@ -481,6 +481,51 @@ REFUSALS: tuple[Refusal, ...] = (
         "nothing syncs: there is no outer state",
         "set sync.outer_state=device",
     ),
+    # --- asynchronous rounds (sync.mode=async, docs/asynchronous.md) ----------------------------
+    Refusal(
+        ("sync.mode", "sync.fragments", "sync.levels", "sync.delay_steps", "sync.eager"),
+        "sync.mode=async with Streaming DiLoCo (sync.fragments, sync.delay_steps, sync.eager, "
+        "...) or sync.levels",
+        lambda f: f.plan.mode == "async" and (f.plan.streaming or bool(f.plan.levels)),
+        DESIGN,
+        "asynchronous rounds send the whole model's pseudo-gradient when a worker's phase ends; "
+        "fragments on a shared clock and inner levels are not built for workers on their own",
+        "set sync.mode=sync, or drop those keys",
+    ),
+    Refusal(
+        ("sync.mode", "sync.comm_dtype", "sync.compress", "sync.aggregate", "sync.score"),
+        "sync.mode=async with a lossy wire or a robust combine (sync.comm_dtype, sync.compress, "
+        "sync.aggregate, sync.score)",
+        lambda f: f.plan.mode == "async" and (f.lossy or f.plan.gathered),
+        DESIGN,
+        "the syncer merges fp32 contributions by their samples; low-bit, sparse and robust "
+        "merges are not built for it yet",
+        "set sync.mode=sync, or sync.comm_dtype=float32 sync.compress=none sync.aggregate=mean "
+        "sync.score=false",
+    ),
+    Refusal(
+        ("sync.mode", "sync.optimizer_state", "sync.schedule"),
+        "sync.mode=async with sync.optimizer_state other than local or a sync.schedule other "
+        "than constant",
+        lambda f: f.plan.mode == "async"
+        and (f.plan.optimizer_state != "local" or f.plan.schedule != "constant"),
+        DESIGN,
+        "both act at rounds every worker takes part in, and asynchronous rounds have none "
+        "between meetings",
+        "set sync.optimizer_state=local sync.schedule=constant",
+    ),
+    Refusal(
+        ("sync.mode", "ft.backend", "dist.shard_size", "dist.virtual_workers", "comm.disabled"),
+        "sync.mode=async with ft=torchft, dist.shard_size > 1, dist.virtual_workers or "
+        "comm.disabled=true",
+        lambda f: f.plan.mode == "async"
+        and (f.ft or f.shard_size > 1 or f.virtual or f.comm_disabled),
+        UNAVAILABLE,
+        "the syncer is a thread on rank 0 talking to every worker point-to-point over "
+        "torch.distributed; torchft's quorums, shard groups and virtual workers have no such "
+        "channel here",
+        "set sync.mode=sync",
+    ),
 )
 
 

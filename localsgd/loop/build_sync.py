@@ -31,11 +31,13 @@ def build_synchroniser(
     optimizer: torch.optim.Optimizer,
     sharding: Sharding | None = None,
     held_out: Callable[..., float] | None = None,
+    store: dist.Store | None = None,
 ) -> Synchroniser:
     """The `sync` config's strategy over the `comm` config's network (a simulated slow link,
     or no communication at all), for `model` trained by `optimizer`; under `ft=torchft` its
     syncs across replica groups go through torchft (torchft is imported only then). With
-    `sharding` (dist.shard_size > 1) it averages each shard across the replica groups."""
+    `sharding` (dist.shard_size > 1) it averages each shard across the replica groups.
+    `store`: the rendezvous store (asynchronous rounds' messages go through it)."""
     sync, comm, fault_tolerant = cfg.sync, cfg.comm, cfg.ft.backend != "none"
     sim = comm.simulate
     link = (
@@ -66,6 +68,7 @@ def build_synchroniser(
         loss_at=None
         if held_out is None
         else (lambda round_, samples=None: held_out(round_, sync.score_batch, samples)),
+        asynchronous=_asynchronous(cfg, info, store) if sync.mode == "async" else None,
     )
     buffers = averager.flat.buffers
     if sync.outer_state == "cpu" and info.rank == 0 and buffers and buffers[0].device.type == "cpu":
@@ -121,7 +124,10 @@ def build_synchroniser(
         else None
     )  # fmt: skip
     # under torchft the process group is the replica group alone: drift would measure nothing
-    measure = cfg.trainer.track_drift and not comm.disabled and not fault_tolerant
+    # asynchronous rounds: the replicas meet only at checkpoints, where they are identical
+    measure = (
+        cfg.trainer.track_drift and not comm.disabled and not fault_tolerant and sync.mode == "sync"
+    )
     drift = DriftMeter(averager.flat.buffers, replicas, shards) if measure else None
     # the round driver: the averager's syncs straight through torch.distributed, or, under
     # ft=torchft, as rounds of torchft's Manager (the same methods; torchft imported only then)
@@ -150,3 +156,21 @@ def build_synchroniser(
         group=replicas,
         sharding=sharding,
     )
+
+
+def _asynchronous(cfg: Config, info: WorkerInfo, store: dist.Store | None) -> dict:
+    """`AsyncAverager`'s arguments beyond the sync config: the store its messages go through,
+    the run's attempt (their keys), the meetings (checkpoint steps and the last) and this
+    worker's modelled step length (`comm.simulate.worker_speed` x `step_s`; None: wall clock)."""
+    if store is None:
+        raise ValueError("sync.mode=async needs the rendezvous store")
+    sim = cfg.comm.simulate
+    speeds = sim.worker_speed
+    return {
+        "store": store,
+        "run_id": str(info.attempt),
+        "max_steps": cfg.trainer.max_steps,
+        "meet_every": cfg.trainer.checkpoint_every,
+        "step_seconds": float(speeds[info.rank]) * sim.step_s if speeds else None,
+        "timeout_s": cfg.dist.timeout_s,
+    }

@@ -69,6 +69,7 @@ class SyncPlan:
     topk_density: float
     topk_chunk: int
     topk_mean: str  # all | senders
+    mode: str = "sync"  # sync | async (asynchronous outer rounds)
 
     @classmethod
     def of(cls, sync: Any) -> SyncPlan:
@@ -111,6 +112,7 @@ class SyncPlan:
             topk_density=float(_read_or(sync, "topk_density", 1 / 64)),
             topk_chunk=int(_read_or(sync, "topk_chunk", 4096)),
             topk_mean=_read_or(sync, "topk_mean", "all"),
+            mode=_read_or(sync, "mode", "sync"),
         )
 
     def comm_format(self, comm_dtype: str) -> Any:

@@ -123,13 +123,16 @@ def build_averager(
     communicate: bool = True,
     process_group: dist.ProcessGroup | None = None,
     loss_at: Callable[[int], float] | None = None,
+    asynchronous: dict[str, Any] | None = None,
 ) -> Averager:
     """The averager the `sync` config asks for, its optimizer-state hook attached; a simulated
     slow `link` applies to every collective it makes. Every rank starts from rank 0's model.
     `communicate=False`: one that never averages (the no-communication baseline).
     `process_group`: the ranks to average with, `world_size` of them (sharded replica groups:
     the ranks holding the same shard; None: every rank). `loss_at(round)`: the model's loss on
-    round `round`'s held-out batch, for `sync.score`."""
+    round `round`'s held-out batch, for `sync.score`. `asynchronous`: what `sync.mode=async`
+    needs beyond the config (`AsyncAverager`'s store, run_id, max_steps, step_seconds,
+    meet_every, timeout_s)."""
     plan = SyncPlan.of(sync)
     trust = trust_of(sync, plan, loss_at)
     weighted = sync.inner_time_s is not None
@@ -205,6 +208,30 @@ def build_averager(
             schedule=build_schedule(sync, plan.period),
             round_starts=normalized,
         )
+    elif plan.mode == "async":
+        from localsgd.averaging.asynchronous import AsyncAverager
+
+        if outer == "none":  # plain averaging: the outer step is `anchor - mean(change)`
+            outer_step.update(outer_lr=1.0, outer_momentum=0.0, outer_nesterov=False)
+        momentum = outer_step["outer_momentum"]
+        delay = sync.outer_delay if sync.outer_delay is not None else world_size
+        averager = AsyncAverager(
+            sync.period,
+            sync.warmup_steps,
+            process_group,
+            module=model,
+            stats=stats,
+            **outer_step,
+            link=link,
+            min_quorum=sync.min_quorum,
+            grace_s=sync.grace_s,
+            # Delayed Nesterov where there is momentum to delay; N = 1 is torch's SGD itself
+            outer_delay=delay if momentum and delay > 1 else None,
+            inner_time_s=sync.inner_time_s,
+            drop_nonfinite=plan.drop_nonfinite,
+            **(asynchronous or {}),
+        )
+        weighted = normalized = False  # the syncer weighs every contribution by its samples
     elif outer != "none":
         averager = OuterAverager(
             sync.period,

@@ -353,6 +353,7 @@ class Synchroniser:
         if self.dropped_nonfinite.at:  # left out of all-reduced averages: [rank, step] each
             summary["dropped_nonfinite_at"] = [list(d) for d in self.dropped_nonfinite.at]
         summary.update(self.driver.summary())
+        summary.update(averager.summary())  # the averager's own record (asynchronous rounds')
         return summary
 
     def record(self) -> dict[str, Any]:

@@ -100,17 +100,20 @@ class Anchors:
 
 class OuterSGD:
     """An outer `torch.optim.SGD` per part over its anchor's parameters (`sgd`: its lr,
-    momentum, nesterov and `warmup_rounds`); with `host`, a staging copy per part where the mean
-    lands for the step (also the host scratch of the pseudo-gradient, `Contribution`)."""
+    momentum, nesterov and `warmup_rounds`; `optimizer`: another torch optimizer class taking
+    those, e.g. asynchronous rounds' `DelayedNesterov`); with `host`, a staging copy per part
+    where the mean lands for the step (also the host scratch of the pseudo-gradient,
+    `Contribution`)."""
 
     def __init__(self, parts: list[Part], anchors: Anchors, sgd: dict, host: bool = False):
         sgd = dict(sgd)
         self.warmup_rounds = sgd.pop("warmup_rounds", 0)
+        optimizer = sgd.pop("optimizer", torch.optim.SGD)
         self.anchors, self.host = anchors, host
-        self.optimizers: list[torch.optim.SGD | None] = []
+        self.optimizers: list[torch.optim.Optimizer | None] = []
         for part in parts:
             params = [anchors.first[g][s:n] for g, s, n, _ in part if n > s]
-            self.optimizers.append(torch.optim.SGD(params, **sgd) if params else None)
+            self.optimizers.append(optimizer(params, **sgd) if params else None)
         self.staging = (
             [[host_empty_like(anchors.first[g][s:e]) for g, s, _, e in part] for part in parts]
             if host

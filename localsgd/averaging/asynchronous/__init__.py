@@ -1,0 +1,16 @@
+"""Asynchronous outer rounds (`sync.mode=async`): workers on their own clocks.
+
+- `averager`: `AsyncAverager`, each worker's side: when its phase ends, send the pseudo-gradient
+  and take the newest global model back;
+- `service`: `SyncerService`, the syncer's thread on rank 0: the order of the messages, the
+  quorum and grace window, synchronous rounds where every worker arrives at once;
+- `syncer`: `Syncer`, the global model, its outer optimizer and the pending contributions;
+- `delayed_nesterov`: `DelayedNesterov`, the staleness-aware outer step;
+- `mailbox`: `Mailbox`, messages through the rendezvous store.
+"""
+
+from localsgd.averaging.asynchronous.averager import AsyncAverager
+from localsgd.averaging.asynchronous.delayed_nesterov import DelayedNesterov
+from localsgd.averaging.asynchronous.syncer import Syncer
+
+__all__ = ["AsyncAverager", "DelayedNesterov", "Syncer"]

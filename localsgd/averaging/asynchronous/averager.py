@@ -1,0 +1,365 @@
+"""`AsyncAverager`: DiLoCo's rounds without the barrier (`sync.mode=async`).
+
+Each worker trains its inner phase (`period` steps, or, with `inner_time_s`, as many steps as
+fit in that many seconds: Async Local-SGD's DyLU), sends its pseudo-gradient `anchor - local`
+with the samples it trained on to the syncer, takes the newest global model back and trains on
+from it without waiting for anyone (`service`, `syncer`). The syncer is a thread on rank 0
+beside its training; what it holds (the global model, the outer optimizer) is checkpointed in
+rank 0's averager state. Workers *meet* (every worker waits for the others and every pending
+contribution is merged) at each `meet_every` step (the trainer's checkpoint steps, where every
+worker then holds the same model to save) and at the last step, which leaves every worker with
+the final global model. A worker that was away catches up at its next exchange: the answer
+carries the global model whenever it changed since its own base.
+
+Under the modelled clock (`step_seconds`: this worker's modelled seconds a step) the order of
+the syncer's merges is fixed: with every worker equally fast, a quorum of all of them and the
+synchronous outer step, every round is a synchronous one and the run is today's synchronous
+DiLoCo, bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+import torch.distributed as dist
+
+from localsgd.averaging.asynchronous.mailbox import Mailbox
+from localsgd.averaging.asynchronous.service import (
+    ANNOUNCE,
+    DONE,
+    MEET,
+    SEND,
+    TAG_PAYLOAD,
+    TAG_VALUES,
+    SyncerService,
+)
+from localsgd.averaging.asynchronous.syncer import Syncer
+from localsgd.averaging.outer import OuterAverager
+from localsgd.averaging.rounds.part import views
+
+_FITS = 1 + 1e-9  # modelled seconds are summed floats: a phase of exactly the budget fits
+
+
+class AsyncAverager(OuterAverager):
+    """`OuterAverager`'s rounds, asynchronous (see the module doc). `store`: the rendezvous
+    store (messages); `run_id` keys them; `min_quorum`, `grace_s`: when the syncer merges;
+    `outer_delay`: Delayed Nesterov's N (None: the synchronous outer step, torch's SGD);
+    `inner_time_s`: the phase by time, not by `period`; `step_seconds`: the modelled clock
+    (None: the wall clock); `meet_every` (0: only at the end) and `max_steps`: the meetings;
+    `timeout_s`: every wait's limit. The other keywords are `OuterAverager`'s."""
+
+    def __init__(
+        self,
+        period: int,
+        warmup_steps: int = 0,
+        process_group: dist.ProcessGroup | None = None,
+        *,
+        module: torch.nn.Module,
+        store: dist.Store,
+        run_id: str,
+        max_steps: int,
+        min_quorum: int = 1,
+        grace_s: float = 0.0,
+        outer_delay: int | None = None,
+        inner_time_s: float | None = None,
+        step_seconds: float | None = None,
+        meet_every: int = 0,
+        timeout_s: float = 300.0,
+        **outer,
+    ):
+        super().__init__(period, warmup_steps, process_group, module=module, **outer)
+        size, rank = self.world_size, dist.get_rank(process_group)
+        if not 1 <= min_quorum <= size:
+            raise ValueError(
+                f"sync.min_quorum must be in [1, {size}] (the workers), got {min_quorum}"
+            )
+        if grace_s < 0:
+            raise ValueError(f"sync.grace_s must be >= 0, got {grace_s}")
+        self.rank, self.max_steps, self.meet_every = rank, max_steps, meet_every
+        self.inner_time_s, self.step_seconds = inner_time_s, step_seconds
+        self.modelled = step_seconds is not None
+        self.timeout_s = timeout_s
+        # tensors move on a group of their own, so that a thread's sends never meet the
+        # training's collectives; its timeout is the run's
+        self.p2p = dist.new_group(backend="gloo", timeout=_td(timeout_s))
+        self.mailbox = Mailbox(store, f"localsgd/async/{run_id}/", timeout_s)
+        self.seq = 0
+        self.version = 0  # the global model's version this worker's anchor holds
+        self.clock = 0.0  # modelled seconds since the warmup (or wall seconds)
+        self.phase_steps = 0
+        self.phase_time = 0.0
+        self.phase_samples = 0.0
+        self.sent_samples = 0.0
+        self.exchanges = {"p2p": 0, "collective": 0, "unchanged": 0}
+        self.wait_s = 0.0
+        self._tick_start = time.perf_counter()
+        self.service: SyncerService | None = None
+        opt = self.rounds.outer.optimizers[0]
+        self.syncer_sgd = {
+            **{k: opt.defaults[k] for k in ("lr", "momentum", "nesterov")},
+            "warmup_rounds": self.rounds.outer.warmup_rounds,
+        }
+        if outer_delay is not None:
+            from localsgd.averaging.asynchronous.delayed_nesterov import DelayedNesterov
+
+            self.syncer_sgd.update(optimizer=DelayedNesterov, delay=outer_delay)
+        self._syncer_args = (min_quorum, grace_s)
+        self.announced = False
+
+    # --- the rule -------------------------------------------------------------------------------
+
+    def round_at(self, step: int):
+        return None  # no round over every rank at a step known in advance
+
+    def next_sync(self, step: int) -> int | None:
+        """The next meeting (where an agreed stop can happen): a `meet_every` step or the last."""
+        last = self.max_steps - 1
+        if step > last:
+            return None
+        if self.meet_every > 0:
+            return min(last, step + (-(step + 1)) % self.meet_every)
+        return last
+
+    def _meets(self, step: int) -> bool:
+        return step == self.max_steps - 1 or (
+            self.meet_every > 0 and (step + 1) % self.meet_every == 0
+        )
+
+    def _phase_ends(self, step: int) -> bool:
+        """Whether this worker's inner phase ends after step `step` (its clock already moved)."""
+        if self.inner_time_s is None:
+            return self.due(step)
+        ahead = self.step_seconds if self.modelled else self.phase_time / max(1, self.phase_steps)
+        return self.phase_time + ahead > self.inner_time_s * _FITS
+
+    def _next_time(self, step: int) -> float:
+        """The modelled time of this worker's next message after step `step`, where its phase
+        starts afresh: a tick lasts `step_seconds` whatever it did, so it is known in advance."""
+        clock, phase = self.clock, 0.0
+        for s in range(step + 1, self.max_steps):
+            clock += self.step_seconds
+            phase += self.step_seconds
+            if self._meets(s) or (
+                self.due(s)
+                if self.inner_time_s is None
+                else phase + self.step_seconds > self.inner_time_s * _FITS
+            ):
+                return clock
+        return math.inf
+
+    # --- the loop -----------------------------------------------------------------------------
+
+    def trained(self, samples: float) -> None:
+        self.phase_samples += samples
+
+    def maybe_average(self) -> bool:
+        self._bound()
+        self.ensure_bound()
+        step = self.step
+        self.merged, self.last_part, self.all_in_sync, self.started_round = (
+            False,
+            None,
+            False,
+            False,
+        )
+        if step < self.warmup_steps:  # synchronous: gradients averaged, no rounds yet
+            self.phase_samples = 0.0
+            self.step += 1
+            self._tick_start = time.perf_counter()
+            return False
+        if not self.announced:
+            self._start()
+        now = time.perf_counter()
+        tick = self.step_seconds if self.modelled else now - self._tick_start
+        self._tick_start = now
+        self.clock += tick
+        self.phase_time += tick
+        self.phase_steps += 1
+        acted = False
+        if self._meets(step):
+            self._exchange(MEET, step)
+            acted = True
+        elif self._phase_ends(step):
+            self._exchange(SEND, step)
+            acted = True
+        self.step += 1
+        self._tick_start = time.perf_counter()
+        return acted
+
+    def average(self) -> None:
+        """A meeting now (the end of a run that stopped before its last step)."""
+        self.ensure_bound()
+        if not self.announced:
+            self._start()
+        self._exchange(MEET, self.step - 1, final=True)
+
+    def _start(self) -> None:
+        """The syncer starts (rank 0) with the global model every worker's anchor holds, and every
+        worker announces when it will first send (after a meeting: its next time)."""
+        if self.rank == 0 and self.service is None:
+            # the global model every worker's anchor holds (its last answer, or the start)
+            syncer = Syncer(
+                self.rounds.anchors.first, self.rounds.parts[0], self.syncer_sgd,
+                self.warmup_steps > 0,
+            )  # fmt: skip
+            if self._saved_syncer is not None:
+                syncer.load_state_dict(self._saved_syncer)
+            self.service = SyncerService(
+                syncer, self.mailbox, self.p2p, self.world_size, modelled=self.modelled,
+                min_quorum=self._syncer_args[0], grace_s=self._syncer_args[1],
+            )  # fmt: skip
+            self.service.start()
+        self._send_header(ANNOUNCE, next=self._next_time(self.step - 1) if self.modelled else None)
+        self.announced = True
+
+    _saved_syncer: dict | None = None
+
+    def _send_header(self, kind: str, **fields) -> int:
+        seq = self.seq
+        self.mailbox.put(f"h/{self.rank}/{seq}", {"kind": kind, **fields})
+        self.seq += 1
+        return seq
+
+    def _take(self, key: str) -> dict:
+        alive = self.service.alive if self.service is not None else None
+        start = time.perf_counter()
+        message = self.mailbox.take(key, alive)
+        self.wait_s += time.perf_counter() - start
+        return message
+
+    def _exchange(self, kind: str, step: int, final: bool = False) -> None:
+        """Send this phase's contribution (or meet), then take the global model back."""
+        rounds, buffers = self.rounds, self.flat.buffers
+        samples = self.phase_samples
+        work = views(buffers, rounds.parts[0])
+        nxt = self._next_time(step) if self.modelled and kind == SEND else None
+        seq = self._send_header(
+            kind, time=self.clock if self.modelled else None, samples=samples,
+            version=self.version, next=nxt,
+        )  # fmt: skip
+        decision = self._take(f"d/{self.rank}/{seq}")
+        before = self.stats.bytes
+        # the pseudo-gradient, in place (zeros where nothing was trained since the last
+        # answer): the buffers take the global model back after
+        rounds._offer(0, buffers, work, 0, None)
+        if decision["do"] == "collective":
+            self._collective(decision, work, samples)
+            self.exchanges["collective"] += 1
+            self.version = decision["version"]
+            if kind == MEET:
+                self.clock = decision["time"]
+        else:
+            if decision["do"] == "payload":
+                self._send_payload(work)
+            answer = self._take(f"r/{self.rank}/{seq}")
+            if answer["values"]:
+                self._receive_values(work)
+                self.exchanges["p2p"] += 1
+            else:  # the global model is still this worker's anchor
+                for w, a in zip(work, views(rounds.anchors.first, rounds.parts[0]), strict=True):
+                    w.copy_(a)
+                self.exchanges["unchanged"] += 1
+            rounds.anchors.reset(buffers)
+            self.version = answer["version"]
+            if kind == MEET:
+                self.clock = answer["time"]
+            self.all_in_sync = kind == MEET
+        self.stats.rounds += 1
+        self.level_stats[0].rounds += 1
+        self.level_stats[0].bytes += self.stats.bytes - before
+        self.sent_samples += samples
+        self.phase_samples, self.phase_time, self.phase_steps = 0.0, 0.0, 0
+        self.merged = self.all_in_sync
+        if kind == MEET:
+            if final or step == self.max_steps - 1:
+                self._send_header(DONE)
+                if self.service is not None:
+                    self.service.join(self.timeout_s)
+            else:
+                self._send_header(ANNOUNCE, next=self._next_time(step) if self.modelled else None)
+
+    def _collective(self, decision: dict, work: list, samples: float) -> None:
+        """A synchronous round: the mean all-reduced (weighted by samples where they differ),
+        the outer step on rank 0's syncer, the new global model broadcast."""
+        rounds, comm = self.rounds, self.comm
+        if decision["weighted"]:
+            comm.weigh(samples, work[0].device)
+        try:
+            rounds.combine.blocking(0, work, comm, rounds.wires[0])
+        finally:
+            comm.unweigh()
+        if self.service is not None:
+            total = (
+                samples * self.world_size if not decision["weighted"] else sum(comm.weights or [])
+            )
+            self.service.collective_merged(work, total)
+        for w in work:
+            comm.broadcast_(w)
+        rounds.anchors.reset(self.flat.buffers)
+        self.all_in_sync = True
+
+    def _send_payload(self, work: list) -> None:
+        start = time.perf_counter()
+        if self.rank == 0:
+            self.service.payload.put([w.detach().clone() for w in work])
+        else:
+            for w in work:
+                dist.send(w.contiguous(), dst=0, group=self.p2p, tag=TAG_PAYLOAD)
+        self.stats.bytes += sum(w.numel() * w.element_size() for w in work)
+        self.stats.seconds += time.perf_counter() - start
+
+    def _receive_values(self, work: list) -> None:
+        if self.rank == 0:
+            values = self.service.values.get(timeout=self.timeout_s)
+            for w, v in zip(work, values, strict=True):
+                w.copy_(v)
+            return
+        for w in work:
+            dist.recv(w, src=0, group=self.p2p, tag=TAG_VALUES)
+
+    # --- state ----------------------------------------------------------------------------------
+
+    def summary(self) -> dict:
+        out = {
+            "async_exchanges": dict(self.exchanges),
+            "async_wait_s": round(self.wait_s, 3),
+            "async_version": self.version,
+        }
+        if self.service is not None:
+            syncer = self.service.syncer
+            out["async_merges"] = syncer.version
+            out["async_max_staleness"] = max(syncer.staleness, default=0)
+            out["async_mean_staleness"] = (
+                sum(syncer.staleness) / len(syncer.staleness) if syncer.staleness else 0.0
+            )
+        return out
+
+    def state_dict(self) -> dict:
+        if not self.all_in_sync and self.step > self.warmup_steps:
+            raise RuntimeError("asynchronous rounds checkpoint at meetings only")
+        state = super().state_dict()
+        state["async"] = {
+            "version": self.version, "clock": self.clock, "sent_samples": self.sent_samples,
+            "exchanges": dict(self.exchanges),
+        }  # fmt: skip
+        if self.service is not None:
+            with self.service.lock:
+                state["async"]["syncer"] = self.service.syncer.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        saved = state.get("async", {})
+        self.version = int(saved.get("version", 0))
+        self.clock = float(saved.get("clock", 0.0))
+        self.sent_samples = float(saved.get("sent_samples", 0.0))
+        self.exchanges.update(saved.get("exchanges", {}))
+        self._saved_syncer = saved.get("syncer")
+
+
+def _td(seconds: float):
+    from datetime import timedelta
+
+    return timedelta(seconds=seconds)

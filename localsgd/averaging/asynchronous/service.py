@@ -1,0 +1,270 @@
+"""The syncer's thread on rank 0 (`SyncerService`): it reads the workers' messages, orders
+them, merges, and answers each sender with the newest global model.
+
+**Order.** Under the modelled clock (`comm.simulate.worker_speed`/`step_s`) every message
+carries its modelled send time and the sender's next one (announced in advance: a worker's
+steps take a known time). The syncer handles the earliest time first, once no worker can still
+send anything earlier: the order is fixed by the model, never by the machine's load, and a run
+equals a one-process replay of that order. Messages of one time are handled together, in rank
+order. On the wall clock they are handled as they arrive.
+
+**A time's messages.** A worker *sends* (its inner phase ended) or *meets* (a checkpoint step
+or the end: every worker waits there for the others, and a meeting merges whatever is pending).
+Each sender is told to send its contribution (point-to-point), or, where every worker sends at
+one time, nothing is pending and none is stale, to join a synchronous round instead: the
+all-reduced mean, then this thread's outer step, then a broadcast (the synchronous rounds'
+bits). A merge runs once `min_quorum` workers have contributions pending, `grace_s` later
+(modelled seconds, or the wall clock's); a sender is answered right away with the global model
+as of its time, so nobody waits for a quorum. A meeting answers once every worker is there.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from localsgd.averaging.asynchronous.mailbox import Mailbox
+from localsgd.averaging.asynchronous.syncer import Arrival, Syncer
+
+SEND, MEET, ANNOUNCE, DONE = "send", "meet", "announce", "done"
+TAG_PAYLOAD, TAG_VALUES = 71, 72
+
+
+class SyncerService:
+    """The syncer's loop (rank 0, a thread beside its training). `size` workers; `modelled`:
+    messages carry modelled times; `group`: the point-to-point process group."""
+
+    def __init__(
+        self,
+        syncer: Syncer,
+        mailbox: Mailbox,
+        group: dist.ProcessGroup | None,
+        size: int,
+        *,
+        modelled: bool,
+        min_quorum: int,
+        grace_s: float,
+        collective_rounds: bool = True,
+    ):
+        self.syncer, self.mailbox, self.group, self.size = syncer, mailbox, group, size
+        self.modelled, self.min_quorum, self.grace_s = modelled, min_quorum, grace_s
+        self.collective_rounds = collective_rounds
+        self.lock = threading.Lock()
+        self.payload: queue.Queue = queue.Queue()  # rank 0's own contributions
+        self.values: queue.Queue = queue.Queue()  # ... and the global model sent to it
+        self.collective_done = threading.Event()
+        self.error: BaseException | None = None
+        self.seq = [0] * size
+        self.inbox: list[deque] = [deque() for _ in range(size)]
+        self.announced: list[float | None] = [None] * size
+        self.met: list[dict | None] = [None] * size
+        self.done = [False] * size
+        self.deadline: float | None = None
+        self.events: list[dict[str, Any]] = []  # what was merged, when (the run's record)
+        self.start_time = time.monotonic()
+        self.thread = threading.Thread(target=self._run, name="localsgd-syncer", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def alive(self) -> None:
+        """Raise the syncer thread's error (called by rank 0's training while it waits)."""
+        if self.error is not None:
+            raise RuntimeError(f"asynchronous rounds: the syncer failed: {self.error}")
+
+    def join(self, timeout_s: float) -> None:
+        self.thread.join(timeout_s)
+        self.alive()
+        if self.thread.is_alive():
+            raise TimeoutError("asynchronous rounds: the syncer did not finish (dist.timeout_s)")
+
+    # --- the loop ----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            idle_since = time.monotonic()
+            while not all(self.done):
+                moved = self._read()
+                while self._advance():
+                    moved = True
+                if moved:
+                    idle_since = time.monotonic()
+                else:
+                    if time.monotonic() - idle_since > self.mailbox.timeout_s:
+                        raise TimeoutError(
+                            f"no worker message for {self.mailbox.timeout_s:g} s (dist.timeout_s)"
+                        )
+                    time.sleep(0.0005)
+        except BaseException as e:  # raised in rank 0's training thread by `alive`
+            self.error = e
+
+    def _read(self) -> bool:
+        moved = False
+        for r in range(self.size):
+            while not self.done[r] and self.mailbox.has(f"h/{r}/{self.seq[r]}"):
+                header = self.mailbox.take(f"h/{r}/{self.seq[r]}")
+                header["seq"] = self.seq[r]
+                header["arrived"] = self._now()
+                self.seq[r] += 1
+                moved = True
+                if header["kind"] == ANNOUNCE:
+                    self.announced[r] = header["next"]
+                elif header["kind"] == DONE:
+                    self.done[r] = True
+                else:
+                    self.inbox[r].append(header)
+        return moved
+
+    def _now(self) -> float:
+        return time.monotonic() - self.start_time
+
+    def _advance(self) -> bool:
+        """Handle the next time's messages, a merge whose grace ran out, or a meeting every
+        worker reached; whether anything happened."""
+        live = [r for r in range(self.size) if not self.done[r]]
+        if live and all(self.met[r] is not None for r in live):
+            self._meet(live)
+            return True
+        times: dict[int, float] = {}
+        for r in live:
+            if self.met[r] is not None:
+                continue
+            if self.inbox[r]:
+                times[r] = self.inbox[r][0]["time" if self.modelled else "arrived"]
+            elif not self.modelled:
+                continue
+            elif self.announced[r] is None:
+                return False  # its next time is not known yet
+            else:
+                times[r] = self.announced[r]
+        now = min(times.values()) if times else math.inf
+        if not self.modelled:
+            now = min(now, self._now())
+        if self.deadline is not None and self.deadline < now:
+            self._merge(self.deadline)
+            return True
+        group = sorted(r for r, t in times.items() if t == now and self.inbox[r])
+        if not group or (
+            self.modelled and any(not self.inbox[r] for r in times if times[r] == now)
+        ):
+            return False
+        if not self.modelled:
+            group = group[:1]
+        self._handle(now, {r: self.inbox[r].popleft() for r in group})
+        return True
+
+    def _handle(self, now: float, headers: dict[int, dict]) -> None:
+        syncer = self.syncer
+        kinds = {h["kind"] for h in headers.values()}
+        for r, h in headers.items():
+            self.announced[r] = h["next"] if h["kind"] == SEND else None
+        kind = kinds.pop() if len(kinds) == 1 else None
+        samples = [h["samples"] for h in headers.values()]
+        if (
+            self.collective_rounds
+            and self.modelled
+            and len(headers) == self.size
+            and kind is not None
+            and not syncer.pending
+            and self.deadline is None
+            and all(h["version"] == syncer.version for h in headers.values())
+            and sum(samples) > 0
+            and (kind == MEET or (self.grace_s == 0 and self.size >= self.min_quorum))
+        ):
+            self._collective(now, headers, kind, samples)
+            return
+        for r in sorted(headers):
+            h = headers[r]
+            if h["samples"] > 0:
+                self.mailbox.put(f"d/{r}/{h['seq']}", {"do": "payload"})
+                tensors = self._receive(r)
+                syncer.add(Arrival(r, now, h["samples"], h["version"], tensors))
+            else:
+                self.mailbox.put(f"d/{r}/{h['seq']}", {"do": "wait"})
+        if self.deadline is None and syncer.workers_pending() >= self.min_quorum:
+            self.deadline = now + self.grace_s
+        if self.deadline is not None and self.deadline <= now:
+            self._merge(now)
+        for r, h in headers.items():
+            if h["kind"] == MEET:
+                self.met[r] = {**h, "at": now}
+            else:
+                self._answer(r, h, now)
+
+    def _collective(self, now: float, headers: dict, kind: str, samples: list) -> None:
+        """Every worker at one time, nothing pending: a synchronous round (see the module doc)."""
+        weighted = any(s != samples[0] for s in samples)
+        self.collective_done.clear()
+        for r, h in headers.items():
+            self.mailbox.put(
+                f"d/{r}/{h['seq']}",
+                {"do": "collective", "weighted": weighted, "time": now,
+                 "version": self.syncer.version + 1},
+            )  # fmt: skip
+        if not self.collective_done.wait(self.mailbox.timeout_s):
+            raise TimeoutError("the synchronous round's mean never came (dist.timeout_s)")
+        self._record(now, len(headers), [0] * len(headers), "collective" + (kind == MEET) * " meet")
+
+    def collective_merged(self, mean: list[torch.Tensor], samples: float) -> None:
+        """Rank 0's training thread, in a synchronous round: the all-reduced mean is in
+        `mean`; the outer step runs here and `mean` takes the new global model."""
+        with self.lock:
+            self.syncer.step_(mean, samples)
+            for m, v in zip(mean, self.syncer.values, strict=True):
+                m.copy_(v)
+        self.collective_done.set()
+
+    def _merge(self, at: float) -> None:
+        pending = self.syncer.pending
+        count, version = len(pending), self.syncer.version
+        staleness = [version - a.version for a in pending]
+        with self.lock:
+            merged = self.syncer.merge()
+        self.deadline = None
+        if merged:
+            self._record(at, count, staleness, "merge")
+
+    def _meet(self, live: list[int]) -> None:
+        at = max(self.met[r]["at"] for r in live)
+        if self.syncer.pending:
+            self._merge(at)
+        self.deadline = None
+        for r in live:
+            self._answer(r, self.met[r], at, values=True)
+            self.met[r] = None
+            self.announced[r] = None
+
+    def _answer(self, r: int, header: dict, at: float, values: bool = False) -> None:
+        values = values or header["version"] != self.syncer.version
+        self.mailbox.put(
+            f"r/{r}/{header['seq']}", {"version": self.syncer.version, "time": at, "values": values}
+        )
+        if not values:
+            return
+        if r == 0:
+            with self.lock:
+                self.values.put([v.clone() for v in self.syncer.values])
+            return
+        for v in self.syncer.values:
+            dist.send(v, dst=r, group=self.group, tag=TAG_VALUES)
+
+    def _receive(self, r: int) -> list[torch.Tensor]:
+        if r == 0:
+            return self.payload.get(timeout=self.mailbox.timeout_s)
+        tensors = [torch.empty_like(v) for v in self.syncer.values]
+        for t in tensors:
+            dist.recv(t, src=r, group=self.group, tag=TAG_PAYLOAD)
+        return tensors
+
+    def _record(self, at: float, count: int, staleness: list[int], how: str) -> None:
+        self.events.append(
+            {"time": round(at, 9), "version": self.syncer.version, "contributions": count,
+             "max_staleness": max(staleness, default=0), "how": how}
+        )  # fmt: skip

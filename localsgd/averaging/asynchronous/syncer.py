@@ -1,0 +1,99 @@
+"""The syncer's state: the global model, its outer optimizer and the contributions that have
+arrived but are not merged yet (`Syncer`). No communication here: `service` feeds it.
+
+A merge combines every pending contribution, each weighed by the samples it was trained on
+(`sum_i n_i g_i / sum_i n_i`, in arrival order), and takes one outer step with the result:
+`OuterSGD` over the global model, the same class and bits as the synchronous rounds' outer
+step, with torch's SGD (the synchronous step) or `DelayedNesterov` (the default for
+asynchronous rounds). A contribution trained from an older global model (stale by
+`version - its base version` merges) is merged as it is; Delayed Nesterov is what tames it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from localsgd.averaging.rounds.outer import Anchors, OuterSGD
+from localsgd.averaging.rounds.part import Part, Tensors
+
+
+@dataclass
+class Arrival:
+    """One worker's contribution (its pseudo-gradient, `anchor - local`), as it arrived."""
+
+    worker: int
+    time: float  # when it was sent: modelled seconds, or the syncer's clock
+    samples: float  # what it was trained on: its weight
+    version: int  # the global model's version it was trained from
+    tensors: Tensors
+
+
+class Syncer:
+    """The global model (`anchors.first`, laid out as the flat buffers), its outer optimizer
+    (`sgd`: lr, momentum, nesterov, warmup_rounds, optimizer) and the pending contributions.
+    `plain_first`: the first merge is a plain average (after a synchronous warmup, as the
+    synchronous rounds' first)."""
+
+    def __init__(self, buffers: Tensors, part: Part, sgd: dict, plain_first: bool = False):
+        self.part = part
+        self.anchors = Anchors([b.detach().clone() for b in buffers])
+        self.outer = OuterSGD([part], self.anchors, sgd)
+        self.plain_first = plain_first
+        self.version = 0  # merges so far: the global model's version
+        self.pending: list[Arrival] = []
+        self.merged_samples = 0.0
+        self.staleness: list[int] = []  # of every merged contribution, in merge order
+
+    @property
+    def values(self) -> Tensors:
+        """The global model, as flat buffers."""
+        return self.anchors.first
+
+    def add(self, arrival: Arrival) -> None:
+        self.pending.append(arrival)
+
+    def workers_pending(self) -> int:
+        return len({a.worker for a in self.pending})
+
+    def merge(self) -> bool:
+        """Merge every pending contribution; whether there was one."""
+        arrived = [a for a in self.pending if a.samples > 0]
+        self.pending = []
+        if not arrived:
+            return False
+        total = sum(a.samples for a in arrived)
+        mean = [torch.zeros_like(t) for t in arrived[0].tensors]
+        for a in arrived:
+            for m, g in zip(mean, a.tensors, strict=True):
+                m.add_(g, alpha=a.samples / total)
+        self.staleness += [self.version - a.version for a in arrived]
+        self.step_(mean, total)
+        return True
+
+    def step_(self, mean: Tensors, samples: float) -> None:
+        """One outer step by the combined pseudo-gradient `mean` (a merge's, or a synchronous
+        round's all-reduced one, `service.SyncerService.collective_merged`)."""
+        plain = self.plain_first and self.version == 0
+        self.outer.step_(0, self.part, mean, plain)
+        self.version += 1
+        self.merged_samples += samples
+
+    def state_dict(self) -> dict:
+        if self.pending:
+            raise RuntimeError("the syncer checkpoints between meetings only")
+        return {
+            **self.anchors.state_dict(),
+            "optimizers": self.outer.state_dict(),
+            "version": self.version,
+            "merged_samples": self.merged_samples,
+            "staleness": list(self.staleness),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.anchors.load_state_dict(state)
+        self.outer.load_state_dict(state["optimizers"])
+        self.version = int(state["version"])
+        self.merged_samples = float(state["merged_samples"])
+        self.staleness = [int(s) for s in state["staleness"]]

@@ -1,0 +1,225 @@
+"""Asynchronous outer rounds (`sync.mode=async`, `localsgd.averaging.asynchronous`).
+
+- Delayed Nesterov: N = 1 is torch's Nesterov SGD op for op; N = 2 follows the formula;
+- across 3 processes on their own modelled clocks, a run equals a one-process replay of the
+  order the model fixes (to 1e-6), stale contributions and ties between two workers included;
+- from the CLI: every worker equally fast with a quorum of all and the synchronous outer step
+  gives synchronous DiLoCo's model bit for bit (4 workers: the all-reduce's ring order); a run
+  on unequal clocks resumes exactly after a SIGKILL; bad keys are one line.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from localsgd.averaging.asynchronous import AsyncAverager, DelayedNesterov
+from tests.helpers import BASE, FAST, cli, killed_and_resumed, refusal, run_distributed, same_model
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_delayed_nesterov_with_one_merge_a_cycle_is_torch_sgd():
+    gen = torch.Generator().manual_seed(0)
+    start = torch.randn(50, generator=gen)
+    a, b = start.clone().requires_grad_(), start.clone().requires_grad_()
+    ours = DelayedNesterov([a], lr=0.7, momentum=0.9, delay=1)
+    torchs = torch.optim.SGD([b], lr=0.7, momentum=0.9, nesterov=True)
+    for _ in range(5):
+        g = torch.randn(50, generator=gen)
+        a.grad, b.grad = g.clone(), g.clone()
+        ours.step()
+        torchs.step()
+        assert torch.equal(a, b)
+
+
+def test_delayed_nesterov_moves_the_momentum_every_n_merges():
+    theta = torch.zeros(3, requires_grad=True)
+    opt = DelayedNesterov([theta], lr=0.5, momentum=0.9, delay=2)
+    g1, g2, g3 = torch.tensor([1.0, 0, 0]), torch.tensor([0, 2.0, 0]), torch.tensor([0, 0, 4.0])
+    expected, m = torch.zeros(3), torch.zeros(3)
+    for i, g in enumerate((g1, g2, g3), start=1):
+        theta.grad = g
+        opt.step()
+        if i == 2:  # the cycle's end: m <- 0.9 m + (g1 + g2) / 2, then g2 / 2 + 0.9 m
+            m = 0.9 * m + (g1 + g2) / 2
+            expected -= 0.5 * (g2 / 2 + 0.9 * m)
+        else:
+            expected -= 0.5 * g / 2
+        assert torch.allclose(theta.detach(), expected, atol=1e-7), (i, theta, expected)
+
+
+# --- the replay ------------------------------------------------------------------------------
+
+SPEEDS = [1.0, 2.0, 3.0]  # modelled seconds a step
+PERIOD, STEPS, BATCH, QUORUM, DELAY = 3, 24, 8, 2, 2
+OUTER = {"outer_lr": 0.7, "outer_momentum": 0.9, "outer_nesterov": True}
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Linear(4, 2)
+
+
+def _batch(rank: int, step: int):
+    gen = torch.Generator().manual_seed(1000 * rank + step)
+    x = torch.randn(BATCH, 4, generator=gen)
+    y = x @ torch.tensor([[1.0, -2.0], [0.5, 0.0], [0.0, 1.0], [2.0, 0.3]]) + 0.1 * rank
+    return x, y
+
+
+def _inner_step(model, opt, rank: int, step: int) -> None:
+    x, y = _batch(rank, step)
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+
+
+def _async_worker(rank: int, world_size: int):
+    torch.set_num_threads(1)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    averager = AsyncAverager(
+        PERIOD, module=model, store=dist.distributed_c10d._get_default_store(), run_id="replay",
+        max_steps=STEPS, min_quorum=QUORUM, outer_delay=DELAY, step_seconds=SPEEDS[rank],
+        timeout_s=60, **OUTER,
+    )  # fmt: skip
+    for step in range(STEPS):
+        _inner_step(model, opt, rank, step)
+        averager.trained(BATCH)
+        averager.maybe_average()
+    out = [p.detach().clone() for p in model.parameters()]
+    return out, averager.summary(), averager.service.events if rank == 0 else None
+
+
+def _replay() -> tuple[list[torch.Tensor], list[tuple]]:
+    """One process: the three workers' phases in the order of their modelled send times (ties
+    together, in rank order), the syncer's merges by hand (samples-weighted mean, Delayed
+    Nesterov with N = 2), the last step a meeting. Returns the final model and each merge's
+    (time, contributions)."""
+    models = [_model() for _ in SPEEDS]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in models]
+    theta = [p.detach().clone() for p in models[0].parameters()]
+    momentum = [torch.zeros_like(t) for t in theta]
+    buffered = [torch.zeros_like(t) for t in theta]
+    anchors = [[t.clone() for t in theta] for _ in SPEEDS]
+    base = [0] * len(SPEEDS)
+    version, merges, pending, log = 0, 0, [], []
+
+    def merge(at: float) -> None:
+        nonlocal version, merges
+        total = sum(n for _, n, _ in pending)
+        mean = [sum(g[i] * (n / total) for _, n, g in pending) for i in range(len(theta))]
+        merges += 1
+        for t, g, m, b in zip(theta, mean, momentum, buffered, strict=True):
+            b += g
+            if merges % DELAY == 0:
+                m.mul_(0.9).add_(b / DELAY)
+                t -= 0.7 * (g / DELAY + 0.9 * m)
+                b.zero_()
+            else:
+                t -= 0.7 * g / DELAY
+        log.append((at, len(pending)))
+        pending.clear()
+        version += 1
+
+    # every worker's send ticks: the phase ends after steps 0, 3, 6, ...; the last is a meeting
+    events = sorted(
+        ((step + 1) * s, r, step)
+        for r, s in enumerate(SPEEDS)
+        for step in range(STEPS)
+        if step % PERIOD == 0 or step == STEPS - 1
+    )
+    trained = [0] * len(SPEEDS)
+    i = 0
+    while i < len(events):
+        at = events[i][0]
+        group = [e for e in events if e[0] == at]
+        i += len(group)
+        meets = []
+        for _, r, step in group:
+            for s in range(trained[r], step + 1):
+                _inner_step(models[r], opts[r], r, s)
+            samples = BATCH * (step + 1 - trained[r])
+            trained[r] = step + 1
+            local = [p.detach() for p in models[r].parameters()]
+            pending.append((r, samples, [a - p for a, p in zip(anchors[r], local, strict=True)]))
+            if step == STEPS - 1:
+                meets.append(r)
+        if len({r for r, _, _ in pending}) >= QUORUM:
+            merge(at)
+        for _, r, step in group:
+            if r in meets:
+                continue
+            if base[r] != version:
+                anchors[r] = [t.clone() for t in theta]
+                base[r] = version
+            with torch.no_grad():
+                for p, a in zip(models[r].parameters(), anchors[r], strict=True):
+                    p.copy_(a)
+    if pending:  # the meeting merges what is left
+        merge(events[-1][0])
+    return theta, log
+
+
+@pytest.mark.slow
+def test_a_run_on_modelled_clocks_equals_the_one_process_replay_of_its_order():
+    results = run_distributed(_async_worker, 3, timeout_s=90)
+    expected, log = _replay()
+    for out, _, _ in results:  # every worker ends on the final global model
+        for got, want in zip(out, expected, strict=True):
+            assert torch.allclose(got, want, atol=1e-6, rtol=0), (got - want).abs().max()
+    events = results[0][2]
+    assert [(e["time"], e["contributions"]) for e in events] == log
+    assert max(e["max_staleness"] for e in events) >= 1  # stale contributions were merged
+    assert any(e["contributions"] >= 2 for e in events)  # a tie between two workers
+    assert results[0][1]["async_merges"] == len(log)
+
+
+# --- from the CLI ----------------------------------------------------------------------------
+
+# 4 workers: the synchronous all-reduce sums in gloo's ring order, which a mean formed
+# anywhere else would not reproduce to the bit; rounds after steps 3, 7, ..., 23 and
+# checkpoints after 8, 16 and 24 steps (meetings, which coincide with rounds)
+SAME = FAST + [
+    "dist.world_size=4", "trainer.max_steps=24", "sync.warmup_steps=3", "sync.period=4",
+    "sync.outer=diloco", "trainer.checkpoint_every=8", "trainer.eval_every=1000",
+    "data.num_samples=800", "model.hidden=[16]",
+]  # fmt: skip
+EQUAL_CLOCKS = ["sync.mode=async", "sync.min_quorum=4", "sync.outer_delay=1",
+                "comm.simulate.worker_speed=[1,1,1,1]", "comm.simulate.step_s=0.001"]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_equal_clocks_with_a_full_quorum_are_synchronous_diloco_bit_for_bit(tmp_path):
+    sync_dir, async_dir = tmp_path / "sync", tmp_path / "async"
+    proc, _ = cli(SAME + [f"hydra.run.dir={sync_dir}"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc, _ = cli(SAME + EQUAL_CLOCKS + [f"hydra.run.dir={async_dir}"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert same_model(sync_dir / "model.pt", async_dir / "model.pt")
+
+
+@pytest.mark.slow
+def test_an_asynchronous_run_resumes_exactly_after_a_kill(tmp_path):
+    # checkpoints every 5 steps are meetings; the kill comes after the one at step 10
+    args = BASE + ["sync.outer=diloco", "sync.mode=async", "comm.simulate.worker_speed=[1,3]",
+                   "comm.simulate.step_s=0.002"]  # fmt: skip
+    reference, _ = killed_and_resumed(args, tmp_path)
+    again = tmp_path / "again"
+    proc, _ = cli(args + [f"hydra.run.dir={again}"])  # the same seed: the same model
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert same_model(again / "model.pt", reference / "model.pt")
+
+
+@pytest.mark.parametrize(
+    "args, names",
+    [
+        (["sync.mode=async", "sync.min_quorum=5", "dist.world_size=4"], "sync.min_quorum"),
+        (["sync.mode=async", "sync.outer_delay=0"], "sync.outer_delay"),
+        (["sync.mode=asynchronous"], "sync.mode"),
+    ],
+)
+def test_bad_asynchronous_keys_are_one_line(args, names, capsys):
+    assert names in refusal(FAST + args, capsys)
