@@ -149,7 +149,7 @@ def _replay() -> tuple[list[torch.Tensor], list[tuple]]:
                 meets.append(r)
         if len({r for r, _, _ in pending}) >= QUORUM:
             merge(at)
-        for _, r, step in group:
+        for _, r, _step in group:
             if r in meets:
                 continue
             if base[r] != version:
