@@ -507,8 +507,10 @@ REFUSALS: tuple[Refusal, ...] = (
         ("sync.mode", "sync.optimizer_state", "sync.schedule"),
         "sync.mode=async with sync.optimizer_state other than local or a sync.schedule other "
         "than constant",
-        lambda f: f.plan.mode == "async"
-        and (f.plan.optimizer_state != "local" or f.plan.schedule != "constant"),
+        lambda f: (
+            f.plan.mode == "async"
+            and (f.plan.optimizer_state != "local" or f.plan.schedule != "constant")
+        ),
         DESIGN,
         "both act at rounds every worker takes part in, and asynchronous rounds have none "
         "between meetings",
@@ -518,8 +520,9 @@ REFUSALS: tuple[Refusal, ...] = (
         ("sync.mode", "ft.backend", "dist.shard_size", "dist.virtual_workers", "comm.disabled"),
         "sync.mode=async with ft=torchft, dist.shard_size > 1, dist.virtual_workers or "
         "comm.disabled=true",
-        lambda f: f.plan.mode == "async"
-        and (f.ft or f.shard_size > 1 or f.virtual or f.comm_disabled),
+        lambda f: (
+            f.plan.mode == "async" and (f.ft or f.shard_size > 1 or f.virtual or f.comm_disabled)
+        ),
         UNAVAILABLE,
         "the syncer is a thread on rank 0 talking to every worker point-to-point over "
         "torch.distributed; torchft's quorums, shard groups and virtual workers have no such "
