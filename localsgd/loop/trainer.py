@@ -79,7 +79,12 @@ class Trainer:
         # the strategy: warmup, averaging, drift, fault tolerance; every rank starts from rank
         # 0's model
         self.sync = build_synchroniser(
-            c, info, self.model, self.optimizer, self.sharding, held_out=self.held_out_loss,
+            c,
+            info,
+            self.model,
+            self.optimizer,
+            self.sharding,
+            held_out=self.held_out_loss,
             store=store,
         )
         # which ticks compute (sync.inner_time_s, comm.simulate.worker_speed; loop/pacing.py)
