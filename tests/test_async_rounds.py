@@ -82,12 +82,13 @@ def _async_worker(rank: int, world_size: int):
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     averager = AsyncAverager(
         PERIOD, module=model, store=dist.distributed_c10d._get_default_store(), run_id="replay",
-        max_steps=STEPS, min_quorum=QUORUM, outer_delay=DELAY, step_seconds=SPEEDS[rank],
+        max_steps=STEPS, min_quorum=QUORUM, outer_delay=DELAY, step_s=1.0, speed=SPEEDS[rank],
         timeout_s=60, **OUTER,
     )  # fmt: skip
     for step in range(STEPS):
-        _inner_step(model, opt, rank, step)
-        averager.trained(BATCH)
+        if averager.computes():
+            _inner_step(model, opt, rank, step)
+            averager.trained(BATCH)
         averager.maybe_average()
     out = [p.detach().clone() for p in model.parameters()]
     return out, averager.summary(), averager.service.events if rank == 0 else None
@@ -124,13 +125,20 @@ def _replay() -> tuple[list[torch.Tensor], list[tuple]]:
         pending.clear()
         version += 1
 
-    # every worker's send ticks: the phase ends after steps 0, 3, 6, ...; the last is a meeting
-    events = sorted(
-        ((step + 1) * s, r, step)
-        for r, s in enumerate(SPEEDS)
-        for step in range(STEPS)
-        if step % PERIOD == 0 or step == STEPS - 1
-    )
+    # worker r computes a tick where its next step ends by it (the modelled clock), and sends
+    # after its first step and every PERIOD of its own steps; the last tick is a meeting
+    events, todo = [], [[] for _ in SPEEDS]
+    for r, speed in enumerate(SPEEDS):
+        done = 0
+        for tick in range(STEPS):
+            if (done + 1) * speed <= tick + 1:
+                done += 1
+                todo[r].append(tick)
+                if (done - 1) % PERIOD == 0 and tick != STEPS - 1:
+                    events.append((done * speed, r, tick))
+            if tick == STEPS - 1:
+                events.append((done * speed, r, tick))
+    events.sort()
     trained = [0] * len(SPEEDS)
     i = 0
     while i < len(events):
@@ -139,9 +147,10 @@ def _replay() -> tuple[list[torch.Tensor], list[tuple]]:
         i += len(group)
         meets = []
         for _, r, step in group:
-            for s in range(trained[r], step + 1):
-                _inner_step(models[r], opts[r], r, s)
-            samples = BATCH * (step + 1 - trained[r])
+            ticks = [t for t in todo[r] if trained[r] <= t <= step]
+            for t in ticks:
+                _inner_step(models[r], opts[r], r, t)
+            samples = BATCH * len(ticks)
             trained[r] = step + 1
             local = [p.detach() for p in models[r].parameters()]
             pending.append((r, samples, [a - p for a, p in zip(anchors[r], local, strict=True)]))

@@ -161,7 +161,7 @@ def build_synchroniser(
 def _asynchronous(cfg: Config, info: WorkerInfo, store: dist.Store | None) -> dict:
     """`AsyncAverager`'s arguments beyond the sync config: the store its messages go through,
     the run's attempt (their keys), the meetings (checkpoint steps and the last) and this
-    worker's modelled step length (`comm.simulate.worker_speed` x `step_s`; None: wall clock)."""
+    worker's modelled speed (`comm.simulate.worker_speed`, `step_s`; none: the wall clock)."""
     if store is None:
         raise ValueError("sync.mode=async needs the rendezvous store")
     sim = cfg.comm.simulate
@@ -171,6 +171,7 @@ def _asynchronous(cfg: Config, info: WorkerInfo, store: dist.Store | None) -> di
         "run_id": str(info.attempt),
         "max_steps": cfg.trainer.max_steps,
         "meet_every": cfg.trainer.checkpoint_every,
-        "step_seconds": float(speeds[info.rank]) * sim.step_s if speeds else None,
+        "step_s": sim.step_s if speeds else None,
+        "speed": float(speeds[info.rank]) if speeds else 1.0,
         "timeout_s": cfg.dist.timeout_s,
     }

@@ -29,6 +29,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from localsgd.averaging.asynchronous.clock import computes
+
 # the modelled clock sums floats: a round of exactly T seconds of steps still fits
 _FITS = 1 + 1e-9
 
@@ -42,6 +44,7 @@ class Pacer:
         speed: float = 1.0,
         step_s: float | None = None,
         sleeps: bool = True,
+        by_ticks: bool = False,
     ):
         self.budget = inner_time_s  # None: every tick computes
         self.speed = speed
@@ -49,6 +52,11 @@ class Pacer:
         # modelled: a step sleeps out what its compute did not take (so the others wait as
         # they would); virtual workers take turns on one clock, where nobody waits: no sleep
         self.sleeps = sleeps
+        # asynchronous rounds' modelled clock: a tick computes where this worker's next step
+        # ends by it (`localsgd.averaging.asynchronous.clock`); counted from the warmup's end
+        self.by_ticks = by_ticks
+        self.ticks = 0
+        self.paced = 0
         self.round_seconds = 0.0  # modelled (or measured) seconds computed in this round
         self.round_samples = 0  # samples trained on in this round: the average's weight
         self.samples = 0  # ... and in every round (a fragment weighs what it gained since its sync)
@@ -68,8 +76,14 @@ class Pacer:
         return self.budget is not None or self.modelled
 
     def computes(self) -> bool:
-        """Whether the next tick computes its step: always without a budget; else while this
-        round's time, plus the step's, fits in the budget."""
+        """Whether the next tick computes its step (asked once per tick past the warmup): under
+        asynchronous rounds' modelled clock where this worker's step ends by the tick; else
+        always without a budget, or while this round's time, plus the step's, fits in it."""
+        if self.by_ticks and self.modelled:
+            fits = computes(self.paced, self.ticks, self.speed)
+            self.ticks += 1
+            self.paced += fits
+            return fits
         if self.budget is None:
             return True
         if self.modelled:
@@ -112,6 +126,8 @@ class Pacer:
             "samples": self.samples,
             "computed_steps": self.computed_steps,
             "idle_steps": self.idle_steps,
+            "ticks": self.ticks,
+            "paced": self.paced,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -120,6 +136,7 @@ class Pacer:
         self.samples = int(state.get("samples", 0))
         self.computed_steps = int(state["computed_steps"])
         self.idle_steps = int(state["idle_steps"])
+        self.ticks, self.paced = int(state.get("ticks", 0)), int(state.get("paced", 0))
         self.round_start = time.perf_counter() - (0.0 if self.modelled else self.round_seconds)
 
     @staticmethod
@@ -138,7 +155,8 @@ def build_pacer(cfg: Any, rank: int) -> Pacer:
     sim = cfg.comm.simulate
     speeds = sim.worker_speed
     budget = cfg.sync.inner_time_s
-    if cfg.sync.mode == "async":  # nobody waits: a phase's budget is the averager's rule
+    asynchronous = cfg.sync.mode == "async"
+    if asynchronous:  # nobody waits: a phase's budget is the averager's rule
         budget = None
     if budget is not None:
         budget /= cfg.sync.fragments
@@ -147,6 +165,7 @@ def build_pacer(cfg: Any, rank: int) -> Pacer:
         float(speeds[rank]) if speeds else 1.0,
         sim.step_s if speeds else None,
         sleeps=cfg.dist.virtual_workers is None,
+        by_ticks=asynchronous,
     )
 
 

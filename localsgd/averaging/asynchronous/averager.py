@@ -11,7 +11,7 @@ worker then holds the same model to save) and at the last step, which leaves eve
 the final global model. A worker that was away catches up at its next exchange: the answer
 carries the global model whenever it changed since its own base.
 
-Under the modelled clock (`step_seconds`: this worker's modelled seconds a step) the order of
+Under the modelled clock (`step_s`, `speed`: `clock`) the order of
 the syncer's merges is fixed: with every worker equally fast, a quorum of all of them and the
 synchronous outer step, every round is a synchronous one and the run is today's synchronous
 DiLoCo, bit for bit.
@@ -25,6 +25,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from localsgd.averaging.asynchronous.clock import FITS, computes
 from localsgd.averaging.asynchronous.mailbox import Mailbox
 from localsgd.averaging.asynchronous.service import (
     ANNOUNCE,
@@ -39,16 +40,17 @@ from localsgd.averaging.asynchronous.syncer import Syncer
 from localsgd.averaging.outer import OuterAverager
 from localsgd.averaging.rounds.part import views
 
-_FITS = 1 + 1e-9  # modelled seconds are summed floats: a phase of exactly the budget fits
-
 
 class AsyncAverager(OuterAverager):
     """`OuterAverager`'s rounds, asynchronous (see the module doc). `store`: the rendezvous
     store (messages); `run_id` keys them; `min_quorum`, `grace_s`: when the syncer merges;
     `outer_delay`: Delayed Nesterov's N (None: the synchronous outer step, torch's SGD);
-    `inner_time_s`: the phase by time, not by `period`; `step_seconds`: the modelled clock
-    (None: the wall clock); `meet_every` (0: only at the end) and `max_steps`: the meetings;
-    `timeout_s`: every wait's limit. The other keywords are `OuterAverager`'s."""
+    `inner_time_s`: the phase by time, not by `period` steps; `step_s` and `speed`: the
+    modelled clock (`clock`: a step lasts speed x step_s, and a slower worker computes fewer
+    of the ticks; None: the wall clock, every tick computes); `meet_every` (0: only at the
+    end) and `max_steps`: the meetings; `timeout_s`: every wait's limit. The other keywords are
+    `OuterAverager`'s. Call `computes()` before each step (whether to train it) and
+    `maybe_average()` after every tick."""
 
     def __init__(
         self,
@@ -64,7 +66,8 @@ class AsyncAverager(OuterAverager):
         grace_s: float = 0.0,
         outer_delay: int | None = None,
         inner_time_s: float | None = None,
-        step_seconds: float | None = None,
+        step_s: float | None = None,
+        speed: float = 1.0,
         meet_every: int = 0,
         timeout_s: float = 300.0,
         **outer,
@@ -78,8 +81,9 @@ class AsyncAverager(OuterAverager):
         if grace_s < 0:
             raise ValueError(f"sync.grace_s must be >= 0, got {grace_s}")
         self.rank, self.max_steps, self.meet_every = rank, max_steps, meet_every
-        self.inner_time_s, self.step_seconds = inner_time_s, step_seconds
-        self.modelled = step_seconds is not None
+        self.inner_time_s, self.speed = inner_time_s, speed
+        self.modelled = step_s is not None
+        self.step_seconds = speed * step_s if step_s is not None else None
         self.timeout_s = timeout_s
         # tensors move on a group of their own, so that a thread's sends never meet the
         # training's collectives; its timeout is the run's
@@ -88,6 +92,8 @@ class AsyncAverager(OuterAverager):
         self.seq = 0
         self.version = 0  # the global model's version this worker's anchor holds
         self.clock = 0.0  # modelled seconds since the warmup (or wall seconds)
+        self.ticks = 0  # ticks since the warmup ...
+        self.computed = 0  # ... and the ones this worker computed
         self.phase_steps = 0
         self.phase_time = 0.0
         self.phase_samples = 0.0
@@ -127,25 +133,35 @@ class AsyncAverager(OuterAverager):
             self.meet_every > 0 and (step + 1) % self.meet_every == 0
         )
 
-    def _phase_ends(self, step: int) -> bool:
-        """Whether this worker's inner phase ends after step `step` (its clock already moved)."""
+    def computes(self) -> bool:
+        """Whether this worker trains the next tick (`clock.computes`; always on the wall clock
+        and in the warmup)."""
+        if not self.modelled or self.step < self.warmup_steps:
+            return True
+        return computes(self.computed, self.ticks, self.speed)
+
+    def _phase_ends(self, done: int, steps: int, phase_time: float) -> bool:
+        """Whether an inner phase of `steps` computed steps lasting `phase_time`, `done` steps
+        computed in all, ends there: by steps, after the first and then every `period`
+        (torch's rule, as the synchronous rounds'), or by time, where the next step would not
+        fit in `inner_time_s`."""
         if self.inner_time_s is None:
-            return self.due(step)
-        ahead = self.step_seconds if self.modelled else self.phase_time / max(1, self.phase_steps)
-        return self.phase_time + ahead > self.inner_time_s * _FITS
+            return (done - 1) % self.period == 0
+        ahead = self.step_seconds if self.modelled else phase_time / max(1, steps)
+        return phase_time + ahead > self.inner_time_s * FITS
 
     def _next_time(self, step: int) -> float:
         """The modelled time of this worker's next message after step `step`, where its phase
-        starts afresh: a tick lasts `step_seconds` whatever it did, so it is known in advance."""
-        clock, phase = self.clock, 0.0
+        starts afresh: which ticks it computes, and so when it sends, is known in advance."""
+        clock, done, steps, phase = self.clock, self.computed, 0, 0.0
         for s in range(step + 1, self.max_steps):
-            clock += self.step_seconds
-            phase += self.step_seconds
-            if self._meets(s) or (
-                self.due(s)
-                if self.inner_time_s is None
-                else phase + self.step_seconds > self.inner_time_s * _FITS
-            ):
+            if computes(done, s - self.warmup_steps, self.speed):
+                done, steps = done + 1, steps + 1
+                clock += self.step_seconds
+                phase += self.step_seconds
+                if self._phase_ends(done, steps, phase) and not self._meets(s):
+                    return clock
+            if self._meets(s):
                 return clock
         return math.inf
 
@@ -171,17 +187,20 @@ class AsyncAverager(OuterAverager):
             return False
         if not self.announced:
             self._start()
+        did = self.computes()
         now = time.perf_counter()
-        tick = self.step_seconds if self.modelled else now - self._tick_start
-        self._tick_start = now
-        self.clock += tick
-        self.phase_time += tick
-        self.phase_steps += 1
+        self.ticks += 1
+        if did:
+            tick = self.step_seconds if self.modelled else now - self._tick_start
+            self.computed += 1
+            self.phase_steps += 1
+            self.clock += tick
+            self.phase_time += tick
         acted = False
         if self._meets(step):
             self._exchange(MEET, step)
             acted = True
-        elif self._phase_ends(step):
+        elif did and self._phase_ends(self.computed, self.phase_steps, self.phase_time):
             self._exchange(SEND, step)
             acted = True
         self.step += 1
@@ -304,9 +323,9 @@ class AsyncAverager(OuterAverager):
         start = time.perf_counter()
         if self.rank == 0:
             self.service.payload.put([w.detach().clone() for w in work])
-        else:
+        else:  # through host memory: the point-to-point group is gloo's, on every device
             for w in work:
-                dist.send(w.contiguous(), dst=0, group=self.p2p, tag=TAG_PAYLOAD)
+                dist.send(w.detach().cpu().contiguous(), dst=0, group=self.p2p, tag=TAG_PAYLOAD)
         self.stats.bytes += sum(w.numel() * w.element_size() for w in work)
         self.stats.seconds += time.perf_counter() - start
 
@@ -317,7 +336,14 @@ class AsyncAverager(OuterAverager):
                 w.copy_(v)
             return
         for w in work:
-            dist.recv(w, src=0, group=self.p2p, tag=TAG_VALUES)
+            host = (
+                w
+                if w.device.type == "cpu" and w.is_contiguous()
+                else torch.empty_like(w, device="cpu")
+            )
+            dist.recv(host, src=0, group=self.p2p, tag=TAG_VALUES)
+            if host is not w:
+                w.copy_(host)
 
     # --- state ----------------------------------------------------------------------------------
 
@@ -342,7 +368,7 @@ class AsyncAverager(OuterAverager):
         state = super().state_dict()
         state["async"] = {
             "version": self.version, "clock": self.clock, "sent_samples": self.sent_samples,
-            "exchanges": dict(self.exchanges),
+            "exchanges": dict(self.exchanges), "ticks": self.ticks, "computed": self.computed,
         }  # fmt: skip
         if self.service is not None:
             with self.service.lock:
@@ -354,6 +380,8 @@ class AsyncAverager(OuterAverager):
         saved = state.get("async", {})
         self.version = int(saved.get("version", 0))
         self.clock = float(saved.get("clock", 0.0))
+        self.ticks = int(saved.get("ticks", 0))
+        self.computed = int(saved.get("computed", 0))
         self.sent_samples = float(saved.get("sent_samples", 0.0))
         self.exchanges.update(saved.get("exchanges", {}))
         self._saved_syncer = saved.get("syncer")

@@ -252,16 +252,19 @@ class SyncerService:
             with self.lock:
                 self.values.put([v.clone() for v in self.syncer.values])
             return
-        for v in self.syncer.values:
+        with self.lock:  # host copies: the point-to-point group is gloo's, on every device
+            hosted = [v.detach().cpu().contiguous() for v in self.syncer.values]
+        for v in hosted:
             dist.send(v, dst=r, group=self.group, tag=TAG_VALUES)
 
     def _receive(self, r: int) -> list[torch.Tensor]:
         if r == 0:
             return self.payload.get(timeout=self.mailbox.timeout_s)
-        tensors = [torch.empty_like(v) for v in self.syncer.values]
+        tensors = [torch.empty_like(v, device="cpu") for v in self.syncer.values]
         for t in tensors:
             dist.recv(t, src=r, group=self.group, tag=TAG_PAYLOAD)
-        return tensors
+        device = self.syncer.values[0].device
+        return [t.to(device) for t in tensors]
 
     def _record(self, at: float, count: int, staleness: list[int], how: str) -> None:
         self.events.append(
