@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from localsgd.averaging.asynchronous import AsyncAverager, DelayedNesterov
+from tests.faults import override
 from tests.helpers import BASE, FAST, cli, killed_and_resumed, refusal, run_distributed, same_model
 
 pytestmark = pytest.mark.timeout(120)
@@ -220,6 +221,23 @@ def test_an_asynchronous_run_resumes_exactly_after_a_kill(tmp_path):
     proc, _ = cli(args + [f"hydra.run.dir={again}"])  # the same seed: the same model
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert same_model(again / "model.pt", reference / "model.pt")
+
+
+@pytest.mark.slow
+def test_sigterm_stops_at_the_next_meeting_and_the_same_command_resumes(tmp_path):
+    # checkpoints (meetings) after steps 5, 10, 15, 20, 24; SIGTERM reaches the launcher at
+    # step 11, after the syncs of 10: the workers stop at the meeting of 15
+    args = BASE + ["sync.outer=diloco", "sync.mode=async", "comm.simulate.worker_speed=[1,3]",
+                   "comm.simulate.step_s=0.002"]  # fmt: skip
+    reference, run_dir = tmp_path / "reference", tmp_path / "run"
+    proc, _ = cli(args + [f"hydra.run.dir={reference}"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc, left = cli(args + [f"hydra.run.dir={run_dir}", override("sigterm:0:11")])
+    assert proc.returncode == 143 and not left, proc.stderr[-3000:]
+    assert "stopped after step 15 with a checkpoint" in proc.stderr, proc.stderr[-3000:]
+    proc, _ = cli(args + [f"hydra.run.dir={run_dir}"])
+    assert proc.returncode == 0 and "step-15" in proc.stderr, proc.stderr[-3000:]
+    assert same_model(run_dir / "model.pt", reference / "model.pt")
 
 
 @pytest.mark.parametrize(
