@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from localsgd.averaging.asynchronous import AsyncAverager, DelayedNesterov
+from localsgd.averaging.trust.robust import Aggregate
 from tests.faults import override
 from tests.helpers import BASE, FAST, cli, killed_and_resumed, refusal, run_distributed, same_model
 
@@ -185,6 +186,47 @@ def test_a_run_on_modelled_clocks_equals_the_one_process_replay_of_its_order():
     assert max(e["max_staleness"] for e in events) >= 1  # stale contributions were merged
     assert any(e["contributions"] >= 2 for e in events)  # a tie between two workers
     assert results[0][1]["async_merges"] == len(log)
+
+
+def _robust_worker(rank: int, world_size: int):
+    """One phase of one step, ending in the meeting: worker 1 sends NaN, worker 3 a change
+    100x too large; the syncer's median over what is finite. Returns the model, each worker's
+    contribution (as sent) and the summary."""
+    torch.set_num_threads(1)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    averager = AsyncAverager(
+        PERIOD, module=model, store=dist.distributed_c10d._get_default_store(), run_id="robust",
+        max_steps=1, min_quorum=4, outer_delay=1, step_s=1.0, timeout_s=60,
+        aggregate=Aggregate("median"), **OUTER,
+    )  # fmt: skip
+    start = [p.detach().clone() for p in model.parameters()]
+    _inner_step(model, opt, rank, 0)
+    with torch.no_grad():
+        if rank == 1:
+            model.weight[0, 0] = float("nan")
+        if rank == 3:
+            for p, s in zip(model.parameters(), start, strict=True):
+                p.copy_(s + 100 * (p - s))
+    sent = [s - p.detach() for p, s in zip(model.parameters(), start, strict=True)]
+    averager.trained(BATCH)
+    averager.maybe_average()
+    return [p.detach().clone() for p in model.parameters()], sent, averager.summary()
+
+
+@pytest.mark.slow
+def test_the_syncer_drops_non_finite_contributions_and_takes_a_robust_rule():
+    results = run_distributed(_robust_worker, 4, timeout_s=90)
+    model = _model()
+    start = [p.detach().clone() for p in model.parameters()]
+    kept = [results[r][1] for r in (0, 2, 3)]
+    median = [torch.stack(rows).median(dim=0).values for rows in zip(*kept, strict=True)]
+    # the first outer step of torch's Nesterov SGD: momentum buffer = g, step lr (g + 0.9 g)
+    expected = [s - 0.7 * (g + 0.9 * g) for s, g in zip(start, median, strict=True)]
+    for out, _, _ in results:
+        for got, want in zip(out, expected, strict=True):
+            assert torch.allclose(got, want, atol=1e-6, rtol=0), (got - want).abs().max()
+    assert results[0][2]["async_dropped_nonfinite"] == [[1, 1.0]]
 
 
 # --- from the CLI ----------------------------------------------------------------------------

@@ -257,7 +257,8 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal(
         ("sync.aggregate", "sync.score", "sync.inner_time_s"),
         "sync.aggregate other than mean, or sync.score=true, with sync.inner_time_s",
-        lambda f: _gathered(f) and f.budget,
+        # (asynchronous merges under a robust rule weigh nobody: refused by sync.score alone)
+        lambda f: _gathered(f) and f.budget and f.plan.mode == "sync",
         DESIGN,
         "a weighted round weighs each worker by the samples it reports of itself, which an "
         "untrusted worker could inflate",
@@ -493,15 +494,23 @@ REFUSALS: tuple[Refusal, ...] = (
         "set sync.mode=sync, or drop those keys",
     ),
     Refusal(
-        ("sync.mode", "sync.comm_dtype", "sync.compress", "sync.aggregate", "sync.score"),
-        "sync.mode=async with a lossy wire or a robust combine (sync.comm_dtype, sync.compress, "
-        "sync.aggregate, sync.score)",
-        lambda f: f.plan.mode == "async" and (f.lossy or f.plan.gathered),
+        ("sync.mode", "sync.comm_dtype", "sync.compress"),
+        "sync.mode=async with a lossy wire (sync.comm_dtype other than float32, or "
+        "sync.compress=topk)",
+        lambda f: f.plan.mode == "async" and f.lossy,
         DESIGN,
-        "the syncer merges fp32 contributions by their samples; low-bit, sparse and robust "
-        "merges are not built for it yet",
-        "set sync.mode=sync, or sync.comm_dtype=float32 sync.compress=none sync.aggregate=mean "
-        "sync.score=false",
+        "the syncer receives each contribution whole, point-to-point; low-bit and sparse "
+        "messages to it are not built yet",
+        "set sync.mode=sync, or sync.comm_dtype=float32 sync.compress=none",
+    ),
+    Refusal(
+        ("sync.mode", "sync.score"),
+        "sync.mode=async with sync.score=true",
+        lambda f: f.plan.mode == "async" and f.plan.score,
+        DESIGN,
+        "scoring judges every worker's contribution of one round on one batch, and "
+        "asynchronous merges hold whichever contributions have arrived",
+        "set sync.mode=sync, or sync.score=false (sync.aggregate works asynchronously)",
     ),
     Refusal(
         ("sync.mode", "sync.optimizer_state", "sync.schedule"),

@@ -229,6 +229,7 @@ def build_averager(
             outer_delay=delay if momentum and delay > 1 else None,
             inner_time_s=sync.inner_time_s,
             drop_nonfinite=plan.drop_nonfinite,
+            aggregate=trust.get("aggregate"),
             **(asynchronous or {}),
         )
         weighted = normalized = False  # the syncer weighs every contribution by its samples

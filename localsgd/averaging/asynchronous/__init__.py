@@ -5,6 +5,7 @@
 - `service`: `SyncerService`, the syncer's thread on rank 0: the order of the messages, the
   quorum and grace window, synchronous rounds where every worker arrives at once;
 - `syncer`: `Syncer`, the global model, its outer optimizer and the pending contributions;
+- `clock`: the modelled clock, which ticks a slower worker computes;
 - `delayed_nesterov`: `DelayedNesterov`, the staleness-aware outer step;
 - `mailbox`: `Mailbox`, messages through the rendezvous store.
 """

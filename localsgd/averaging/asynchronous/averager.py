@@ -39,6 +39,7 @@ from localsgd.averaging.asynchronous.service import (
 from localsgd.averaging.asynchronous.syncer import Syncer
 from localsgd.averaging.outer import OuterAverager
 from localsgd.averaging.rounds.part import views
+from localsgd.averaging.trust.robust import Aggregate
 
 
 class AsyncAverager(OuterAverager):
@@ -70,9 +71,13 @@ class AsyncAverager(OuterAverager):
         speed: float = 1.0,
         meet_every: int = 0,
         timeout_s: float = 300.0,
+        aggregate: Aggregate | None = None,
         **outer,
     ):
+        # the workers' own rounds are the mean's (a synchronous round's all-reduce); a robust
+        # rule is the syncer's, over the contributions it holds one by one
         super().__init__(period, warmup_steps, process_group, module=module, **outer)
+        self.aggregate = aggregate
         size, rank = self.world_size, dist.get_rank(process_group)
         if not 1 <= min_quorum <= size:
             raise ValueError(
@@ -221,13 +226,14 @@ class AsyncAverager(OuterAverager):
             # the global model every worker's anchor holds (its last answer, or the start)
             syncer = Syncer(
                 self.rounds.anchors.first, self.rounds.parts[0], self.syncer_sgd,
-                self.warmup_steps > 0,
+                self.warmup_steps > 0, self.aggregate,
             )  # fmt: skip
             if self._saved_syncer is not None:
                 syncer.load_state_dict(self._saved_syncer)
             self.service = SyncerService(
                 syncer, self.mailbox, self.p2p, self.world_size, modelled=self.modelled,
                 min_quorum=self._syncer_args[0], grace_s=self._syncer_args[1],
+                collective_rounds=self.aggregate is None,
             )  # fmt: skip
             self.service.start()
         self._send_header(ANNOUNCE, next=self._next_time(self.step - 1) if self.modelled else None)
@@ -357,6 +363,7 @@ class AsyncAverager(OuterAverager):
             syncer = self.service.syncer
             out["async_merges"] = syncer.version
             out["async_max_staleness"] = max(syncer.staleness, default=0)
+            out["async_dropped_nonfinite"] = [list(d) for d in syncer.dropped]
             out["async_mean_staleness"] = (
                 sum(syncer.staleness) / len(syncer.staleness) if syncer.staleness else 0.0
             )

@@ -2,7 +2,10 @@
 arrived but are not merged yet (`Syncer`). No communication here: `service` feeds it.
 
 A merge combines every pending contribution, each weighed by the samples it was trained on
-(`sum_i n_i g_i / sum_i n_i`, in arrival order), and takes one outer step with the result:
+(`sum_i n_i g_i / sum_i n_i`, in arrival order), or by a robust rule (`aggregate`: clip,
+trimmed mean, median, sign; `localsgd.averaging.trust.robust`, unweighted: an untrusted worker
+could inflate the samples it reports), and takes one outer step with the result. A contribution
+holding NaN or Inf is dropped from its merge (`dropped`), as from every synchronous round:
 `OuterSGD` over the global model, the same class and bits as the synchronous rounds' outer
 step, with torch's SGD (the synchronous step) or `DelayedNesterov` (the default for
 asynchronous rounds). A contribution trained from an older global model (stale by
@@ -17,6 +20,7 @@ import torch
 
 from localsgd.averaging.rounds.outer import Anchors, OuterSGD
 from localsgd.averaging.rounds.part import Part, Tensors
+from localsgd.averaging.trust.robust import Aggregate, finite_rows
 
 
 @dataclass
@@ -34,10 +38,19 @@ class Syncer:
     """The global model (`anchors.first`, laid out as the flat buffers), its outer optimizer
     (`sgd`: lr, momentum, nesterov, warmup_rounds, optimizer) and the pending contributions.
     `plain_first`: the first merge is a plain average (after a synchronous warmup, as the
-    synchronous rounds' first)."""
+    synchronous rounds' first). `aggregate`: a robust rule instead of the weighted mean."""
 
-    def __init__(self, buffers: Tensors, part: Part, sgd: dict, plain_first: bool = False):
+    def __init__(
+        self,
+        buffers: Tensors,
+        part: Part,
+        sgd: dict,
+        plain_first: bool = False,
+        aggregate: Aggregate | None = None,
+    ):
         self.part = part
+        self.aggregate = aggregate
+        self.dropped: list[tuple[int, float]] = []  # (worker, time) of each non-finite one
         self.anchors = Anchors([b.detach().clone() for b in buffers])
         self.outer = OuterSGD([part], self.anchors, sgd)
         self.plain_first = plain_first
@@ -63,13 +76,24 @@ class Syncer:
         self.pending = []
         if not arrived:
             return False
-        total = sum(a.samples for a in arrived)
-        mean = [torch.zeros_like(t) for t in arrived[0].tensors]
-        for a in arrived:
-            for m, g in zip(mean, a.tensors, strict=True):
-                m.add_(g, alpha=a.samples / total)
-        self.staleness += [self.version - a.version for a in arrived]
-        self.step_(mean, total)
+        rows = [torch.stack([a.tensors[i] for a in arrived]) for i in range(len(self.values))]
+        finite = finite_rows(rows)
+        self.dropped += [
+            (a.worker, a.time) for a, ok in zip(arrived, finite, strict=True) if not ok
+        ]
+        keep = [i for i, ok in enumerate(finite) if ok]
+        if not keep:
+            return False
+        if self.aggregate is not None:
+            mean = self.aggregate.combine(rows, keep)
+        else:
+            total = sum(arrived[i].samples for i in keep)
+            mean = [torch.zeros_like(r[0]) for r in rows]
+            for i in keep:
+                for m, r in zip(mean, rows, strict=True):
+                    m.add_(r[i], alpha=arrived[i].samples / total)
+        self.staleness += [self.version - arrived[i].version for i in keep]
+        self.step_(mean, sum(arrived[i].samples for i in keep))
         return True
 
     def step_(self, mean: Tensors, samples: float) -> None:
@@ -89,6 +113,7 @@ class Syncer:
             "version": self.version,
             "merged_samples": self.merged_samples,
             "staleness": list(self.staleness),
+            "dropped": [list(d) for d in self.dropped],
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -97,3 +122,4 @@ class Syncer:
         self.version = int(state["version"])
         self.merged_samples = float(state["merged_samples"])
         self.staleness = [int(s) for s in state["staleness"]]
+        self.dropped = [(int(w), float(t)) for w, t in state.get("dropped", [])]
