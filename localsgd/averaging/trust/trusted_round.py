@@ -23,7 +23,12 @@ them):
    whether it is in or out): it is bad when putting it back undoes at least `score_fraction` of
    the rest's gain (the same paired test). A flipped sign can lower the loss applied alone, on the
    LM's first rounds more than an honest change does, and still drag the mean backwards;
-   only the leave-one-out test sees that. A bad contribution
+   only the leave-one-out test sees that. The other way round, a contribution judged bad
+   alone is kept when the aggregate of those not judged bad gains more than 1 /
+   `score_fraction` times the median's own gain and adding it to that aggregate does not make
+   it worse by more than `score_z` standard errors: under plain local SGD at a high learning
+   rate each local model overshoots alone while their mean gains, and an honest worker was
+   excluded so (`leave_one_out`'s doc has the figures). A bad contribution
    is dropped from its round; `exclude_after` bad rounds running exclude the worker: its
    contributions are dropped from every later round. A worker on probation (its first
    `probation_rounds` rounds) is excluded after 2 bad rounds running: an honest worker can
@@ -59,6 +64,7 @@ from localsgd.averaging.comm import Communicator
 from localsgd.averaging.flat import FlatBuffers
 from localsgd.averaging.trust.held_out import HeldOutLosses
 from localsgd.averaging.trust.judge import Judge, paired_z, worse
+from localsgd.averaging.trust.leave_one_out import LeaveOneOut
 from localsgd.averaging.trust.robust import (
     COORDINATE_RULES,
     PER_COORDINATE,
@@ -256,8 +262,17 @@ class TrustedRound:
             else:  # the median does not help: only a harm the samples can see counts
                 paired = losses[rank].numel() > 1
                 bad[rank] = paired and s < 0 and worse(losses[rank], reference, judge.score_z)
+        # judged bad alone, yet a good part of an aggregate that gains far more than they do
+        # alone (each local model overshooting in its own direction: leave_one_out's doc)
+        checks = LeaveOneOut(
+            judge, self.held_out, self.held_against, flats, anchors, rows, before, round_, comm
+        )
         alone = [rank for rank in keep if not bad[rank]]
-        for rank in self._harmful(flats, anchors, rows, alone, before, middle, round_, comm):
+        suspects = [rank for rank in keep if bad[rank] and math.isfinite(scores[rank])]
+        for rank in checks.spared(alone, suspects, middle):
+            bad[rank] = False
+        alone = [rank for rank in keep if not bad[rank]]
+        for rank in checks.spoilers(alone, middle):
             bad[rank] = True
         kept = []
         for rank in keep:
@@ -272,41 +287,12 @@ class TrustedRound:
                 kept.append(rank)
         return kept
 
-    def _harmful(self, flats, anchors, rows, keep, before, middle, round_, comm) -> list[int]:
-        """The contributions of `keep` that spoil the aggregate, looked for only in a round whose
-        aggregate gains less than `score_fraction` of what the median contribution gains on its
-        own (or raises the loss, when the median does not help). A contribution can help on its
-        own and still spoil the mean: a flipped sign that happens to lower the loss applied
-        alone drags the others' common change backwards. It spoils the aggregate when leaving
-        it out gains something, and putting it back loses at least `score_fraction` of that
-        gain, by more than `score_z` standard errors of the paired differences. Under a
-        per-coordinate rule (the median, the trimmed mean) the aggregate held against is the
-        mean: those rules hide one outlier in every round, so leaving it out of them shows
-        nothing, yet what is judged is the contribution, and one that would spoil a mean is
-        not honest training (without this, the LM's flipped sign under the median stayed in
-        for 5 rounds)."""
-        judge = self.judge
-        if len(keep) < 2:
-            return []
-        combine = self._mean if self.aggregate.rule in COORDINATE_RULES else self._combine
-        (together,) = self.held_out.of(flats, anchors, [combine(rows, keep)], round_, comm)
-        if float((before - together).mean()) >= judge.score_fraction * max(middle, 0.0):
-            return []
-        rests = [[r for r in keep if r != rank] for rank in keep]
-        evaluated = self.held_out.of(
-            flats, anchors, [combine(rows, rest) for rest in rests], round_, comm
-        )
-        harmful = []
-        for rank, without in zip(keep, evaluated, strict=True):
-            gain = float((before - without).mean())
-            harm = float((together - without).mean())
-            if (
-                gain > 0
-                and harm >= judge.score_fraction * gain
-                and worse(together, without, judge.score_z)
-            ):
-                harmful.append(rank)
-        return harmful
+    def held_against(self, rows: list[torch.Tensor], keep: list[int]):
+        """The aggregate the leave-one-out checks hold contributions against: the mean under a
+        per-coordinate rule (which hides one outlier whether it is in or out), else the rule's."""
+        if self.aggregate.rule in COORDINATE_RULES:
+            return self._mean(rows, keep)
+        return self._combine(rows, keep)
 
     def _judged_good(self, worker: int) -> None:
         window = self.judge.exclude_window
