@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from localsgd.averaging.asynchronous import AsyncAverager, DelayedNesterov
 from localsgd.averaging.trust.robust import Aggregate
+from localsgd.averaging.wire.quantize import BlockCodec
 from tests.faults import override
 from tests.helpers import BASE, FAST, cli, killed_and_resumed, refusal, run_distributed, same_model
 
@@ -78,14 +79,14 @@ def _inner_step(model, opt, rank: int, step: int) -> None:
     opt.step()
 
 
-def _async_worker(rank: int, world_size: int):
+def _async_worker(rank: int, world_size: int, wire: dict):
     torch.set_num_threads(1)
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     averager = AsyncAverager(
         PERIOD, module=model, store=dist.distributed_c10d._get_default_store(), run_id="replay",
         max_steps=STEPS, min_quorum=QUORUM, outer_delay=DELAY, step_s=1.0, speed=SPEEDS[rank],
-        timeout_s=60, **OUTER,
+        timeout_s=60, **OUTER, **wire,
     )  # fmt: skip
     for step in range(STEPS):
         if averager.computes():
@@ -96,11 +97,12 @@ def _async_worker(rank: int, world_size: int):
     return out, averager.summary(), averager.service.events if rank == 0 else None
 
 
-def _replay() -> tuple[list[torch.Tensor], list[tuple]]:
+def _replay(codec: BlockCodec | None = None) -> tuple[list[torch.Tensor], list[tuple]]:
     """One process: the three workers' phases in the order of their modelled send times (ties
     together, in rank order), the syncer's merges by hand (samples-weighted mean, Delayed
-    Nesterov with N = 2), the last step a meeting. Returns the final model and each merge's
-    (time, contributions)."""
+    Nesterov with N = 2), the last step a meeting; with `codec`, each contribution (the flat
+    buffer: the parameters end to end) quantised with error feedback. Returns the final model
+    and each merge's (time, contributions)."""
     models = [_model() for _ in SPEEDS]
     opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in models]
     theta = [p.detach().clone() for p in models[0].parameters()]
@@ -108,6 +110,7 @@ def _replay() -> tuple[list[torch.Tensor], list[tuple]]:
     buffered = [torch.zeros_like(t) for t in theta]
     anchors = [[t.clone() for t in theta] for _ in SPEEDS]
     base = [0] * len(SPEEDS)
+    residuals = [torch.zeros(sum(t.numel() for t in theta)) for _ in SPEEDS]
     version, merges, pending, log = 0, 0, [], []
 
     def merge(at: float) -> None:
@@ -155,7 +158,14 @@ def _replay() -> tuple[list[torch.Tensor], list[tuple]]:
             samples = BATCH * len(ticks)
             trained[r] = step + 1
             local = [p.detach() for p in models[r].parameters()]
-            pending.append((r, samples, [a - p for a, p in zip(anchors[r], local, strict=True)]))
+            change = [a - p for a, p in zip(anchors[r], local, strict=True)]
+            if codec is not None:  # the flat buffer through the codec, its error fed back
+                flat = torch.cat([c.reshape(-1) for c in change]) + residuals[r]
+                sent = codec.dequantize(codec.quantize(flat), flat.numel())
+                residuals[r] = flat - sent
+                change = [c.reshape(t.shape) for c, t in zip(
+                    sent.split([t.numel() for t in theta]), theta, strict=True)]  # fmt: skip
+            pending.append((r, samples, change))
             if step == STEPS - 1:
                 meets.append(r)
         if len({r for r, _, _ in pending}) >= QUORUM:
@@ -175,9 +185,12 @@ def _replay() -> tuple[list[torch.Tensor], list[tuple]]:
 
 
 @pytest.mark.slow
-def test_a_run_on_modelled_clocks_equals_the_one_process_replay_of_its_order():
-    results = run_distributed(_async_worker, 3, timeout_s=90)
-    expected, log = _replay()
+@pytest.mark.parametrize("wire", ["float32", "int8"])
+def test_a_run_on_modelled_clocks_equals_the_one_process_replay_of_its_order(wire):
+    codec = BlockCodec("int8") if wire == "int8" else None
+    kwargs = {"comm_dtype": "int8", "error_feedback": True} if codec is not None else {}
+    results = run_distributed(_async_worker, 3, kwargs, timeout_s=90)
+    expected, log = _replay(codec)
     for out, _, _ in results:  # every worker ends on the final global model
         for got, want in zip(out, expected, strict=True):
             assert torch.allclose(got, want, atol=1e-6, rtol=0), (got - want).abs().max()

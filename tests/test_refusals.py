@@ -94,8 +94,9 @@ CASES: dict[str, list[str]] = {
         "comm.disabled=true", "sync.outer=diloco", "sync.outer_state=cpu"],
     "sync.mode=async with Streaming DiLoCo (sync.fragments, sync.delay_steps, sync.eager, "
     "...) or sync.levels": ["+experiment=streaming_diloco", "sync.mode=async"],
-    "sync.mode=async with a lossy wire (sync.comm_dtype other than float32, or "
-    "sync.compress=topk)": ["sync.mode=async", "sync.comm_dtype=int8"],
+    "sync.mode=async with sync.topk_mean=senders": [
+        "sync.mode=async", "sync.compress=topk", "sync.error_feedback=true",
+        "sync.topk_mean=senders"],
     "sync.mode=async with sync.score=true": ["sync.mode=async", "sync.score=true"],
     "sync.mode=async with sync.optimizer_state other than local or a sync.schedule other "
     "than constant": ["sync.mode=async", "sync.schedule=adaptive"],

@@ -494,14 +494,13 @@ REFUSALS: tuple[Refusal, ...] = (
         "set sync.mode=sync, or drop those keys",
     ),
     Refusal(
-        ("sync.mode", "sync.comm_dtype", "sync.compress"),
-        "sync.mode=async with a lossy wire (sync.comm_dtype other than float32, or "
-        "sync.compress=topk)",
-        lambda f: f.plan.mode == "async" and f.lossy,
+        ("sync.mode", "sync.topk_mean"),
+        "sync.mode=async with sync.topk_mean=senders",
+        lambda f: f.plan.mode == "async" and f.topk_mean == "senders",
         DESIGN,
-        "the syncer receives each contribution whole, point-to-point; low-bit and sparse "
-        "messages to it are not built yet",
-        "set sync.mode=sync, or sync.comm_dtype=float32 sync.compress=none",
+        "the syncer weighs each decoded top-k message by its samples; dividing each index by "
+        "its senders is an all-gathered round's rule",
+        "set sync.topk_mean=all",
     ),
     Refusal(
         ("sync.mode", "sync.score"),

@@ -228,6 +228,10 @@ def build_averager(
             # Delayed Nesterov where there is momentum to delay; N = 1 is torch's SGD itself
             outer_delay=delay if momentum and delay > 1 else None,
             inner_time_s=sync.inner_time_s,
+            comm_dtype=comm_dtype,
+            error_feedback=sync.error_feedback,
+            error_feedback_decay=sync.error_feedback_decay,
+            quant_block_size=sync.quant_block_size,
             drop_nonfinite=plan.drop_nonfinite,
             aggregate=trust.get("aggregate"),
             **(asynchronous or {}),

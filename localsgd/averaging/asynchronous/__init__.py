@@ -7,6 +7,7 @@
 - `syncer`: `Syncer`, the global model, its outer optimizer and the pending contributions;
 - `clock`: the modelled clock, which ticks a slower worker computes;
 - `delayed_nesterov`: `DelayedNesterov`, the staleness-aware outer step;
+- `messages`: a contribution in the wire's format (encoded by the worker, decoded by the syncer);
 - `mailbox`: `Mailbox`, messages through the rendezvous store.
 """
 

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from localsgd.averaging.asynchronous.clock import FITS, computes
 from localsgd.averaging.asynchronous.mailbox import Mailbox
+from localsgd.averaging.asynchronous.messages import Decoders, encode_
 from localsgd.averaging.asynchronous.service import (
     ANNOUNCE,
     DONE,
@@ -234,6 +235,7 @@ class AsyncAverager(OuterAverager):
                 syncer, self.mailbox, self.p2p, self.world_size, modelled=self.modelled,
                 min_quorum=self._syncer_args[0], grace_s=self._syncer_args[1],
                 collective_rounds=self.aggregate is None,
+                decoders=Decoders(self.flat.buffers, self.comm_dtype),
             )  # fmt: skip
             self.service.start()
         self._send_header(ANNOUNCE, next=self._next_time(self.step - 1) if self.modelled else None)
@@ -326,13 +328,15 @@ class AsyncAverager(OuterAverager):
         self.all_in_sync = True
 
     def _send_payload(self, work: list) -> None:
+        """The contribution in the wire's format (`messages`); rank 0's goes in-process."""
         start = time.perf_counter()
+        messages, decoded = encode_(work, self.rounds.wires[0])
         if self.rank == 0:
-            self.service.payload.put([w.detach().clone() for w in work])
+            self.service.payload.put([d.detach().clone() for d in decoded])
         else:  # through host memory: the point-to-point group is gloo's, on every device
-            for w in work:
-                dist.send(w.detach().cpu().contiguous(), dst=0, group=self.p2p, tag=TAG_PAYLOAD)
-        self.stats.bytes += sum(w.numel() * w.element_size() for w in work)
+            for m in messages:
+                dist.send(m.detach().cpu().contiguous(), dst=0, group=self.p2p, tag=TAG_PAYLOAD)
+        self.stats.bytes += sum(m.numel() * m.element_size() for m in messages)
         self.stats.seconds += time.perf_counter() - start
 
     def _receive_values(self, work: list) -> None:
@@ -364,6 +368,7 @@ class AsyncAverager(OuterAverager):
             out["async_merges"] = syncer.version
             out["async_max_staleness"] = max(syncer.staleness, default=0)
             out["async_dropped_nonfinite"] = [list(d) for d in syncer.dropped]
+            out["async_syncer_bytes"] = self.service.sent_bytes
             out["async_mean_staleness"] = (
                 sum(syncer.staleness) / len(syncer.staleness) if syncer.staleness else 0.0
             )

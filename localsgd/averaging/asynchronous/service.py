@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from localsgd.averaging.asynchronous.mailbox import Mailbox
+from localsgd.averaging.asynchronous.messages import Decoders
 from localsgd.averaging.asynchronous.syncer import Arrival, Syncer
 
 SEND, MEET, ANNOUNCE, DONE = "send", "meet", "announce", "done"
@@ -52,10 +53,12 @@ class SyncerService:
         min_quorum: int,
         grace_s: float,
         collective_rounds: bool = True,
+        decoders: Decoders | None = None,
     ):
         self.syncer, self.mailbox, self.group, self.size = syncer, mailbox, group, size
         self.modelled, self.min_quorum, self.grace_s = modelled, min_quorum, grace_s
         self.collective_rounds = collective_rounds
+        self.decoders = decoders  # the wire's messages to fp32 (None: fp32 as sent)
         self.lock = threading.Lock()
         self.payload: queue.Queue = queue.Queue()  # rank 0's own contributions
         self.values: queue.Queue = queue.Queue()  # ... and the global model sent to it
@@ -68,6 +71,7 @@ class SyncerService:
         self.done = [False] * size
         self.deadline: float | None = None
         self.events: list[dict[str, Any]] = []  # what was merged, when (the run's record)
+        self.sent_bytes = 0  # the global model sent to the other workers (fp32)
         self.start_time = time.monotonic()
         self.thread = threading.Thread(target=self._run, name="localsgd-syncer", daemon=True)
 
@@ -256,13 +260,18 @@ class SyncerService:
             hosted = [v.detach().cpu().contiguous() for v in self.syncer.values]
         for v in hosted:
             dist.send(v, dst=r, group=self.group, tag=TAG_VALUES)
+            self.sent_bytes += v.numel() * v.element_size()
 
     def _receive(self, r: int) -> list[torch.Tensor]:
         if r == 0:
             return self.payload.get(timeout=self.mailbox.timeout_s)
-        tensors = [torch.empty_like(v, device="cpu") for v in self.syncer.values]
-        for t in tensors:
-            dist.recv(t, src=r, group=self.group, tag=TAG_PAYLOAD)
+        if self.decoders is None:
+            messages = [torch.empty_like(v, device="cpu") for v in self.syncer.values]
+        else:
+            messages = self.decoders.empty()
+        for m in messages:
+            dist.recv(m, src=r, group=self.group, tag=TAG_PAYLOAD)
+        tensors = messages if self.decoders is None else self.decoders.decode(messages)
         device = self.syncer.values[0].device
         return [t.to(device) for t in tensors]
 
