@@ -92,8 +92,10 @@ CASES: dict[str, list[str]] = {
     "comm.disabled=true with sync.warmup_steps > 0": ["comm.disabled=true", "sync.warmup_steps=4"],
     "comm.disabled=true with sync.outer_state=cpu": [
         "comm.disabled=true", "sync.outer=diloco", "sync.outer_state=cpu"],
-    "sync.mode=async with Streaming DiLoCo (sync.fragments, sync.delay_steps, sync.eager, "
-    "...) or sync.levels": ["+experiment=streaming_diloco", "sync.mode=async"],
+    "sync.mode=async with sync.delay_steps > 0, sync.overlap=true or sync.eager=true": [
+        "sync.mode=async", "sync.overlap=true"],
+    "sync.mode=async with sync.fragments > 1 or sync.levels": [
+        "sync=hierarchical", "sync.mode=async"],
     "sync.mode=async with sync.topk_mean=senders": [
         "sync.mode=async", "sync.compress=topk", "sync.error_feedback=true",
         "sync.topk_mean=senders"],

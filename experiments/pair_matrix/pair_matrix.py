@@ -1,5 +1,6 @@
-"""The pair matrix: 18 modes, each added to a 64-step, 4-worker MNIST-1D job with replica
-checks on, crossed in pairs (issue 47's composition target).
+"""The pair matrix: 19 modes (issue 47's 18, and issue 48's asynchronous rounds), each added to
+a 64-step, 4-worker MNIST-1D job with replica checks on, crossed in pairs (issue 47's
+composition target).
 
     python experiments/pair_matrix/pair_matrix.py [--only NAME ...] [--out DIR] [--extra K=V ...]
 
@@ -60,6 +61,14 @@ MODES: dict[str, list[str]] = {
     "eager": ["sync.outer=diloco", "sync.eager=true"],
     "virtual": ["dist.virtual_workers=4"],
     "bf16": ["sync.comm_dtype=bfloat16"],
+    # issue 48's asynchronous rounds (DiLoCo, worker 3 three times slower: the budget's clock)
+    "async": [
+        "sync.mode=async",
+        "sync.outer=diloco",
+        "optim=adamw",
+        "comm.simulate.worker_speed=[1,1,1,3]",
+        "comm.simulate.step_s=0.01",
+    ],
 }
 
 
@@ -155,10 +164,10 @@ def markdown(results: dict) -> str:
     out = [
         "# The pair matrix",
         "",
-        "Each of 18 modes added to `" + " ".join(JOB[:-2]) + "`, crossed in pairs; `+` ran to "
-        "exit 0 with its replica checks passing, `R` refused before any worker started, `X` "
-        "crashed or failed a check, `.` one key set two ways (not a combination). The diagonal "
-        "is each mode alone.",
+        f"Each of {len(names)} modes added to `" + " ".join(JOB[:-2]) + "`, crossed in pairs; "
+        "`+` ran to exit 0 with its replica checks passing, `R` refused before any worker "
+        "started, `X` crashed or failed a check, `.` one key set two ways (not a combination). "
+        "The diagonal is each mode alone.",
         "",
         f"Pairs: {len(pairs)}; " + ", ".join(f"{s} {n}" for s, n in counts.items() if n) + ".",
         "",

@@ -484,14 +484,23 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     # --- asynchronous rounds (sync.mode=async, docs/asynchronous.md) ----------------------------
     Refusal(
-        ("sync.mode", "sync.fragments", "sync.levels", "sync.delay_steps", "sync.eager"),
-        "sync.mode=async with Streaming DiLoCo (sync.fragments, sync.delay_steps, sync.eager, "
-        "...) or sync.levels",
-        lambda f: f.plan.mode == "async" and (f.plan.streaming or bool(f.plan.levels)),
+        ("sync.mode", "sync.delay_steps", "sync.overlap", "sync.eager"),
+        "sync.mode=async with sync.delay_steps > 0, sync.overlap=true or sync.eager=true",
+        lambda f: f.plan.mode == "async" and (f.plan.delay > 0 or f.plan.eager),
+        MEANINGLESS,
+        "an asynchronous worker never waits for a round in flight: it trains on as soon as the "
+        "syncer answers, so there is nothing to delay or to take a round late",
+        "drop sync.delay_steps, sync.overlap and sync.eager",
+    ),
+    Refusal(
+        ("sync.mode", "sync.fragments", "sync.levels"),
+        "sync.mode=async with sync.fragments > 1 or sync.levels",
+        lambda f: f.plan.mode == "async" and (f.plan.fragments > 1 or bool(f.plan.levels)),
         DESIGN,
-        "asynchronous rounds send the whole model's pseudo-gradient when a worker's phase ends; "
-        "fragments on a shared clock and inner levels are not built for workers on their own",
-        "set sync.mode=sync, or drop those keys",
+        "asynchronous rounds send the whole model's pseudo-gradient when a worker's phase "
+        "ends; fragments on a shared clock and inner levels are not built for workers on "
+        "their own",
+        "set sync.mode=sync, or drop sync.fragments and sync.levels",
     ),
     Refusal(
         ("sync.mode", "sync.topk_mean"),
