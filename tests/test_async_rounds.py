@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -97,11 +99,14 @@ def _async_worker(rank: int, world_size: int, wire: dict):
     return out, averager.summary(), averager.service.events if rank == 0 else None
 
 
-def _replay(codec: BlockCodec | None = None) -> tuple[list[torch.Tensor], list[tuple]]:
+def _replay(
+    codec: BlockCodec | None = None, budget: float | None = None
+) -> tuple[list[torch.Tensor], list[tuple]]:
     """One process: the three workers' phases in the order of their modelled send times (ties
     together, in rank order), the syncer's merges by hand (samples-weighted mean, Delayed
     Nesterov with N = 2), the last step a meeting; with `codec`, each contribution (the flat
-    buffer: the parameters end to end) quantised with error feedback. Returns the final model
+    buffer: the parameters end to end) quantised with error feedback; with `budget`, phases by
+    modelled time. Returns the final model
     and each merge's (time, contributions)."""
     models = [_model() for _ in SPEEDS]
     opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in models]
@@ -132,15 +137,19 @@ def _replay(codec: BlockCodec | None = None) -> tuple[list[torch.Tensor], list[t
 
     # worker r computes a tick where its next step ends by it (the modelled clock), and sends
     # after its first step and every PERIOD of its own steps; the last tick is a meeting
+    # (with `budget`: whenever its next step would not fit in `budget` modelled seconds: DyLU)
     events, todo = [], [[] for _ in SPEEDS]
     for r, speed in enumerate(SPEEDS):
-        done = 0
+        done, phase = 0, 0.0
         for tick in range(STEPS):
             if (done + 1) * speed <= tick + 1:
                 done += 1
+                phase += speed
                 todo[r].append(tick)
-                if (done - 1) % PERIOD == 0 and tick != STEPS - 1:
+                ends = phase + speed > budget if budget else (done - 1) % PERIOD == 0
+                if ends and tick != STEPS - 1:
                     events.append((done * speed, r, tick))
+                    phase = 0.0
             if tick == STEPS - 1:
                 events.append((done * speed, r, tick))
     events.sort()
@@ -185,12 +194,15 @@ def _replay(codec: BlockCodec | None = None) -> tuple[list[torch.Tensor], list[t
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("wire", ["float32", "int8"])
-def test_a_run_on_modelled_clocks_equals_the_one_process_replay_of_its_order(wire):
-    codec = BlockCodec("int8") if wire == "int8" else None
+@pytest.mark.parametrize("variant", ["float32", "int8", "time budget"])
+def test_a_run_on_modelled_clocks_equals_the_one_process_replay_of_its_order(variant):
+    codec = BlockCodec("int8") if variant == "int8" else None
+    budget = 4.0 if variant == "time budget" else None  # DyLU: 4, 2 and 1 steps a phase
     kwargs = {"comm_dtype": "int8", "error_feedback": True} if codec is not None else {}
+    if budget is not None:
+        kwargs["inner_time_s"] = budget
     results = run_distributed(_async_worker, 3, kwargs, timeout_s=90)
-    expected, log = _replay(codec)
+    expected, log = _replay(codec, budget)
     for out, _, _ in results:  # every worker ends on the final global model
         for got, want in zip(out, expected, strict=True):
             assert torch.allclose(got, want, atol=1e-6, rtol=0), (got - want).abs().max()
@@ -276,6 +288,19 @@ def test_an_asynchronous_run_resumes_exactly_after_a_kill(tmp_path):
     proc, _ = cli(args + [f"hydra.run.dir={again}"])  # the same seed: the same model
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert same_model(again / "model.pt", reference / "model.pt")
+
+
+@pytest.mark.slow
+def test_on_the_wall_clock_the_workers_end_on_one_checked_model(tmp_path):
+    run_dir = tmp_path / "run"
+    args = FAST + ["dist.world_size=2", "trainer.max_steps=30", "sync.period=4",
+                   "sync.outer=diloco", "sync.mode=async", "sync.check_replicas=true",
+                   "trainer.checkpoint_every=0", f"hydra.run.dir={run_dir}"]  # fmt: skip
+    proc, _ = cli(args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["replica_checks"] >= 1  # at the final meeting: bit-identical replicas
+    assert summary["async_merges"] >= 2 and summary["async_version"] == summary["async_merges"]
 
 
 @pytest.mark.slow
