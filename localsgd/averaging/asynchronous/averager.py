@@ -245,7 +245,7 @@ class AsyncAverager(OuterAverager):
 
     def _send_header(self, kind: str, **fields) -> int:
         seq = self.seq
-        self.mailbox.put(f"h/{self.rank}/{seq}", {"kind": kind, **fields})
+        self.mailbox.put(f"h/{self.rank}/{seq}", {"kind": kind, **fields}, ring=True)
         self.seq += 1
         return seq
 

@@ -23,8 +23,16 @@ class Mailbox:
         self.store = dist.PrefixStore(prefix, store)
         self.timeout_s = timeout_s
 
-    def put(self, key: str, message: dict[str, Any]) -> None:
+    def put(self, key: str, message: dict[str, Any], ring: bool = False) -> None:
+        """Leave `message` at `key`; `ring`: and count it on the doorbell (`rung`)."""
         self.store.set(key, json.dumps(message))
+        if ring:
+            self.store.add("bell", 1)
+
+    def rung(self) -> int:
+        """How many messages were left with `ring` so far: one store call, so that the syncer
+        looks for its workers' messages only when there are new ones."""
+        return self.store.add("bell", 0)
 
     def has(self, key: str) -> bool:
         return self.store.check([key])

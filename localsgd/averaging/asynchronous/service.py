@@ -93,19 +93,23 @@ class SyncerService:
 
     def _run(self) -> None:
         try:
-            idle_since = time.monotonic()
+            idle_since, heard, pause = time.monotonic(), -1, 1e-4
             while not all(self.done):
-                moved = self._read()
+                rung = self.mailbox.rung()
+                moved = rung != heard and self._read()
+                heard = rung
                 while self._advance():
                     moved = True
                 if moved:
-                    idle_since = time.monotonic()
+                    idle_since, pause = time.monotonic(), 1e-4
                 else:
                     if time.monotonic() - idle_since > self.mailbox.timeout_s:
                         raise TimeoutError(
                             f"no worker message for {self.mailbox.timeout_s:g} s (dist.timeout_s)"
                         )
-                    time.sleep(0.0005)
+                    # idle: back off to 2 ms between looks, one store call each (the bell)
+                    time.sleep(pause)
+                    pause = min(2 * pause, 2e-3)
         except BaseException as e:  # raised in rank 0's training thread by `alive`
             self.error = e
 
