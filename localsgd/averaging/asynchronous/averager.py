@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import math
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from localsgd.averaging.asynchronous.clock import FITS, computes
+from localsgd.averaging.asynchronous.delayed_nesterov import DelayedNesterov
 from localsgd.averaging.asynchronous.mailbox import Mailbox
 from localsgd.averaging.asynchronous.messages import Decoders, encode_
 from localsgd.averaging.asynchronous.service import (
@@ -93,7 +95,7 @@ class AsyncAverager(OuterAverager):
         self.timeout_s = timeout_s
         # tensors move on a group of their own, so that a thread's sends never meet the
         # training's collectives; its timeout is the run's
-        self.p2p = dist.new_group(backend="gloo", timeout=_td(timeout_s))
+        self.p2p = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         self.mailbox = Mailbox(store, f"localsgd/async/{run_id}/", timeout_s)
         self.seq = 0
         self.version = 0  # the global model's version this worker's anchor holds
@@ -114,10 +116,8 @@ class AsyncAverager(OuterAverager):
             "warmup_rounds": self.rounds.outer.warmup_rounds,
         }
         if outer_delay is not None:
-            from localsgd.averaging.asynchronous.delayed_nesterov import DelayedNesterov
-
             self.syncer_sgd.update(optimizer=DelayedNesterov, delay=outer_delay)
-        self._syncer_args = (min_quorum, grace_s)
+        self.min_quorum, self.grace_s = min_quorum, grace_s
         self.announced = False
 
     # --- the rule -------------------------------------------------------------------------------
@@ -180,12 +180,8 @@ class AsyncAverager(OuterAverager):
         self._bound()
         self.ensure_bound()
         step = self.step
-        self.merged, self.last_part, self.all_in_sync, self.started_round = (
-            False,
-            None,
-            False,
-            False,
-        )
+        self.merged = self.all_in_sync = self.started_round = False
+        self.last_part = None
         if step < self.warmup_steps:  # synchronous: gradients averaged, no rounds yet
             self.phase_samples = 0.0
             self.step += 1
@@ -233,7 +229,7 @@ class AsyncAverager(OuterAverager):
                 syncer.load_state_dict(self._saved_syncer)
             self.service = SyncerService(
                 syncer, self.mailbox, self.p2p, self.world_size, modelled=self.modelled,
-                min_quorum=self._syncer_args[0], grace_s=self._syncer_args[1],
+                min_quorum=self.min_quorum, grace_s=self.grace_s,
                 collective_rounds=self.aggregate is None,
                 decoders=Decoders(self.flat.buffers, self.comm_dtype),
             )  # fmt: skip
@@ -270,12 +266,12 @@ class AsyncAverager(OuterAverager):
         before = self.stats.bytes
         # the pseudo-gradient, in place (zeros where nothing was trained since the last
         # answer): the buffers take the global model back after
-        rounds._offer(0, buffers, work, 0, None)
+        rounds.offer(0, buffers, work)
         if decision["do"] == "collective":
             self._collective(decision, work, samples)
             self.exchanges["collective"] += 1
             self.version = decision["version"]
-            if kind == MEET:
+            if kind == MEET and self.modelled:  # every worker leaves a meeting at its time
                 self.clock = decision["time"]
         else:
             if decision["do"] == "payload":
@@ -290,7 +286,7 @@ class AsyncAverager(OuterAverager):
                 self.exchanges["unchanged"] += 1
             rounds.anchors.reset(buffers)
             self.version = answer["version"]
-            if kind == MEET:
+            if kind == MEET and self.modelled:
                 self.clock = answer["time"]
             self.all_in_sync = kind == MEET
         self.stats.rounds += 1
@@ -397,9 +393,3 @@ class AsyncAverager(OuterAverager):
         self.sent_samples = float(saved.get("sent_samples", 0.0))
         self.exchanges.update(saved.get("exchanges", {}))
         self._saved_syncer = saved.get("syncer")
-
-
-def _td(seconds: float):
-    from datetime import timedelta
-
-    return timedelta(seconds=seconds)

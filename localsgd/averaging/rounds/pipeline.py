@@ -169,7 +169,11 @@ class Rounds:
             self.anchors.settle_(part, level, mean)
         return mean
 
-    def _offer(self, p: int, buffers: Tensors, out: Tensors, level: int, scale) -> None:
+    def offer(
+        self, p: int, buffers: Tensors, out: Tensors, level: int = 0, scale: float | None = None
+    ) -> None:
+        """Part p's contribution from `buffers` into `out` (the contribution stage alone; an
+        asynchronous worker sends it point-to-point)."""
         staging = self.outer.staging[p] if self.outer is not None and self.host else None
         self.contribution.offer_(self.parts[p], buffers, out, level, scale, staging)
 
@@ -193,7 +197,7 @@ class Rounds:
         round (None: the rounds')."""
         part, wire = self.parts[p], self.wires[p]
         work = views(buffers, part) if self.in_place else self.sent[p]
-        self._offer(p, buffers, work, level, scale)
+        self.offer(p, buffers, work, level, scale)
         if self.gathered:
             shown = self._show_anchors(p, buffers)
             try:
@@ -220,7 +224,7 @@ class Rounds:
         scale: float | None = None,
     ) -> None:
         """Part p's round, launched after step `step` (finished by `finish`)."""
-        self._offer(p, buffers, self.sent[p], 0, scale)
+        self.offer(p, buffers, self.sent[p], 0, scale)
         if self.progress:
             for o, here in zip(self.origins[p], views(buffers, self.parts[p]), strict=True):
                 o.copy_(here)
@@ -267,7 +271,7 @@ class Rounds:
                 r.zero_()
                 o.zero_()
         fresh, own = self.scratch[p], self.own[p]
-        self._offer(p, buffers, fresh, 0, scale)
+        self.offer(p, buffers, fresh, 0, scale)
         for wire, f in zip(self.sent[p], fresh, strict=True):
             wire.copy_(f)
         # M now, read from the communicator: under torchft the live workers of this round; a
