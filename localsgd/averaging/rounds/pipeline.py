@@ -172,8 +172,7 @@ class Rounds:
     def offer(
         self, p: int, buffers: Tensors, out: Tensors, level: int = 0, scale: float | None = None
     ) -> None:
-        """Part p's contribution from `buffers` into `out` (the contribution stage alone; an
-        asynchronous worker sends it point-to-point)."""
+        """Part p's contribution from `buffers` into `out` (the contribution stage alone)."""
         staging = self.outer.staging[p] if self.outer is not None and self.host else None
         self.contribution.offer_(self.parts[p], buffers, out, level, scale, staging)
 
