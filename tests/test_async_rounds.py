@@ -39,6 +39,21 @@ def test_delayed_nesterov_with_one_merge_a_cycle_is_torch_sgd():
         assert torch.equal(a, b)
 
 
+def test_delayed_nesterov_over_a_merge_of_every_worker_is_torch_sgd_on_their_mean():
+    gen = torch.Generator().manual_seed(1)
+    start = torch.randn(50, generator=gen)
+    a, b = start.clone().requires_grad_(), start.clone().requires_grad_()
+    ours = DelayedNesterov([a], lr=0.7, momentum=0.9, delay=4)
+    ours.contributions = 4  # every merge holds all 4 workers' contributions: a cycle each
+    torchs = torch.optim.SGD([b], lr=0.7, momentum=0.9, nesterov=True)
+    for _ in range(5):
+        g = torch.randn(50, generator=gen)
+        a.grad, b.grad = g.clone(), g.clone()
+        ours.step()
+        torchs.step()
+        assert torch.equal(a, b)
+
+
 def test_delayed_nesterov_moves_the_momentum_every_n_merges():
     theta = torch.zeros(3, requires_grad=True)
     opt = DelayedNesterov([theta], lr=0.5, momentum=0.9, delay=2)
@@ -116,22 +131,25 @@ def _replay(
     anchors = [[t.clone() for t in theta] for _ in SPEEDS]
     base = [0] * len(SPEEDS)
     residuals = [torch.zeros(sum(t.numel() for t in theta)) for _ in SPEEDS]
-    version, merges, pending, log = 0, 0, [], []
+    version, cycle, pending, log = 0, 0, [], []
 
     def merge(at: float) -> None:
-        nonlocal version, merges
+        nonlocal version, cycle
         total = sum(n for _, n, _ in pending)
         mean = [sum(g[i] * (n / total) for _, n, g in pending) for i in range(len(theta))]
-        merges += 1
+        k = len(pending)  # a merge of k contributions counts k of the cycle's DELAY
+        cycle += k
+        plain = k / max(DELAY, k)
         for t, g, m, b in zip(theta, mean, momentum, buffered, strict=True):
-            b += g
-            if merges % DELAY == 0:
-                m.mul_(0.9).add_(b / DELAY)
-                t -= 0.7 * (g / DELAY + 0.9 * m)
+            b += k * g
+            if cycle >= DELAY:
+                m.mul_(0.9).add_(b / cycle)
+                t -= 0.7 * (plain * g + 0.9 * m)
                 b.zero_()
             else:
-                t -= 0.7 * g / DELAY
-        log.append((at, len(pending)))
+                t -= 0.7 * plain * g
+        cycle = 0 if cycle >= DELAY else cycle
+        log.append((at, k))
         pending.clear()
         version += 1
 

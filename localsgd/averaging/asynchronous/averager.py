@@ -317,7 +317,7 @@ class AsyncAverager(OuterAverager):
             total = (
                 samples * self.world_size if not decision["weighted"] else sum(comm.weights or [])
             )
-            self.service.collective_merged(work, total)
+            self.service.collective_merged(work, total, decision["workers"])
         for w in work:
             comm.broadcast_(w)
         rounds.anchors.reset(self.flat.buffers)

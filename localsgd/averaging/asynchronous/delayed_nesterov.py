@@ -2,17 +2,20 @@
 arXiv 2401.09135): the outer step of asynchronous rounds, where each merge's pseudo-gradient may
 be stale (trained from an older global model).
 
-The outer momentum moves only every `delay` (N) merges, by the mean of the pseudo-gradients
-buffered since it last moved; in between each merge steps plainly, lr x g / N. At the merge
-that completes a cycle of N:
+The paper's server takes one worker's pseudo-gradient at a time: the outer momentum moves only
+once every N of them (a cycle), by their mean, and each one in between steps plainly by
+lr x g / N, so a cycle moves the model about as far as one synchronous Nesterov step on the
+mean, without momentum compounding each stale direction. A merge here may combine k
+contributions at once (a quorum, or several workers arriving together), with mean g: it counts
+as k of the cycle's N and steps plainly by lr x g x k / max(N, k); the merge that completes a
+cycle (its count reaching N) moves the momentum by the mean of the cycle's contributions and
+adds it:
 
-    m <- beta m + (g_1 + ... + g_N) / N
-    theta <- theta - lr (g_N / N + beta m)
+    m <- beta m + (sum of the cycle's contributions) / (their count)
+    theta <- theta - lr (g k / max(N, k) + beta m)
 
-and at the others theta <- theta - lr g / N. With N = 1 this is torch's Nesterov SGD step, op
-for op (`torch.optim.SGD(nesterov=True)`), so one momentum step a merge; a larger N keeps the
-momentum from compounding stale directions, which is where asynchronous DiLoCo with plain
-Nesterov momentum falls behind its synchronous counterpart (the paper's finding).
+So a merge of every worker at once (k = N = the workers) is torch's Nesterov SGD step on their
+mean, and with N = 1 each merge is one, op for op (`torch.optim.SGD(nesterov=True)`).
 """
 
 from __future__ import annotations
@@ -22,9 +25,8 @@ import torch
 
 class DelayedNesterov(torch.optim.Optimizer):
     """The outer optimizer over the global model's parameters (`lr`, `momentum` beta,
-    `delay` N >= 1). The merge count lives in the param group (`outer_rounds`, set by
-    `localsgd.averaging.rounds.outer_step`) and the buffers in `state`, so `state_dict`
-    checkpoints everything."""
+    `delay` N >= 1). Set `contributions` (k, default 1) before each `step`. The cycle's count
+    lives in the param group and the buffers in `state`, so `state_dict` checkpoints them."""
 
     def __init__(self, params, lr: float, momentum: float, delay: int, nesterov: bool = True):
         if delay < 1:
@@ -32,36 +34,37 @@ class DelayedNesterov(torch.optim.Optimizer):
         if not nesterov:
             raise ValueError("Delayed Nesterov is a Nesterov step: set sync.outer_nesterov=true")
         super().__init__(params, {"lr": lr, "momentum": momentum, "delay": delay})
+        self.contributions = 1
 
     @torch.no_grad()
     def step(self, closure=None):
+        k = self.contributions
         for group in self.param_groups:
             lr, beta, n = group["lr"], group["momentum"], group["delay"]
-            # outer_step counted this merge already; without it (a bare call) count here
-            count = group.get("outer_rounds", group.setdefault("merges", 0) + 1)
-            group["merges"] = count
-            moves = count % n == 0
+            count = group.get("cycle", 0) + k
+            moves = count >= n
+            group["cycle"] = 0 if moves else count
             for p in group["params"]:
                 g = p.grad
                 if g is None:
                     continue
                 state = self.state[p]
-                if n == 1:  # torch's SGD, op for op
+                if n == 1 and k == 1:  # torch's SGD, op for op
                     if "momentum_buffer" not in state:
                         state["momentum_buffer"] = g.clone()
                     else:
                         state["momentum_buffer"].mul_(beta).add_(g)
                     p.add_(g.add(state["momentum_buffer"], alpha=beta), alpha=-lr)
                     continue
-                sum_ = state.get("pending")
-                if sum_ is None:
-                    sum_ = state["pending"] = torch.zeros_like(g)
+                if "pending" not in state:
+                    state["pending"] = torch.zeros_like(g)
                     state["momentum_buffer"] = torch.zeros_like(g)
-                sum_.add_(g)
+                pending, buf = state["pending"], state["momentum_buffer"]
+                pending.add_(g, alpha=k)
+                plain = k / max(n, k)
                 if moves:
-                    buf = state["momentum_buffer"]
-                    buf.mul_(beta).add_(sum_, alpha=1 / n)
-                    p.add_(g.div(n).add_(buf, alpha=beta), alpha=-lr)
-                    sum_.zero_()
+                    buf.mul_(beta).add_(pending, alpha=1 / count)
+                    p.add_(g.mul(plain).add_(buf, alpha=beta), alpha=-lr)
+                    pending.zero_()
                 else:
-                    p.add_(g, alpha=-lr / n)
+                    p.add_(g, alpha=-lr * plain)

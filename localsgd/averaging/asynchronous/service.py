@@ -214,17 +214,18 @@ class SyncerService:
             self.mailbox.put(
                 f"d/{r}/{h['seq']}",
                 {"do": "collective", "weighted": weighted, "time": now,
-                 "version": self.syncer.version + 1},
+                 "version": self.syncer.version + 1, "workers": sum(s > 0 for s in samples)},
             )  # fmt: skip
         if not self.collective_done.wait(self.mailbox.timeout_s):
             raise TimeoutError("the synchronous round's mean never came (dist.timeout_s)")
         self._record(now, len(headers), [0] * len(headers), "collective" + (kind == MEET) * " meet")
 
-    def collective_merged(self, mean: list[torch.Tensor], samples: float) -> None:
-        """Rank 0's training thread, in a synchronous round: the all-reduced mean is in
-        `mean`; the outer step runs here and `mean` takes the new global model."""
+    def collective_merged(self, mean: list[torch.Tensor], samples: float, workers: int) -> None:
+        """Rank 0's training thread, in a synchronous round of `workers` contributions: the
+        all-reduced mean is in `mean`; the outer step runs here and `mean` takes the new
+        global model."""
         with self.lock:
-            self.syncer.step_(mean, samples)
+            self.syncer.step_(mean, samples, workers)
             for m, v in zip(mean, self.syncer.values, strict=True):
                 m.copy_(v)
         self.collective_done.set()

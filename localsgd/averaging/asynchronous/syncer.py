@@ -93,12 +93,16 @@ class Syncer:
                 for m, r in zip(mean, rows, strict=True):
                     m.add_(r[i], alpha=arrived[i].samples / total)
         self.staleness += [self.version - arrived[i].version for i in keep]
-        self.step_(mean, sum(arrived[i].samples for i in keep))
+        self.step_(mean, sum(arrived[i].samples for i in keep), len(keep))
         return True
 
-    def step_(self, mean: Tensors, samples: float) -> None:
-        """One outer step by the combined pseudo-gradient `mean` (a merge's, or a synchronous
-        round's all-reduced one, `service.SyncerService.collective_merged`)."""
+    def step_(self, mean: Tensors, samples: float, contributions: int) -> None:
+        """One outer step by the combined pseudo-gradient `mean` of `contributions` workers' (a
+        merge's, or a synchronous round's all-reduced one,
+        `service.SyncerService.collective_merged`)."""
+        for opt in self.outer.optimizers:  # Delayed Nesterov counts its cycle in them
+            if opt is not None:
+                opt.contributions = contributions
         plain = self.plain_first and self.version == 0
         self.outer.step_(0, self.part, mean, plain)
         self.version += 1
