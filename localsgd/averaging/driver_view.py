@@ -44,6 +44,11 @@ class RoundDriverView:
             return "launch" if self.averages_all(step) else None
         return "sync" if self.averages_all(step) else None
 
+    def computes(self) -> bool:
+        """Whether this worker trains the next tick (every tick: asynchronous rounds' modelled
+        clock idles a slower worker's, `localsgd.averaging.asynchronous.clock`)."""
+        return True
+
     @property
     def in_warmup(self) -> bool:
         """True while the next optimizer step belongs to the synchronous warmup."""

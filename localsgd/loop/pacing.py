@@ -29,8 +29,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from localsgd.averaging.asynchronous.clock import computes
-
 # the modelled clock sums floats: a round of exactly T seconds of steps still fits
 _FITS = 1 + 1e-9
 
@@ -44,7 +42,7 @@ class Pacer:
         speed: float = 1.0,
         step_s: float | None = None,
         sleeps: bool = True,
-        by_ticks: bool = False,
+        rule=None,
     ):
         self.budget = inner_time_s  # None: every tick computes
         self.speed = speed
@@ -52,11 +50,9 @@ class Pacer:
         # modelled: a step sleeps out what its compute did not take (so the others wait as
         # they would); virtual workers take turns on one clock, where nobody waits: no sleep
         self.sleeps = sleeps
-        # asynchronous rounds' modelled clock: a tick computes where this worker's next step
-        # ends by it (`localsgd.averaging.asynchronous.clock`); counted from the warmup's end
-        self.by_ticks = by_ticks
-        self.ticks = 0
-        self.paced = 0
+        # asynchronous rounds' modelled clock (`localsgd.averaging.asynchronous.clock`): the
+        # averager's word on each tick, `Synchroniser.computes`
+        self.rule = rule
         self.round_seconds = 0.0  # modelled (or measured) seconds computed in this round
         self.round_samples = 0  # samples trained on in this round: the average's weight
         self.samples = 0  # ... and in every round (a fragment weighs what it gained since its sync)
@@ -79,11 +75,8 @@ class Pacer:
         """Whether the next tick computes its step (asked once per tick past the warmup): under
         asynchronous rounds' modelled clock where this worker's step ends by the tick; else
         always without a budget, or while this round's time, plus the step's, fits in it."""
-        if self.by_ticks and self.modelled:
-            fits = computes(self.paced, self.ticks, self.speed)
-            self.ticks += 1
-            self.paced += fits
-            return fits
+        if self.rule is not None and self.modelled:
+            return self.rule()
         if self.budget is None:
             return True
         if self.modelled:
@@ -126,8 +119,6 @@ class Pacer:
             "samples": self.samples,
             "computed_steps": self.computed_steps,
             "idle_steps": self.idle_steps,
-            "ticks": self.ticks,
-            "paced": self.paced,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -136,7 +127,6 @@ class Pacer:
         self.samples = int(state.get("samples", 0))
         self.computed_steps = int(state["computed_steps"])
         self.idle_steps = int(state["idle_steps"])
-        self.ticks, self.paced = int(state.get("ticks", 0)), int(state.get("paced", 0))
         self.round_start = time.perf_counter() - (0.0 if self.modelled else self.round_seconds)
 
     @staticmethod
@@ -148,10 +138,11 @@ class Pacer:
         return {**state, "round_seconds": 0.0, "round_samples": 0}
 
 
-def build_pacer(cfg: Any, rank: int) -> Pacer:
+def build_pacer(cfg: Any, rank: int, rule=None) -> Pacer:
     """The `sync.inner_time_s` / `comm.simulate.worker_speed` pacing of worker `rank`. Streaming
     DiLoCo's P fragments sync in turn, every period / P steps: each of those rounds gets 1/P
-    of the budget, a period's P rounds the whole of it."""
+    of the budget, a period's P rounds the whole of it. `rule()`: under asynchronous rounds,
+    whether the averager's modelled clock computes the next tick (`Synchroniser.computes`)."""
     sim = cfg.comm.simulate
     speeds = sim.worker_speed
     budget = cfg.sync.inner_time_s
@@ -165,7 +156,7 @@ def build_pacer(cfg: Any, rank: int) -> Pacer:
         float(speeds[rank]) if speeds else 1.0,
         sim.step_s if speeds else None,
         sleeps=cfg.dist.virtual_workers is None,
-        by_ticks=asynchronous,
+        rule=rule if asynchronous else None,
     )
 
 

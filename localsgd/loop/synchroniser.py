@@ -106,6 +106,11 @@ class Synchroniser:
         identical; the replicas differ by their local progress since it was launched)."""
         return self.averager.merged
 
+    def computes(self) -> bool:
+        """Whether this worker trains the next tick: always, but under asynchronous rounds'
+        modelled clock, where a slower worker computes fewer of the ticks."""
+        return self.averager.computes()
+
     @property
     def round_started(self) -> bool:
         """The last step started a round over every worker, blocking or launched (where a

@@ -88,7 +88,7 @@ class Trainer:
             store=store,
         )
         # which ticks compute (sync.inner_time_s, comm.simulate.worker_speed; loop/pacing.py)
-        self.pacer = build_pacer(c, info.rank)
+        self.pacer = build_pacer(c, info.rank, rule=self.sync.computes)
         # after the averager: its flat-buffer views are what gets compiled
         self.recipe = Recipe.from_config(self.model, device, c.trainer, self.sharding.sharded)
         torch.manual_seed(c.seed + 1000 * info.rank + 1)  # dropout etc. differ per rank

@@ -91,6 +91,7 @@ class AsyncAverager(OuterAverager):
         self.rank, self.max_steps, self.meet_every = rank, max_steps, meet_every
         self.inner_time_s, self.speed = inner_time_s, speed
         self.modelled = step_s is not None
+        self.step_s = step_s
         self.step_seconds = speed * step_s if step_s is not None else None
         self.timeout_s = timeout_s
         # tensors move on a group of their own, so that a thread's sends never meet the
@@ -144,7 +145,7 @@ class AsyncAverager(OuterAverager):
         and in the warmup)."""
         if not self.modelled or self.step < self.warmup_steps:
             return True
-        return computes(self.computed, self.ticks, self.speed)
+        return computes(self.clock, self.ticks, self.step_seconds, self.step_s)
 
     def _phase_ends(self, done: int, steps: int, phase_time: float) -> bool:
         """Whether an inner phase of `steps` computed steps lasting `phase_time`, `done` steps
@@ -161,7 +162,7 @@ class AsyncAverager(OuterAverager):
         starts afresh: which ticks it computes, and so when it sends, is known in advance."""
         clock, done, steps, phase = self.clock, self.computed, 0, 0.0
         for s in range(step + 1, self.max_steps):
-            if computes(done, s - self.warmup_steps, self.speed):
+            if computes(clock, s - self.warmup_steps, self.step_seconds, self.step_s):
                 done, steps = done + 1, steps + 1
                 clock += self.step_seconds
                 phase += self.step_seconds
@@ -286,8 +287,11 @@ class AsyncAverager(OuterAverager):
                 self.exchanges["unchanged"] += 1
             rounds.anchors.reset(buffers)
             self.version = answer["version"]
-            if kind == MEET and self.modelled:
+            waited = self.modelled and answer["time"] > self.clock
+            if waited:  # at a meeting, or for its merge (sync.grace_s): idle until then
                 self.clock = answer["time"]
+            if waited and kind == SEND:  # so its next message comes later than it said
+                self._send_header(ANNOUNCE, next=self._next_time(step))
             self.all_in_sync = kind == MEET
         self.stats.rounds += 1
         self.level_stats[0].rounds += 1

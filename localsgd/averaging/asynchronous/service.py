@@ -69,7 +69,10 @@ class SyncerService:
         self.announced: list[float | None] = [None] * size
         self.met: list[dict | None] = [None] * size
         self.done = [False] * size
-        self.deadline: float | None = None
+        self.deadline: float | None = None  # the next merge's, once the quorum is there
+        # senders waiting (at most grace_s) for the merge that takes their contribution:
+        # worker -> (its header, when it is answered anyway)
+        self.waiting: dict[int, tuple[dict, float]] = {}
         self.events: list[dict[str, Any]] = []  # what was merged, when (the run's record)
         self.sent_bytes = 0  # the global model sent to the other workers (fp32)
         self.start_time = time.monotonic()
@@ -134,16 +137,16 @@ class SyncerService:
         return time.monotonic() - self.start_time
 
     def _advance(self) -> bool:
-        """Handle the next time's messages, a merge whose grace ran out, or a meeting every
-        worker reached; whether anything happened."""
+        """Handle the next time's messages, a merge or a wait whose time came, or a meeting
+        every worker reached; whether anything happened."""
         live = [r for r in range(self.size) if not self.done[r]]
         if live and all(self.met[r] is not None for r in live):
             self._meet(live)
             return True
         times: dict[int, float] = {}
         for r in live:
-            if self.met[r] is not None:
-                continue
+            if self.met[r] is not None or r in self.waiting:
+                continue  # it sends nothing before it is answered
             if self.inbox[r]:
                 times[r] = self.inbox[r][0]["time" if self.modelled else "arrived"]
             elif not self.modelled:
@@ -155,8 +158,10 @@ class SyncerService:
         now = min(times.values()) if times else math.inf
         if not self.modelled:
             now = min(now, self._now())
-        if self.deadline is not None and self.deadline < now:
-            self._merge(self.deadline)
+        deadline = math.inf if self.deadline is None else self.deadline
+        due = min([deadline, *(until for _, until in self.waiting.values())])
+        if due < now or (not self.modelled and due <= now):
+            self._timed(due)
             return True
         group = sorted(r for r, t in times.items() if t == now and self.inbox[r])
         if not group or (
@@ -167,6 +172,15 @@ class SyncerService:
             group = group[:1]
         self._handle(now, {r: self.inbox[r].popleft() for r in group})
         return True
+
+    def _timed(self, at: float) -> None:
+        """A merge whose grace ran out, then the senders whose wait did."""
+        if self.deadline is not None and self.deadline <= at:
+            self._merge(at)
+        for r, (header, until) in list(self.waiting.items()):
+            if until <= at:
+                del self.waiting[r]
+                self._answer(r, header, at)
 
     def _handle(self, now: float, headers: dict[int, dict]) -> None:
         syncer = self.syncer
@@ -181,10 +195,10 @@ class SyncerService:
             and len(headers) == self.size
             and kind is not None
             and not syncer.pending
-            and self.deadline is None
+            and not self.waiting
             and all(h["version"] == syncer.version for h in headers.values())
             and sum(samples) > 0
-            and (kind == MEET or (self.grace_s == 0 and self.size >= self.min_quorum))
+            and (kind == MEET or self.size >= self.min_quorum)
         ):
             self._collective(now, headers, kind, samples)
             return
@@ -196,13 +210,21 @@ class SyncerService:
                 syncer.add(Arrival(r, now, h["samples"], h["version"], tensors))
             else:
                 self.mailbox.put(f"d/{r}/{h['seq']}", {"do": "wait"})
-        if self.deadline is None and syncer.workers_pending() >= self.min_quorum:
-            self.deadline = now + self.grace_s
-        if self.deadline is not None and self.deadline <= now:
-            self._merge(now)
+        merged = False
+        if syncer.workers_pending() >= self.min_quorum:
+            live = {r for r in range(self.size) if not self.done[r]}
+            everyone = {a.worker for a in syncer.pending} >= live
+            oldest = min(a.time for a in syncer.pending)
+            if everyone or oldest + self.grace_s <= now:
+                self._merge(now)
+                merged = True
+            elif self.deadline is None:
+                self.deadline = oldest + self.grace_s
         for r, h in headers.items():
             if h["kind"] == MEET:
                 self.met[r] = {**h, "at": now}
+            elif self.grace_s > 0 and h["samples"] > 0 and not merged:
+                self.waiting[r] = (h, now + self.grace_s)  # for its merge, at most grace_s
             else:
                 self._answer(r, h, now)
 
@@ -231,6 +253,7 @@ class SyncerService:
         self.collective_done.set()
 
     def _merge(self, at: float) -> None:
+        """Merge what is pending; every sender waiting for it is answered after it."""
         pending = self.syncer.pending
         count, version = len(pending), self.syncer.version
         staleness = [version - a.version for a in pending]
@@ -239,6 +262,9 @@ class SyncerService:
         self.deadline = None
         if merged:
             self._record(at, count, staleness, "merge")
+        for r, (header, _) in list(self.waiting.items()):
+            del self.waiting[r]
+            self._answer(r, header, at)
 
     def _meet(self, live: list[int]) -> None:
         at = max(self.met[r]["at"] for r in live)
@@ -252,6 +278,8 @@ class SyncerService:
 
     def _answer(self, r: int, header: dict, at: float, values: bool = False) -> None:
         values = values or header["version"] != self.syncer.version
+        if self.modelled and header["kind"] == SEND and at > header["time"]:
+            self.announced[r] = None  # it waited: it announces its next time again
         self.mailbox.put(
             f"r/{r}/{header['seq']}", {"version": self.syncer.version, "time": at, "values": values}
         )
