@@ -17,6 +17,10 @@ Jobs:
 
     python experiments/plan_check/trained.py            # both jobs, ~1 h on 2 shared cores
     python experiments/plan_check/trained.py --report   # the .md again from the .json
+    python experiments/plan_check/trained.py --jobs MNIST-1D --fresh   # plan and train one job
+                                                        # afresh, keeping the other's results
+
+Each job records the command, code and time its plan and runs were made with (`made`).
 """
 
 from __future__ import annotations
@@ -124,32 +128,48 @@ def train(overrides: list[str], run_dir: str) -> dict:
         return json.load(f)
 
 
+def commit() -> str:
+    """The code the runs are made with: HEAD, and whether localsgd/ differs from it."""
+    head = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--", "localsgd"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
+    return head + (" (localsgd/ modified)" if dirty else "")
+
+
+def meets(job: dict, key: str, seed: str) -> tuple[str, float, float, bool]:
+    """The grid's best on `seed`, `key`'s loss gap and bytes ratio to it, and whether `key`
+    meets the target there."""
+    runs = {k: r[seed] for k, r in job["runs"].items() if k in job["grid"]}
+    best = min(runs, key=lambda k: runs[k]["test_loss"])
+    mine = job["runs"][key][seed]
+    gap = mine["test_loss"] / runs[best]["test_loss"] - 1
+    ratio = mine["comm_bytes"] / runs[best]["comm_bytes"]
+    return best, gap, ratio, gap <= TARGET and ratio <= 1
+
+
 def judge(results: dict) -> None:
     for job in results["jobs"].values():
-        chosen = job["chosen"]
         job["verdicts"] = []
         for seed in map(str, SEEDS):
-            runs = {k: r[seed] for k, r in job["runs"].items() if k in job["grid"]}
-            best = min(runs, key=lambda k: runs[k]["test_loss"])
-            mine = job["runs"][chosen][seed]
-            gap = mine["test_loss"] / runs[best]["test_loss"] - 1
+            best, gap, ratio, held = meets(job, job["chosen"], seed)
             job["verdicts"].append(
-                {
-                    "seed": int(seed),
-                    "best": best,
-                    "gap": gap,
-                    "bytes_ratio": mine["comm_bytes"] / runs[best]["comm_bytes"],
-                    "held": gap <= TARGET and mine["comm_bytes"] <= runs[best]["comm_bytes"],
-                }
+                {"seed": int(seed), "best": best, "gap": gap, "bytes_ratio": ratio, "held": held}
             )
+        # which fixed choice of the trained rows would have met the target on every seed
+        job["would_hold"] = [
+            key for key in job["runs"] if all(meets(job, key, str(s))[3] for s in SEEDS)
+        ]
 
 
 def render(results: dict) -> str:
     lines = [
         "# The plan's choice at 0.2 Gbit/s against the grid's best final loss (issue 51)",
         "",
-        f"- command: `{results['command']}`",
-        f"- started: {results['started']}; {results['total_s']:.0f} s in all",
+        f"- last command: `{results['command']}` (each job says what made its rows)",
+        f"- it started {results['started']}; {results['total_s']:.0f} s in all",
         f"- machine: {results['machine']}; load at start {results['load_start']}, at end "
         f"{results['load_end']}",
         "- every run trained without `comm.simulate` (the link only sleeps; the values and "
@@ -158,11 +178,19 @@ def render(results: dict) -> str:
         "character); bytes: one worker's, the final average included",
         "",
     ]
-    for name, job in results["jobs"].items():
+    for name in sorted(results["jobs"], key=lambda n: list(JOBS).index(n)):
+        job = results["jobs"][name]
         chosen = job["chosen"]
+        made = job.get("made")
+        lines += [f"## {name}", ""]
+        if made:
+            lines += [
+                f"Planned and trained by `{made['command']}` at {made['commit']}, started "
+                f"{made['started']}"
+                + (f", {made['seconds']:.0f} s." if "seconds" in made else "."),
+                "",
+            ]
         lines += [
-            f"## {name}",
-            "",
             f"Job: `{' '.join(job['overrides'])}`. The plan at 0.2 Gbit/s, 50 ms "
             f"(`python -m localsgd.plan JOB {' '.join(LINK)}`): chosen "
             f"**{BY_KEY[chosen].label}** (it "
@@ -191,6 +219,10 @@ def render(results: dict) -> str:
                 f"setting {v['gap'] * 100:+.2f}% against it, with {v['bytes_ratio']:.3g}x its "
                 f"bytes: **{'held' if v['held'] else 'not held'}**"
             )
+        lines.append(
+            "- the trained settings that would have held on every seed: "
+            + ("; ".join(BY_KEY[k].label for k in job["would_hold"]) or "none")
+        )
         lines.append("")
     return "\n".join(lines)
 
@@ -200,6 +232,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", default=HERE)
     parser.add_argument("--jobs", nargs="+", default=list(JOBS))
     parser.add_argument("--report", action="store_true")
+    parser.add_argument(
+        "--fresh", action="store_true", help="drop the named jobs' saved plan and runs first"
+    )
     args = parser.parse_args(argv)
     json_path = os.path.join(args.out, "trained.json")
     if args.report:
@@ -226,9 +261,17 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="plan-trained-") as tmp:
         for name in args.jobs:
             spec = JOBS[name]
+            if args.fresh:
+                results["jobs"].pop(name, None)
             job = results["jobs"].setdefault(name, {"overrides": spec["overrides"], "runs": {}})
             if "plan" not in job:
                 job["plan"] = run_plan(spec, tmp)
+                job["made"] = {
+                    "command": results["command"],
+                    "commit": commit(),
+                    "started": results["started"],
+                }
+            job_t0 = time.perf_counter()
             chosen = job["plan"]["chosen"]
             job["chosen"] = chosen
             job["grid"] = [key for _, key in settings()]
@@ -260,6 +303,8 @@ def main(argv: list[str] | None = None) -> dict:
                     )
                     with open(json_path, "w") as f:  # after every run: a stop loses one
                         json.dump(results, f, indent=1)
+            made = job.setdefault("made", {})
+            made["seconds"] = made.get("seconds", 0) + time.perf_counter() - job_t0
     results["total_s"] = time.perf_counter() - t0
     results["load_end"] = load_average()
     judge(results)

@@ -1,11 +1,12 @@
 """What the studies measured about each setting's final loss against synchronous training.
 
-One `Finding` per (setting, studied job, world size): the final test/validation loss gap to the
-synchronous run (a gradient all-reduce every step, or k = 1) of the same seed, per seed, as the
-study's tables give them (docs/studies.md). A setting is *backed* on a job when the studies ran
-it there and every seed of every world size ended within 2% of sync; the plan recommends only
-backed settings (and sync itself). Nothing here is extrapolated: a setting the studies did not
-run on a job, or ran with other knobs (another outer step, another H), is "not studied" there.
+One `Finding` per (setting, studied job, world size, model where a study varied it): the final
+test/validation loss gap to the synchronous run (a gradient all-reduce every step, or k = 1) of
+the same seed, per seed, as the study's tables give them (docs/studies.md). A setting is *backed*
+on a job when the studies ran it there and every seed of every world size and model ended within
+2% of sync; the plan recommends only backed settings (and sync itself). Nothing here is
+extrapolated: a setting the studies did not run on a job, or ran with other knobs (another outer
+step, another H), is "not studied" there.
 """
 
 from __future__ import annotations
@@ -30,19 +31,23 @@ class Finding:
     workers: int
     gaps: tuple[float, ...]  # percent, per seed (negative: below sync's loss)
     study: str  # where it is written down
+    model: str = ""  # where the study ran another model than the job's own
 
     @property
     def within(self) -> bool:
         return all(g <= WITHIN for g in self.gaps)
 
     def describe(self) -> str:
-        return f"{', '.join(f'{g:+.1f}%' for g in self.gaps)} at {self.workers} workers"
+        on = f" ({self.model})" if self.model else ""
+        return f"{', '.join(f'{g:+.1f}%' for g in self.gaps)} at {self.workers} workers{on}"
 
 
-# experiments/lm_shakespeare/README.md, its bytes_study.md, and experiments/ksweep/README.md
+# experiments/lm_shakespeare/README.md, its bytes_study.md, experiments/ksweep/README.md, and
+# below experiments/mnist1d_grid/study.md
 _LM_README = "lm_shakespeare"
 _BYTES = "lm_shakespeare/bytes_study"
 _KSWEEP = "ksweep/iid"
+_MLP = "MLP 256-256"  # the k-sweep's; the plan check's MNIST-1D job has 256-256-256
 
 FINDINGS = (
     # --- the Shakespeare LM (docs/studies.md: the LM, its frontier and bytes studies) ---------
@@ -68,8 +73,39 @@ FINDINGS = (
     ),
     Finding("topk-h16", LM, 2, (1.71, 1.84, 2.16), _BYTES + ": sparseloco_h16_k46_sb80_n5"),
     # --- MNIST-1D ---------------------------------------------------------------------------
-    Finding("plain-h16", MNIST1D, 4, (-1.55, -1.60, -2.03, -2.13, -5.60), _KSWEEP + ": k=16"),
-    Finding("plain-h64", MNIST1D, 4, (4.45, 8.20, 9.12, 6.64, 0.25), _KSWEEP + ": k=64"),
+    Finding("plain-h16", MNIST1D, 4, (-1.55, -1.60, -2.03, -2.13, -5.60), _KSWEEP + ": k=16", _MLP),
+    Finding("plain-h64", MNIST1D, 4, (4.45, 8.20, 9.12, 6.64, 0.25), _KSWEEP + ": k=64", _MLP),
+)
+
+# experiments/mnist1d_grid (study.md): every grid setting beside sync on the plan check's MNIST-1D
+# job (MLP 256-256-256), seeds 0-2, at 4 and 2 workers and with the MLP 128-128-128 at 4 workers
+_GRID_STUDY = "mnist1d_grid"
+_GRID_CONFIGS = ((4, "w4", ""), (2, "w2", ""), (4, "w4-narrow", "MLP 128-128-128"))
+_GRID_GAPS = {  # setting: the gaps per seed of each configuration above, in its order
+    "plain-h16": ((-9.30, -4.11, -9.93), (3.52, 9.12, 2.25), (0.92, 3.17, -0.20)),
+    "plain-h16-overlap": ((-10.82, -2.74, -8.38), (7.27, 7.47, 3.57), (1.59, 6.41, 5.55)),
+    "plain-h64": ((-0.20, 7.35, 0.13), (15.41, 18.40, 13.57), (20.80, 29.39, 32.32)),
+    "diloco-h16": ((64.81, 106.19, 65.49), (113.98, 157.63, 112.76), (61.11, 45.99, 60.67)),
+    "diloco-h16-bf16": ((60.47, 97.85, 86.86), (194.18, 146.24, 110.09), (55.46, 31.59, 62.01)),
+    "diloco-h16-int4": ((68.99, 93.54, 80.36), (113.15, 130.96, 122.46), (56.63, 49.46, 67.20)),
+    "topk-h16": ((43.65, 43.41, 48.06), (51.43, 50.81, 50.87), (65.29, 73.85, 68.30)),
+    "diloco-h64": ((122.10, 165.14, 156.18), (121.28, 113.50, 137.55), (139.90, 112.64, 120.94)),
+    "diloco-h64-int4": (
+        (151.55, 156.10, 162.29),
+        (130.81, 121.67, 97.72),
+        (139.59, 107.58, 134.28),
+    ),
+    "stream-h16-p4-t0": ((81.24, 87.31, 104.25), (113.19, 138.21, 115.34), (65.35, 65.42, 56.44)),
+    "stream-h16-p4-t1": ((-5.56, 3.11, -4.45), (0.39, -0.11, -2.25), (-0.38, 3.72, 1.52)),
+    "stream-h16-p4-t4": ((-6.94, 1.84, -1.60), (-2.57, -0.59, -2.29), (-2.47, 0.32, -1.41)),
+    "stream-h16-p4-t1-int4": ((-9.68, 1.59, -4.61), (-1.47, -1.14, -1.55), (-1.04, -0.63, -5.22)),
+    "stream-h64-p4-t4": ((18.71, 32.34, 20.81), (22.32, 19.03, 13.46), (32.78, 29.76, 27.55)),
+    "stream-h64-p4-t4-int4": ((11.43, 29.30, 18.12), (19.44, 19.13, 15.51), (32.67, 35.18, 33.04)),
+}
+FINDINGS += tuple(
+    Finding(setting, MNIST1D, workers, gaps, f"{_GRID_STUDY}: {config} (seeds 0-2)", model)
+    for setting, per_config in _GRID_GAPS.items()
+    for (workers, config, model), gaps in zip(_GRID_CONFIGS, per_config, strict=True)
 )
 
 
@@ -90,7 +126,7 @@ def verdict(setting: str, job: str | None) -> Verdict:
         backed = all(f.within for f in here)
         word = "within 2% of sync" if backed else "not within 2% of sync"
         if not backed and any(f.within for f in here):
-            word = "within 2% at some world sizes only"
+            word = "within 2% in some of the studied settings only"
         elif not backed and any(g <= WITHIN for f in here for g in f.gaps):
             word = "within 2% on some seeds only"
         return Verdict(
