@@ -322,6 +322,26 @@ def test_on_the_wall_clock_the_workers_end_on_one_checked_model(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_grace_window_lets_a_slow_sender_wait_for_the_merge_of_everyone(tmp_path):
+    # DyLU: phases of 0.2 modelled s, so worker 1 (3x slower) sends after 6 steps (0.18 s),
+    # worker 0 after 20 (0.20 s). Without a grace window worker 1's contribution merges alone
+    # and worker 0's lands one merge stale; with 0.05 s worker 1 waits for worker 0's, every
+    # merge takes both, and nobody is stale
+    args = FAST + ["dist.world_size=2", "trainer.max_steps=80", "sync.outer=diloco",
+                   "sync.mode=async", "sync.inner_time_s=0.2", "trainer.checkpoint_every=0",
+                   "comm.simulate.worker_speed=[1,3]", "comm.simulate.step_s=0.01"]  # fmt: skip
+    seen = {}
+    for grace in (0, 0.05):
+        run_dir = tmp_path / f"grace{grace}"
+        proc, _ = cli(args + [f"sync.grace_s={grace}", f"hydra.run.dir={run_dir}"])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        seen[grace] = json.loads((run_dir / "summary.json").read_text())
+    assert seen[0]["async_max_staleness"] >= 1
+    assert seen[0.05]["async_max_staleness"] == 0
+    assert seen[0.05]["async_merges"] < seen[0]["async_merges"]  # both at once
+
+
+@pytest.mark.slow
 def test_sigterm_stops_at_the_next_meeting_and_the_same_command_resumes(tmp_path):
     # checkpoints (meetings) after steps 5, 10, 15, 20, 24; SIGTERM reaches the launcher at
     # step 11, after the syncs of 10: the workers stop at the meeting of 15
