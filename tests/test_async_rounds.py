@@ -342,6 +342,22 @@ def test_a_grace_window_lets_a_slow_sender_wait_for_the_merge_of_everyone(tmp_pa
 
 
 @pytest.mark.slow
+def test_workers_whose_phases_end_at_one_modelled_instant_meet_in_synchronous_rounds(tmp_path):
+    # DyLU phases of 0.3 s: worker 0 sends after 20 steps of 0.015 s, worker 1 after 10 of
+    # 0.03 s; their clocks' float sums differ in the last bits, the instant is one
+    run_dir = tmp_path / "run"
+    args = FAST + ["dist.world_size=2", "trainer.max_steps=60", "sync.outer=diloco",
+                   "sync.mode=async", "sync.inner_time_s=0.3", "trainer.checkpoint_every=0",
+                   "comm.simulate.worker_speed=[1,2]", "comm.simulate.step_s=0.015",
+                   f"hydra.run.dir={run_dir}"]  # fmt: skip
+    proc, _ = cli(args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["async_exchanges"]["p2p"] == 0 and summary["async_max_staleness"] == 0
+    assert summary["async_exchanges"]["collective"] == summary["async_merges"] >= 3
+
+
+@pytest.mark.slow
 def test_sigterm_stops_at_the_next_meeting_and_the_same_command_resumes(tmp_path):
     # checkpoints (meetings) after steps 5, 10, 15, 20, 24; SIGTERM reaches the launcher at
     # step 11, after the syncs of 10: the workers stop at the meeting of 15

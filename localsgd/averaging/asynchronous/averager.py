@@ -167,9 +167,9 @@ class AsyncAverager(OuterAverager):
                 clock += self.step_seconds
                 phase += self.step_seconds
                 if self._phase_ends(done, steps, phase) and not self._meets(s):
-                    return clock
+                    return _instant(clock)
             if self._meets(s):
-                return clock
+                return _instant(clock)
         return math.inf
 
     # --- the loop -----------------------------------------------------------------------------
@@ -260,7 +260,7 @@ class AsyncAverager(OuterAverager):
         work = views(buffers, rounds.parts[0])
         nxt = self._next_time(step) if self.modelled and kind == SEND else None
         seq = self._send_header(
-            kind, time=self.clock if self.modelled else None, samples=samples,
+            kind, time=_instant(self.clock) if self.modelled else None, samples=samples,
             version=self.version, next=nxt,
         )  # fmt: skip
         decision = self._take(f"d/{self.rank}/{seq}")
@@ -287,7 +287,7 @@ class AsyncAverager(OuterAverager):
                 self.exchanges["unchanged"] += 1
             rounds.anchors.reset(buffers)
             self.version = answer["version"]
-            waited = self.modelled and answer["time"] > self.clock
+            waited = self.modelled and answer["time"] > _instant(self.clock)
             if waited:  # at a meeting, or for its merge (sync.grace_s): idle until then
                 self.clock = answer["time"]
             if waited and kind == SEND:  # so its next message comes later than it said
@@ -397,3 +397,10 @@ class AsyncAverager(OuterAverager):
         self.sent_samples = float(saved.get("sent_samples", 0.0))
         self.exchanges.update(saved.get("exchanges", {}))
         self._saved_syncer = saved.get("syncer")
+
+
+def _instant(seconds: float) -> float:
+    """A modelled time as messages carry it: rounded to the nanosecond, so that two workers'
+    sums of step lengths that meet (50 steps of 0.015 s, 25 of 0.03 s) are one instant, as
+    the model means, not two that differ in their last bits."""
+    return round(seconds, 9)
