@@ -26,8 +26,9 @@ on a busy machine. Per seed and strategy, side by side in this one process:
   so the fleet trains fewer samples than `free` in the same steps;
 - `async, DyLU`: the same, each worker's phase ending by time (`sync.inner_time_s` = H x
   step_s, Async Local-SGD's DyLU: the slow worker sends after H/3 of its own steps);
-- `async, quorum 2|3`, `async, delay 1`: the same with `sync.min_quorum` 2 or 3, or
-  `sync.outer_delay=1` (the synchronous outer step), named only (the probes of a loss gap);
+- `async, quorum 2|3`, `async, delay 1|2`, `async, DyLU, delay 1|2`: the same with
+  `sync.min_quorum` 2 or 3, or `sync.outer_delay` 1 (the synchronous outer step) or 2, named
+  only (the probes of a loss gap);
 - `free, same samples as async`: [1, 1, 1, 1] for the steps at which the fleet has trained on
   the samples an async run trained and merged (every contribution is merged at the last step's
   meeting; counted from the modelled clock's rule, `clock.computes`, which the trainer reads):
@@ -170,6 +171,9 @@ CONDITIONS = (  # in run order: "free, same samples" reads the budget run's samp
     "async, quorum 2",
     "async, quorum 3",
     "async, delay 1",
+    "async, delay 2",
+    "async, DyLU, delay 1",
+    "async, DyLU, delay 2",
     "blocking, same time",
     "free, same samples",
     "free, same samples as async",
@@ -178,12 +182,15 @@ DEFAULT_CONDITIONS = [  # the committed study's (the async ones by name)
     "free", "blocking", "budget", "budget, weighted", "blocking, same time", "free, same samples"
 ]  # fmt: skip
 MERGES = {"budget": "normalized", "budget, weighted": "weighted"}
-ASYNC = {  # condition: its overrides beside sync.mode=async (DyLU: the phase by time)
+ASYNC = {  # condition: its overrides beside sync.mode=async (DyLU: the phase by time, below)
     "async": [],
-    "async, DyLU": None,
+    "async, DyLU": [],
     "async, quorum 2": ["sync.min_quorum=2"],
     "async, quorum 3": ["sync.min_quorum=3"],
     "async, delay 1": ["sync.outer_delay=1"],
+    "async, delay 2": ["sync.outer_delay=2"],
+    "async, DyLU, delay 1": ["sync.outer_delay=1"],
+    "async, DyLU, delay 2": ["sync.outer_delay=2"],
 }
 COMPARED = ("blocking", *MERGES, *ASYNC)  # the table's rows
 
@@ -206,10 +213,9 @@ def run_one(
             f"sync.budget_merge={MERGES[condition]}",
         ]
     elif condition in ASYNC:
-        extra = ASYNC[condition]
-        if extra is None:  # DyLU
-            extra = [f"sync.inner_time_s={period * args.step_s}"]
-        budget = ["sync.mode=async", *extra]
+        budget = ["sync.mode=async", *ASYNC[condition]]
+        if "DyLU" in condition:
+            budget.append(f"sync.inner_time_s={period * args.step_s}")
     if steps is None:
         same_time = condition == "blocking, same time"
         steps = int(args.steps // max(args.slow)) if same_time else args.steps
