@@ -18,7 +18,22 @@ on a busy machine. Per seed and strategy, side by side in this one process:
   1/max(slow) share in general);
 - `free, same samples`: [1, 1, 1, 1] for the steps at which the fleet has trained on the samples
   the budget run merged (its `contributed_samples`): what is left of the budget run's loss gap
-  once the slow worker's missing compute is discounted is the merge's own cost.
+  once the slow worker's missing compute is discounted is the merge's own cost;
+- `async`: [1, 1, 1, 3] with `sync.mode=async` and its defaults (a syncer on rank 0 merging by
+  samples once `sync.min_quorum` = 1 contribution waits; DiLoCo's outer step is Delayed Nesterov
+  with N = 4, local SGD's the plain average `sync.outer=none`): under the modelled clock every
+  worker covers the same modelled time and a slower one computes only the ticks its step fits,
+  so the fleet trains fewer samples than `free` in the same steps;
+- `async, DyLU`: the same, each worker's phase ending by time (`sync.inner_time_s` = H x
+  step_s, Async Local-SGD's DyLU: the slow worker sends after H/3 of its own steps);
+- `async, quorum 2|3`, `async, delay 1|2`, `async, DyLU, delay 1|2`: the same with
+  `sync.min_quorum` 2 or 3, or `sync.outer_delay` 1 (the synchronous outer step) or 2, named
+  only (the probes of a loss gap);
+- `free, same samples as async`: [1, 1, 1, 1] for the steps at which the fleet has trained on
+  the samples an async run trained and merged (every contribution is merged at the last step's
+  meeting; counted from the modelled clock's rule, `clock.computes`, which the trainer reads):
+  the loss at equal samples. The async conditions' `vs blocking at the same wall time` is
+  against `blocking, same time` as the budget's: both cover the steps' modelled time, as `free`.
 
 Throughput is rank 0's (a fast worker's) computed samples over its training seconds (wall time
 less the periodic evaluations); the ratio is against `free` of the same seed. Writes
@@ -39,6 +54,15 @@ experiments/stragglers/OUT.{md,json} (`--out`, straggler_study by default).
     python experiments/stragglers/straggler_study.py --setting lm --steps 400 --step-s 0.25 \
         --strategies "LM Streaming DiLoCo H=16 P=4" --conditions free budget \
         --out straggler_study_lm_streaming
+    # asynchronous rounds beside blocking and the budget (issue 48), ~15 min each:
+    python experiments/stragglers/straggler_study.py --steps 600 --step-s 0.015 --conditions \
+        free blocking budget async "async, DyLU" "blocking, same time" "free, same samples" \
+        "free, same samples as async" --out straggler_study_async
+    python experiments/stragglers/straggler_study.py ... --seeds 3 4 5 --slow 1 1 2 2 \
+        --out straggler_study_async_two_slow     # the setting nothing was tuned on
+    python experiments/stragglers/straggler_study.py --setting lm --steps 400 --step-s 0.25 \
+        --conditions free budget async "free, same samples" "free, same samples as async" \
+        --out straggler_study_lm_async     # ~30 min
     python experiments/stragglers/straggler_study.py --tiny     # smoke test: 1 seed, a few steps
 """
 
@@ -55,6 +79,10 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))  # the study's folder: its results go here
 ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, ROOT)  # the clock of this checkout, as the runs (cwd ROOT) import it
+
+from localsgd.averaging.asynchronous.clock import computes  # noqa: E402
+
 STRATEGIES = {  # name: (overrides, H)
     "local SGD H=16": (["sync.period=16"], 16),
     "DiLoCo H=50": (["+experiment=diloco", "sync.outer_warmup_rounds=0"], 50),
@@ -138,10 +166,33 @@ CONDITIONS = (  # in run order: "free, same samples" reads the budget run's samp
     "blocking",
     "budget",
     "budget, weighted",
+    "async",
+    "async, DyLU",
+    "async, quorum 2",
+    "async, quorum 3",
+    "async, delay 1",
+    "async, delay 2",
+    "async, DyLU, delay 1",
+    "async, DyLU, delay 2",
     "blocking, same time",
     "free, same samples",
+    "free, same samples as async",
 )
+DEFAULT_CONDITIONS = [  # the committed study's (the async ones by name)
+    "free", "blocking", "budget", "budget, weighted", "blocking, same time", "free, same samples"
+]  # fmt: skip
 MERGES = {"budget": "normalized", "budget, weighted": "weighted"}
+ASYNC = {  # condition: its overrides beside sync.mode=async (DyLU: the phase by time, below)
+    "async": [],
+    "async, DyLU": [],
+    "async, quorum 2": ["sync.min_quorum=2"],
+    "async, quorum 3": ["sync.min_quorum=3"],
+    "async, delay 1": ["sync.outer_delay=1"],
+    "async, delay 2": ["sync.outer_delay=2"],
+    "async, DyLU, delay 1": ["sync.outer_delay=1"],
+    "async, DyLU, delay 2": ["sync.outer_delay=2"],
+}
+COMPARED = ("blocking", *MERGES, *ASYNC)  # the table's rows
 
 
 def speeds(condition: str, slow: list[float]) -> str:
@@ -161,6 +212,10 @@ def run_one(
             f"sync.inner_time_s={period * args.step_s}",
             f"sync.budget_merge={MERGES[condition]}",
         ]
+    elif condition in ASYNC:
+        budget = ["sync.mode=async", *ASYNC[condition]]
+        if "DyLU" in condition:
+            budget.append(f"sync.inner_time_s={period * args.step_s}")
     if steps is None:
         same_time = condition == "blocking, same time"
         steps = int(args.steps // max(args.slow)) if same_time else args.steps
@@ -181,6 +236,11 @@ def run_one(
         s = json.load(f)
     seconds = s["wall_time_s"] - s["eval_seconds"]
     computed = s.get("computed_steps", s["steps"])
+    if condition in ASYNC:  # what the fleet trained, every contribution merged at the end
+        fleet = fleet_steps(s["steps"], args.slow)
+        if computed != fleet[0]:
+            raise SystemExit(f"{condition}: rank 0 computed {computed} steps, the clock {fleet[0]}")
+        s["contributed_samples"] = sum(fleet) * batch
     return {
         "samples_per_s": computed * batch / seconds,  # rank 0's
         "test_loss": s["test_loss"],
@@ -190,7 +250,19 @@ def run_one(
         "wait_s": s.get("wait_s"),
         "contributed_samples": s.get("contributed_samples"),
         "steps": s["steps"],
+        "computed_steps": computed,
+        **{k: v for k, v in s.items() if k.startswith("async_")},
     }
+
+
+def fleet_steps(steps: int, fleet: list[float]) -> list[int]:
+    """The steps each worker computes in `steps` ticks of asynchronous rounds (no warmup): the
+    modelled clock's rule, `clock.computes`, that the trainer's pacer reads."""
+    done = [0] * len(fleet)
+    for tick in range(steps):
+        for r, speed in enumerate(fleet):
+            done[r] += computes(done[r], tick, speed)
+    return done
 
 
 def same_samples_steps(budget: dict, steps: int, batch: int) -> int:
@@ -216,7 +288,7 @@ def main() -> None:
     )
     parser.add_argument("--setting", choices=list(SETTINGS), default="mnist1d")
     parser.add_argument(
-        "--conditions", nargs="+", choices=CONDITIONS, default=list(CONDITIONS),
+        "--conditions", nargs="+", choices=CONDITIONS, default=DEFAULT_CONDITIONS,
         help="these conditions only (free is always run: every ratio is against it)",
     )  # fmt: skip
     parser.add_argument(
@@ -232,6 +304,9 @@ def main() -> None:
     conditions = [c for c in CONDITIONS if c == "free" or c in args.conditions]
     if "free, same samples" in conditions and "budget" not in conditions:
         parser.error("--conditions 'free, same samples' needs budget (it reads its samples)")
+    run_async = [c for c in conditions if c in ASYNC]
+    if "free, same samples as async" in conditions and not run_async:
+        parser.error("--conditions 'free, same samples as async' needs an async condition")
     _, strategies, batch, what = SETTINGS[args.setting]
     if args.strategies is None:  # the committed study's two; the others by name
         args.strategies = [name for name in strategies if "Streaming" not in name]
@@ -252,6 +327,15 @@ def main() -> None:
                     if condition == "free, same samples":
                         budget = runs[strategy]["budget"][seed]
                         steps = same_samples_steps(budget, args.steps, batch)
+                    elif condition == "free, same samples as async":  # every async one's alike
+                        trained = {
+                            runs[strategy][c][seed]["contributed_samples"] for c in run_async
+                        }
+                        if len(trained) != 1:
+                            raise SystemExit(f"async conditions trained unlike samples: {trained}")
+                        steps = same_samples_steps(
+                            runs[strategy][run_async[0]][seed], args.steps, batch
+                        )
                     r = run_one(strategy, condition, seed, args, run_dir, steps)
                     runs.setdefault(strategy, {}).setdefault(condition, {})[seed] = r
                     print(strategy, condition, seed, json.dumps(r), flush=True)
@@ -259,11 +343,13 @@ def main() -> None:
     for strategy, by_condition in runs.items():
         free = by_condition["free"]
         short = by_condition.get("blocking, same time")
-        matched = by_condition.get("free, same samples")
-        for condition in ("blocking", "budget", "budget, weighted"):
+        for condition in COMPARED:
             if condition not in by_condition:
                 continue
             got = by_condition[condition]
+            matched = by_condition.get(
+                "free, same samples as async" if condition in ASYNC else "free, same samples"
+            )
 
             def against(other, got=got):  # the loss against another run of each seed, if run
                 if other is None:
@@ -272,13 +358,19 @@ def main() -> None:
 
             speed = [got[s]["samples_per_s"] / free[s]["samples_per_s"] for s in args.seeds]
             accuracy = [got[s]["test_accuracy"] - free[s]["test_accuracy"] for s in args.seeds]
+            trained = [  # the fleet's samples against free's (blocking trains them all)
+                (got[s]["contributed_samples"] or 0) / (4 * batch * args.steps)
+                if condition != "blocking" else 1.0
+                for s in args.seeds
+            ]  # fmt: skip
             rows.append(
-                (strategy, condition, speed, against(free), against(short), against(matched),
-                 accuracy)
+                (strategy, condition, speed, trained, against(free), against(short),
+                 against(matched), accuracy)
             )  # fmt: skip
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
-        "# Slow workers: blocking against a time budget",
+        "# Slow workers: blocking against a time budget"
+        + (" and asynchronous rounds" if run_async else ""),
         "",
         f"Run {stamp}, `python experiments/stragglers/straggler_study.py "
         f"{shlex.join(sys.argv[1:])}` "
@@ -287,15 +379,16 @@ def main() -> None:
         "Ratios are against the straggler-free run of the same seed and strategy, measured in "
         "the same invocation.",
         "",
-        "| strategy | slow worker | rank 0 samples/s vs free (per seed) | final test loss vs "
-        "free, same steps (per seed) | test accuracy vs free, points | vs blocking at the same "
-        "wall time | vs free at the samples the budget run merged |",
-        "|---|---|---|---|---|---|---|",
+        "| strategy | slow worker | rank 0 samples/s vs free (per seed) | fleet's samples vs free "
+        "| final test loss vs free, same steps (per seed) | test accuracy vs free, points | vs "
+        "blocking at the same wall time | vs free at the samples the run merged |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for strategy, condition, speed, loss, timed, fair, accuracy in rows:
-        budget = condition in MERGES
+    for strategy, condition, speed, trained, loss, timed, fair, accuracy in rows:
+        budget = condition != "blocking"
         lines.append(
             f"| {strategy} | {condition} | {', '.join(f'{x:.3f}' for x in speed)} | "
+            f"{', '.join(f'{x:.3f}' for x in trained)} | "
             f"{', '.join(f'{x:+.1%}' for x in loss)} | "
             f"{', '.join(f'{100 * x:+.1f}' for x in accuracy)} | "
             + (", ".join(f"{x:+.1%}" for x in timed) if budget else "")
