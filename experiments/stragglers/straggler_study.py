@@ -261,7 +261,7 @@ def fleet_steps(steps: int, fleet: list[float]) -> list[int]:
     done = [0] * len(fleet)
     for tick in range(steps):
         for r, speed in enumerate(fleet):
-            done[r] += computes(done[r], tick, speed)
+            done[r] += computes(done[r] * speed, tick, speed, 1.0)  # in units of step_s
     return done
 
 
