@@ -124,10 +124,7 @@ def build_synchroniser(
         else None
     )  # fmt: skip
     # under torchft the process group is the replica group alone: drift would measure nothing
-    # asynchronous rounds: the replicas meet only at checkpoints, where they are identical
-    measure = (
-        cfg.trainer.track_drift and not comm.disabled and not fault_tolerant and sync.mode == "sync"
-    )
+    measure = cfg.trainer.track_drift and not comm.disabled and not fault_tolerant
     drift = DriftMeter(averager.flat.buffers, replicas, shards) if measure else None
     # the round driver: the averager's syncs straight through torch.distributed, or, under
     # ft=torchft, as rounds of torchft's Manager (the same methods; torchft imported only then)

@@ -101,12 +101,10 @@ class AsyncAverager(OuterAverager):
         self.seq = 0
         self.version = 0  # the global model's version this worker's anchor holds
         self.clock = 0.0  # modelled seconds since the warmup (or wall seconds)
-        self.ticks = 0  # ticks since the warmup ...
-        self.computed = 0  # ... and the ones this worker computed
+        self.computed = 0  # the ticks since the warmup this worker computed
         self.phase_steps = 0
         self.phase_time = 0.0
         self.phase_samples = 0.0
-        self.sent_samples = 0.0
         self.exchanges = {"p2p": 0, "collective": 0, "unchanged": 0}
         self.wait_s = 0.0
         self._tick_start = time.perf_counter()
@@ -145,7 +143,7 @@ class AsyncAverager(OuterAverager):
         and in the warmup)."""
         if not self.modelled or self.step < self.warmup_steps:
             return True
-        return computes(self.clock, self.ticks, self.step_seconds, self.step_s)
+        return computes(self.clock, self.step - self.warmup_steps, self.step_seconds, self.step_s)
 
     def _phase_ends(self, done: int, steps: int, phase_time: float) -> bool:
         """Whether an inner phase of `steps` computed steps lasting `phase_time`, `done` steps
@@ -192,7 +190,6 @@ class AsyncAverager(OuterAverager):
             self._start()
         did = self.computes()
         now = time.perf_counter()
-        self.ticks += 1
         if did:
             tick = self.step_seconds if self.modelled else now - self._tick_start
             self.computed += 1
@@ -264,6 +261,11 @@ class AsyncAverager(OuterAverager):
             version=self.version, next=nxt,
         )  # fmt: skip
         decision = self._take(f"d/{self.rank}/{seq}")
+        # every worker is here (a meeting, or a synchronous round): the global-sync hooks
+        # (drift) run around it, their collectives in the same order on every rank
+        together = kind == MEET or decision["do"] == "collective"
+        if together:
+            self._global_hooks("before")
         before = self.stats.bytes
         # the pseudo-gradient, in place (zeros where nothing was trained since the last
         # answer): the buffers take the global model back after
@@ -293,10 +295,11 @@ class AsyncAverager(OuterAverager):
             if waited and kind == SEND:  # so its next message comes later than it said
                 self._send_header(ANNOUNCE, next=self._next_time(step))
             self.all_in_sync = kind == MEET
+        if together:
+            self._global_hooks("after")
         self.stats.rounds += 1
         self.level_stats[0].rounds += 1
         self.level_stats[0].bytes += self.stats.bytes - before
-        self.sent_samples += samples
         self.phase_samples, self.phase_time, self.phase_steps = 0.0, 0.0, 0
         self.merged = self.all_in_sync
         if kind == MEET:
@@ -379,8 +382,8 @@ class AsyncAverager(OuterAverager):
             raise RuntimeError("asynchronous rounds checkpoint at meetings only")
         state = super().state_dict()
         state["async"] = {
-            "version": self.version, "clock": self.clock, "sent_samples": self.sent_samples,
-            "exchanges": dict(self.exchanges), "ticks": self.ticks, "computed": self.computed,
+            "version": self.version, "clock": self.clock, "exchanges": dict(self.exchanges),
+            "computed": self.computed,
         }  # fmt: skip
         if self.service is not None:
             with self.service.lock:
@@ -392,9 +395,7 @@ class AsyncAverager(OuterAverager):
         saved = state.get("async", {})
         self.version = int(saved.get("version", 0))
         self.clock = float(saved.get("clock", 0.0))
-        self.ticks = int(saved.get("ticks", 0))
         self.computed = int(saved.get("computed", 0))
-        self.sent_samples = float(saved.get("sent_samples", 0.0))
         self.exchanges.update(saved.get("exchanges", {}))
         self._saved_syncer = saved.get("syncer")
 
