@@ -162,6 +162,14 @@ def build_averager(
         int(lv.period): resolve_group_size(lv.group_size, world_size, local_world_size)
         for lv in levels
     }
+    # the wire every averager sends through (`localsgd.averaging.rounds.wire`)
+    wire = {
+        "comm_dtype": comm_dtype,
+        "error_feedback": sync.error_feedback,
+        "error_feedback_decay": sync.error_feedback_decay,
+        "quant_block_size": sync.quant_block_size,
+        "drop_nonfinite": plan.drop_nonfinite,
+    }
     if plan.streaming:
         # with levels, the widest is the streaming one; the others average the whole model
         outer_step = outer_step if outer != "none" else {}  # plain streaming has no outer step
@@ -181,12 +189,8 @@ def build_averager(
             outer=outer != "none",
             **outer_step,
             init_sync=True,
-            comm_dtype=comm_dtype,
-            quant_block_size=sync.quant_block_size,
-            error_feedback=sync.error_feedback,
-            error_feedback_decay=sync.error_feedback_decay,
+            **wire,
             inner_levels=dict(list(sizes.items())[:-1]),
-            drop_nonfinite=plan.drop_nonfinite,
             schedule=build_schedule(sync, plan.period),
             round_starts=normalized,
             **trust,  # robust rounds over each fragment
@@ -198,13 +202,9 @@ def build_averager(
             process_group,
             module=model,
             stats=stats,
-            comm_dtype=comm_dtype,
+            **wire,
             link=link,
             init_sync=True,
-            error_feedback=sync.error_feedback,
-            error_feedback_decay=sync.error_feedback_decay,
-            quant_block_size=sync.quant_block_size,
-            drop_nonfinite=plan.drop_nonfinite,
             schedule=build_schedule(sync, plan.period),
             round_starts=normalized,
         )
@@ -228,11 +228,7 @@ def build_averager(
             # Delayed Nesterov where there is momentum to delay; N = 1 is torch's SGD itself
             outer_delay=delay if momentum and delay > 1 else None,
             inner_time_s=sync.inner_time_s,
-            comm_dtype=comm_dtype,
-            error_feedback=sync.error_feedback,
-            error_feedback_decay=sync.error_feedback_decay,
-            quant_block_size=sync.quant_block_size,
-            drop_nonfinite=plan.drop_nonfinite,
+            **wire,
             aggregate=trust.get("aggregate"),
             **(asynchronous or {}),
         )
@@ -246,12 +242,8 @@ def build_averager(
             stats=stats,
             **outer_step,
             schedule=build_schedule(sync),
-            comm_dtype=comm_dtype,
+            **wire,
             link=link,
-            error_feedback=sync.error_feedback,
-            error_feedback_decay=sync.error_feedback_decay,
-            quant_block_size=sync.quant_block_size,
-            drop_nonfinite=plan.drop_nonfinite,
             **trust,
         )  # anchored: it starts from rank 0's model
     else:
@@ -262,13 +254,9 @@ def build_averager(
             module=model,
             stats=stats,
             schedule=build_schedule(sync),
-            comm_dtype=comm_dtype,
+            **wire,
             link=link,
             init_sync=True,
-            error_feedback=sync.error_feedback,
-            error_feedback_decay=sync.error_feedback_decay,
-            quant_block_size=sync.quant_block_size,
-            drop_nonfinite=plan.drop_nonfinite,
             round_starts=normalized,
             **trust,
         )

@@ -18,9 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
+from localsgd.averaging.finite import all_finite
 from localsgd.averaging.rounds.outer import Anchors, OuterSGD
 from localsgd.averaging.rounds.part import Part, Tensors
-from localsgd.averaging.trust.robust import Aggregate, finite_rows
+from localsgd.averaging.trust.robust import Aggregate
 
 
 @dataclass
@@ -76,22 +77,22 @@ class Syncer:
         self.pending = []
         if not arrived:
             return False
-        rows = [torch.stack([a.tensors[i] for a in arrived]) for i in range(len(self.values))]
-        finite = finite_rows(rows)
+        finite = [all_finite(a.tensors) for a in arrived]
         self.dropped += [
             (a.worker, a.time) for a, ok in zip(arrived, finite, strict=True) if not ok
         ]
         keep = [i for i, ok in enumerate(finite) if ok]
         if not keep:
             return False
-        if self.aggregate is not None:
+        if self.aggregate is not None:  # the rule reads the contributions as rows
+            rows = [torch.stack([a.tensors[i] for a in arrived]) for i in range(len(self.values))]
             mean = self.aggregate.combine(rows, keep)
-        else:
+        else:  # the weighted mean, summed in arrival order: no stacked copy
             total = sum(arrived[i].samples for i in keep)
-            mean = [torch.zeros_like(r[0]) for r in rows]
+            mean = [torch.zeros_like(t) for t in arrived[keep[0]].tensors]
             for i in keep:
-                for m, r in zip(mean, rows, strict=True):
-                    m.add_(r[i], alpha=arrived[i].samples / total)
+                for m, t in zip(mean, arrived[i].tensors, strict=True):
+                    m.add_(t, alpha=arrived[i].samples / total)
         self.staleness += [self.version - arrived[i].version for i in keep]
         self.step_(mean, sum(arrived[i].samples for i in keep), len(keep))
         return True
