@@ -377,6 +377,26 @@ def test_sigterm_stops_at_the_next_meeting_and_the_same_command_resumes(tmp_path
     assert same_model(run_dir / "model.pt", reference / "model.pt")
 
 
+@pytest.mark.slow
+def test_an_asynchronous_checkpoint_resumes_at_another_world_size(tmp_path):
+    run_dir = tmp_path / "run"
+    args = FAST + ["sync.period=4", "sync.outer=diloco", "sync.mode=async",
+                   "trainer.checkpoint_every=10", "sync.check_replicas=true",
+                   "comm.simulate.step_s=0.002", f"hydra.run.dir={run_dir}"]  # fmt: skip
+    proc, _ = cli(args + ["dist.world_size=2", "trainer.max_steps=20",
+                          "comm.simulate.worker_speed=[1,3]"])  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first = json.loads((run_dir / "summary.json").read_text())
+    proc, _ = cli(args + ["dist.world_size=4", "trainer.max_steps=30",
+                          "comm.simulate.worker_speed=[1,3,1,1]"])  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resuming at another world size" in proc.stderr, proc.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 30 and summary["replica_checks"] >= 1
+    # the syncer went on from its checkpointed global model's version
+    assert summary["async_version"] > first["async_version"] > 0
+
+
 @pytest.mark.parametrize(
     "args, names",
     [
