@@ -40,6 +40,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from experiments.bench.common import load_average, machine  # noqa: E402
+from experiments.plan_check.trained import train  # noqa: E402  (one CLI run and its summary)
 from localsgd.planner.evidence import WITHIN  # noqa: E402
 from localsgd.planner.grid import GRID  # noqa: E402
 
@@ -66,19 +67,6 @@ DESCRIBE = {
     "w2": "MLP 256-256-256, 2 workers",
     "w4-narrow": "MLP 128-128-128, 4 workers",
 }
-
-
-def train(overrides: list[str], run_dir: str) -> dict:
-    proc = subprocess.run(
-        [sys.executable, "-m", "localsgd.train", *overrides, f"hydra.run.dir={run_dir}"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    )
-    if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(overrides)} failed:\n{proc.stderr[-3000:]}")
-    with open(os.path.join(run_dir, "summary.json")) as f:
-        return json.load(f)
 
 
 def gaps(results: dict, config: str, key: str) -> list[float] | None:
