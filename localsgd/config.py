@@ -92,6 +92,19 @@ class SyncLevel:
 
 
 @dataclass
+class HeLoCoConfig:
+    # sync.staleness_correction=heloco (localsgd.averaging.asynchronous.heloco): per parameter
+    # tensor, a contribution whose cosine with the outer momentum is >= keep is kept; below 0
+    # its anti-aligned part shrinks (by at most shrink_cap); in between it turns toward the
+    # momentum (by reorient); kappa: how far the momentum's norm lowers the confidence
+    keep: float = 0.2
+    shrink: float = 1.0
+    shrink_cap: float = 0.5
+    reorient: float = 0.5
+    kappa: float = 1.0
+
+
+@dataclass
 class SyncConfig:
     period: int = 16  # k: average parameters every k optimizer steps
     warmup_steps: int = 0  # synchronous (gradient all-reduce) steps before local SGD starts
@@ -167,6 +180,10 @@ class SyncConfig:
     # async: Delayed Nesterov's N, the merges between outer momentum steps (Liu et al. 2024);
     # null: the number of workers; 1: the synchronous outer step (torch's SGD)
     outer_delay: int | None = None
+    # async: none | heloco (HeLoCo, arXiv 2606.00271: the syncer corrects each stale
+    # pseudo-gradient against the outer momentum before merging it; settings in `heloco`)
+    staleness_correction: str = "none"
+    heloco: HeLoCoConfig = field(default_factory=HeLoCoConfig)
     # per-worker step counts: each round's inner phase lasts at most this many seconds per
     # worker, a slow worker computing fewer of the round's steps instead of holding up the
     # others, and averages weigh each worker by the samples it trained on (localsgd.loop.pacing;

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from localsgd.averaging.asynchronous import AsyncAverager, DelayedNesterov
+from localsgd.averaging.asynchronous.heloco import HeLoCo
 from localsgd.averaging.trust.robust import Aggregate
 from localsgd.averaging.wire.quantize import BlockCodec
 from tests.faults import override
@@ -113,15 +114,33 @@ def _async_worker(rank: int, world_size: int, wire: dict):
     return out, averager.summary(), averager.service.events if rank == 0 else None
 
 
+def _heloco(d: torch.Tensor, m: torch.Tensor, keep: float) -> torch.Tensor:
+    """HeLoCo's correction of one tensor as the paper's summary writes it (shrink 1, cap 0.5,
+    reorient 0.5, kappa 1), its momentum an average: (1 - 0.9) x the sum the replay keeps."""
+    nd, nm = d.norm(), m.norm()
+    if nd == 0 or nm == 0:
+        return d
+    c = (d * m).sum() / (nd * nm)
+    if c >= keep:
+        return d
+    conf = nd / (nd + 1.0 * (1 - 0.9) * nm + 1e-12)
+    v = m / nm
+    if c < 0:
+        return d - min(1.0 * -c * conf, 0.5) * c * nd * v
+    lam = min(0.5 * (1 - c) * conf, 1.0)
+    u = (1 - lam) * d / nd + lam * v
+    return nd * u / max(u.norm(), 1e-12)
+
+
 def _replay(
-    codec: BlockCodec | None = None, budget: float | None = None
+    codec: BlockCodec | None = None, budget: float | None = None, keep: float | None = None
 ) -> tuple[list[torch.Tensor], list[tuple]]:
     """One process: the three workers' phases in the order of their modelled send times (ties
     together, in rank order), the syncer's merges by hand (samples-weighted mean, Delayed
     Nesterov with N = 2), the last step a meeting; with `codec`, each contribution (the flat
     buffer: the parameters end to end) quantised with error feedback; with `budget`, phases by
-    modelled time. Returns the final model
-    and each merge's (time, contributions)."""
+    modelled time; with `keep`, each contribution corrected by HeLoCo (`_heloco`) against the
+    momentum before its merge. Returns the final model and each merge's (time, contributions)."""
     models = [_model() for _ in SPEEDS]
     opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in models]
     theta = [p.detach().clone() for p in models[0].parameters()]
@@ -134,6 +153,11 @@ def _replay(
 
     def merge(at: float) -> None:
         nonlocal version, cycle
+        if keep is not None:
+            pending[:] = [
+                (r, n, [_heloco(d, m, keep) for d, m in zip(g, momentum, strict=True)])
+                for r, n, g in pending
+            ]
         total = sum(n for _, n, _ in pending)
         mean = [sum(g[i] * (n / total) for _, n, g in pending) for i in range(len(theta))]
         k = len(pending)  # a merge of k contributions counts k of the cycle's DELAY
@@ -211,15 +235,19 @@ def _replay(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", ["float32", "int8", "time budget"])
+@pytest.mark.parametrize("variant", ["float32", "int8", "time budget", "heloco"])
 def test_a_run_on_modelled_clocks_equals_the_one_process_replay_of_its_order(variant):
     codec = BlockCodec("int8") if variant == "int8" else None
     budget = 4.0 if variant == "time budget" else None  # DyLU: 4, 2 and 1 steps a phase
+    # a high threshold, so that this small regression's aligned blocks are corrected too
+    keep = 0.95 if variant == "heloco" else None
     kwargs = {"comm_dtype": "int8", "error_feedback": True} if codec is not None else {}
     if budget is not None:
         kwargs["inner_time_s"] = budget
+    if keep is not None:
+        kwargs["correction"] = HeLoCo(keep=keep)
     results = run_distributed(_async_worker, 3, kwargs, timeout_s=90)
-    expected, log = _replay(codec, budget)
+    expected, log = _replay(codec, budget, keep)
     for out, _, _ in results:  # every worker ends on the final global model
         for got, want in zip(out, expected, strict=True):
             assert torch.allclose(got, want, atol=1e-6, rtol=0), (got - want).abs().max()
@@ -228,6 +256,10 @@ def test_a_run_on_modelled_clocks_equals_the_one_process_replay_of_its_order(var
     assert max(e["max_staleness"] for e in events) >= 1  # stale contributions were merged
     assert any(e["contributions"] >= 2 for e in events)  # a tie between two workers
     assert results[0][1]["async_merges"] == len(log)
+    if keep is not None:  # the correction acted: without it the models differ (tested below)
+        assert results[0][1]["async_corrected_blocks"]["reoriented"] > 0
+        plain, _ = _replay(codec, budget)
+        assert any((a - b).abs().max() > 1e-4 for a, b in zip(plain, expected, strict=True))
 
 
 def _robust_worker(rank: int, world_size: int):
@@ -403,6 +435,8 @@ def test_an_asynchronous_checkpoint_resumes_at_another_world_size(tmp_path):
         (["sync.mode=async", "sync.min_quorum=5", "dist.world_size=4"], "sync.min_quorum"),
         (["sync.mode=async", "sync.outer_delay=0"], "sync.outer_delay"),
         (["sync.mode=asynchronous"], "sync.mode"),
+        (["sync.mode=async", "sync.staleness_correction=helo"], "sync.staleness_correction"),
+        (["sync.mode=async", "sync.heloco.shrink_cap=2"], "shrink_cap must be in [0, 1], got 2"),
     ],
 )
 def test_bad_asynchronous_keys_are_one_line(args, names, capsys):

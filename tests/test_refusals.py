@@ -102,6 +102,8 @@ CASES: dict[str, list[str]] = {
     "sync.mode=async with sync.score=true": ["sync.mode=async", "sync.score=true"],
     "sync.mode=async with sync.optimizer_state other than local or a sync.schedule other "
     "than constant": ["sync.mode=async", "sync.schedule=adaptive"],
+    "sync.staleness_correction=heloco with sync.mode=sync, sync.outer=none or "
+    "sync.outer_momentum=0": ["+experiment=diloco", "sync.staleness_correction=heloco"],
     "sync.mode=async with ft=torchft, dist.shard_size > 1, dist.virtual_workers or "
     "comm.disabled=true": ["sync.mode=async", "dist.shard_size=2"],
 }  # fmt: skip

@@ -174,6 +174,8 @@ CONDITIONS = (  # in run order: "free, same samples" reads the budget run's samp
     "async, delay 2",
     "async, DyLU, delay 1",
     "async, DyLU, delay 2",
+    "async, HeLoCo",
+    "async, DyLU, HeLoCo",
     "blocking, same time",
     "free, same samples",
     "free, same samples as async",
@@ -191,6 +193,8 @@ ASYNC = {  # condition: its overrides beside sync.mode=async (DyLU: the phase by
     "async, delay 2": ["sync.outer_delay=2"],
     "async, DyLU, delay 1": ["sync.outer_delay=1"],
     "async, DyLU, delay 2": ["sync.outer_delay=2"],
+    "async, HeLoCo": ["sync.staleness_correction=heloco"],
+    "async, DyLU, HeLoCo": ["sync.staleness_correction=heloco"],
 }
 COMPARED = ("blocking", *MERGES, *ASYNC)  # the table's rows
 

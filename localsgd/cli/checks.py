@@ -13,6 +13,9 @@ from collections.abc import Iterable
 from typing import Any
 
 from localsgd.averaging import COMM_DTYPES, OPTIMIZER_STATE_MODES
+from localsgd.averaging.asynchronous.heloco import RANGES as HELOCO_RANGES
+from localsgd.averaging.asynchronous.heloco import STALENESS_CORRECTIONS
+from localsgd.averaging.asynchronous.heloco import describe as describe_range
 from localsgd.averaging.offload import OUTER_STATES
 from localsgd.averaging.streaming.averager import MERGE_RULES
 from localsgd.cli.fault_tolerance import check_lighthouse, validate_ft
@@ -321,6 +324,11 @@ def validate_sync(cfg: Any, ws: int | None, local_ws: int | None) -> None:
     )  # fmt: skip
     grace = _get(cfg, "sync.grace_s")
     _require(grace >= 0, "sync.grace_s", ">= 0 (seconds)", grace)
+    _choice(cfg, "sync.staleness_correction", STALENESS_CORRECTIONS)
+    for name, allowed in HELOCO_RANGES.items():
+        value = _get(cfg, f"sync.heloco.{name}")
+        low, high = allowed
+        _require(low <= value <= high, f"sync.heloco.{name}", describe_range(allowed), value)
     delay = _get(cfg, "sync.outer_delay")
     _require(delay is None or (isinstance(delay, int) and delay >= 1), "sync.outer_delay",
              "an integer >= 1 (or null: the number of workers)", delay)  # fmt: skip

@@ -58,6 +58,7 @@ class Facts:
     outer_warmup_rounds: int
     retry_failed: bool
     checkpoint_every: int
+    staleness_correction: str
 
     @classmethod
     def of(cls, cfg: Any, get: Callable[[Any, str], Any]) -> Facts:
@@ -92,6 +93,7 @@ class Facts:
             outer_warmup_rounds=get(cfg, "sync.outer_warmup_rounds"),
             retry_failed=bool(get(cfg, "ft.retry_failed_sync")),
             checkpoint_every=get(cfg, "trainer.checkpoint_every"),
+            staleness_correction=get(cfg, "sync.staleness_correction"),
         )
 
     @property
@@ -532,6 +534,21 @@ REFUSALS: tuple[Refusal, ...] = (
         "both act at rounds every worker takes part in, and asynchronous rounds have none "
         "between meetings",
         "set sync.optimizer_state=local sync.schedule=constant",
+    ),
+    Refusal(
+        ("sync.staleness_correction", "sync.mode", "sync.outer", "sync.outer_momentum"),
+        "sync.staleness_correction=heloco with sync.mode=sync, sync.outer=none or "
+        "sync.outer_momentum=0",
+        lambda f: (
+            f.staleness_correction != "none"
+            and (f.plan.mode != "async" or f.plan.outer == "none" or not f.plan.outer_momentum)
+        ),
+        MEANINGLESS,
+        "HeLoCo corrects a stale pseudo-gradient against the syncer's outer momentum: "
+        "synchronous rounds have no stale one, and without outer momentum there is nothing "
+        "to correct against",
+        "set sync.mode=async with sync.outer=diloco (momentum > 0), or "
+        "sync.staleness_correction=none",
     ),
     Refusal(
         ("sync.mode", "ft.backend", "dist.shard_size", "dist.virtual_workers", "comm.disabled"),

@@ -210,6 +210,8 @@ def build_averager(
         )
     elif plan.mode == "async":
         from localsgd.averaging.asynchronous import AsyncAverager
+        from localsgd.averaging.asynchronous.heloco import RANGES as HELOCO_RANGES
+        from localsgd.averaging.asynchronous.heloco import HeLoCo
 
         if outer == "none":  # plain averaging: the outer step is `anchor - mean(change)`
             outer_step.update(outer_lr=1.0, outer_momentum=0.0, outer_nesterov=False)
@@ -230,6 +232,11 @@ def build_averager(
             inner_time_s=sync.inner_time_s,
             **wire,
             aggregate=trust.get("aggregate"),
+            correction=(
+                HeLoCo(**{k: getattr(sync.heloco, k) for k in HELOCO_RANGES})
+                if sync.staleness_correction == "heloco"
+                else None
+            ),
             **(asynchronous or {}),
         )
         weighted = normalized = False  # the syncer weighs every contribution by its samples

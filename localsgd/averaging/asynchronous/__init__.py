@@ -7,12 +7,15 @@
 - `syncer`: `Syncer`, the global model, its outer optimizer and the pending contributions;
 - `clock`: the modelled clock, which ticks a slower worker computes;
 - `delayed_nesterov`: `DelayedNesterov`, the staleness-aware outer step;
+- `heloco`: `HeLoCo`, the optional correction of each stale pseudo-gradient against the outer
+  momentum before it is merged;
 - `messages`: a contribution in the wire's format (encoded by the worker, decoded by the syncer);
 - `mailbox`: `Mailbox`, messages through the rendezvous store.
 """
 
 from localsgd.averaging.asynchronous.averager import AsyncAverager
 from localsgd.averaging.asynchronous.delayed_nesterov import DelayedNesterov
+from localsgd.averaging.asynchronous.heloco import HeLoCo
 from localsgd.averaging.asynchronous.syncer import Syncer
 
-__all__ = ["AsyncAverager", "DelayedNesterov", "Syncer"]
+__all__ = ["AsyncAverager", "DelayedNesterov", "HeLoCo", "Syncer"]

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from localsgd.averaging.asynchronous.clock import FITS, computes
 from localsgd.averaging.asynchronous.delayed_nesterov import DelayedNesterov
+from localsgd.averaging.asynchronous.heloco import HeLoCo
 from localsgd.averaging.asynchronous.mailbox import Mailbox
 from localsgd.averaging.asynchronous.messages import Decoders, encode_
 from localsgd.averaging.asynchronous.service import (
@@ -52,7 +53,9 @@ class AsyncAverager(OuterAverager):
     `inner_time_s`: the phase by time, not by `period` steps; `step_s` and `speed`: the
     modelled clock (`clock`: a step lasts speed x step_s, and a slower worker computes fewer
     of the ticks; None: the wall clock, every tick computes); `meet_every` (0: only at the
-    end) and `max_steps`: the meetings; `timeout_s`: every wait's limit. The other keywords are
+    end) and `max_steps`: the meetings; `timeout_s`: every wait's limit; `aggregate`: a robust
+    rule for the syncer's merges; `correction`: HeLoCo's, applied by the syncer to each
+    contribution (`heloco`). The other keywords are
     `OuterAverager`'s. Call `computes()` before each step (whether to train it) and
     `maybe_average()` after every tick."""
 
@@ -75,12 +78,13 @@ class AsyncAverager(OuterAverager):
         meet_every: int = 0,
         timeout_s: float = 300.0,
         aggregate: Aggregate | None = None,
+        correction: HeLoCo | None = None,
         **outer,
     ):
         # the workers' own rounds are the mean's (a synchronous round's all-reduce); a robust
         # rule is the syncer's, over the contributions it holds one by one
         super().__init__(period, warmup_steps, process_group, module=module, **outer)
-        self.aggregate = aggregate
+        self.aggregate, self.correction = aggregate, correction
         size, rank = self.world_size, dist.get_rank(process_group)
         if not 1 <= min_quorum <= size:
             raise ValueError(
@@ -221,14 +225,15 @@ class AsyncAverager(OuterAverager):
             # the global model every worker's anchor holds (its last answer, or the start)
             syncer = Syncer(
                 self.rounds.anchors.first, self.rounds.parts[0], self.syncer_sgd,
-                self.warmup_steps > 0, self.aggregate,
+                self.warmup_steps > 0, self.aggregate, self.correction, self._param_blocks(),
             )  # fmt: skip
             if self._saved_syncer is not None:
                 syncer.load_state_dict(self._saved_syncer)
             self.service = SyncerService(
                 syncer, self.mailbox, self.p2p, self.world_size, modelled=self.modelled,
                 min_quorum=self.min_quorum, grace_s=self.grace_s,
-                collective_rounds=self.aggregate is None,
+                # a robust rule or a correction reads each contribution: never an all-reduce
+                collective_rounds=self.aggregate is None and self.correction is None,
                 decoders=Decoders(self.flat.buffers, self.comm_dtype),
             )  # fmt: skip
             self.service.start()
@@ -375,7 +380,17 @@ class AsyncAverager(OuterAverager):
             out["async_mean_staleness"] = (
                 sum(syncer.staleness) / len(syncer.staleness) if syncer.staleness else 0.0
             )
+            if syncer.correction is not None:  # blocks kept, shrunk, reoriented
+                out["async_corrected_blocks"] = dict(syncer.correction.counts)
         return out
+
+    def _param_blocks(self) -> list[tuple[int, int, int]]:
+        """HeLoCo's blocks: each parameter's (buffer, offset, numel) in the flat buffers."""
+        return [
+            slot
+            for t, slot in zip(self.flat.tensors, self.flat.slots, strict=True)
+            if isinstance(t, torch.nn.Parameter)
+        ]
 
     def state_dict(self) -> dict:
         if not self.all_in_sync and self.step > self.warmup_steps:

@@ -9,7 +9,9 @@ holding NaN or Inf is dropped from its merge (`dropped`), as from every synchron
 `OuterSGD` over the global model, the same class and bits as the synchronous rounds' outer
 step, with torch's SGD (the synchronous step) or `DelayedNesterov` (the default for
 asynchronous rounds). A contribution trained from an older global model (stale by
-`version - its base version` merges) is merged as it is; Delayed Nesterov is what tames it.
+`version - its base version` merges) is merged as it is; Delayed Nesterov is what tames it,
+and with `correction` (`heloco.HeLoCo`) each contribution is first corrected, block by block
+(`blocks`: the parameter tensors), against the outer momentum as it stands before the merge.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from localsgd.averaging.asynchronous.heloco import HeLoCo
 from localsgd.averaging.finite import all_finite
 from localsgd.averaging.rounds.outer import Anchors, OuterSGD
 from localsgd.averaging.rounds.part import Part, Tensors
@@ -48,9 +51,19 @@ class Syncer:
         sgd: dict,
         plain_first: bool = False,
         aggregate: Aggregate | None = None,
+        correction: HeLoCo | None = None,
+        blocks: list[tuple[int, int, int]] = (),
     ):
         self.part = part
         self.aggregate = aggregate
+        self.correction = correction
+        # each block (a buffer g's slice at offset, numel) as (part entry, start, end) in it
+        entries = {g: (i, s) for i, (g, s, _, _) in enumerate(part)}
+        self.blocks = [
+            (entries[g][0], o - entries[g][1], o - entries[g][1] + k)
+            for g, o, k in blocks
+            if g in entries
+        ]
         self.dropped: list[tuple[int, float]] = []  # (worker, time) of each non-finite one
         self.anchors = Anchors([b.detach().clone() for b in buffers])
         self.outer = OuterSGD([part], self.anchors, sgd)
@@ -84,6 +97,8 @@ class Syncer:
         keep = [i for i, ok in enumerate(finite) if ok]
         if not keep:
             return False
+        if self.correction is not None:
+            self._correct([arrived[i] for i in keep])
         if self.aggregate is not None:  # the rule reads the contributions as rows
             rows = [torch.stack([a.tensors[i] for a in arrived]) for i in range(len(self.values))]
             mean = self.aggregate.combine(rows, keep)
@@ -96,6 +111,24 @@ class Syncer:
         self.staleness += [self.version - arrived[i].version for i in keep]
         self.step_(mean, sum(arrived[i].samples for i in keep), len(keep))
         return True
+
+    def _correct(self, arrived: list[Arrival]) -> None:
+        """HeLoCo: each contribution against the outer momentum before this merge (None where
+        the optimizer has none yet: the block is kept)."""
+        opt = self.outer.optimizers[0]
+        momenta: dict[int, torch.Tensor | None] = {}
+        mu = 0.0
+        if opt is not None:
+            mu = opt.param_groups[0]["momentum"]
+            holding = [i for i, (_, s, n, _) in enumerate(self.part) if n > s]
+            for i, param in zip(holding, opt.param_groups[0]["params"], strict=True):
+                momenta[i] = opt.state.get(param, {}).get("momentum_buffer")
+        for a in arrived:
+            pairs = []
+            for i, lo, hi in self.blocks:
+                m = momenta.get(i)
+                pairs.append((a.tensors[i][lo:hi], None if m is None else m[lo:hi]))
+            self.correction.correct_(pairs, mu)
 
     def step_(self, mean: Tensors, samples: float, contributions: int) -> None:
         """One outer step by the combined pseudo-gradient `mean` of `contributions` workers' (a
@@ -119,6 +152,7 @@ class Syncer:
             "merged_samples": self.merged_samples,
             "staleness": list(self.staleness),
             "dropped": [list(d) for d in self.dropped],
+            "corrected": dict(self.correction.counts) if self.correction is not None else {},
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -128,3 +162,5 @@ class Syncer:
         self.merged_samples = float(state["merged_samples"])
         self.staleness = [int(s) for s in state["staleness"]]
         self.dropped = [(int(w), float(t)) for w, t in state.get("dropped", [])]
+        if self.correction is not None:
+            self.correction.counts.update(state.get("corrected", {}))
