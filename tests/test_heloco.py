@@ -52,6 +52,12 @@ def test_a_weakly_aligned_block_turns_toward_the_momentum_and_keeps_its_norm():
     assert block[0] / block.norm() > c and counts["reoriented"] == 1
 
 
+def test_a_branch_that_changes_nothing_counts_the_block_as_kept():
+    for d, settings in (([-1.0, 1.0], {"shrink_cap": 0.0}), ([0.1, 1.0], {"reorient": 0.0})):
+        block, counts = _corrected(d, [10.0, 0.0], **settings)
+        assert block.tolist() == d and counts == {"kept": 1, "shrunk": 0, "reoriented": 0}
+
+
 def test_no_momentum_yet_keeps_every_block():
     for m in (None, [0.0, 0.0]):
         block, counts = _corrected([-1.0, 1.0], m)

@@ -176,6 +176,12 @@ CONDITIONS = (  # in run order: "free, same samples" reads the budget run's samp
     "async, DyLU, delay 2",
     "async, HeLoCo",
     "async, DyLU, HeLoCo",
+    "async, HeLoCo keep 0",
+    "async, DyLU, HeLoCo keep 0",
+    "async, HeLoCo kappa 10",
+    "async, DyLU, HeLoCo kappa 10",
+    "async, HeLoCo no shrink",
+    "async, DyLU, HeLoCo no shrink",
     "blocking, same time",
     "free, same samples",
     "free, same samples as async",
@@ -195,6 +201,16 @@ ASYNC = {  # condition: its overrides beside sync.mode=async (DyLU: the phase by
     "async, DyLU, delay 2": ["sync.outer_delay=2"],
     "async, HeLoCo": ["sync.staleness_correction=heloco"],
     "async, DyLU, HeLoCo": ["sync.staleness_correction=heloco"],
+    # probes of HeLoCo's settings: shrink only, a weaker confidence, reorient only
+    **{
+        f"async, {dylu}HeLoCo {name}": ["sync.staleness_correction=heloco", setting]
+        for dylu in ("", "DyLU, ")
+        for name, setting in (
+            ("keep 0", "sync.heloco.keep=0"),
+            ("kappa 10", "sync.heloco.kappa=10"),
+            ("no shrink", "sync.heloco.shrink_cap=0"),
+        )
+    },
 }
 COMPARED = ("blocking", *MERGES, *ASYNC)  # the table's rows
 

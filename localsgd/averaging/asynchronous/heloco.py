@@ -46,7 +46,8 @@ def describe(allowed: tuple[float, float]) -> str:
 @dataclass
 class HeLoCo:
     """The correction's settings (`keep` = c_ok, `shrink` = k_s, `shrink_cap` = beta_max,
-    `reorient` = k_d, `kappa`) and how many blocks took each branch so far (`counts`)."""
+    `reorient` = k_d, `kappa`) and how many blocks it kept, shrunk and reoriented so far
+    (`counts`; a block its branch left as it was counts as kept)."""
 
     keep: float = 0.2
     shrink: float = 1.0
@@ -83,9 +84,13 @@ class HeLoCo:
         conf = d_norm / (d_norm + self.kappa * (1 - mu) * m_norm + self.eps)
         if c < 0:
             beta = min(self.shrink * -c * conf, self.shrink_cap)
+            if beta == 0:  # shrink or shrink_cap 0: nothing changes, and it is counted so
+                return KEPT
             d.add_(m, alpha=-beta * c * d_norm / m_norm)
             return SHRUNK
         lam = min(self.reorient * (1 - c) * conf, 1.0)
+        if lam == 0:
+            return KEPT
         u = d.mul(1 - lam).div_(d_norm).add_(m, alpha=lam / m_norm)
         d.copy_(u.mul_(d_norm / max(u.norm().item(), self.eps)))
         return REORIENTED
