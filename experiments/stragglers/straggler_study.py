@@ -130,6 +130,13 @@ LM = [
 ]  # fmt: skip
 SETTINGS = {  # name: (overrides, strategies, batch per worker, what the table says)
     "mnist1d": (["data=mnist1d", "model=mlp"], STRATEGIES, 32, "MNIST-1D"),
+    # each worker its own mix of classes (HeLoCo's setting: heterogeneous workers, non-iid data)
+    "mnist1d_dirichlet": (
+        ["data=mnist1d", "model=mlp", "data.partition=dirichlet", "data.alpha=0.5"],
+        STRATEGIES,
+        32,
+        "MNIST-1D, each worker's classes drawn from Dirichlet(0.5)",
+    ),
     "lm": (
         LM,
         {
