@@ -104,8 +104,9 @@ CASES: dict[str, list[str]] = {
     "than constant": ["sync.mode=async", "sync.schedule=adaptive"],
     "sync.staleness_correction=heloco with sync.mode=sync, sync.outer=none or "
     "sync.outer_momentum=0": ["+experiment=diloco", "sync.staleness_correction=heloco"],
-    "sync.mode=async with ft=torchft, dist.shard_size > 1, dist.virtual_workers or "
-    "comm.disabled=true": ["sync.mode=async", "dist.shard_size=2"],
+    "sync.mode=async with comm.disabled=true": ["sync.mode=async", "comm.disabled=true"],
+    "sync.mode=async with ft=torchft, dist.shard_size > 1 or dist.virtual_workers": [
+        "sync.mode=async", "dist.shard_size=2"],
 }  # fmt: skip
 
 

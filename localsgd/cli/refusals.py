@@ -551,12 +551,17 @@ REFUSALS: tuple[Refusal, ...] = (
         "sync.staleness_correction=none",
     ),
     Refusal(
-        ("sync.mode", "ft.backend", "dist.shard_size", "dist.virtual_workers", "comm.disabled"),
-        "sync.mode=async with ft=torchft, dist.shard_size > 1, dist.virtual_workers or "
-        "comm.disabled=true",
-        lambda f: (
-            f.plan.mode == "async" and (f.ft or f.shard_size > 1 or f.virtual or f.comm_disabled)
-        ),
+        ("sync.mode", "comm.disabled"),
+        "sync.mode=async with comm.disabled=true",
+        lambda f: f.plan.mode == "async" and f.comm_disabled,
+        MEANINGLESS,
+        "nothing is communicated, so there are no rounds to run asynchronously",
+        "set sync.mode=sync",
+    ),
+    Refusal(
+        ("sync.mode", "ft.backend", "dist.shard_size", "dist.virtual_workers"),
+        "sync.mode=async with ft=torchft, dist.shard_size > 1 or dist.virtual_workers",
+        lambda f: f.plan.mode == "async" and (f.ft or f.shard_size > 1 or f.virtual),
         UNAVAILABLE,
         "the syncer is a thread on rank 0 talking to every worker point-to-point over "
         "torch.distributed; torchft's quorums, shard groups and virtual workers have no such "
