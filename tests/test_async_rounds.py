@@ -133,12 +133,13 @@ def _heloco(d: torch.Tensor, m: torch.Tensor, keep: float) -> torch.Tensor:
 
 
 def _replay(
-    codec: BlockCodec | None = None, budget: float | None = None, keep: float | None = None
+    codec: BlockCodec | str | None = None, budget: float | None = None, keep: float | None = None
 ) -> tuple[list[torch.Tensor], list[tuple]]:
     """One process: the three workers' phases in the order of their modelled send times (ties
     together, in rank order), the syncer's merges by hand (samples-weighted mean, Delayed
     Nesterov with N = 2), the last step a meeting; with `codec`, each contribution (the flat
-    buffer: the parameters end to end) quantised with error feedback; with `budget`, phases by
+    buffer: the parameters end to end) quantised with error feedback (`"bfloat16"`: each piece
+    a 16-bit copy, nothing fed back); with `budget`, phases by
     modelled time; with `keep`, each contribution corrected by HeLoCo (`_heloco`) against the
     momentum before its merge. Returns the final model and each merge's (time, contributions)."""
     models = [_model() for _ in SPEEDS]
@@ -209,7 +210,9 @@ def _replay(
             trained[r] = step + 1
             local = [p.detach() for p in models[r].parameters()]
             change = [a - p for a, p in zip(anchors[r], local, strict=True)]
-            if codec is not None:  # the flat buffer through the codec, its error fed back
+            if codec == "bfloat16":  # a 16-bit copy of each piece, nothing fed back
+                change = [c.to(torch.bfloat16).to(torch.float32) for c in change]
+            elif codec is not None:  # the flat buffer through the codec, its error fed back
                 flat = torch.cat([c.reshape(-1) for c in change]) + residuals[r]
                 sent = codec.dequantize(codec.quantize(flat), flat.numel())
                 residuals[r] = flat - sent
@@ -235,13 +238,15 @@ def _replay(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", ["float32", "int8", "time budget", "heloco"])
+@pytest.mark.parametrize("variant", ["float32", "int8", "bfloat16", "time budget", "heloco"])
 def test_a_run_on_modelled_clocks_equals_the_one_process_replay_of_its_order(variant):
-    codec = BlockCodec("int8") if variant == "int8" else None
+    codec = {"int8": BlockCodec("int8"), "bfloat16": "bfloat16"}.get(variant)
     budget = 4.0 if variant == "time budget" else None  # DyLU: 4, 2 and 1 steps a phase
     # a high threshold, so that this small regression's aligned blocks are corrected too
     keep = 0.95 if variant == "heloco" else None
-    kwargs = {"comm_dtype": "int8", "error_feedback": True} if codec is not None else {}
+    kwargs = {"comm_dtype": "int8", "error_feedback": True} if variant == "int8" else {}
+    if variant == "bfloat16":  # rank 0's own contribution as the syncer decodes the others'
+        kwargs["comm_dtype"] = torch.bfloat16
     if budget is not None:
         kwargs["inner_time_s"] = budget
     if keep is not None:

@@ -339,8 +339,10 @@ class AsyncAverager(OuterAverager):
         """The contribution in the wire's format (`messages`); rank 0's goes in-process."""
         start = time.perf_counter()
         messages, decoded = encode_(work, self.rounds.wires[0])
-        if self.rank == 0:
-            self.service.payload.put([d.detach().clone() for d in decoded])
+        if self.rank == 0:  # as the syncer decodes the others': in the buffers' dtype
+            self.service.payload.put(
+                [d.detach().to(w.dtype, copy=True) for d, w in zip(decoded, work, strict=True)]
+            )
         else:  # through host memory: the point-to-point group is gloo's, on every device
             for m in messages:
                 dist.send(m.detach().cpu().contiguous(), dst=0, group=self.p2p, tag=TAG_PAYLOAD)
