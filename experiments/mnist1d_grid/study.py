@@ -30,7 +30,6 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,7 +39,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from experiments.bench.common import load_average, machine  # noqa: E402
-from experiments.plan_check.trained import train  # noqa: E402  (one CLI run and its summary)
+from experiments.plan_check.trained import commit, train  # noqa: E402  (HEAD; one CLI run)
 from localsgd.planner.evidence import WITHIN  # noqa: E402
 from localsgd.planner.grid import GRID  # noqa: E402
 
@@ -135,16 +134,6 @@ def render(results: dict) -> str:
             lines.append(f"| {setting.label} | {losses} | {shown} | {first['comm_bytes']:,} |")
     lines.append("")
     return "\n".join(lines)
-
-
-def commit() -> str:
-    proc = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-    )
-    dirty = subprocess.run(
-        ["git", "status", "--porcelain", "--", "localsgd"], cwd=ROOT, capture_output=True, text=True
-    ).stdout.strip()
-    return proc.stdout.strip() + (" (localsgd/ modified)" if dirty else "")
 
 
 def main(argv: list[str] | None = None) -> dict:
