@@ -335,9 +335,13 @@ def test_equal_clocks_with_a_full_quorum_are_synchronous_diloco_bit_for_bit(tmp_
 @pytest.mark.slow
 def test_an_asynchronous_run_resumes_exactly_after_a_kill(tmp_path):
     # checkpoints every 5 steps are meetings; the kill comes after the one at step 10
+    # with HeLoCo's correction, which reads the outer momentum the checkpoint carries
     args = BASE + ["sync.outer=diloco", "sync.mode=async", "comm.simulate.worker_speed=[1,3]",
-                   "comm.simulate.step_s=0.002"]  # fmt: skip
-    reference, _ = killed_and_resumed(args, tmp_path)
+                   "comm.simulate.step_s=0.002", "sync.staleness_correction=heloco"]  # fmt: skip
+    reference, resumed = killed_and_resumed(args, tmp_path)
+    counts = [json.loads((d / "summary.json").read_text())["async_corrected_blocks"]
+              for d in (reference, resumed)]  # fmt: skip
+    assert counts[0] == counts[1] and counts[0]["shrunk"] + counts[0]["reoriented"] > 0
     again = tmp_path / "again"
     proc, _ = cli(args + [f"hydra.run.dir={again}"])  # the same seed: the same model
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -382,19 +386,29 @@ def test_a_grace_window_lets_a_slow_sender_wait_for_the_merge_of_everyone(tmp_pa
 
 
 @pytest.mark.slow
-def test_workers_whose_phases_end_at_one_modelled_instant_meet_in_synchronous_rounds(tmp_path):
+@pytest.mark.parametrize("correction", ["none", "heloco"])
+def test_workers_whose_phases_end_at_one_modelled_instant_meet_in_synchronous_rounds(
+    tmp_path, correction
+):
     # DyLU phases of 0.3 s: worker 0 sends after 20 steps of 0.015 s, worker 1 after 10 of
-    # 0.03 s; their clocks' float sums differ in the last bits, the instant is one
+    # 0.03 s; their clocks' float sums differ in the last bits, the instant is one. HeLoCo
+    # corrects each contribution, which an all-reduce would not show it: point-to-point then
     run_dir = tmp_path / "run"
     args = FAST + ["dist.world_size=2", "trainer.max_steps=60", "sync.outer=diloco",
                    "sync.mode=async", "sync.inner_time_s=0.3", "trainer.checkpoint_every=0",
                    "comm.simulate.worker_speed=[1,2]", "comm.simulate.step_s=0.015",
+                   f"sync.staleness_correction={correction}",
                    f"hydra.run.dir={run_dir}"]  # fmt: skip
     proc, _ = cli(args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["async_exchanges"]["p2p"] == 0 and summary["async_max_staleness"] == 0
-    assert summary["async_exchanges"]["collective"] == summary["async_merges"] >= 3
+    assert summary["async_max_staleness"] == 0
+    exchanges = summary["async_exchanges"]
+    if correction == "none":
+        assert exchanges["p2p"] == 0
+        assert exchanges["collective"] == summary["async_merges"] >= 3
+    else:
+        assert exchanges["collective"] == 0 and exchanges["p2p"] >= 3
 
 
 @pytest.mark.slow
