@@ -16,6 +16,11 @@ whose collective traffic is blocked but whose control traffic is not. It is not 
 network level (that needs rules on the shared loopback); its peers see the same thing: no
 bytes from it, and a lighthouse that still hears it.
 
+`freeze` and `partition` under asynchronous rounds (`sync.mode=async`) hold the worker's next
+exchange with the syncer instead. `sever:RANK:STEP` (asynchronous rounds under ft=torchft)
+breaks rank RANK's session with the syncer at its next exchange: the first tensor it sends
+fails, as over a connection that dropped mid-transfer.
+
 `wait:RANK:STEP:FILE` makes rank RANK wait at step STEP until FILE exists (at most 120 s): a
 live group that must not finish before a restarted one is back (`Arrival` writes FILE).
 
@@ -25,6 +30,7 @@ From the command line: `trainer.callbacks=[{_target_:tests.faults.Fault,spec:'ki
 
 from __future__ import annotations
 
+import hashlib
 import multiprocessing
 import os
 import signal
@@ -93,17 +99,27 @@ class Fault:
             while not os.path.exists(self.wait_for) and time.monotonic() < deadline:
                 time.sleep(0.05)
         if self.kind in ("freeze", "partition"):
-            self._hold_next_round(trainer.sync.driver.rounds.comm)
+            self._hold_next_round(trainer)
+        if self.kind == "sever":
+            self._sever(trainer.sync.averager)
         if self.kind == "nan":
             self._poison = trainer.model.register_forward_hook(lambda m, i, out: out * float("nan"))
         if self.kind == "desync":
             self._poison = True
 
-    def _hold_next_round(self, comm) -> None:
-        real = comm._allreduce
+    def _hold_next_round(self, trainer) -> None:
+        # a torchft round's first collective, or (asynchronous rounds) the next exchange with
+        # the syncer
+        driver = trainer.sync.driver
+        target, name = (
+            (driver.rounds.comm, "_allreduce")
+            if hasattr(driver, "rounds")
+            else (trainer.sync.averager, "_talk")
+        )
+        real = getattr(target, name)
 
         def frozen_first(*args, **kwargs):
-            comm._allreduce = real  # once
+            setattr(target, name, real)  # once
             pid, seconds = os.getpid(), self.freeze_s
             if self.kind == "partition":  # sleeping releases the GIL: the heartbeats go on
                 time.sleep(seconds)
@@ -116,7 +132,17 @@ class Fault:
             helper.wait(timeout=seconds + 60)
             return real(*args, **kwargs)
 
-        comm._allreduce = frozen_first
+        setattr(target, name, frozen_first)
+
+    def _sever(self, averager) -> None:
+        link = averager.link
+        real = link.send
+
+        def broken(*args, **kwargs):
+            link.send = real  # once: the next session's link is a new one anyway
+            raise RuntimeError("connection severed (tests.faults)")
+
+        link.send = broken
 
     def on_step_end(self, trainer, step: int) -> None:
         if self._poison is None:
@@ -161,3 +187,35 @@ class Snapshot:
         }
         os.makedirs(self.dir, exist_ok=True)
         torch.save(state, os.path.join(self.dir, f"rank-{trainer.info.rank}.pt"))
+
+
+class FinalDigest:
+    """Writes, after the last step, the SHA-256 of this worker's model to `DIR/rank-R.txt`: the
+    replicas right after the final sync, compared across workers (a worker the run ended
+    without writes nothing)."""
+
+    def __init__(self, dir: str):
+        self.dir = dir
+
+    def on_step_start(self, trainer, step: int) -> None:
+        pass
+
+    def on_step_end(self, trainer, step: int) -> None:
+        if step != trainer.cfg.trainer.max_steps - 1 or getattr(
+            trainer.sync.averager, "stopped", False
+        ):
+            return
+        os.makedirs(self.dir, exist_ok=True)
+        with open(os.path.join(self.dir, f"rank-{trainer.info.rank}.txt"), "w") as f:
+            f.write(digest(trainer.model.state_dict()))
+
+
+def digest(state: dict) -> str:
+    """The SHA-256 of a state dict's tensors, in key order."""
+    h = hashlib.sha256()
+    for key in sorted(state):
+        h.update(key.encode())
+        h.update(
+            state[key].detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        )
+    return h.hexdigest()

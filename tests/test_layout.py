@@ -154,6 +154,8 @@ LONG_MODULES = {
     "loop/trainer.py": "the loop as it reads, plus evaluation, logging and the summary",
     "averaging/torchft/rounds.py": "one round across replica groups: torchft's protocol in order",
     "cli/refusals.py": "the one table of refusals: a row per combination, each keys, why and fix",
+    "averaging/asynchronous/averager.py": "one worker's side of asynchronous rounds: its phase "
+    "clock, the exchange with the syncer in its three forms, and their state",
 }
 LIMIT = 450  # "about 400"
 
@@ -352,6 +354,7 @@ DRIVES_THE_AVERAGER = {
     "loop/plan.py",
     "loop/local_rounds.py",
     "loop/fault_tolerance.py",
+    "loop/async_sessions.py",  # the round driver of asynchronous rounds under ft=torchft
     "loop/checkpoint/averager_state.py",
 }
 

@@ -153,7 +153,9 @@ def validate_ft(cfg: Any, get: Callable[[Any, str], Any], world_size: int | None
         if not _positive(get(cfg, key)):
             raise ConfigError(f"{key} must be > 0 seconds, got {get(cfg, key)!r}")
     heartbeat = get(cfg, "ft.heartbeat_timeout_s")
-    if grace is None and get(cfg, "ft.grace_min_s") < heartbeat:
+    # (asynchronous rounds run no quorum: the window bounds one transfer with a worker)
+    rounds = get(cfg, "sync.mode") != "async"
+    if rounds and grace is None and get(cfg, "ft.grace_min_s") < heartbeat:
         raise ConfigError(
             f"ft.grace_min_s must be >= ft.heartbeat_timeout_s ({heartbeat:g}) with an adaptive "
             f"window: a round that fails on a frozen worker sooner finds it still in the next "
@@ -266,6 +268,23 @@ def _replica_main(
     os._exit(0)  # as launch._spawned: no native-thread teardown that could abort a finished run
 
 
+def _hosted_syncer(cfg: Any):
+    """Asynchronous rounds' syncer, in this process (`localsgd.averaging.asynchronous.hosted`):
+    a transfer with one worker may take one grace window before its session is dropped."""
+    from localsgd.averaging.asynchronous.hosted import HostedSyncer
+    from localsgd.averaging.asynchronous.links import SYNCER_ENV
+
+    ft, sync = cfg.ft, cfg.sync
+    hosted = HostedSyncer(
+        cfg.dist.world_size, min_quorum=sync.min_quorum, grace_s=sync.grace_s, host=ft.host,
+        transfer_timeout_s=ft.grace_s if ft.grace_s is not None else ft.grace_min_s,
+        timeout_s=cfg.dist.timeout_s,
+    )  # fmt: skip
+    hosted.start()
+    os.environ[SYNCER_ENV] = hosted.address
+    return hosted
+
+
 def run_replicas(fn: Callable, cfg: Any, args: tuple, poll_s: float = 0.05) -> dict[str, Any]:
     """Run `fn(info, None, *args)` as `dist.world_size` replica groups of one process each,
     restarting a dead one up to `ft.max_restarts` times. Returns what happened: `restarts`
@@ -280,7 +299,8 @@ def run_replicas(fn: Callable, cfg: Any, args: tuple, poll_s: float = 0.05) -> d
     os.environ.setdefault("RUST_LOG", "warn")
     ft, world_size = cfg.ft, cfg.dist.world_size
     server = None
-    if not ft.lighthouse:
+    hosted = _hosted_syncer(cfg) if cfg.sync.mode == "async" else None
+    if hosted is None and not ft.lighthouse:
         # the lighthouse's minimum is the steady-state one; the first quorum waits for all W
         # (`FaultTolerantRounds.start(wait_for=W)`), so nobody trains alone at the start
         server, ft.lighthouse = start_lighthouse(
@@ -290,7 +310,8 @@ def run_replicas(fn: Callable, cfg: Any, args: tuple, poll_s: float = 0.05) -> d
             join_timeout_ms=round(1000 * ft.join_timeout_s),
             quorum_tick_ms=20,
         )
-    ft.lighthouse = lighthouse_url(ft.lighthouse)
+    if hosted is None:
+        ft.lighthouse = lighthouse_url(ft.lighthouse)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if ft.host in ("127.0.0.1", "localhost"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's pairs on loopback too
@@ -346,6 +367,8 @@ def run_replicas(fn: Callable, cfg: Any, args: tuple, poll_s: float = 0.05) -> d
             start(rank)
         while len(finished) + len(lost) + len(stopped) < world_size:
             time.sleep(poll_s)
+            if hosted is not None and hosted.service.error is not None:
+                raise ReplicasFailed(f"ft: the syncer failed: {hosted.service.error}")
             for rank, proc in list(procs.items()):
                 if rank in finished or rank in lost or rank in stopped or proc.is_alive():
                     continue
@@ -371,7 +394,12 @@ def run_replicas(fn: Callable, cfg: Any, args: tuple, poll_s: float = 0.05) -> d
                     restarts[rank] += 1
                     notice(
                         f"ft: worker {rank} died ({how}); restart {restarts[rank]} of "
-                        f"{ft.max_restarts}, it heals from a live peer at the next sync"
+                        f"{ft.max_restarts}, "
+                        + (
+                            "it catches up from the syncer"
+                            if hosted is not None
+                            else "it heals from a live peer at the next sync"
+                        )
                     )
                     start(rank)
                 else:
@@ -382,12 +410,16 @@ def run_replicas(fn: Callable, cfg: Any, args: tuple, poll_s: float = 0.05) -> d
                         else "with no restart left"
                     )  # fmt: skip
                     notice(f"ft: worker {rank} died ({how}) {why}; lost for good")
+                    if hosted is not None:
+                        hosted.lose(rank)
                     if world_size - len(lost) < ft.min_replicas:
                         notice(
                             f"ft: {world_size - len(lost)} of {world_size} workers left, fewer "
                             f"than ft.min_replicas={ft.min_replicas}: they stop with a "
                             f"checkpoint within ft.quorum_timeout_s={ft.quorum_timeout_s:g}"
                         )
+        if hosted is not None and not stopping:
+            hosted.close(cfg.dist.timeout_s)
         if stopped:
             raise ReplicasFailed(f"ft: {stops.get()}")
         if stopping:  # every worker stopped at the agreed round, with its checkpoint

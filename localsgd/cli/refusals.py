@@ -59,6 +59,10 @@ class Facts:
     retry_failed: bool
     checkpoint_every: int
     staleness_correction: str
+    lighthouse: bool  # ft.lighthouse names a running one
+    replica_groups: bool  # ft.replica_groups set (torchrun: one replica group per machine)
+    warmup_steps: int
+    check_replicas: bool
 
     @classmethod
     def of(cls, cfg: Any, get: Callable[[Any, str], Any]) -> Facts:
@@ -94,6 +98,10 @@ class Facts:
             retry_failed=bool(get(cfg, "ft.retry_failed_sync")),
             checkpoint_every=get(cfg, "trainer.checkpoint_every"),
             staleness_correction=get(cfg, "sync.staleness_correction"),
+            lighthouse=bool(get(cfg, "ft.lighthouse")),
+            replica_groups=get(cfg, "ft.replica_groups") is not None,
+            warmup_steps=get(cfg, "sync.warmup_steps"),
+            check_replicas=bool(get(cfg, "sync.check_replicas")),
         )
 
     @property
@@ -559,14 +567,36 @@ REFUSALS: tuple[Refusal, ...] = (
         "set sync.mode=sync",
     ),
     Refusal(
-        ("sync.mode", "ft.backend", "dist.shard_size", "dist.virtual_workers"),
-        "sync.mode=async with ft=torchft, dist.shard_size > 1 or dist.virtual_workers",
-        lambda f: f.plan.mode == "async" and (f.ft or f.shard_size > 1 or f.virtual),
+        ("sync.mode", "dist.shard_size", "dist.virtual_workers"),
+        "sync.mode=async with dist.shard_size > 1 or dist.virtual_workers",
+        lambda f: f.plan.mode == "async" and (f.shard_size > 1 or f.virtual),
         UNAVAILABLE,
-        "the syncer is a thread on rank 0 talking to every worker point-to-point over "
-        "torch.distributed; torchft's quorums, shard groups and virtual workers have no such "
-        "channel here",
+        "the syncer talks to each worker point-to-point as one process; shard groups and "
+        "virtual workers have no such channel here",
         "set sync.mode=sync",
+    ),
+    Refusal(
+        (
+            "sync.mode",
+            "ft.backend",
+            "ft.lighthouse",
+            "ft.replica_groups",
+            "sync.warmup_steps",
+            "sync.check_replicas",
+        ),
+        "sync.mode=async with ft=torchft and ft.lighthouse or ft.replica_groups set, "
+        "sync.warmup_steps > 0 or sync.check_replicas=true",
+        lambda f: (
+            f.plan.mode == "async"
+            and f.ft
+            and (f.lighthouse or f.replica_groups or f.warmup_steps > 0 or f.check_replicas)
+        ),
+        UNAVAILABLE,
+        "under ft=torchft the syncer lives in this command's launcher and every worker is a "
+        "world of its own: workers started elsewhere cannot reach it, and a synchronous warmup "
+        "or a replica check needs every worker in one collective",
+        "leave ft.lighthouse and ft.replica_groups unset, with sync.warmup_steps=0 and "
+        "sync.check_replicas=false, or set sync.mode=sync",
     ),
 )
 

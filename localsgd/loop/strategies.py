@@ -216,7 +216,9 @@ def build_averager(
         if outer == "none":  # plain averaging: the outer step is `anchor - mean(change)`
             outer_step.update(outer_lr=1.0, outer_momentum=0.0, outer_nesterov=False)
         momentum = outer_step["outer_momentum"]
-        delay = sync.outer_delay if sync.outer_delay is not None else world_size
+        # N defaults to the workers (under ft=torchft each is a world of its own: `workers`)
+        workers = (asynchronous or {}).get("workers") or world_size
+        delay = sync.outer_delay if sync.outer_delay is not None else workers
         averager = AsyncAverager(
             sync.period,
             sync.warmup_steps,

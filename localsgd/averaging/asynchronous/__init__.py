@@ -10,12 +10,18 @@
 - `heloco`: `HeLoCo`, the optional correction of each stale pseudo-gradient against the outer
   momentum before it is merged;
 - `messages`: a contribution in the wire's format (encoded by the worker, decoded by the syncer);
-- `mailbox`: `Mailbox`, messages through the rendezvous store.
+- `mailbox`: `Mailbox`, messages through the rendezvous store;
+- `links`: how a worker and the syncer reach each other: one world, or sessions with a hosted
+  syncer;
+- `hosted`: `HostedSyncer`, the syncer in a process that trains nothing (the launcher, under
+  `ft=torchft`), where workers die, restart and rejoin;
+- `rejoin`: a worker's sessions with a hosted syncer: its first, and a new one after a failure.
 """
 
 from localsgd.averaging.asynchronous.averager import AsyncAverager
 from localsgd.averaging.asynchronous.delayed_nesterov import DelayedNesterov
 from localsgd.averaging.asynchronous.heloco import HeLoCo
+from localsgd.averaging.asynchronous.hosted import HostedSyncer
 from localsgd.averaging.asynchronous.syncer import Syncer
 
-__all__ = ["AsyncAverager", "DelayedNesterov", "HeLoCo", "Syncer"]
+__all__ = ["AsyncAverager", "DelayedNesterov", "HeLoCo", "HostedSyncer", "Syncer"]

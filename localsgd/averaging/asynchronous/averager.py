@@ -9,7 +9,10 @@ rank 0's averager state. Workers *meet* (every worker waits for the others and e
 contribution is merged) at each `meet_every` step (the trainer's checkpoint steps, where every
 worker then holds the same model to save) and at the last step, which leaves every worker with
 the final global model. A worker that was away catches up at its next exchange: the answer
-carries the global model whenever it changed since its own base.
+carries the global model whenever it changed since its own base. With `syncer_address` the
+syncer is hosted by a process that trains nothing (`hosted`, `ft=torchft`): each worker is a
+world of its own and reaches it through sessions (`links`, `rejoin`), and only the last step
+is a meeting.
 
 Under the modelled clock (`step_s`, `speed`: `clock`) the order of
 the syncer's merges is fixed: with every worker equally fast, a quorum of all of them and the
@@ -29,15 +32,15 @@ import torch.distributed as dist
 from localsgd.averaging.asynchronous.clock import FITS, computes
 from localsgd.averaging.asynchronous.delayed_nesterov import DelayedNesterov
 from localsgd.averaging.asynchronous.heloco import HeLoCo
+from localsgd.averaging.asynchronous.links import TAG_PAYLOAD, WorkerLink, WorldLinks, world_link
 from localsgd.averaging.asynchronous.mailbox import Mailbox
 from localsgd.averaging.asynchronous.messages import Decoders, encode_
+from localsgd.averaging.asynchronous.rejoin import LINK_FAILURES, join, rejoin
 from localsgd.averaging.asynchronous.service import (
     ANNOUNCE,
     DONE,
     MEET,
     SEND,
-    TAG_PAYLOAD,
-    TAG_VALUES,
     SyncerService,
 )
 from localsgd.averaging.asynchronous.syncer import Syncer
@@ -79,13 +82,23 @@ class AsyncAverager(OuterAverager):
         timeout_s: float = 300.0,
         aggregate: Aggregate | None = None,
         correction: HeLoCo | None = None,
+        syncer_address: str | None = None,
+        worker: int = 0,
+        workers: int | None = None,
         **outer,
     ):
         # the workers' own rounds are the mean's (a synchronous round's all-reduce); a robust
         # rule is the syncer's, over the contributions it holds one by one
         super().__init__(period, warmup_steps, process_group, module=module, **outer)
         self.aggregate, self.correction = aggregate, correction
-        size, rank = self.world_size, dist.get_rank(process_group)
+        # a hosted syncer (`hosted`, ft=torchft): this worker is `worker` of `workers`, each in
+        # a world of its own, and reaches the syncer through sessions (`links`)
+        self.syncer_address = syncer_address
+        if syncer_address is not None:
+            size, rank = workers, worker
+        else:
+            size, rank = self.world_size, dist.get_rank(process_group)
+        self.workers = size
         if not 1 <= min_quorum <= size:
             raise ValueError(
                 f"sync.min_quorum must be in [1, {size}] (the workers), got {min_quorum}"
@@ -98,10 +111,19 @@ class AsyncAverager(OuterAverager):
         self.step_s = step_s
         self.step_seconds = speed * step_s if step_s is not None else None
         self.timeout_s = timeout_s
-        # tensors move on a group of their own, so that a thread's sends never meet the
-        # training's collectives; its timeout is the run's
-        self.p2p = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-        self.mailbox = Mailbox(store, f"localsgd/async/{run_id}/", timeout_s)
+        self.link: WorkerLink | None = None
+        if syncer_address is None:
+            # tensors move on a group of their own, so that a thread's sends never meet the
+            # training's collectives; its timeout is the run's
+            p2p = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+            self.link = world_link(Mailbox(store, f"localsgd/async/{run_id}/", timeout_s), p2p)
+        self.resume_state = None  # () -> json: where a restarted process resumes (sessions)
+        self.welcome: dict | None = None  # a hosted syncer's first answer (`rejoin.join`)
+        self.rejoins = 0  # sessions opened again after one failed
+        self.stopped = False  # the hosted syncer ended the run before this worker's last step
+        self.final_record: dict = {}  # the hosted syncer's record, from the last meeting
+        self.align_until: float | None = None  # this phase ends here (`_phase_ends`)
+        self.grid = 0  # the step count phases are counted from (moved by an aligned phase)
         self.seq = 0
         self.version = 0  # the global model's version this worker's anchor holds
         self.clock = 0.0  # modelled seconds since the warmup (or wall seconds)
@@ -153,9 +175,16 @@ class AsyncAverager(OuterAverager):
         """Whether an inner phase of `steps` computed steps lasting `phase_time`, `done` steps
         computed in all, ends there: by steps, after the first and then every `period`
         (torch's rule, as the synchronous rounds'), or by time, where the next step would not
-        fit in `inner_time_s`."""
+        fit in `inner_time_s`. A phase the syncer asked to end early or late (`align_s`: back
+        in step with the others) ends where its next step would pass that time; the steps'
+        count goes on from there."""
+        if self.align_until is not None and not self.modelled:
+            if time.perf_counter() + phase_time / max(1, steps) < self.align_until:
+                return False
+            self.align_until, self.grid = None, done - 1
+            return True
         if self.inner_time_s is None:
-            return (done - 1) % self.period == 0
+            return (done - 1 - self.grid) % self.period == 0
         ahead = self.step_seconds if self.modelled else phase_time / max(1, steps)
         return phase_time + ahead > self.inner_time_s * FITS
 
@@ -180,6 +209,9 @@ class AsyncAverager(OuterAverager):
         self.phase_samples += samples
 
     def maybe_average(self) -> bool:
+        if self.stopped:  # told by the syncer: the run is over (it stops after this step)
+            self.step += 1
+            return False
         self._bound()
         self.ensure_bound()
         step = self.step
@@ -213,6 +245,8 @@ class AsyncAverager(OuterAverager):
 
     def average(self) -> None:
         """A meeting now (the end of a run that stopped before its last step)."""
+        if self.stopped:
+            return
         self.ensure_bound()
         if not self.announced:
             self._start()
@@ -221,7 +255,9 @@ class AsyncAverager(OuterAverager):
     def _start(self) -> None:
         """The syncer starts (rank 0) with the global model every worker's anchor holds, and every
         worker announces when it will first send (after a meeting: its next time)."""
-        if self.rank == 0 and self.service is None:
+        if self.syncer_address is not None:
+            self.link = join(self, self.syncer_address)
+        elif self.rank == 0 and self.service is None:
             # the global model every worker's anchor holds (its last answer, or the start)
             syncer = Syncer(
                 self.rounds.anchors.first, self.rounds.parts[0], self.syncer_sgd,
@@ -230,7 +266,8 @@ class AsyncAverager(OuterAverager):
             if self._saved_syncer is not None:
                 syncer.load_state_dict(self._saved_syncer)
             self.service = SyncerService(
-                syncer, self.mailbox, self.p2p, self.world_size, modelled=self.modelled,
+                syncer, WorldLinks(self.link.mailbox, self.link.group), self.world_size,
+                modelled=self.modelled, timeout_s=self.timeout_s,
                 min_quorum=self.min_quorum, grace_s=self.grace_s,
                 # a robust rule or a correction reads each contribution: never an all-reduce
                 collective_rounds=self.aggregate is None and self.correction is None,
@@ -242,36 +279,73 @@ class AsyncAverager(OuterAverager):
 
     _saved_syncer: dict | None = None
 
+    def connect(self) -> dict | None:
+        """Join the hosted syncer now (before the first step); its welcome."""
+        if not self.announced:
+            self._start()
+        return self.welcome
+
     def _send_header(self, kind: str, **fields) -> int:
         seq = self.seq
-        self.mailbox.put(f"h/{self.rank}/{seq}", {"kind": kind, **fields}, ring=True)
+        self.link.mailbox.put(f"h/{self.rank}/{seq}", {"kind": kind, **fields}, ring=True)
         self.seq += 1
         return seq
 
     def _take(self, key: str) -> dict:
         alive = self.service.alive if self.service is not None else None
         start = time.perf_counter()
-        message = self.mailbox.take(key, alive)
+        message = self.link.mailbox.take(key, alive)
         self.wait_s += time.perf_counter() - start
         return message
 
     def _exchange(self, kind: str, step: int, final: bool = False) -> None:
-        """Send this phase's contribution (or meet), then take the global model back."""
+        """Send this phase's contribution (or meet), then take the global model back. With a
+        hosted syncer, an exchange whose session fails rejoins (`rejoin`): the buffers take the
+        global model, and a meeting is tried again."""
+        before = self.stats.bytes
+        last = final or step == self.max_steps - 1
+        while True:
+            try:
+                self._talk(kind, step, last)
+                break
+            except LINK_FAILURES:
+                if self.syncer_address is None:
+                    raise
+                rejoin(self)
+                if kind != MEET:
+                    break
+        self.stats.rounds += 1
+        self.level_stats[0].rounds += 1
+        self.level_stats[0].bytes += self.stats.bytes - before
+        self.phase_samples, self.phase_time, self.phase_steps = 0.0, 0.0, 0
+        self.merged = self.all_in_sync
+        if kind == MEET and not self.stopped:
+            if last:
+                self._send_header(DONE)
+                if self.service is not None:
+                    self.service.join(self.timeout_s)
+            else:
+                self._send_header(ANNOUNCE, next=self._next_time(step) if self.modelled else None)
+
+    def _talk(self, kind: str, step: int, last: bool) -> None:
         rounds, buffers = self.rounds, self.flat.buffers
         samples = self.phase_samples
         work = views(buffers, rounds.parts[0])
         nxt = self._next_time(step) if self.modelled and kind == SEND else None
+        resume = self.resume_state() if self.resume_state is not None and kind == SEND else None
         seq = self._send_header(
             kind, time=_instant(self.clock) if self.modelled else None, samples=samples,
-            version=self.version, next=nxt,
+            version=self.version, next=nxt, resume=resume, last=last,
         )  # fmt: skip
         decision = self._take(f"d/{self.rank}/{seq}")
+        if decision["do"] == "stop":  # a hosted syncer's run ended without this worker
+            self.stopped = True
+            return
         # every worker is here (a meeting, or a synchronous round): the global-sync hooks
         # (drift) run around it, their collectives in the same order on every rank
         together = kind == MEET or decision["do"] == "collective"
         if together:
             self._global_hooks("before")
-        before = self.stats.bytes
         # the pseudo-gradient, in place (zeros where nothing was trained since the last
         # answer): the buffers take the global model back after
         rounds.offer(0, buffers, work)
@@ -300,20 +374,12 @@ class AsyncAverager(OuterAverager):
             if waited and kind == SEND:  # so its next message comes later than it said
                 self._send_header(ANNOUNCE, next=self._next_time(step))
             self.all_in_sync = kind == MEET
+            if answer.get("align_s") is not None:  # out of step with the others: rejoin them
+                self.align_until = time.perf_counter() + answer["align_s"]
+            if "syncer" in answer:  # the hosted syncer's last meeting: its record
+                self.final_record = {**answer["syncer"], "async_writer": answer["writer"]}
         if together:
             self._global_hooks("after")
-        self.stats.rounds += 1
-        self.level_stats[0].rounds += 1
-        self.level_stats[0].bytes += self.stats.bytes - before
-        self.phase_samples, self.phase_time, self.phase_steps = 0.0, 0.0, 0
-        self.merged = self.all_in_sync
-        if kind == MEET:
-            if final or step == self.max_steps - 1:
-                self._send_header(DONE)
-                if self.service is not None:
-                    self.service.join(self.timeout_s)
-            else:
-                self._send_header(ANNOUNCE, next=self._next_time(step) if self.modelled else None)
 
     def _collective(self, decision: dict, work: list, samples: float) -> None:
         """A synchronous round: the mean all-reduced (weighted by samples where they differ),
@@ -339,31 +405,23 @@ class AsyncAverager(OuterAverager):
         """The contribution in the wire's format (`messages`); rank 0's goes in-process."""
         start = time.perf_counter()
         messages, decoded = encode_(work, self.rounds.wires[0])
-        if self.rank == 0:  # as the syncer decodes the others': in the buffers' dtype
+        if self.service is not None:  # as the syncer decodes the others': in the buffers' dtype
             self.service.payload.put(
                 [d.detach().to(w.dtype, copy=True) for d, w in zip(decoded, work, strict=True)]
             )
         else:  # through host memory: the point-to-point group is gloo's, on every device
             for m in messages:
-                dist.send(m.detach().cpu().contiguous(), dst=0, group=self.p2p, tag=TAG_PAYLOAD)
+                self.link.send(m.detach().cpu().contiguous(), TAG_PAYLOAD)
         self.stats.bytes += sum(m.numel() * m.element_size() for m in messages)
         self.stats.seconds += time.perf_counter() - start
 
     def _receive_values(self, work: list) -> None:
-        if self.rank == 0:
-            values = self.service.values.get(timeout=self.timeout_s)
-            for w, v in zip(work, values, strict=True):
-                w.copy_(v)
+        if self.service is None:
+            self.link.receive_model(work)
             return
-        for w in work:
-            host = (
-                w
-                if w.device.type == "cpu" and w.is_contiguous()
-                else torch.empty_like(w, device="cpu")
-            )
-            dist.recv(host, src=0, group=self.p2p, tag=TAG_VALUES)
-            if host is not w:
-                w.copy_(host)
+        values = self.service.values.get(timeout=self.timeout_s)
+        for w, v in zip(work, values, strict=True):
+            w.copy_(v)
 
     # --- state ----------------------------------------------------------------------------------
 
@@ -373,17 +431,11 @@ class AsyncAverager(OuterAverager):
             "async_wait_s": round(self.wait_s, 3),
             "async_version": self.version,
         }
+        if self.syncer_address is not None:
+            out["async_rejoins"] = self.rejoins
         if self.service is not None:
-            syncer = self.service.syncer
-            out["async_merges"] = syncer.version
-            out["async_max_staleness"] = max(syncer.staleness, default=0)
-            out["async_dropped_nonfinite"] = [list(d) for d in syncer.dropped]
-            out["async_syncer_bytes"] = self.service.sent_bytes
-            out["async_mean_staleness"] = (
-                sum(syncer.staleness) / len(syncer.staleness) if syncer.staleness else 0.0
-            )
-            if syncer.correction is not None:  # blocks kept, shrunk, reoriented
-                out["async_corrected_blocks"] = dict(syncer.correction.counts)
+            out.update(self.service.record())
+        out.update(self.final_record)
         return out
 
     def _param_blocks(self) -> list[tuple[int, int, int]]:

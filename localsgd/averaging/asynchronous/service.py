@@ -30,23 +30,30 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from localsgd.averaging.asynchronous.mailbox import Mailbox
+from localsgd.averaging.asynchronous.links import (
+    TAG_PAYLOAD,
+    TAG_VALUES,
+    Sessions,
+    WorldLinks,
+)
 from localsgd.averaging.asynchronous.messages import Decoders
 from localsgd.averaging.asynchronous.syncer import Arrival, Syncer
 
 SEND, MEET, ANNOUNCE, DONE = "send", "meet", "announce", "done"
-TAG_PAYLOAD, TAG_VALUES = 71, 72
+# a session that failed (a dead or cut-off worker): gloo's errors, and a transfer past its deadline
+LINK_ERRORS = (RuntimeError, TimeoutError, dist.DistError)
 
 
 class SyncerService:
-    """The syncer's loop (rank 0, a thread beside its training). `size` workers; `modelled`:
-    messages carry modelled times; `group`: the point-to-point process group."""
+    """The syncer's loop: a thread beside rank 0's training (`links`: `WorldLinks`), or in a
+    process that trains nothing (`Sessions`: workers join, die and join again; `hosted`). `size`
+    workers; `modelled`: messages carry modelled times; `syncer`: None until the first worker
+    to join brings the global model (`bootstrap(request, receive)` builds it)."""
 
     def __init__(
         self,
-        syncer: Syncer,
-        mailbox: Mailbox,
-        group: dist.ProcessGroup | None,
+        syncer: Syncer | None,
+        links: WorldLinks | Sessions,
         size: int,
         *,
         modelled: bool,
@@ -54,8 +61,13 @@ class SyncerService:
         grace_s: float,
         collective_rounds: bool = True,
         decoders: Decoders | None = None,
+        timeout_s: float = 300.0,
+        bootstrap=None,
     ):
-        self.syncer, self.mailbox, self.group, self.size = syncer, mailbox, group, size
+        self.syncer, self.links, self.size = syncer, links, size
+        self.timeout_s, self.bootstrap = timeout_s, bootstrap
+        # the worker training beside this thread (its messages go in-process), if any
+        self.local = None if links.sessions else 0
         self.modelled, self.min_quorum, self.grace_s = modelled, min_quorum, grace_s
         self.collective_rounds = collective_rounds
         self.decoders = decoders  # the wire's messages to fp32 (None: fp32 as sent)
@@ -69,6 +81,10 @@ class SyncerService:
         self.announced: list[float | None] = [None] * size
         self.met: list[dict | None] = [None] * size
         self.done = [False] * size
+        self.lost: set[int] = set()  # workers nobody waits for any more (`hosted`)
+        # wall clock: each worker's last arrival and the interval before it (`_due`)
+        self.arrivals: dict[int, tuple[float, float | None]] = {}
+        self.aligned: dict[int, float] = {}  # the interval a worker told to align goes on at
         self.deadline: float | None = None  # the next merge's, once the quorum is there
         # senders waiting (at most grace_s) for the merge that takes their contribution:
         # worker -> (its header, when it is answered anyway)
@@ -97,8 +113,8 @@ class SyncerService:
     def _run(self) -> None:
         try:
             idle_since, heard, pause = time.monotonic(), -1, 1e-4
-            while not all(self.done):
-                rung = self.mailbox.rung()
+            while not all(self.done[r] or r in self.lost for r in range(self.size)):
+                rung = self.links.rung()
                 moved = rung != heard and self._read()
                 heard = rung
                 while self._advance():
@@ -106,9 +122,9 @@ class SyncerService:
                 if moved:
                     idle_since, pause = time.monotonic(), 1e-4
                 else:
-                    if time.monotonic() - idle_since > self.mailbox.timeout_s:
+                    if time.monotonic() - idle_since > self.timeout_s:
                         raise TimeoutError(
-                            f"no worker message for {self.mailbox.timeout_s:g} s (dist.timeout_s)"
+                            f"no worker message for {self.timeout_s:g} s (dist.timeout_s)"
                         )
                     # idle: back off to 2 ms between looks, one store call each (the bell)
                     time.sleep(pause)
@@ -119,19 +135,43 @@ class SyncerService:
     def _read(self) -> bool:
         moved = False
         for r in range(self.size):
-            while not self.done[r] and self.mailbox.has(f"h/{r}/{self.seq[r]}"):
-                header = self.mailbox.take(f"h/{r}/{self.seq[r]}")
+            if not self._reachable(r):
+                continue
+            box = self.links.box(r)
+            while not self.done[r] and box.has(f"h/{r}/{self.seq[r]}"):
+                header = box.take(f"h/{r}/{self.seq[r]}")
                 header["seq"] = self.seq[r]
                 header["arrived"] = self._now()
                 self.seq[r] += 1
                 moved = True
-                if header["kind"] == ANNOUNCE:
-                    self.announced[r] = header["next"]
-                elif header["kind"] == DONE:
-                    self.done[r] = True
-                else:
-                    self.inbox[r].append(header)
+                self._take_header(r, header)
         return moved
+
+    def _take_header(self, r: int, header: dict) -> None:
+        if header["kind"] == ANNOUNCE:
+            self.announced[r] = header["next"]
+        elif header["kind"] == DONE:
+            self.done[r] = True
+        else:
+            self.inbox[r].append(header)
+
+    # --- what a hosted syncer does otherwise (`hosted.HostedService`) ---------------------------
+
+    def _reachable(self, r: int) -> bool:
+        """Whether worker r can be heard from now (in one world: always)."""
+        return True
+
+    def _failed(self, r: int) -> None:
+        """A transfer with worker r failed: in one world the run fails with it."""
+        raise
+
+    def _end_without(self, live: list[int]) -> bool:
+        """Whether the last meeting ended without a worker still behind (never, in one world)."""
+        return False
+
+    def _last_words(self, live: list[int]) -> dict:
+        """What the last meeting's answers carry besides the model (nothing, in one world)."""
+        return {}
 
     def _now(self) -> float:
         return time.monotonic() - self.start_time
@@ -139,9 +179,11 @@ class SyncerService:
     def _advance(self) -> bool:
         """Handle the next time's messages, a merge or a wait whose time came, or a meeting
         every worker reached; whether anything happened."""
-        live = [r for r in range(self.size) if not self.done[r]]
+        live = [r for r in range(self.size) if not self.done[r] and r not in self.lost]
         if live and all(self.met[r] is not None for r in live):
             self._meet(live)
+            return True
+        if self._end_without(live):
             return True
         times: dict[int, float] = {}
         for r in live:
@@ -204,17 +246,31 @@ class SyncerService:
             return
         for r in sorted(headers):
             h = headers[r]
+            box = self.links.box(r)
             if h["samples"] > 0:
-                self.mailbox.put(f"d/{r}/{h['seq']}", {"do": "payload"})
-                tensors = self._receive(r)
+                box.put(f"d/{r}/{h['seq']}", {"do": "payload"})
+                try:
+                    tensors = self._receive(r)
+                except LINK_ERRORS:  # it died or was cut off mid-transfer: nothing arrived
+                    self._failed(r)
+                    del headers[r]
+                    continue
                 syncer.add(Arrival(r, now, h["samples"], h["version"], tensors))
+                last = self.arrivals.get(r)
+                # after an aligned phase the worker goes on at the others' interval
+                gap = self.aligned.pop(r, None) or (None if last is None else now - last[0])
+                self.arrivals[r] = (now, gap)
             else:
-                self.mailbox.put(f"d/{r}/{h['seq']}", {"do": "wait"})
+                box.put(f"d/{r}/{h['seq']}", {"do": "wait"})
         merged = False
         if syncer.workers_pending() >= self.min_quorum:
-            live = {r for r in range(self.size) if not self.done[r]}
-            everyone = {a.worker for a in syncer.pending} >= live
+            live = {  # a worker away (dead, restarting) is not waited for: the grace window is
+                r for r in range(self.size)
+                if not self.done[r] and r not in self.lost and self._reachable(r)
+            }  # fmt: skip
             oldest = min(a.time for a in syncer.pending)
+            awaited = {r for r in live if self._due(r, oldest)}
+            everyone = {a.worker for a in syncer.pending} >= awaited
             if everyone or oldest + self.grace_s <= now:
                 self._merge(now)
                 merged = True
@@ -228,17 +284,54 @@ class SyncerService:
             else:
                 self._answer(r, h, now)
 
+    def _due(self, r: int, oldest: float) -> bool:
+        """Whether a merge whose oldest contribution arrived at `oldest` waits (at most
+        `grace_s`) for worker r: under the modelled clock always; on the wall clock only where
+        r's next contribution is due within the window around it (its last arrival plus its
+        last interval), so that a worker out of step with the others (back from a freeze or a
+        restart) or overdue (frozen, dead) does not hold every merge for the whole window."""
+        if self.modelled or self.arrivals.get(r, (None, None))[1] is None:
+            return True
+        last, gap = self.arrivals[r]
+        return oldest - self.grace_s <= last + gap <= oldest + self.grace_s
+
+    def _align(self, r: int, at: float) -> float | None:
+        """On the wall clock with a grace window: where worker r is out of step with most of
+        the others (back from a freeze, a partition or a restart), the seconds from `at` to
+        their next merge, when its next phase should end instead (earlier or later), so that
+        its contributions are merged with theirs again; None where it is in step."""
+        if self.modelled or self.grace_s <= 0 or self.arrivals.get(r, (0, None))[1] is None:
+            return None
+        others = [
+            (last, gap) for w, (last, gap) in self.arrivals.items()
+            if w != r and gap and not self.done[w] and w not in self.lost and self._reachable(w)
+        ]  # fmt: skip
+        if not others:
+            return None
+        dues = [last + gap for last, gap in others]
+        # the due time most of them share (within the window): their next merge
+        target = max(dues, key=lambda t: (sum(abs(u - t) <= self.grace_s for u in dues), -t))
+        last, gap = self.arrivals[r]
+        if abs(last + gap - target) <= self.grace_s:
+            return None  # in step
+        period = sorted(g for _, g in others)[len(others) // 2]
+        while target < at + 0.5 * period:  # their next merge after this phase's start
+            target += period
+        # due then (a merge waits for it), and at their interval after
+        self.arrivals[r], self.aligned[r] = (last, target - last), period
+        return target - at
+
     def _collective(self, now: float, headers: dict, kind: str, samples: list) -> None:
         """Every worker at one time, nothing pending: a synchronous round (see the module doc)."""
         weighted = any(s != samples[0] for s in samples)
         self.collective_done.clear()
         for r, h in headers.items():
-            self.mailbox.put(
+            self.links.box(r).put(
                 f"d/{r}/{h['seq']}",
                 {"do": "collective", "weighted": weighted, "time": now,
                  "version": self.syncer.version + 1, "workers": sum(s > 0 for s in samples)},
             )  # fmt: skip
-        if not self.collective_done.wait(self.mailbox.timeout_s):
+        if not self.collective_done.wait(self.timeout_s):
             raise TimeoutError("the synchronous round's mean never came (dist.timeout_s)")
         self._record(now, len(headers), [0] * len(headers), "collective" + (kind == MEET) * " meet")
 
@@ -271,39 +364,71 @@ class SyncerService:
         if self.syncer.pending:
             self._merge(at)
         self.deadline = None
+        # the last meeting, in a process that trains nothing: who writes the results (the
+        # first worker there) and the syncer's record, which only this process holds
+        extra = self._last_words(live)
         for r in live:
-            self._answer(r, self.met[r], at, values=True)
+            self._answer(r, self.met[r], at, values=True, extra=extra)
             self.met[r] = None
             self.announced[r] = None
 
-    def _answer(self, r: int, header: dict, at: float, values: bool = False) -> None:
+    def record(self) -> dict[str, Any]:
+        """What the syncer did (a summary's `async_*` entries)."""
+        syncer = self.syncer
+        out = {
+            "async_merges": syncer.version,
+            "async_max_staleness": max(syncer.staleness, default=0),
+            "async_dropped_nonfinite": [list(d) for d in syncer.dropped],
+            "async_syncer_bytes": self.sent_bytes,
+            "async_mean_staleness": (
+                sum(syncer.staleness) / len(syncer.staleness) if syncer.staleness else 0.0
+            ),
+        }
+        if syncer.correction is not None:  # blocks kept, shrunk, reoriented
+            out["async_corrected_blocks"] = dict(syncer.correction.counts)
+        return out
+
+    def _answer(
+        self, r: int, header: dict, at: float, values: bool = False, extra: dict | None = None
+    ) -> None:
         values = values or header["version"] != self.syncer.version
         if self.modelled and header["kind"] == SEND and at > header["time"]:
             self.announced[r] = None  # it waited: it announces its next time again
-        self.mailbox.put(
-            f"r/{r}/{header['seq']}", {"version": self.syncer.version, "time": at, "values": values}
-        )
-        if not values:
-            return
-        if r == 0:
+        if not self._reachable(r):
+            return  # its session failed meanwhile: it is welcomed afresh when it rejoins
+        align = self._align(r, at) if header["kind"] == SEND else None
+        self.links.box(r).put(
+            f"r/{r}/{header['seq']}",
+            {"version": self.syncer.version, "time": at, "values": values, "align_s": align,
+             **(extra or {})},
+        )  # fmt: skip
+        if values:
+            self._send_values(r)
+
+    def _send_values(self, r: int) -> None:
+        """The global model to worker r (in-process to the worker beside this thread)."""
+        if r == self.local:
             with self.lock:
                 self.values.put([v.clone() for v in self.syncer.values])
             return
         with self.lock:  # host copies: the point-to-point group is gloo's, on every device
             hosted = [v.detach().cpu().contiguous() for v in self.syncer.values]
-        for v in hosted:
-            dist.send(v, dst=r, group=self.group, tag=TAG_VALUES)
-            self.sent_bytes += v.numel() * v.element_size()
+        try:
+            for v in hosted:
+                self.links.send(r, v, TAG_VALUES)
+                self.sent_bytes += v.numel() * v.element_size()
+        except LINK_ERRORS:
+            self._failed(r)
 
     def _receive(self, r: int) -> list[torch.Tensor]:
-        if r == 0:
-            return self.payload.get(timeout=self.mailbox.timeout_s)
+        if r == self.local:
+            return self.payload.get(timeout=self.timeout_s)
         if self.decoders is None:
             messages = [torch.empty_like(v, device="cpu") for v in self.syncer.values]
         else:
             messages = self.decoders.empty()
         for m in messages:
-            dist.recv(m, src=r, group=self.group, tag=TAG_PAYLOAD)
+            self.links.recv(r, m, TAG_PAYLOAD)
         tensors = messages if self.decoders is None else self.decoders.decode(messages)
         device = self.syncer.values[0].device
         return [t.to(device) for t in tensors]

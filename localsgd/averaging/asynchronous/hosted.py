@@ -1,0 +1,260 @@
+"""The syncer in a process that trains nothing (`HostedSyncer`): under `ft=torchft` it runs in the
+launcher, beside torchft's lighthouse, so that no worker's death takes the global model with it.
+
+Workers come and go through sessions (`links.Sessions`): a killed worker's process is restarted
+by the launcher and joins again, a frozen one is simply not heard from, one cut off from the
+syncer finds its session failed and rejoins (`rejoin`). Nobody waits for a worker that is away:
+the merges take whoever has sent (`sync.min_quorum`, `sync.grace_s`), and only the last meeting
+waits for every worker the launcher has not given up on (`lose`).
+
+The syncer is built when the first worker joins, from what that worker sends: the model's
+layout and the outer step's settings (`rejoin.spec`, json: nothing is unpickled from the
+network) and its model, which is every worker's at the start. The syncer's state lives here
+only: a run under ft with asynchronous rounds checkpoints at its end, not between.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from localsgd.averaging.asynchronous.delayed_nesterov import DelayedNesterov
+from localsgd.averaging.asynchronous.heloco import HeLoCo
+from localsgd.averaging.asynchronous.links import Sessions
+from localsgd.averaging.asynchronous.messages import Decoders
+from localsgd.averaging.asynchronous.service import (
+    ANNOUNCE,
+    LINK_ERRORS,
+    MEET,
+    SEND,
+    TAG_VALUES,
+    SyncerService,
+)
+from localsgd.averaging.asynchronous.syncer import Syncer
+from localsgd.averaging.trust.robust import Aggregate
+from localsgd.averaging.wire.compress import comm_dtype_of
+from localsgd.averaging.wire.sparse import TopKCodec
+
+
+class HostedSyncer:
+    """`workers` workers; `min_quorum`, `grace_s`: when it merges; `host`: the interface its
+    store binds to; `transfer_timeout_s`: how long one transfer with a worker may take before
+    that worker's session is dropped (it holds every other worker that long); `timeout_s`:
+    how long the syncer waits with no message from any worker before it fails."""
+
+    def __init__(
+        self,
+        workers: int,
+        *,
+        min_quorum: int = 1,
+        grace_s: float = 0.0,
+        host: str = "127.0.0.1",
+        transfer_timeout_s: float = 3.0,
+        timeout_s: float = 300.0,
+    ):
+        self.sessions = Sessions(host, transfer_timeout_s, join_timeout_s=timeout_s)
+        self.service = HostedService(
+            self.sessions, workers, end_wait_s=transfer_timeout_s, modelled=False,
+            min_quorum=min_quorum, grace_s=grace_s, collective_rounds=False,
+            timeout_s=timeout_s, bootstrap=build_syncer,
+        )  # fmt: skip
+
+    @property
+    def address(self) -> str:
+        """host:port of its store: what a worker joins (`links.join_session`)."""
+        return self.sessions.address
+
+    def start(self) -> None:
+        self.service.start()
+
+    def lose(self, worker: int) -> None:
+        """The launcher gave up on `worker`: the last meeting does not wait for it."""
+        self.service.lose(worker)
+
+    def close(self, timeout_s: float) -> None:
+        """Wait for the syncer to finish (every worker done or lost); raise its error."""
+        self.service.join(timeout_s)
+
+
+def build_syncer(request: dict, receive) -> tuple[Syncer, Decoders]:
+    """The syncer from the first worker's `request` (`rejoin.spec`) and its model, read by
+    `receive(tensor)` buffer by buffer; and the decoders of the run's wire."""
+    spec = request["spec"]
+    buffers = [torch.empty(n, dtype=getattr(torch, dtype)) for n, dtype in spec["buffers"]]
+    for b in buffers:
+        receive(b)
+    sgd = dict(spec["sgd"])
+    if sgd.get("delay") is not None:
+        sgd["optimizer"] = DelayedNesterov
+    aggregate = None if spec["aggregate"] is None else Aggregate(**spec["aggregate"])
+    correction = None if spec["correction"] is None else HeLoCo(**spec["correction"])
+    syncer = Syncer(
+        buffers, [tuple(s) for s in spec["part"]], sgd, spec["plain_first"], aggregate,
+        correction, [tuple(b) for b in spec["blocks"]],
+    )  # fmt: skip
+    return syncer, Decoders(buffers, _wire(spec["wire"]))
+
+
+def _wire(wire: dict):
+    if "block" in wire:
+        return comm_dtype_of(wire["block"], wire["block_size"])
+    if "topk" in wire:
+        return TopKCodec(wire["topk"], wire["chunk"], wire["mean"])
+    return getattr(torch, wire["dtype"])
+
+
+class HostedService(SyncerService):
+    """`SyncerService` over `links.Sessions`: workers join (and join again after a failure or a
+    restart), the start waits for every worker once, a failed transfer drops that worker's
+    session instead of failing the run, and the last meeting waits `end_wait_s` for a worker
+    behind, then ends without it (see the module doc)."""
+
+    def __init__(self, sessions: Sessions, size: int, *, end_wait_s: float, **kwargs):
+        super().__init__(None, sessions, size, **kwargs)
+        self.end_wait_s = end_wait_s
+        # each worker's state as of its last contribution received (where its next process
+        # resumes) and when that was
+        self.resume: dict[int, tuple[dict, float] | None] = {}
+        self.unconfirmed: dict[int, tuple[dict, float] | None] = {}
+        self.joined = [0] * size  # sessions opened per worker: its first, then rejoins
+        self.dropped_sessions = 0  # sessions that failed mid-transfer
+        self.started = False  # every worker joined once
+        self.held: set[int] = set()  # workers that joined before the start, not welcomed yet
+        self.end_deadline: float | None = None  # the last meeting's, once one worker is there
+        self.ended = False  # the last meeting is over: a worker behind is told to stop
+
+    def _read(self) -> bool:
+        moved = False
+        for request in self.links.joins():
+            self._join(request)
+            moved = True
+        return super()._read() or moved
+
+    def _take_header(self, r: int, header: dict) -> None:
+        if self.ended:
+            self._stop(r, header)
+        else:
+            super()._take_header(r, header)
+            if header.get("resume") is not None:  # where its next process starts, should it die
+                if header["samples"] > 0:  # until its contribution is in: `_receive`
+                    self.unconfirmed[r] = self.resume.get(r)
+                self.resume[r] = (header["resume"], time.monotonic())
+
+    def _receive(self, r: int) -> list[torch.Tensor]:
+        tensors = super()._receive(r)
+        self.unconfirmed.pop(r, None)  # its contribution arrived: it resumes after it
+        return tensors
+
+    def _reachable(self, r: int) -> bool:
+        return self.links.connected(r)
+
+    def _join(self, request: dict) -> None:
+        """A worker's new session (its first, a restart's, or a reconnect): whatever its last
+        session left half done is forgotten (a contribution received in full stays pending); it
+        is welcomed with the global model and, after a restart, the state it resumes from."""
+        r = request["worker"]
+        self._forget(r)
+        if self.ended:  # the run is over: a worker back now has nothing left to do
+            try:
+                self.links.accept(request)
+                self.links.box(r).put("welcome", {"stop": True, "version": self.syncer.version})
+            except LINK_ERRORS:
+                self.links.drop(r)
+            self.done[r] = True
+            return
+        try:
+            self.links.accept(request)
+        except LINK_ERRORS:  # it died while joining: its next process joins again
+            self.links.drop(r)
+            return
+        box = self.links.box(r)
+        self.seq[r], self.done[r] = 0, False
+        self.lost.discard(r)
+        self.joined[r] += 1
+        if self.syncer is None:  # the first worker brings the global model every worker holds
+            box.put("welcome", {"init": True})
+            try:
+                self.syncer, self.decoders = self.bootstrap(
+                    request, lambda t: self.links.recv(r, t, TAG_VALUES)
+                )
+            except LINK_ERRORS:
+                self.links.drop(r)
+                return
+        if not self.started:  # nobody trains before every worker is here (or given up on)
+            self.held.add(r)
+            if all(self.joined[w] or w in self.lost for w in range(self.size)):
+                self.started = True
+                for w in sorted(self.held):
+                    if self.links.connected(w):
+                        self._welcome(w)
+            return
+        self._welcome(r)
+
+    def _welcome(self, r: int) -> None:
+        """The global model to a worker that joined, and where it resumes after a restart."""
+        box = self.links.box(r)
+        resume, since = self.resume.get(r) or (None, None)
+        box.put(
+            "welcome",
+            {"version": self.syncer.version, "values": True, "resume": resume,
+             "since_s": None if since is None else time.monotonic() - since},
+        )  # fmt: skip
+        self._send_values(r)
+
+    def _forget(self, r: int) -> None:
+        """Worker r's session is gone: nothing it sent is half read, nobody waits on it."""
+        self.links.drop(r)
+        self.inbox[r].clear()
+        self.waiting.pop(r, None)
+        self.met[r] = None
+        self.announced[r] = None
+
+    def _failed(self, r: int) -> None:
+        """Its session failed mid-transfer: dropped (it rejoins), the run goes on."""
+        self.dropped_sessions += 1
+        if r in self.unconfirmed:  # its last contribution never arrived: resume before it
+            self.resume[r] = self.unconfirmed.pop(r)
+        self._forget(r)
+
+    def lose(self, r: int) -> None:
+        """The launcher gave up on worker r (out of restarts): nobody waits for it."""
+        self.lost.add(r)
+
+    def _end_without(self, live: list[int]) -> bool:
+        """Sessions: the last meeting waits `end_wait_s` from the first worker there for the
+        others; a worker still behind then (restarting, frozen, cut off) is not waited for. The
+        meeting ends without it, and it is told to stop when it next talks: what it has not
+        trained is not merged, as a worker away mid-run."""
+        met = [r for r in live if self.met[r] is not None]
+        if not any(self.met[r].get("last") for r in met):
+            return False
+        if self.end_deadline is None:
+            self.end_deadline = time.monotonic() + self.end_wait_s
+        if time.monotonic() < self.end_deadline:
+            return False
+        self._meet(met)
+        self.ended = True
+        return True
+
+    def _stop(self, r: int, header: dict) -> None:
+        """After the last meeting: worker r is told to stop (nothing it sends is merged)."""
+        if header["kind"] in (SEND, MEET):
+            self.links.box(r).put(f"d/{r}/{header['seq']}", {"do": "stop"})
+        if header["kind"] != ANNOUNCE:
+            self.done[r] = True
+
+    def _last_words(self, live: list[int]) -> dict:
+        """Who writes the results (the first worker at the last meeting) and the syncer's
+        record, which only this process holds."""
+        if not any(self.met[r].get("last") for r in live):
+            return {}
+        return {"writer": min(live), "syncer": self.record()}
+
+    def record(self) -> dict:
+        return {
+            **super().record(),
+            "async_sessions": list(self.joined),  # per worker: its first and its rejoins
+            "async_failed_sessions": self.dropped_sessions,
+            "merged_samples": self.syncer.merged_samples,
+        }

@@ -1,0 +1,164 @@
+"""How a worker and the syncer reach each other: messages (json) through a `Mailbox`, tensors
+point-to-point through torch.distributed.
+
+- `WorldLinks`: every worker in one torch.distributed world, the syncer on rank 0 (the plain
+  launch and torchrun): one mailbox in the rendezvous store, one point-to-point group.
+- `Sessions`: the syncer in a process that trains nothing (the launcher under `ft=torchft`),
+  workers that die, restart and reconnect. The syncer hosts a TCPStore (bound to one interface);
+  a worker *joins* by leaving its name there, and the two open a gloo group of their own (rank 0
+  the syncer, rank 1 the worker) under a prefix no other session uses, with a mailbox beside
+  it. A worker that died or was cut off leaves a session that fails; its next process, or the
+  same one reconnecting, opens a new one. No protocol of our own beyond naming the session:
+  torch.distributed's store and process groups do the rest.
+- `WorkerLink`: the worker's end, of either kind (`world_link`, `join_session`).
+
+Every operation has a deadline: a session's group its timeout, a mailbox its own.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from localsgd.averaging.asynchronous.mailbox import Mailbox
+
+SYNCER_ENV = "LOCALSGD_ASYNC_SYNCER"  # host:port of a hosted syncer's store (ft=torchft)
+# the tags of a contribution to the syncer and of the global model back
+TAG_PAYLOAD, TAG_VALUES = 71, 72
+
+
+class WorkerLink:
+    """A worker's end: `mailbox` for messages, `send`/`recv` for tensors (host memory)."""
+
+    def __init__(self, mailbox: Mailbox, group, peer: int, timeout_s: float, session: bool):
+        self.mailbox, self.group, self.peer = mailbox, group, peer
+        self.timeout = timedelta(seconds=timeout_s)
+        self.session = session  # a group of two, opened by `join_session`
+
+    def send(self, tensor: torch.Tensor, tag: int) -> None:
+        if self.session:
+            self.group.send([tensor], self.peer, tag).wait(self.timeout)
+        else:
+            dist.send(tensor, dst=self.peer, group=self.group, tag=tag)
+
+    def recv(self, tensor: torch.Tensor, tag: int) -> None:
+        if self.session:
+            self.group.recv([tensor], self.peer, tag).wait(self.timeout)
+        else:
+            dist.recv(tensor, src=self.peer, group=self.group, tag=tag)
+
+    def receive_model(self, work: list[torch.Tensor]) -> None:
+        """The global model into `work` (through host memory: the groups are gloo's)."""
+        for w in work:
+            host = (
+                w
+                if w.device.type == "cpu" and w.is_contiguous()
+                else torch.empty_like(w, device="cpu")
+            )
+            self.recv(host, TAG_VALUES)
+            if host is not w:
+                w.copy_(host)
+
+
+def world_link(mailbox: Mailbox, group) -> WorkerLink:
+    """A worker's end in one world: the syncer is rank 0 of `group`."""
+    return WorkerLink(mailbox, group, 0, mailbox.timeout_s, session=False)
+
+
+def join_session(address: str, worker: int, hello: dict, timeout_s: float) -> WorkerLink:
+    """Open a session with the syncer at `address` (host:port of its store) as `worker`; `hello`
+    (json) goes with the request. Raises where the syncer cannot be reached in `timeout_s`."""
+    host, port = address.rsplit(":", 1)
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+    session = f"{worker}-{uuid.uuid4().hex[:12]}"
+    index = store.add("joins", 1) - 1
+    store.set(f"join/{index}", json.dumps({"worker": worker, "session": session, **hello}))
+    group = dist.ProcessGroupGloo(dist.PrefixStore(f"pg/{session}/", store), 1, 2, timeout)
+    mailbox = Mailbox(store, f"s/{session}/", timeout_s)
+    link = WorkerLink(mailbox, group, 0, timeout_s, session=True)
+    link.store = store  # kept alive with the link
+    return link
+
+
+class WorldLinks:
+    """The syncer's ends in one world (it is rank 0): worker r is rank r of `group`."""
+
+    sessions = False
+
+    def __init__(self, mailbox: Mailbox, group):
+        self.mailbox, self.group = mailbox, group
+
+    def box(self, r: int) -> Mailbox:
+        return self.mailbox
+
+    def rung(self) -> int:
+        return self.mailbox.rung()
+
+    def send(self, r: int, tensor: torch.Tensor, tag: int) -> None:
+        dist.send(tensor, dst=r, group=self.group, tag=tag)
+
+    def recv(self, r: int, tensor: torch.Tensor, tag: int) -> None:
+        dist.recv(tensor, src=r, group=self.group, tag=tag)
+
+
+class Sessions:
+    """The syncer's ends when it trains nothing and workers come and go (see the module doc):
+    the store it hosts on `host` (an ephemeral port: `address`), each worker's current session.
+    `timeout_s` bounds every transfer with a worker: one that stopped mid-transfer holds the
+    syncer at most that long, and its session is dropped."""
+
+    sessions = True
+
+    def __init__(self, host: str, timeout_s: float, join_timeout_s: float = 60.0):
+        self.timeout = timedelta(seconds=timeout_s)
+        self.timeout_s, self.join_timeout_s = timeout_s, join_timeout_s
+        self.store = dist.TCPStore(
+            host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=600)
+        )
+        self.address = f"{host}:{self.store.port}"
+        self.seen = 0  # join requests read so far
+        self.open: dict[int, tuple[str, Mailbox, object]] = {}  # worker -> its session
+
+    def joins(self) -> list[dict]:
+        """The join requests left since the last call, oldest first."""
+        count = self.store.add("joins", 0)
+        out = []
+        while self.seen < count:
+            out.append(json.loads(self.store.get(f"join/{self.seen}")))
+            self.store.delete_key(f"join/{self.seen}")
+            self.seen += 1
+        return out
+
+    def accept(self, request: dict) -> None:
+        """Open the session `request` names (its worker's earlier one is dropped)."""
+        worker, session = request["worker"], request["session"]
+        self.drop(worker)
+        group = dist.ProcessGroupGloo(
+            dist.PrefixStore(f"pg/{session}/", self.store), 0, 2,
+            timedelta(seconds=self.join_timeout_s),
+        )  # fmt: skip
+        self.open[worker] = (session, Mailbox(self.store, f"s/{session}/", self.timeout_s), group)
+
+    def drop(self, worker: int) -> None:
+        self.open.pop(worker, None)
+
+    def connected(self, worker: int) -> bool:
+        return worker in self.open
+
+    def box(self, r: int) -> Mailbox:
+        return self.open[r][1]
+
+    def rung(self) -> int:
+        """Any worker's doorbell, or a join: one store call each, summed."""
+        return self.store.add("joins", 0) + sum(box.rung() for _, box, _ in self.open.values())
+
+    def send(self, r: int, tensor: torch.Tensor, tag: int) -> None:
+        self.open[r][2].send([tensor], 1, tag).wait(self.timeout)
+
+    def recv(self, r: int, tensor: torch.Tensor, tag: int) -> None:
+        self.open[r][2].recv([tensor], 1, tag).wait(self.timeout)

@@ -1,0 +1,117 @@
+"""The round driver of asynchronous rounds under `ft=torchft` (`AsyncSessions`): every worker a
+process of its own, restarted by the launcher when it dies, the syncer hosted by the launcher
+(`localsgd.averaging.asynchronous.hosted`).
+
+Asynchronous rounds need no quorum (the syncer merges whoever has sent), so torchft's Manager
+has no round to run here: the launcher restarts what dies, and a worker reaches the syncer
+through sessions it opens itself. What each piece does:
+
+- **A worker's first step.** It joins the syncer and takes the global model. After a restart
+  it also takes the state its process had when its last contribution arrived: the step, the
+  loop's counters and the data position (each contribution carries them, as json), so it goes
+  on from there. Its inner optimizer's state starts afresh, and its random generators are
+  reseeded for the new attempt (as a torchft heal does), so that no two workers draw alike.
+- **What a death costs.** The training since the dead worker's last contribution: those samples
+  were never merged (`merged_samples` counts what was). Nobody else waits for it.
+- **The end.** The last step is a meeting of every worker the launcher has not given up on:
+  every worker leaves it with the final global model, and the first worker there writes the
+  results (`async_writer`), with the syncer's record (`merged_samples`, merges, sessions).
+- **Checkpoints.** The syncer's state lives in the launcher, so a checkpoint is written at the
+  end only; a worker that dies catches up from the syncer instead (docs/asynchronous.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from localsgd.averaging.trees import map_tensors
+from localsgd.loop.local_rounds import LocalRounds
+from localsgd.loop.stop import StopAgreement
+
+
+class AsyncSessions(LocalRounds):
+    """`LocalRounds` (the averager's exchanges are its own) with the start, the writer and the
+    checkpoints of a hosted syncer (see the module doc). `seed`, `attempt`: the reseeding."""
+
+    shared_checkpoints = True  # after the last meeting every worker holds the final model
+
+    def __init__(self, averager, worker: int, seed: int, attempt: int):
+        super().__init__(averager, None)
+        self._worker, self.seed, self.attempt = worker, seed, attempt
+        self.resumed_at: int | None = None  # the step a restarted process went on from
+
+    def join(
+        self, registry: Mapping[str, Any], optimizer_step: Callable[[], None], step: int, every: int
+    ) -> str:
+        averager = self.averager
+        averager.resume_state = lambda: _json(
+            {"loop": registry["loop"].state_dict(), "sampler": registry["sampler"].state_dict()}
+        )
+        welcome = averager.connect() or {}
+        resume = _tensors(welcome.get("resume"))
+        if resume is not None and self.attempt > 0:
+            loop = dict(resume["loop"])
+            # the contribution was sent inside its step: the process goes on with the next one;
+            # the seconds since it arrived count as training time (the job's clock ran on)
+            loop["step"] = int(loop["step"]) + 1
+            loop["elapsed_s"] = float(loop["elapsed_s"]) + float(welcome["since_s"] or 0.0)
+            registry["loop"].load_state_dict(loop)
+            registry["sampler"].load_state_dict(resume["sampler"])
+            averager.step = loop["step"]
+            self.resumed_at = loop["step"]
+        if self.attempt > 0:
+            torch.manual_seed(self.seed + 1000 * self._worker + 1 + 7919 * self.attempt)
+        return "fresh"
+
+    @property
+    def worker(self) -> int:
+        return self._worker
+
+    @property
+    def speaks(self) -> bool:
+        return self._worker == 0
+
+    def writes_results(self, rank: int) -> bool:
+        """The first worker at the last meeting (worker 0 unless the launcher lost it)."""
+        return self.averager.final_record.get("async_writer", 0) == self._worker
+
+    def evaluates_final(self, rank: int, sharding) -> bool:
+        return self.writes_results(rank)
+
+    def checkpoint(
+        self, step: int, max_steps: int, every: int, stop: StopAgreement, save, final: bool,
+        save_shared: Callable[[bool], str], **_,
+    ) -> bool:  # fmt: skip
+        """At the end only, by the writer (see the module doc); a stop ends the run without
+        one."""
+        if final:
+            return False
+        if self.averager.stopped:  # the run ended while this worker was behind
+            return True
+        if every > 0 and step == max_steps:
+            save_shared(self.writes_results(self._worker))
+        return stop.should_stop(step) and step < max_steps
+
+    def summary(self) -> dict[str, Any]:
+        return {} if self.resumed_at is None else {"async_resumed_at": self.resumed_at}
+
+
+def _json(state: Any) -> Any:
+    """`state` with each tensor as {"tensor": values, "dtype": ...}: a message is json."""
+    return map_tensors(
+        lambda t: {"tensor": t.tolist(), "dtype": str(t.dtype).removeprefix("torch.")}, state
+    )
+
+
+def _tensors(state: Any) -> Any:
+    """`_json`'s inverse (tensors on the host)."""
+    if isinstance(state, dict):
+        if set(state) == {"tensor", "dtype"}:
+            return torch.tensor(state["tensor"], dtype=getattr(torch, state["dtype"]))
+        return {k: _tensors(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_tensors(v) for v in state]
+    return state

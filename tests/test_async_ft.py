@@ -1,0 +1,136 @@
+"""Asynchronous rounds under `ft=torchft` (docs/asynchronous.md#under-fttorchft): the syncer in the
+launcher, every worker a process of its own that dies, restarts and rejoins.
+
+With one worker the run equals the plain path's bit for bit (the syncer built from what the
+first worker sends: the wire's codec, error feedback, Delayed Nesterov and HeLoCo's settings).
+Under faults the job finishes: a killed worker is restarted and rejoins, a severed session
+fails on both ends and the worker rejoins at once, a partition holds nobody but the partitioned
+worker, and a worker frozen at the end is not waited for beyond one grace window; every worker
+at the last meeting leaves it with the same model.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests import faults
+from tests.helpers import FAST, cli, same_model
+
+pytest.importorskip("torchft")
+
+ONE = FAST + [  # one worker, DiLoCo on the int8 wire, Delayed Nesterov (N = 2), HeLoCo
+    "dist.world_size=1", "trainer.max_steps=40", "trainer.batch_size=16", "sync=diloco",
+    "sync.period=4", "sync.warmup_steps=0", "optim=adamw", "optim.lr=0.003",
+    "sync.comm_dtype=int8", "sync.error_feedback=true", "sync.outer_delay=2",
+    "sync.staleness_correction=heloco", "sync.mode=async", "trainer.checkpoint_every=0",
+    "logger=jsonl",
+]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_one_worker_under_ft_equals_the_plain_path(tmp_path):
+    """The hosted syncer is built from the json the first worker sends (`rejoin.spec`): it
+    fails without any of the wire, the delay or the correction carried over."""
+    runs = {}
+    for name, extra in (("plain", []), ("ft", ["ft=torchft"])):
+        run_dir = tmp_path / name
+        proc, left = cli(ONE + extra + [f"hydra.run.dir={run_dir}"])
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert not left
+        runs[name] = json.loads((run_dir / "summary.json").read_text())
+    assert same_model(tmp_path / "plain" / "model.pt", tmp_path / "ft" / "model.pt")
+    # after the first step, then every 4, and the last meeting: 11 merges
+    assert runs["ft"]["async_merges"] == runs["plain"]["async_merges"] == 11
+    assert runs["ft"]["async_corrected_blocks"] == runs["plain"]["async_corrected_blocks"]
+    assert runs["ft"]["merged_samples"] == 40 * 16
+
+
+FAULTS = FAST + [  # three workers, every step padded to 30 ms, a sync every 8 steps
+    "dist.world_size=3", "trainer.max_steps=160", "trainer.batch_size=16", "sync=diloco",
+    "sync.period=8", "sync.warmup_steps=0", "optim=adamw", "optim.lr=0.003",
+    "comm.simulate.worker_speed=[1,1,1]", "comm.simulate.step_s=0.03", "sync.mode=async",
+    "ft=torchft", "ft.grace_min_s=1", "trainer.checkpoint_every=0", "logger=jsonl",
+]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_kills_severed_sessions_partitions_and_a_frozen_straggler(tmp_path):
+    run_dir, digests = tmp_path / "run", tmp_path / "digests"
+    args = [*FAULTS, f"hydra.run.dir={run_dir}"]
+    for spec in (
+        f"kill:1:20:{tmp_path / 'killed-once'}",  # restarted, rejoins from its last contribution
+        "sever:0:50",  # its payload never arrives: both ends drop the session, it rejoins
+        "partition:2:40:1.0",  # its exchange held 1 s: nobody else waits for it
+        "freeze:2:144:5",  # frozen 5 s at its last exchanges: the run ends without it
+    ):
+        args = faults.with_fault(args, spec)
+    args[-1] = args[-1][:-1] + f",{{_target_:tests.faults.FinalDigest,dir:'{digests}'}}]"
+    proc, left = cli(args, timeout=150)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not left
+    assert "ft: worker 1 died (signal 9); restart 1 of 3, it catches up from the syncer" in (
+        proc.stderr
+    )
+    summary = json.loads((run_dir / "summary.json").read_text())
+    # sessions per worker: the killed one's and the severed one's second, the others' one
+    assert summary["async_sessions"] == [2, 2, 1], summary["async_sessions"]
+    assert summary["async_failed_sessions"] >= 1 and summary["async_rejoins"] == 1
+    assert summary["async_writer"] == 0 and summary["steps"] == 160
+    # worker 2's last phase (and whatever the killed worker redid too late) is not merged
+    assert 0 < summary["merged_samples"] < 3 * 160 * 16
+    written = {p.name: p.read_text() for p in digests.iterdir()}
+    assert "rank-2.txt" not in written, "the run waited for the frozen worker"
+    assert "rank-0.txt" in written and len(set(written.values())) == 1, written
+    assert "the syncer failed" not in proc.stderr
+    # no grace window on the wall clock: said once, by worker 0
+    assert proc.stderr.count("sync.grace_s=0: every contribution is merged alone") == 1
+
+
+def test_a_merge_waits_only_for_workers_due_within_its_window():
+    """On the wall clock a merge waits for a worker only where its next contribution is due
+    within the window around the merge's oldest one (its last arrival plus its last interval):
+    a worker in step is waited for, one out of step (back from a fault) or overdue (frozen)
+    is not; without a history, and under the modelled clock, every worker is."""
+    from types import SimpleNamespace
+
+    from localsgd.averaging.asynchronous.service import SyncerService
+
+    service = SimpleNamespace(modelled=False, grace_s=0.25, arrivals={
+        0: (8.0, 4.0),  # due at 12.0: in step
+        1: (9.6, 4.0),  # due at 13.6: out of step by 1.6 s
+        2: (4.0, 4.0),  # due at 8.0: overdue (frozen since)
+        3: (11.9, None),  # one arrival only
+    })  # fmt: skip
+    due = [SyncerService._due(service, r, oldest=12.1) for r in range(5)]
+    assert due == [True, False, False, True, True]
+    service.modelled = True
+    assert all(SyncerService._due(service, r, oldest=12.1) for r in range(5))
+
+
+def test_a_worker_out_of_step_is_told_when_the_others_merge_next():
+    """With a grace window, a worker whose next contribution is not due with most of the
+    others' (back from a fault) is told how long its next phase should last to be merged with
+    theirs again: their next merge at least half a period away. In step, or with no window, or
+    under the modelled clock: nothing."""
+    from types import SimpleNamespace
+
+    from localsgd.averaging.asynchronous.service import SyncerService
+
+    service = SimpleNamespace(
+        modelled=False, grace_s=0.25, done=[False] * 4, lost=set(), _reachable=lambda w: True,
+        aligned={},
+        arrivals={0: (8.0, 4.0), 1: (8.05, 4.0), 2: (8.1, 4.0), 3: (10.5, 4.0)},
+    )  # fmt: skip
+    # the others merge next at 12.0, 1.4 s away: worker 3 aims at the merge after, at 16.0
+    assert SyncerService._align(service, 3, at=10.6) == pytest.approx(5.4)
+    # ... and a merge then waits for it: it is due with them
+    assert service.arrivals[3] == pytest.approx((10.5, 5.5)) and service.aligned[3] == 4.0
+    assert SyncerService._align(service, 0, at=8.0) is None
+    service.grace_s = 0.0
+    assert SyncerService._align(service, 3, at=10.6) is None
+    service.grace_s, service.modelled = 0.25, True
+    assert SyncerService._align(service, 3, at=10.6) is None
