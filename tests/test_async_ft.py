@@ -52,7 +52,7 @@ FAULTS = FAST + [  # three workers, every step padded to 30 ms, a sync every 8 s
     "dist.world_size=3", "trainer.max_steps=160", "trainer.batch_size=16", "sync=diloco",
     "sync.period=8", "sync.warmup_steps=0", "optim=adamw", "optim.lr=0.003",
     "comm.simulate.worker_speed=[1,1,1]", "comm.simulate.step_s=0.03", "sync.mode=async",
-    "ft=torchft", "ft.grace_min_s=1", "trainer.checkpoint_every=0", "logger=jsonl",
+    "ft=torchft", "ft.grace_min_s=1", "trainer.checkpoint_every=50", "logger=jsonl",
 ]  # fmt: skip
 
 
@@ -86,7 +86,10 @@ def test_kills_severed_sessions_partitions_and_a_frozen_straggler(tmp_path):
     assert "rank-2.txt" not in written, "the run waited for the frozen worker"
     assert "rank-0.txt" in written and len(set(written.values())) == 1, written
     assert "the syncer failed" not in proc.stderr
-    # no grace window on the wall clock: said once, by worker 0
+    # the one checkpoint: the final model's, by the writer
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step-160"]
+    # checkpoints at the end only, and no grace window on the wall clock: each said once
+    assert proc.stderr.count("write their checkpoint at the end only") == 1
     assert proc.stderr.count("sync.grace_s=0: every contribution is merged alone") == 1
 
 

@@ -88,6 +88,13 @@ def build_synchroniser(
             "docs/asynchronous.md); a window about as wide as their arrivals' spread merges them "
             "together"
         )
+    every, steps = cfg.trainer.checkpoint_every, cfg.trainer.max_steps
+    if sync.mode == "async" and fault_tolerant and 0 < every < steps and info.rank == 0:
+        notice(
+            f"trainer.checkpoint_every={every}: under ft=torchft asynchronous rounds write their "
+            "checkpoint at the end only (the syncer's state lives in the launcher; a dead worker "
+            "catches up from it instead)"
+        )
     if sync.outer_state == "cpu" and info.rank == 0 and buffers and buffers[0].device.type == "cpu":
         notice(
             "sync.outer_state=cpu on a CPU run saves nothing: the anchors and outer momentum "
