@@ -137,3 +137,21 @@ def test_a_worker_out_of_step_is_told_when_the_others_merge_next():
     assert SyncerService._align(service, 3, at=10.6) is None
     service.grace_s, service.modelled = 0.25, True
     assert SyncerService._align(service, 3, at=10.6) is None
+
+
+def test_the_hosted_syncer_listens_on_its_host_only():
+    """Its store serves the global model to whoever joins: it listens on `ft.host` alone
+    (TCPStore by itself listens on every interface)."""
+    from localsgd.averaging.asynchronous.links import Sessions
+
+    sessions = Sessions("127.0.0.1", timeout_s=5)
+    port = int(sessions.address.rsplit(":", 1)[1])
+    listening = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.read().splitlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                address, hex_port = local.rsplit(":", 1)
+                if state == "0A" and int(hex_port, 16) == port:  # LISTEN
+                    listening.append(address)
+    assert listening == ["0100007F"], listening  # 127.0.0.1, and nothing on :: or 0.0.0.0

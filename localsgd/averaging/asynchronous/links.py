@@ -18,6 +18,7 @@ Every operation has a deadline: a session's group its timeout, a mailbox its own
 from __future__ import annotations
 
 import json
+import socket
 import uuid
 from datetime import timedelta
 
@@ -117,10 +118,18 @@ class Sessions:
     def __init__(self, host: str, timeout_s: float, join_timeout_s: float = 60.0):
         self.timeout = timedelta(seconds=timeout_s)
         self.timeout_s, self.join_timeout_s = timeout_s, join_timeout_s
+        # TCPStore alone listens on every interface, whatever `host` says: it serves on a
+        # socket bound to `host` instead, so that nobody elsewhere can join and take the model
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.listener = socket.socket(family, socket.SOCK_STREAM)
+        self.listener.bind((host, 0))
+        self.listener.listen(128)
+        port = self.listener.getsockname()[1]
         self.store = dist.TCPStore(
-            host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=600)
-        )
-        self.address = f"{host}:{self.store.port}"
+            host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=600),
+            master_listen_fd=self.listener.fileno(),
+        )  # fmt: skip
+        self.address = f"{host}:{port}"
         self.seen = 0  # join requests read so far
         self.open: dict[int, tuple[str, Mailbox, object]] = {}  # worker -> its session
 
