@@ -139,19 +139,29 @@ def test_a_worker_out_of_step_is_told_when_the_others_merge_next():
     assert SyncerService._align(service, 3, at=10.6) is None
 
 
-def test_the_hosted_syncer_listens_on_its_host_only():
-    """Its store serves the global model to whoever joins: it listens on `ft.host` alone
-    (TCPStore by itself listens on every interface)."""
-    from localsgd.averaging.asynchronous.links import Sessions
-
-    sessions = Sessions("127.0.0.1", timeout_s=5)
-    port = int(sessions.address.rsplit(":", 1)[1])
-    listening = []
+def _listening(port: int) -> list[str]:
+    """The addresses (hex, as /proc/net shows them) listening on `port`."""
+    found = []
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         with open(table) as f:
             for line in f.read().splitlines()[1:]:
                 local, state = line.split()[1], line.split()[3]
                 address, hex_port = local.rsplit(":", 1)
                 if state == "0A" and int(hex_port, 16) == port:  # LISTEN
-                    listening.append(address)
-    assert listening == ["0100007F"], listening  # 127.0.0.1, and nothing on :: or 0.0.0.0
+                    found.append(address)
+    return found
+
+
+def test_the_hosted_syncer_listens_on_its_host_only():
+    """Its store serves the global model to whoever joins: it listens on `ft.host` alone
+    (TCPStore by itself listens on every interface); so does every store a run serves from
+    (`localsgd.averaging.stores`: a replica group's Manager store too)."""
+    from localsgd.averaging.asynchronous.links import Sessions
+    from localsgd.averaging.stores import serving_store
+
+    sessions = Sessions("127.0.0.1", timeout_s=5)
+    assert _listening(sessions.serving.port) == ["0100007F"]  # 127.0.0.1, not :: or 0.0.0.0
+    served = serving_store("127.0.0.1")
+    assert _listening(served.port) == ["0100007F"]
+    served.store.set("key", "value")  # a working store
+    assert served.store.get("key") == b"value"

@@ -18,7 +18,6 @@ Every operation has a deadline: a session's group its timeout, a mailbox its own
 from __future__ import annotations
 
 import json
-import socket
 import uuid
 from datetime import timedelta
 
@@ -26,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from localsgd.averaging.asynchronous.mailbox import Mailbox
+from localsgd.averaging.stores import serving_store
 
 SYNCER_ENV = "LOCALSGD_ASYNC_SYNCER"  # host:port of a hosted syncer's store (ft=torchft)
 # the tags of a contribution to the syncer and of the global model back
@@ -118,17 +118,9 @@ class Sessions:
     def __init__(self, host: str, timeout_s: float, join_timeout_s: float = 60.0):
         self.timeout = timedelta(seconds=timeout_s)
         self.timeout_s, self.join_timeout_s = timeout_s, join_timeout_s
-        # TCPStore alone listens on every interface, whatever `host` says: it serves on a
-        # socket bound to `host` instead, so that nobody elsewhere can join and take the model
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self.listener = socket.socket(family, socket.SOCK_STREAM)
-        self.listener.bind((host, 0))
-        self.listener.listen(128)
-        port = self.listener.getsockname()[1]
-        self.store = dist.TCPStore(
-            host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=600),
-            master_listen_fd=self.listener.fileno(),
-        )  # fmt: skip
+        # bound to `host`: nobody elsewhere can join and take the model (`stores`)
+        self.serving = serving_store(host, timedelta(seconds=600))
+        self.store, port = self.serving.store, self.serving.port
         self.address = f"{host}:{port}"
         self.seen = 0  # join requests read so far
         self.open: dict[int, tuple[str, Mailbox, object]] = {}  # worker -> its session
