@@ -193,24 +193,20 @@ def _asynchronous(cfg: Config, info: WorkerInfo, store: dist.Store | None) -> di
     worker's announced times, a dead one's too), and meets the others only at the end."""
     sim = cfg.comm.simulate
     speeds = sim.worker_speed
-    if cfg.ft.backend != "none":
-        return {
-            "store": store,
-            "run_id": str(info.attempt),
-            "max_steps": cfg.trainer.max_steps,
-            "timeout_s": cfg.dist.timeout_s,
-            "syncer_address": os.environ[SYNCER_ENV],
-            "worker": info.rank,
-            "workers": info.world_size,
-        }
-    if store is None:
-        raise ValueError("sync.mode=async needs the rendezvous store")
-    return {
+    common = {
         "store": store,
         "run_id": str(info.attempt),
         "max_steps": cfg.trainer.max_steps,
+        "timeout_s": cfg.dist.timeout_s,
+    }
+    if cfg.ft.backend != "none":
+        hosted = {"syncer_address": os.environ[SYNCER_ENV], "worker": info.rank}
+        return {**common, **hosted, "workers": info.world_size}
+    if store is None:
+        raise ValueError("sync.mode=async needs the rendezvous store")
+    return {
+        **common,
         "meet_every": cfg.trainer.checkpoint_every,
         "step_s": sim.step_s if speeds else None,
         "speed": float(speeds[info.rank]) if speeds else 1.0,
-        "timeout_s": cfg.dist.timeout_s,
     }

@@ -32,10 +32,16 @@ import torch.distributed as dist
 from localsgd.averaging.asynchronous.clock import FITS, computes
 from localsgd.averaging.asynchronous.delayed_nesterov import DelayedNesterov
 from localsgd.averaging.asynchronous.heloco import HeLoCo
-from localsgd.averaging.asynchronous.links import TAG_PAYLOAD, WorkerLink, WorldLinks, world_link
+from localsgd.averaging.asynchronous.links import (
+    LINK_ERRORS,
+    TAG_PAYLOAD,
+    WorkerLink,
+    WorldLinks,
+    world_link,
+)
 from localsgd.averaging.asynchronous.mailbox import Mailbox
 from localsgd.averaging.asynchronous.messages import Decoders, encode_
-from localsgd.averaging.asynchronous.rejoin import LINK_FAILURES, join, rejoin
+from localsgd.averaging.asynchronous.rejoin import join, rejoin
 from localsgd.averaging.asynchronous.service import (
     ANNOUNCE,
     DONE,
@@ -98,7 +104,6 @@ class AsyncAverager(OuterAverager):
             size, rank = workers, worker
         else:
             size, rank = self.world_size, dist.get_rank(process_group)
-        self.workers = size
         if not 1 <= min_quorum <= size:
             raise ValueError(
                 f"sync.min_quorum must be in [1, {size}] (the workers), got {min_quorum}"
@@ -308,7 +313,7 @@ class AsyncAverager(OuterAverager):
             try:
                 self._talk(kind, step, last)
                 break
-            except LINK_FAILURES:
+            except LINK_ERRORS:
                 if self.syncer_address is None:
                     raise
                 rejoin(self)

@@ -28,6 +28,8 @@ from localsgd.averaging.asynchronous.mailbox import Mailbox
 from localsgd.averaging.stores import serving_store
 
 SYNCER_ENV = "LOCALSGD_ASYNC_SYNCER"  # host:port of a hosted syncer's store (ft=torchft)
+# what a failed session raises: gloo's errors, a store's, a deadline passed
+LINK_ERRORS = (RuntimeError, TimeoutError, dist.DistError)
 # the tags of a contribution to the syncer and of the global model back
 TAG_PAYLOAD, TAG_VALUES = 71, 72
 

@@ -19,15 +19,15 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, fields
 
-import torch.distributed as dist
-
-from localsgd.averaging.asynchronous.links import TAG_VALUES, WorkerLink, join_session
+from localsgd.averaging.asynchronous.links import (
+    LINK_ERRORS,
+    TAG_VALUES,
+    WorkerLink,
+    join_session,
+)
 from localsgd.averaging.rounds.part import views
 from localsgd.averaging.wire.quantize import BlockCodec
 from localsgd.averaging.wire.sparse import TopKCodec
-
-# what a failed session raises: gloo's errors, a store's, a deadline passed
-LINK_FAILURES = (RuntimeError, TimeoutError, dist.DistError)
 
 
 def spec(averager) -> dict:
@@ -67,10 +67,7 @@ def join(averager, address: str) -> WorkerLink:
             link.send(b.detach().cpu().contiguous(), TAG_VALUES)
         welcome = link.mailbox.take("welcome")
     averager.welcome = welcome
-    if welcome.get("stop"):  # back after the run ended: nothing left to do
-        averager.stopped = True
-        return link
-    _take_values(averager, link, welcome)
+    _welcomed(averager, link, welcome)
     return link
 
 
@@ -81,13 +78,9 @@ def rejoin(averager) -> None:
     while True:
         try:
             link = join_session(averager.syncer_address, averager.rank, {}, averager.timeout_s)
-            welcome = link.mailbox.take("welcome")
-            if welcome.get("stop"):
-                averager.stopped = True
-            else:
-                _take_values(averager, link, welcome)
+            _welcomed(averager, link, link.mailbox.take("welcome"))
             break
-        except LINK_FAILURES:
+        except LINK_ERRORS:
             if time.monotonic() > deadline:
                 raise
             time.sleep(pause)
@@ -97,8 +90,12 @@ def rejoin(averager) -> None:
     averager.phase_samples = 0.0  # what it trained since its last answer is not merged
 
 
-def _take_values(averager, link: WorkerLink, welcome: dict) -> None:
-    """The global model (when the welcome brings one) as this worker's model and anchor."""
+def _welcomed(averager, link: WorkerLink, welcome: dict) -> None:
+    """The global model (when the welcome brings one) as this worker's model and anchor; or,
+    back after the run ended, nothing left to do."""
+    if welcome.get("stop"):
+        averager.stopped = True
+        return
     rounds, buffers = averager.rounds, averager.flat.buffers
     if welcome["values"]:
         link.receive_model(views(buffers, rounds.parts[0]))

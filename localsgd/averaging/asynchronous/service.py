@@ -28,9 +28,9 @@ from collections import deque
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from localsgd.averaging.asynchronous.links import (
+    LINK_ERRORS,
     TAG_PAYLOAD,
     TAG_VALUES,
     Sessions,
@@ -40,8 +40,6 @@ from localsgd.averaging.asynchronous.messages import Decoders
 from localsgd.averaging.asynchronous.syncer import Arrival, Syncer
 
 SEND, MEET, ANNOUNCE, DONE = "send", "meet", "announce", "done"
-# a session that failed (a dead or cut-off worker): gloo's errors, and a transfer past its deadline
-LINK_ERRORS = (RuntimeError, TimeoutError, dist.DistError)
 
 
 class SyncerService:
