@@ -154,8 +154,7 @@ def _listening(port: int) -> list[str]:
 
 def test_the_hosted_syncer_listens_on_its_host_only():
     """Its store serves the global model to whoever joins: it listens on `ft.host` alone
-    (TCPStore by itself listens on every interface); so does every store a run serves from
-    (`localsgd.averaging.stores`: a replica group's Manager store too)."""
+    (TCPStore by itself listens on every interface), through `localsgd.averaging.stores`."""
     from localsgd.averaging.asynchronous.links import Sessions
     from localsgd.averaging.stores import serving_store
 

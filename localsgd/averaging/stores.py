@@ -1,9 +1,9 @@
 """A TCPStore that serves on one interface (`serving_store`).
 
 `dist.TCPStore(host, port, is_master=True)` listens on every interface whatever `host` says; a
-store that hands out what a run serves (the hosted syncer's sessions, a replica group's Manager
-address) listens here on a socket bound to `host` (127.0.0.1 unless the user names another), so
-that nothing reaches it from elsewhere.
+store that hands out what a run serves (the hosted syncer's sessions) listens here on a socket
+bound to `host` (127.0.0.1 unless the user names another), so that nothing reaches it from
+elsewhere.
 """
 
 from __future__ import annotations

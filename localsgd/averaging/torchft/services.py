@@ -13,7 +13,8 @@ import threading
 from datetime import timedelta
 from typing import Any
 
-from localsgd.averaging.stores import serving_store
+import torch.distributed as dist
+
 from localsgd.averaging.torchft.heartbeat_gate import MANAGER_HEARTBEAT, gate_heartbeats
 
 
@@ -207,7 +208,9 @@ def make_manager(
 
     store = None
     if store_addr is None:
-        store = serving_store(host, timedelta(seconds=timeout_s))  # bound to `host` only
+        store = dist.TCPStore(
+            host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
+        )
         store_addr, store_port = host, store.port
     timeout = timedelta(seconds=timeout_s)
     real_server = ft_manager.ManagerServer
