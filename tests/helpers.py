@@ -419,3 +419,16 @@ def fake_cifar(root, per_batch: int = 40) -> None:
             "labels": [int(v) for v in rng.integers(0, 10, per_batch)],
         }
         (folder / name).write_bytes(pickle.dumps(batch))
+
+
+def listening(port: int) -> list[str]:
+    """The addresses (hex, as /proc/net shows them) listening on `port`."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.read().splitlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                address, hex_port = local.rsplit(":", 1)
+                if state == "0A" and int(hex_port, 16) == port:  # LISTEN
+                    found.append(address)
+    return found

@@ -12,11 +12,12 @@ at the last meeting leaves it with the same model.
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
 from tests import faults
-from tests.helpers import FAST, cli, same_model
+from tests.helpers import FAST, cli, listening, same_model
 
 pytest.importorskip("torchft")
 
@@ -25,7 +26,7 @@ ONE = FAST + [  # one worker, DiLoCo on the int8 wire, Delayed Nesterov (N = 2),
     "sync.period=4", "sync.warmup_steps=0", "optim=adamw", "optim.lr=0.003",
     "sync.comm_dtype=int8", "sync.error_feedback=true", "sync.outer_delay=2",
     "sync.staleness_correction=heloco", "sync.mode=async", "trainer.checkpoint_every=0",
-    "logger=jsonl",
+    "logger=jsonl", "sync.check_replicas=true",
 ]  # fmt: skip
 
 
@@ -46,6 +47,7 @@ def test_one_worker_under_ft_equals_the_plain_path(tmp_path):
     assert runs["ft"]["async_merges"] == runs["plain"]["async_merges"] == 11
     assert runs["ft"]["async_corrected_blocks"] == runs["plain"]["async_corrected_blocks"]
     assert runs["ft"]["merged_samples"] == 40 * 16
+    assert runs["ft"]["replica_checks"] == 1  # against the syncer's model, at the last meeting
 
 
 FAULTS = FAST + [  # three workers, every step padded to 30 ms, a sync every 8 steps
@@ -53,6 +55,7 @@ FAULTS = FAST + [  # three workers, every step padded to 30 ms, a sync every 8 s
     "sync.period=8", "sync.warmup_steps=0", "optim=adamw", "optim.lr=0.003",
     "comm.simulate.worker_speed=[1,1,1]", "comm.simulate.step_s=0.03", "sync.mode=async",
     "ft=torchft", "ft.grace_min_s=1", "trainer.checkpoint_every=50", "logger=jsonl",
+    "sync.check_replicas=true",
 ]  # fmt: skip
 
 
@@ -75,11 +78,17 @@ def test_kills_severed_sessions_partitions_and_a_frozen_straggler(tmp_path):
     assert "ft: worker 1 died (signal 9); restart 1 of 3, it catches up from the syncer" in (
         proc.stderr
     )
+    # killed at step 20, it goes on after its contribution of step 16 (of step 8 where the
+    # kill beat the syncer to reading that one), not from the start nor from where it died
+    resumed = [line for line in proc.stderr.splitlines() if "rejoined the syncer" in line]
+    assert len(resumed) == 1, resumed
+    assert resumed[0].split("from step ")[1].split(",")[0] in ("17", "9"), resumed
     summary = json.loads((run_dir / "summary.json").read_text())
     # sessions per worker: the killed one's and the severed one's second, the others' one
     assert summary["async_sessions"] == [2, 2, 1], summary["async_sessions"]
     assert summary["async_failed_sessions"] >= 1 and summary["async_rejoins"] == 1
     assert summary["async_writer"] == 0 and summary["steps"] == 160
+    assert summary["replica_checks"] == 1  # the writer's model against the syncer's
     # worker 2's last phase (and whatever the killed worker redid too late) is not merged
     assert 0 < summary["merged_samples"] < 3 * 160 * 16
     written = {p.name: p.read_text() for p in digests.iterdir()}
@@ -98,7 +107,6 @@ def test_a_merge_waits_only_for_workers_due_within_its_window():
     within the window around the merge's oldest one (its last arrival plus its last interval):
     a worker in step is waited for, one out of step (back from a fault) or overdue (frozen)
     is not; without a history, and under the modelled clock, every worker is."""
-    from types import SimpleNamespace
 
     from localsgd.averaging.asynchronous.service import SyncerService
 
@@ -119,7 +127,6 @@ def test_a_worker_out_of_step_is_told_when_the_others_merge_next():
     others' (back from a fault) is told how long its next phase should last to be merged with
     theirs again: their next merge at least half a period away. In step, or with no window, or
     under the modelled clock: nothing."""
-    from types import SimpleNamespace
 
     from localsgd.averaging.asynchronous.service import SyncerService
 
@@ -139,19 +146,6 @@ def test_a_worker_out_of_step_is_told_when_the_others_merge_next():
     assert SyncerService._align(service, 3, at=10.6) is None
 
 
-def _listening(port: int) -> list[str]:
-    """The addresses (hex, as /proc/net shows them) listening on `port`."""
-    found = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as f:
-            for line in f.read().splitlines()[1:]:
-                local, state = line.split()[1], line.split()[3]
-                address, hex_port = local.rsplit(":", 1)
-                if state == "0A" and int(hex_port, 16) == port:  # LISTEN
-                    found.append(address)
-    return found
-
-
 def test_the_hosted_syncer_listens_on_its_host_only():
     """Its store serves the global model to whoever joins: it listens on `ft.host` alone
     (TCPStore by itself listens on every interface), through `localsgd.averaging.stores`."""
@@ -159,8 +153,122 @@ def test_the_hosted_syncer_listens_on_its_host_only():
     from localsgd.averaging.stores import serving_store
 
     sessions = Sessions("127.0.0.1", timeout_s=5)
-    assert _listening(sessions.serving.port) == ["0100007F"]  # 127.0.0.1, not :: or 0.0.0.0
+    assert listening(sessions.serving.port) == ["0100007F"]  # 127.0.0.1, not :: or 0.0.0.0
     served = serving_store("127.0.0.1")
-    assert _listening(served.port) == ["0100007F"]
+    assert listening(served.port) == ["0100007F"]
     served.store.set("key", "value")  # a working store
     assert served.store.get("key") == b"value"
+
+
+def test_a_serving_store_gone_closes_nobody_elses_socket():
+    """The store owns its listening descriptor and closes it when it goes; the number is then
+    reused by new sockets, and what is left of the serving store must not close it again (it
+    did: a replica's store in another thread broke with EPIPE)."""
+    import gc
+    import socket
+
+    from localsgd.averaging.stores import serving_store
+
+    served = serving_store("127.0.0.1")
+    served.store = None  # the store goes: its descriptors are free again
+    gc.collect()
+    pairs = [socket.socketpair() for _ in range(8)]  # the lowest free numbers: those
+    del served
+    gc.collect()
+    for a, b in pairs:
+        a.sendall(b"x")
+        assert b.recv(1) == b"x"
+        a.close(), b.close()
+
+
+class _FakeSessions:
+    """`links.Sessions` without a network: each worker's mailbox puts, and the tensors sent."""
+
+    sessions = True
+
+    def __init__(self):
+        self.put: list[tuple[int, str]] = []
+        self.sent: list[int] = []
+        self.open: set[int] = set()
+
+    def accept(self, request):
+        self.open.add(request["worker"])
+
+    def drop(self, worker):
+        self.open.discard(worker)
+
+    def connected(self, worker):
+        return worker in self.open
+
+    def box(self, r):
+
+        return SimpleNamespace(put=lambda key, message: self.put.append((r, key)))
+
+    def send(self, r, tensor, tag):
+        self.sent.append(r)
+
+
+def _hosted(size: int):
+    import torch
+
+    from localsgd.averaging.asynchronous.hosted import HostedService
+
+    links = _FakeSessions()
+    service = HostedService(
+        links, size, end_wait_s=1.0, modelled=False, min_quorum=1, grace_s=0.25,
+        bootstrap=lambda request, recv: (
+            SimpleNamespace(values=[torch.zeros(2)], version=0), None
+        ),
+    )  # fmt: skip
+    return service, links
+
+
+def test_training_starts_once_every_worker_has_joined():
+    """The hosted syncer sends nobody the global model (so nobody takes a first step) until
+    every worker has joined once; one joining later (a restart) is welcomed at once."""
+    service, links = _hosted(3)
+    service._join({"worker": 1})  # the first brings the model the syncer starts from
+    service._join({"worker": 0})
+    service._join({"worker": 0})  # a reconnect: still held
+    assert not service._advance() and links.sent == [] and not service.started
+    service._join({"worker": 2})
+    links.drop(1)  # its session failed meanwhile: it gets the model when it rejoins
+    assert service._advance() and service.started
+    assert links.sent == [0, 2]
+    service._join({"worker": 1})
+    assert links.sent == [0, 2, 1]
+
+
+def test_the_start_does_not_wait_for_a_worker_the_launcher_gave_up_on():
+    """A worker out of restarts before it ever joined: the others start without it, on the
+    syncer's next turn (the launcher's `lose` rings no bell)."""
+    service, links = _hosted(2)
+    service._join({"worker": 0})
+    assert not service._advance() and links.sent == []
+    service.lose(1)
+    assert service._advance() and links.sent == [0]
+
+
+def test_a_worker_not_holding_the_syncers_model_fails_the_replica_check():
+    """`sync.check_replicas` under ft=torchft: after the last meeting each worker compares the
+    model it holds with the checksum of the syncer's global model; one changed bit fails."""
+    import torch
+
+    from localsgd.averaging.checksum import replica_checksum
+    from localsgd.loop.async_sessions import AsyncSessions
+    from localsgd.loop.guards import ReplicasDiverged
+
+    held = [torch.arange(6, dtype=torch.float32)]
+    averager = SimpleNamespace(
+        final_checksum=None, step=10, common_tensors=lambda: held, maybe_average=lambda: None
+    )
+    driver = AsyncSessions(averager, worker=1, seed=0, attempt=0, verify=True)
+    driver.maybe_average()  # no meeting yet: nothing checked
+    assert driver.replica_checks == 0
+    averager.final_checksum = replica_checksum([held[0].clone()]).tolist()
+    driver.maybe_average()
+    assert driver.replica_checks == 1
+    driver.checked = 0
+    held[0][3] = torch.nextafter(held[0][3], torch.tensor(10.0))
+    with pytest.raises(ReplicasDiverged, match="worker 1 does not hold the syncer's global"):
+        driver.maybe_average()

@@ -27,7 +27,7 @@ from localsgd.averaging.torchft.heartbeat_gate import (
     GroupBeats,
     HeartbeatGate,
 )
-from tests.helpers import cli, three_paced_workers_under_ft
+from tests.helpers import cli, listening, three_paced_workers_under_ft
 
 
 class Clock:
@@ -252,6 +252,8 @@ def test_the_full_replica_id_is_heartbeated_and_the_manager_beats_once():
             stored = manager._store.get("replica_id").decode()
             assert beats.replica_id == stored != manager._replica_id == "replica_000"
             assert stored.startswith("replica_000:") and len(stored) > len("replica_000:") + 30
+            # the replica group's store (it names the Manager's address) on the loopback only
+            assert listening(manager._localsgd_store.port) == ["0100007F"]
             deadline = time.monotonic() + 10
             while beats.sent < 3 and time.monotonic() < deadline:
                 time.sleep(0.05)

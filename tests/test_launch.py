@@ -244,3 +244,18 @@ def test_a_fault_joins_the_callbacks_a_command_already_lists():
     alone = compose_config(with_fault(["trainer.callbacks=[]"], "kill:1:9")).trainer.callbacks
     assert [c["_target_"] for c in alone] == ["tests.faults.Fault"]
     assert with_fault(["sync.period=4"], "raise:0:3")[-1].startswith("trainer.callbacks=[")
+
+
+def _loopback_only(info, store) -> None:
+    found = helpers.listening(store.port)
+    if found != ["0100007F"]:  # 127.0.0.1
+        raise AssertionError(f"the rendezvous store listens on {found}")
+
+
+@pytest.mark.timeout(60)
+def test_the_rendezvous_store_listens_on_the_loopback_only():
+    """The launcher's store carries the workers' rendezvous and stop signal: a TCPStore of its
+    own would listen on every interface (`localsgd.averaging.stores`)."""
+    from localsgd.cli.launch import spawn
+
+    assert spawn(_loopback_only, 1, 30) is None

@@ -107,9 +107,8 @@ CASES: dict[str, list[str]] = {
     "sync.mode=async with comm.disabled=true": ["sync.mode=async", "comm.disabled=true"],
     "sync.mode=async with dist.shard_size > 1 or dist.virtual_workers": [
         "sync.mode=async", "dist.shard_size=2"],
-    "sync.mode=async with ft=torchft and ft.lighthouse or ft.replica_groups set, "
-    "sync.warmup_steps > 0 or sync.check_replicas=true": [
-        "sync.mode=async", "ft=torchft", "sync.check_replicas=true"],
+    "sync.mode=async with ft=torchft and ft.lighthouse or ft.replica_groups set, or "
+    "sync.warmup_steps > 0": ["sync.mode=async", "ft=torchft", "sync.warmup_steps=5"],
 }  # fmt: skip
 
 

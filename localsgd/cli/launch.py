@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from localsgd.averaging.stores import serving_store
 from localsgd.cli.forkserver import (  # noqa: F401  (under_torchrun re-exported)
     fork_from_here,
     server_status,
@@ -205,14 +206,9 @@ def spawn(
     signal this process got (SIGTERM, SIGINT), which it forwarded to the workers, or None.
     """
     fork_from_here()  # before the store's threads start (`python -m localsgd.train` did already)
-    store = dist.TCPStore(
-        "127.0.0.1",
-        0,
-        world_size + 1,
-        is_master=True,
-        timeout=datetime.timedelta(seconds=timeout_s),
-        wait_for_workers=False,
-    )
+    # on the loopback only (a TCPStore of its own listens on every interface)
+    serving = serving_store("127.0.0.1", datetime.timedelta(seconds=timeout_s))
+    store = serving.store
     # One thread per worker: more would oversubscribe the cores the workers share.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     previous = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
@@ -274,7 +270,7 @@ def spawn(
     finally:
         signal.signal(signal.SIGTERM, previous[0])
         signal.signal(signal.SIGINT, previous[1])
-        del store
+        del store, serving  # the store stops serving, and its socket closes
         sys.stdout.flush()
 
 

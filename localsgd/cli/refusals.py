@@ -62,7 +62,6 @@ class Facts:
     lighthouse: bool  # ft.lighthouse names a running one
     replica_groups: bool  # ft.replica_groups set (torchrun: one replica group per machine)
     warmup_steps: int
-    check_replicas: bool
 
     @classmethod
     def of(cls, cfg: Any, get: Callable[[Any, str], Any]) -> Facts:
@@ -101,7 +100,6 @@ class Facts:
             lighthouse=bool(get(cfg, "ft.lighthouse")),
             replica_groups=get(cfg, "ft.replica_groups") is not None,
             warmup_steps=get(cfg, "sync.warmup_steps"),
-            check_replicas=bool(get(cfg, "sync.check_replicas")),
         )
 
     @property
@@ -582,21 +580,20 @@ REFUSALS: tuple[Refusal, ...] = (
             "ft.lighthouse",
             "ft.replica_groups",
             "sync.warmup_steps",
-            "sync.check_replicas",
         ),
-        "sync.mode=async with ft=torchft and ft.lighthouse or ft.replica_groups set, "
-        "sync.warmup_steps > 0 or sync.check_replicas=true",
+        "sync.mode=async with ft=torchft and ft.lighthouse or ft.replica_groups set, or "
+        "sync.warmup_steps > 0",
         lambda f: (
             f.plan.mode == "async"
             and f.ft
-            and (f.lighthouse or f.replica_groups or f.warmup_steps > 0 or f.check_replicas)
+            and (f.lighthouse or f.replica_groups or f.warmup_steps > 0)
         ),
         UNAVAILABLE,
         "under ft=torchft the syncer lives in this command's launcher and every worker is a "
         "world of its own: workers started elsewhere cannot reach it, and a synchronous warmup "
-        "or a replica check needs every worker in one collective",
-        "leave ft.lighthouse and ft.replica_groups unset, with sync.warmup_steps=0 and "
-        "sync.check_replicas=false, or set sync.mode=sync",
+        "needs every worker in one collective",
+        "leave ft.lighthouse and ft.replica_groups unset, with sync.warmup_steps=0, or set "
+        "sync.mode=sync",
     ),
 )
 

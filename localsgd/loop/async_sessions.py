@@ -27,8 +27,11 @@ from typing import Any
 
 import torch
 
+from localsgd.averaging.checksum import replica_checksum
 from localsgd.averaging.trees import map_tensors
+from localsgd.loop.guards import ReplicasDiverged
 from localsgd.loop.local_rounds import LocalRounds
+from localsgd.loop.metrics import notice
 from localsgd.loop.stop import StopAgreement
 
 
@@ -37,11 +40,34 @@ class AsyncSessions(LocalRounds):
     checkpoints of a hosted syncer (see the module doc). `seed`, `attempt`: the reseeding."""
 
     shared_checkpoints = True  # after the last meeting every worker holds the final model
+    checks_inside = True  # each worker against the syncer's model: `maybe_average`
 
-    def __init__(self, averager, worker: int, seed: int, attempt: int):
+    def __init__(self, averager, worker: int, seed: int, attempt: int, verify: bool = False):
         super().__init__(averager, None)
         self._worker, self.seed, self.attempt = worker, seed, attempt
         self.resumed_at: int | None = None  # the step a restarted process went on from
+        self.verify, self.checked = verify, 0
+
+    def maybe_average(self) -> None:
+        """The averager's exchange; after the last meeting, with `sync.check_replicas`, this
+        worker's model checked against the syncer's global model (its checksum, sent with the
+        meeting's answer): every worker there holds it bit for bit, or the run fails. There is
+        no world of workers to gather in: each is a world of its own."""
+        self.averager.maybe_average()
+        expected = self.averager.final_checksum
+        if not self.verify or expected is None or self.checked:
+            return
+        held = replica_checksum(self.averager.common_tensors()).tolist()
+        if held != expected:
+            raise ReplicasDiverged(
+                f"worker {self._worker} does not hold the syncer's global model after the last "
+                f"meeting at step {self.averager.step - 1} (sync.check_replicas=true)"
+            )
+        self.checked += 1
+
+    @property
+    def replica_checks(self) -> int:
+        return self.checked
 
     def join(
         self, registry: Mapping[str, Any], optimizer_step: Callable[[], None], step: int, every: int
@@ -62,6 +88,10 @@ class AsyncSessions(LocalRounds):
             registry["sampler"].load_state_dict(resume["sampler"])
             averager.step = loop["step"]
             self.resumed_at = loop["step"]
+            notice(
+                f"ft: worker {self._worker} rejoined the syncer; it trains on from step "
+                f"{loop['step']}, after its last contribution that arrived"
+            )
         if self.attempt > 0:
             torch.manual_seed(self.seed + 1000 * self._worker + 1 + 7919 * self.attempt)
         return "fresh"

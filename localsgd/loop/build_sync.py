@@ -157,7 +157,9 @@ def build_synchroniser(
     if fault_tolerant and sync.mode == "async":  # no quorum to run: sessions with the syncer
         from localsgd.loop.async_sessions import AsyncSessions
 
-        driver = AsyncSessions(averager, info.rank, cfg.seed, info.attempt)
+        driver = AsyncSessions(
+            averager, info.rank, cfg.seed, info.attempt, verify=sync.check_replicas
+        )
     elif fault_tolerant:
         from localsgd.loop.fault_tolerance import FaultTolerance
 

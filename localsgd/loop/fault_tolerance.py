@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from localsgd.averaging.flat import is_dtensor
+from localsgd.averaging.stores import serving_store
 from localsgd.averaging.torchft import (
     FaultTolerantRounds,
     QuorumLost,
@@ -412,7 +413,7 @@ def _group_store() -> dict[str, Any]:
     Hosted by rank 0 of the group on 127.0.0.1 (the group is one machine)."""
     store, box = None, [None]
     if dist.get_rank() == 0:
-        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        store = serving_store("127.0.0.1")  # bound to the loopback only
         box = [store.port]
     dist.broadcast_object_list(box, src=0)
     _STORES.append(store)  # kept alive for the process's life

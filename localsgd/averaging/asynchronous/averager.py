@@ -127,6 +127,7 @@ class AsyncAverager(OuterAverager):
         self.rejoins = 0  # sessions opened again after one failed
         self.stopped = False  # the hosted syncer ended the run before this worker's last step
         self.final_record: dict = {}  # the hosted syncer's record, from the last meeting
+        self.final_checksum: list[int] | None = None  # ... and its global model's checksum
         self.align_until: float | None = None  # this phase ends here (`_phase_ends`)
         self.grid = 0  # the step count phases are counted from (moved by an aligned phase)
         self.seq = 0
@@ -383,6 +384,7 @@ class AsyncAverager(OuterAverager):
                 self.align_until = time.perf_counter() + answer["align_s"]
             if "syncer" in answer:  # the hosted syncer's last meeting: its record
                 self.final_record = {**answer["syncer"], "async_writer": answer["writer"]}
+                self.final_checksum = answer["checksum"]
         if together:
             self._global_hooks("after")
 

@@ -32,6 +32,7 @@ from localsgd.averaging.asynchronous.service import (
     SyncerService,
 )
 from localsgd.averaging.asynchronous.syncer import Syncer
+from localsgd.averaging.checksum import replica_checksum
 from localsgd.averaging.trust.robust import Aggregate
 from localsgd.averaging.wire.compress import comm_dtype_of
 from localsgd.averaging.wire.sparse import TopKCodec
@@ -131,6 +132,12 @@ class HostedService(SyncerService):
             moved = True
         return super()._read() or moved
 
+    def _advance(self) -> bool:
+        if not self.started and self._all_in():  # checked on every turn: `lose` rings no bell
+            self._start()
+            return True
+        return super()._advance()
+
     def _take_header(self, r: int, header: dict) -> None:
         if self.ended:
             self._stop(r, header)
@@ -181,15 +188,24 @@ class HostedService(SyncerService):
             except LINK_ERRORS:
                 self.links.drop(r)
                 return
-        if not self.started:  # nobody trains before every worker is here (or given up on)
+        if self.started:
+            self._welcome(r)
+        else:  # nobody trains before every worker is here (or given up on): `_start`
             self.held.add(r)
-            if all(self.joined[w] or w in self.lost for w in range(self.size)):
-                self.started = True
-                for w in sorted(self.held):
-                    if self.links.connected(w):
-                        self._welcome(w)
-            return
-        self._welcome(r)
+
+    def _all_in(self) -> bool:
+        """Every worker joined once, or the launcher gave up on it before it could."""
+        return self.syncer is not None and all(
+            self.joined[w] or w in self.lost for w in range(self.size)
+        )
+
+    def _start(self) -> None:
+        """The global model to every worker held for the start (those still connected)."""
+        self.started = True
+        for w in sorted(self.held):
+            if self.links.connected(w):
+                self._welcome(w)
+        self.held.clear()
 
     def _welcome(self, r: int) -> None:
         """The global model to a worker that joined, and where it resumes after a restart."""
@@ -249,7 +265,9 @@ class HostedService(SyncerService):
         record, which only this process holds."""
         if not any(self.met[r].get("last") for r in live):
             return {}
-        return {"writer": min(live), "syncer": self.record()}
+        # what every worker must now hold bit for bit (`sync.check_replicas` checks it there)
+        checksum = replica_checksum(self.syncer.values).tolist()
+        return {"writer": min(live), "syncer": self.record(), "checksum": checksum}
 
     def record(self) -> dict:
         return {

@@ -13,8 +13,7 @@ import threading
 from datetime import timedelta
 from typing import Any
 
-import torch.distributed as dist
-
+from localsgd.averaging.stores import serving_store
 from localsgd.averaging.torchft.heartbeat_gate import MANAGER_HEARTBEAT, gate_heartbeats
 
 
@@ -208,9 +207,7 @@ def make_manager(
 
     store = None
     if store_addr is None:
-        store = dist.TCPStore(
-            host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
-        )
+        store = serving_store(host, timedelta(seconds=timeout_s))  # bound to `host` only
         store_addr, store_port = host, store.port
     timeout = timedelta(seconds=timeout_s)
     real_server = ft_manager.ManagerServer
