@@ -50,6 +50,30 @@ def test_one_worker_under_ft_equals_the_plain_path(tmp_path):
     assert runs["ft"]["replica_checks"] == 1  # against the syncer's model, at the last meeting
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_a_stop_at_a_meeting_resumes_to_the_model_of_a_run_never_stopped(tmp_path):
+    """Meetings every 10 steps: SIGTERM at step 11 stops the run at the meeting of step 20,
+    with a checkpoint that holds the syncer's state (sent to the worker that writes it: Delayed
+    Nesterov's buffers, HeLoCo's, the version); the same command resumes, the syncer built
+    from that state, and ends on the model of a run never stopped, bit for bit (the outer
+    momentum started afresh would not)."""
+    args = [a for a in ONE if not a.startswith("trainer.checkpoint_every=")]
+    args += ["ft=torchft", "trainer.checkpoint_every=10"]
+    reference, run_dir = tmp_path / "reference", tmp_path / "run"
+    proc, _ = cli(args + [f"hydra.run.dir={reference}"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc, left = cli(args + [f"hydra.run.dir={run_dir}", faults.override("sigterm:0:11")])
+    assert proc.returncode == 143 and not left, proc.stderr[-3000:]
+    assert "stopping after the next meeting" in proc.stderr
+    assert "stopped after step 20 with a checkpoint" in proc.stderr, proc.stderr[-3000:]
+    proc, _ = cli(args + [f"hydra.run.dir={run_dir}"])
+    assert proc.returncode == 0 and "step-20" in proc.stderr, proc.stderr[-3000:]
+    assert same_model(run_dir / "model.pt", reference / "model.pt")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["replica_checks"] == 2  # the resumed run's meetings: steps 30 and 40
+
+
 FAULTS = FAST + [  # three workers, every step padded to 30 ms, a sync every 8 steps
     "dist.world_size=3", "trainer.max_steps=160", "trainer.batch_size=16", "sync=diloco",
     "sync.period=8", "sync.warmup_steps=0", "optim=adamw", "optim.lr=0.003",
@@ -88,18 +112,39 @@ def test_kills_severed_sessions_partitions_and_a_frozen_straggler(tmp_path):
     assert summary["async_sessions"] == [2, 2, 1], summary["async_sessions"]
     assert summary["async_failed_sessions"] >= 1 and summary["async_rejoins"] == 1
     assert summary["async_writer"] == 0 and summary["steps"] == 160
-    assert summary["replica_checks"] == 1  # the writer's model against the syncer's
+    # the writer's model against the syncer's, at each meeting: steps 50, 100, 150, 160
+    assert summary["replica_checks"] == 4
     # worker 2's last phase (and whatever the killed worker redid too late) is not merged
     assert 0 < summary["merged_samples"] < 3 * 160 * 16
     written = {p.name: p.read_text() for p in digests.iterdir()}
     assert "rank-2.txt" not in written, "the run waited for the frozen worker"
     assert "rank-0.txt" in written and len(set(written.values())) == 1, written
     assert "the syncer failed" not in proc.stderr
-    # the one checkpoint: the final model's, by the writer
-    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step-160"]
-    # checkpoints at the end only, and no grace window on the wall clock: each said once
-    assert proc.stderr.count("write their checkpoint at the end only") == 1
+    # checkpoints at the meetings (the newest two kept): 150's without the frozen worker
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-150", "step-160"]
+    # no grace window on the wall clock: said once
     assert proc.stderr.count("sync.grace_s=0: every contribution is merged alone") == 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_every_worker_stops_at_the_meeting_a_stop_was_asked_at_and_resumes(tmp_path):
+    """Two workers, meetings every 20 steps: the launcher's SIGTERM reaches both, the first
+    meeting after it (step 40) agrees the stop for everyone there, the writer checkpoints with
+    the syncer's state, every process exits, and the same command finishes the run."""
+    run_dir = tmp_path / "run"
+    args = [a for a in FAULTS if not a.startswith(("dist.world_size", "trainer.max_steps",
+            "comm.simulate.worker_speed", "trainer.checkpoint_every"))]  # fmt: skip
+    args += ["dist.world_size=2", "trainer.max_steps=80", "comm.simulate.worker_speed=[1,1]",
+             "trainer.checkpoint_every=20", f"hydra.run.dir={run_dir}"]  # fmt: skip
+    proc, left = cli([*args, faults.override("sigterm:1:25")], timeout=120)
+    assert proc.returncode == 143 and not left, proc.stderr[-3000:]
+    assert "stopped after step 40 with a checkpoint" in proc.stderr, proc.stderr[-3000:]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-20", "step-40"]
+    proc, left = cli(args, timeout=120)
+    assert proc.returncode == 0 and not left, proc.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 80 and summary["replica_checks"] == 2  # meetings 60, 80
 
 
 def test_a_merge_waits_only_for_workers_due_within_its_window():
@@ -250,7 +295,7 @@ def test_the_start_does_not_wait_for_a_worker_the_launcher_gave_up_on():
 
 
 def test_a_worker_not_holding_the_syncers_model_fails_the_replica_check():
-    """`sync.check_replicas` under ft=torchft: after the last meeting each worker compares the
+    """`sync.check_replicas` under ft=torchft: after each meeting each worker compares the
     model it holds with the checksum of the syncer's global model; one changed bit fails."""
     import torch
 
@@ -260,15 +305,43 @@ def test_a_worker_not_holding_the_syncers_model_fails_the_replica_check():
 
     held = [torch.arange(6, dtype=torch.float32)]
     averager = SimpleNamespace(
-        final_checksum=None, step=10, common_tensors=lambda: held, maybe_average=lambda: None
+        meetings=0, meeting={}, step=10, common_tensors=lambda: held, maybe_average=lambda: None
     )
     driver = AsyncSessions(averager, worker=1, seed=0, attempt=0, verify=True)
-    driver.maybe_average()  # no meeting yet: nothing checked
+    driver.maybe_average()  # no meeting: nothing checked
     assert driver.replica_checks == 0
-    averager.final_checksum = replica_checksum([held[0].clone()]).tolist()
+    averager.meetings, averager.meeting = 1, {"checksum": replica_checksum(held).tolist()}
     driver.maybe_average()
+    driver.maybe_average()  # the same meeting is checked once
     assert driver.replica_checks == 1
-    driver.checked = 0
+    averager.meetings = 2
     held[0][3] = torch.nextafter(held[0][3], torch.tensor(10.0))
     with pytest.raises(ReplicasDiverged, match="worker 1 does not hold the syncer's global"):
         driver.maybe_average()
+
+
+def test_a_state_dict_travels_as_json_and_tensors():
+    """The syncer's state to the writer and back on a resume (`trees.tree_as_json`): an
+    optimizer's int keys, tuples, numbers and None come back as they were, the tensors in
+    order with their dtypes; anything json cannot say is refused, not pickled."""
+    import torch
+
+    from localsgd.averaging.trees import tree_as_json, tree_from_json
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.ones(3))], lr=0.1, momentum=0.9)
+    optimizer.param_groups[0]["params"][0].grad = torch.ones(3)
+    optimizer.step()
+    state = {"optimizers": [optimizer.state_dict()], "version": 7, "dropped": [(1, 2.5)],
+             "anchor": torch.arange(4, dtype=torch.bfloat16), "note": None}  # fmt: skip
+    packed, tensors = tree_as_json(state)
+    packed = json.loads(json.dumps(packed))  # what the mailbox carries
+    sent = iter(tensors)
+    back = tree_from_json(packed, lambda t: t.copy_(next(sent)))
+    assert back["version"] == 7 and back["dropped"] == [(1, 2.5)] and back["note"] is None
+    assert back["anchor"].dtype == torch.bfloat16 and torch.equal(back["anchor"], state["anchor"])
+    again = torch.optim.SGD([torch.nn.Parameter(torch.ones(3))], lr=0.1, momentum=0.9)
+    again.load_state_dict(back["optimizers"][0])  # int keys: the momentum found its parameter
+    assert torch.equal(again.state[again.param_groups[0]["params"][0]]["momentum_buffer"],
+                       torch.ones(3))  # fmt: skip
+    with pytest.raises(TypeError, match="a tree holding a object is not sent as json"):
+        tree_as_json({"x": object()})

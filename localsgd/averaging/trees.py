@@ -165,3 +165,45 @@ def distinct_nbytes(tensors) -> int:
             seen.add(key)
             total += local.numel() * local.element_size()
     return total
+
+
+def tree_as_json(tree: Any) -> tuple[Any, list[torch.Tensor]]:
+    """`tree` as json (nothing that unpickles: each tensor's shape and dtype, each dict's keys
+    with their types, an optimizer's ints too) and the tensors it holds (on the host), in
+    order: a state dict sent as a message, its tensors point-to-point after it."""
+    tensors: list[torch.Tensor] = []
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, torch.Tensor):
+            tensors.append(node.detach().cpu().contiguous())
+            return {"t": list(node.shape), "dtype": str(node.dtype).removeprefix("torch.")}
+        if isinstance(node, dict):
+            return {"d": [[_json_key(k), walk(v)] for k, v in node.items()]}
+        if isinstance(node, (list, tuple)):
+            return {"l" if isinstance(node, list) else "u": [walk(v) for v in node]}
+        if node is None or isinstance(node, (bool, int, float, str)):
+            return {"v": node}
+        raise TypeError(f"a tree holding a {type(node).__name__} is not sent as json")
+
+    return walk(tree), tensors
+
+
+def _json_key(key: Any) -> Any:
+    if key is None or isinstance(key, (bool, int, float, str)):
+        return key
+    raise TypeError(f"a dict key of type {type(key).__name__} is not sent as json")
+
+
+def tree_from_json(packed: Any, recv: Callable[[torch.Tensor], None]) -> Any:
+    """The tree `tree_as_json` described, each tensor filled by `recv(tensor)` in order."""
+    if "t" in packed:
+        tensor = torch.empty(packed["t"], dtype=getattr(torch, packed["dtype"]))
+        recv(tensor)
+        return tensor
+    if "d" in packed:
+        return {k: tree_from_json(v, recv) for k, v in packed["d"]}
+    if "l" in packed:
+        return [tree_from_json(v, recv) for v in packed["l"]]
+    if "u" in packed:
+        return tuple(tree_from_json(v, recv) for v in packed["u"])
+    return packed["v"]

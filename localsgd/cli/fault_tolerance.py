@@ -351,9 +351,14 @@ def run_replicas(fn: Callable, cfg: Any, args: tuple, poll_s: float = 0.05) -> d
             stop_all(signum)
         stopping.append(signum)
         why = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
+        when = (
+            "the next meeting (a trainer.checkpoint_every step, or the last)"
+            if hosted is not None
+            else "the next sync"
+        )
         notice(
-            f"{why}: stopping after the next sync with a checkpoint (run the same command "
-            "again to resume; Ctrl-C again to abort without one)"
+            f"{why}: stopping after {when} with a checkpoint (run the same command again to "
+            "resume; Ctrl-C again to abort without one)"
         )
         for proc in procs.values():
             if proc.is_alive():

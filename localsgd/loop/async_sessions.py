@@ -13,11 +13,14 @@ through sessions it opens itself. What each piece does:
   reseeded for the new attempt (as a torchft heal does), so that no two workers draw alike.
 - **What a death costs.** The training since the dead worker's last contribution: those samples
   were never merged (`merged_samples` counts what was). Nobody else waits for it.
-- **The end.** The last step is a meeting of every worker the launcher has not given up on:
-  every worker leaves it with the final global model, and the first worker there writes the
+- **Meetings.** Every checkpoint step (`trainer.checkpoint_every`) and the last step are
+  meetings of every worker the launcher has not given up on (one transfer's deadline at most
+  for one behind): every worker there leaves with the global model, and the first one there
+  writes the checkpoint, with the syncer's state, which the syncer sends it; at the last, the
   results (`async_writer`), with the syncer's record (`merged_samples`, merges, sessions).
-- **Checkpoints.** The syncer's state lives in the launcher, so a checkpoint is written at the
-  end only; a worker that dies catches up from the syncer instead (docs/asynchronous.md).
+- **A stop** (SIGTERM, Ctrl-C) is asked for at the next meeting and agreed there: whoever is
+  at it stops after the checkpoint, and a worker behind is told to stop when it next talks.
+  A resumed run's syncer goes on from the state the checkpoint holds.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from localsgd.averaging.trees import map_tensors
 from localsgd.loop.guards import ReplicasDiverged
 from localsgd.loop.local_rounds import LocalRounds
 from localsgd.loop.metrics import notice
-from localsgd.loop.stop import StopAgreement
+from localsgd.loop.stop import StopAgreement, signalled
 
 
 class AsyncSessions(LocalRounds):
@@ -46,22 +49,26 @@ class AsyncSessions(LocalRounds):
         super().__init__(averager, None)
         self._worker, self.seed, self.attempt = worker, seed, attempt
         self.resumed_at: int | None = None  # the step a restarted process went on from
-        self.verify, self.checked = verify, 0
+        self.verify, self.checked, self.seen = verify, 0, 0
+        averager.stop_requested = signalled  # a meeting stops the run if anyone there asks
 
     def maybe_average(self) -> None:
-        """The averager's exchange; after the last meeting, with `sync.check_replicas`, this
-        worker's model checked against the syncer's global model (its checksum, sent with the
-        meeting's answer): every worker there holds it bit for bit, or the run fails. There is
-        no world of workers to gather in: each is a world of its own."""
-        self.averager.maybe_average()
-        expected = self.averager.final_checksum
-        if not self.verify or expected is None or self.checked:
+        """The averager's exchange; after a meeting, with `sync.check_replicas`, this worker's
+        model checked against the syncer's global model (its checksum, sent with the meeting's
+        answer): every worker there holds it bit for bit, or the run fails. There is no world
+        of workers to gather in: each is a world of its own."""
+        averager = self.averager
+        averager.maybe_average()
+        if averager.meetings == self.seen:
             return
-        held = replica_checksum(self.averager.common_tensors()).tolist()
-        if held != expected:
+        self.seen = averager.meetings
+        if not self.verify:
+            return
+        held = replica_checksum(averager.common_tensors()).tolist()
+        if held != averager.meeting["checksum"]:
             raise ReplicasDiverged(
-                f"worker {self._worker} does not hold the syncer's global model after the last "
-                f"meeting at step {self.averager.step - 1} (sync.check_replicas=true)"
+                f"worker {self._worker} does not hold the syncer's global model after the "
+                f"meeting at step {averager.step - 1} (sync.check_replicas=true)"
             )
         self.checked += 1
 
@@ -115,15 +122,19 @@ class AsyncSessions(LocalRounds):
         self, step: int, max_steps: int, every: int, stop: StopAgreement, save, final: bool,
         save_shared: Callable[[bool], str], **_,
     ) -> bool:  # fmt: skip
-        """At the end only, by the writer (see the module doc); a stop ends the run without
-        one."""
+        """At a meeting, by the worker the syncer names (see the module doc); True to stop
+        there (agreed at the meeting), or when the run ended while this worker was behind."""
+        averager = self.averager
         if final:
             return False
-        if self.averager.stopped:  # the run ended while this worker was behind
+        if averager.stopped:
             return True
-        if every > 0 and step == max_steps:
-            save_shared(self.writes_results(self._worker))
-        return stop.should_stop(step) and step < max_steps
+        if not averager.met_at(step - 1):
+            return False
+        stopping = bool(averager.meeting["stop"]) and step < max_steps
+        if every > 0 and (step % every == 0 or step == max_steps) or stopping:
+            save_shared(averager.meeting["writer"] == self._worker)
+        return stopping
 
     def summary(self) -> dict[str, Any]:
         return {} if self.resumed_at is None else {"async_resumed_at": self.resumed_at}

@@ -88,13 +88,6 @@ def build_synchroniser(
             "docs/asynchronous.md); a window about as wide as their arrivals' spread merges them "
             "together"
         )
-    every, steps = cfg.trainer.checkpoint_every, cfg.trainer.max_steps
-    if sync.mode == "async" and fault_tolerant and 0 < every < steps and info.rank == 0:
-        notice(
-            f"trainer.checkpoint_every={every}: under ft=torchft asynchronous rounds write their "
-            "checkpoint at the end only (the syncer's state lives in the launcher; a dead worker "
-            "catches up from it instead)"
-        )
     if sync.outer_state == "cpu" and info.rank == 0 and buffers and buffers[0].device.type == "cpu":
         notice(
             "sync.outer_state=cpu on a CPU run saves nothing: the anchors and outer momentum "
@@ -192,7 +185,7 @@ def _asynchronous(cfg: Config, info: WorkerInfo, store: dist.Store | None) -> di
     worker's modelled speed (`comm.simulate.worker_speed`, `step_s`; none: the wall clock).
     Under `ft=torchft` the syncer is the launcher's (`hosted`): the worker joins it at the
     address the launcher gives, on the wall clock (the modelled one would wait on every
-    worker's announced times, a dead one's too), and meets the others only at the end."""
+    worker's announced times, a dead one's too)."""
     sim = cfg.comm.simulate
     speeds = sim.worker_speed
     common = {
@@ -201,6 +194,7 @@ def _asynchronous(cfg: Config, info: WorkerInfo, store: dist.Store | None) -> di
         "max_steps": cfg.trainer.max_steps,
         "timeout_s": cfg.dist.timeout_s,
     }
+    common["meet_every"] = cfg.trainer.checkpoint_every
     if cfg.ft.backend != "none":
         hosted = {"syncer_address": os.environ[SYNCER_ENV], "worker": info.rank}
         return {**common, **hosted, "workers": info.world_size}
@@ -208,7 +202,6 @@ def _asynchronous(cfg: Config, info: WorkerInfo, store: dist.Store | None) -> di
         raise ValueError("sync.mode=async needs the rendezvous store")
     return {
         **common,
-        "meet_every": cfg.trainer.checkpoint_every,
         "step_s": sim.step_s if speeds else None,
         "speed": float(speeds[info.rank]) if speeds else 1.0,
     }

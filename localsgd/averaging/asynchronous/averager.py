@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -35,6 +36,7 @@ from localsgd.averaging.asynchronous.heloco import HeLoCo
 from localsgd.averaging.asynchronous.links import (
     LINK_ERRORS,
     TAG_PAYLOAD,
+    TAG_VALUES,
     WorkerLink,
     WorldLinks,
     world_link,
@@ -52,6 +54,7 @@ from localsgd.averaging.asynchronous.service import (
 from localsgd.averaging.asynchronous.syncer import Syncer
 from localsgd.averaging.outer import OuterAverager
 from localsgd.averaging.rounds.part import views
+from localsgd.averaging.trees import tree_from_json
 from localsgd.averaging.trust.robust import Aggregate
 
 
@@ -127,7 +130,12 @@ class AsyncAverager(OuterAverager):
         self.rejoins = 0  # sessions opened again after one failed
         self.stopped = False  # the hosted syncer ended the run before this worker's last step
         self.final_record: dict = {}  # the hosted syncer's record, from the last meeting
-        self.final_checksum: list[int] | None = None  # ... and its global model's checksum
+        # a hosted syncer's last meeting answer (who writes, whether the run stops, the global
+        # model's checksum), how many there were, the syncer's state if this worker writes
+        self.meeting: dict = {}
+        self.meetings = 0
+        self.syncer_state: dict | None = None
+        self.stop_requested: Callable[[], bool] = lambda: False  # asks a meeting to stop
         self.align_until: float | None = None  # this phase ends here (`_phase_ends`)
         self.grid = 0  # the step count phases are counted from (moved by an aligned phase)
         self.seq = 0
@@ -285,6 +293,10 @@ class AsyncAverager(OuterAverager):
 
     _saved_syncer: dict | None = None
 
+    def met_at(self, step: int) -> bool:
+        """Whether step `step` ended in a hosted syncer's meeting (`meeting` is its answer)."""
+        return self.meeting.get("step") == step
+
     def connect(self) -> dict | None:
         """Join the hosted syncer now (before the first step); its welcome."""
         if not self.announced:
@@ -326,7 +338,7 @@ class AsyncAverager(OuterAverager):
         self.phase_samples, self.phase_time, self.phase_steps = 0.0, 0.0, 0
         self.merged = self.all_in_sync
         if kind == MEET and not self.stopped:
-            if last:
+            if last or self.meeting.get("stop"):
                 self._send_header(DONE)
                 if self.service is not None:
                     self.service.join(self.timeout_s)
@@ -341,7 +353,8 @@ class AsyncAverager(OuterAverager):
         resume = self.resume_state() if self.resume_state is not None and kind == SEND else None
         seq = self._send_header(
             kind, time=_instant(self.clock) if self.modelled else None, samples=samples,
-            version=self.version, next=nxt, resume=resume, last=last,
+            version=self.version, next=nxt, resume=resume, last=last, step=step,
+            stop=kind == MEET and self.stop_requested(),
         )  # fmt: skip
         decision = self._take(f"d/{self.rank}/{seq}")
         if decision["do"] == "stop":  # a hosted syncer's run ended without this worker
@@ -382,9 +395,13 @@ class AsyncAverager(OuterAverager):
             self.all_in_sync = kind == MEET
             if answer.get("align_s") is not None:  # out of step with the others: rejoin them
                 self.align_until = time.perf_counter() + answer["align_s"]
-            if "syncer" in answer:  # the hosted syncer's last meeting: its record
+            if "syncer" in answer:  # a hosted syncer's meeting: its record, maybe its state
                 self.final_record = {**answer["syncer"], "async_writer": answer["writer"]}
-                self.final_checksum = answer["checksum"]
+                self.meeting, self.meetings = {**answer, "step": step}, self.meetings + 1
+                if answer["writer"] == self.rank:
+                    self.syncer_state = tree_from_json(
+                        answer["state"], lambda t: self.link.recv(t, TAG_VALUES)
+                    )
         if together:
             self._global_hooks("after")
 
@@ -464,6 +481,8 @@ class AsyncAverager(OuterAverager):
         if self.service is not None:
             with self.service.lock:
                 state["async"]["syncer"] = self.service.syncer.state_dict()
+        elif self.syncer_state is not None:  # a hosted syncer's, sent for this checkpoint
+            state["async"]["syncer"] = self.syncer_state
         return state
 
     def load_state_dict(self, state: dict) -> None:

@@ -4,13 +4,17 @@ launcher, beside torchft's lighthouse, so that no worker's death takes the globa
 Workers come and go through sessions (`links.Sessions`): a killed worker's process is restarted
 by the launcher and joins again, a frozen one is simply not heard from, one cut off from the
 syncer finds its session failed and rejoins (`rejoin`). Nobody waits for a worker that is away:
-the merges take whoever has sent (`sync.min_quorum`, `sync.grace_s`), and only the last meeting
-waits for every worker the launcher has not given up on (`lose`).
+the merges take whoever has sent (`sync.min_quorum`, `sync.grace_s`), and only a meeting (a
+checkpoint step, the last step) waits for the others, one transfer's deadline at most
+(`end_wait_s`): it is held without a worker still behind then, which meets alone when it gets
+there. A meeting's answers name the worker that writes the checkpoint (the first there), whom
+the syncer sends its state (`trees.tree_as_json`), and whether the run stops there (a worker there
+asked to: SIGTERM, Ctrl-C).
 
 The syncer is built when the first worker joins, from what that worker sends: the model's
 layout and the outer step's settings (`rejoin.spec`, json: nothing is unpickled from the
-network) and its model, which is every worker's at the start. The syncer's state lives here
-only: a run under ft with asynchronous rounds checkpoints at its end, not between.
+network), its model, which is every worker's at the start, and, resumed from a checkpoint, the
+syncer's state the checkpoint holds.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from localsgd.averaging.asynchronous.service import (
 )
 from localsgd.averaging.asynchronous.syncer import Syncer
 from localsgd.averaging.checksum import replica_checksum
+from localsgd.averaging.trees import tree_as_json, tree_from_json
 from localsgd.averaging.trust.robust import Aggregate
 from localsgd.averaging.wire.compress import comm_dtype_of
 from localsgd.averaging.wire.sparse import TopKCodec
@@ -78,13 +83,14 @@ class HostedSyncer:
         self.service.join(timeout_s)
 
 
-def build_syncer(request: dict, receive) -> tuple[Syncer, Decoders]:
+def build_syncer(request: dict, receive_one) -> tuple[Syncer, Decoders]:
     """The syncer from the first worker's `request` (`rejoin.spec`) and its model, read by
-    `receive(tensor)` buffer by buffer; and the decoders of the run's wire."""
+    `receive_one(tensor)` buffer by buffer, then any state it resumes from; and the decoders
+    of the run's wire."""
     spec = request["spec"]
     buffers = [torch.empty(n, dtype=getattr(torch, dtype)) for n, dtype in spec["buffers"]]
     for b in buffers:
-        receive(b)
+        receive_one(b)
     sgd = dict(spec["sgd"])
     if sgd.get("delay") is not None:
         sgd["optimizer"] = DelayedNesterov
@@ -94,6 +100,8 @@ def build_syncer(request: dict, receive) -> tuple[Syncer, Decoders]:
         buffers, [tuple(s) for s in spec["part"]], sgd, spec["plain_first"], aggregate,
         correction, [tuple(b) for b in spec["blocks"]],
     )  # fmt: skip
+    if spec.get("state") is not None:  # resumed: the checkpoint's syncer goes on
+        syncer.load_state_dict(tree_from_json(spec["state"], receive_one))
     return syncer, Decoders(buffers, _wire(spec["wire"]))
 
 
@@ -122,8 +130,12 @@ class HostedService(SyncerService):
         self.dropped_sessions = 0  # sessions that failed mid-transfer
         self.started = False  # every worker joined once
         self.held: set[int] = set()  # workers that joined before the start, not welcomed yet
-        self.end_deadline: float | None = None  # the last meeting's, once one worker is there
-        self.ended = False  # the last meeting is over: a worker behind is told to stop
+        self.meeting_deadline: float | None = None  # once one worker is at a meeting
+        self.meetings_held: set[int] = set()  # their steps: a worker later there meets alone
+        self.stop_agreed = False  # a worker at a meeting asked to stop: the run ends there
+        self.held_late = False  # the meeting being held was held before (`_last_words`)
+        self.ended = False  # the last (or a stopping) meeting is over: one behind is told stop
+        self.state_tensors: list[torch.Tensor] = []  # the syncer's state, for the writer
 
     def _read(self) -> bool:
         moved = False
@@ -238,20 +250,34 @@ class HostedService(SyncerService):
         self.lost.add(r)
 
     def _end_without(self, live: list[int]) -> bool:
-        """Sessions: the last meeting waits `end_wait_s` from the first worker there for the
-        others; a worker still behind then (restarting, frozen, cut off) is not waited for. The
-        meeting ends without it, and it is told to stop when it next talks: what it has not
-        trained is not merged, as a worker away mid-run."""
+        """Sessions: a meeting waits `end_wait_s` from the first worker there for the others;
+        a worker still behind then (restarting, frozen, cut off) is not waited for. The meeting
+        is held without it; it meets alone when it gets there (after the last meeting, or one
+        that stopped the run, it is told to stop instead: what it has not trained is not
+        merged, as a worker away mid-run)."""
         met = [r for r in live if self.met[r] is not None]
-        if not any(self.met[r].get("last") for r in met):
+        if not met:
             return False
-        if self.end_deadline is None:
-            self.end_deadline = time.monotonic() + self.end_wait_s
-        if time.monotonic() < self.end_deadline:
+        late = [r for r in met if self.met[r]["step"] in self.meetings_held]
+        if late:
+            self._meet(late)
+            return True
+        if self.meeting_deadline is None:
+            self.meeting_deadline = time.monotonic() + self.end_wait_s
+        if time.monotonic() < self.meeting_deadline:
             return False
         self._meet(met)
-        self.ended = True
         return True
+
+    def _meet(self, live: list[int]) -> None:
+        steps = {self.met[r]["step"] for r in live}
+        self.held_late = steps <= self.meetings_held  # its checkpoint is written already
+        last = any(self.met[r].get("last") for r in live)
+        self.stop_agreed = self.stop_agreed or any(self.met[r].get("stop") for r in live)
+        super()._meet(live)
+        self.meetings_held |= steps
+        self.meeting_deadline = None
+        self.ended = self.ended or last or self.stop_agreed
 
     def _stop(self, r: int, header: dict) -> None:
         """After the last meeting: worker r is told to stop (nothing it sends is merged)."""
@@ -261,13 +287,28 @@ class HostedService(SyncerService):
             self.done[r] = True
 
     def _last_words(self, live: list[int]) -> dict:
-        """Who writes the results (the first worker at the last meeting) and the syncer's
-        record, which only this process holds."""
-        if not any(self.met[r].get("last") for r in live):
-            return {}
-        # what every worker must now hold bit for bit (`sync.check_replicas` checks it there)
-        checksum = replica_checksum(self.syncer.values).tolist()
-        return {"writer": min(live), "syncer": self.record(), "checksum": checksum}
+        """A meeting's answers: who writes the checkpoint and the results (the first worker
+        there; nobody at a meeting held late), the syncer's state's layout (its tensors follow
+        the global model to the writer), whether the run stops here, the syncer's record,
+        which only this process holds, and the global model's checksum, which every worker
+        there must now hold bit for bit (`sync.check_replicas` checks it there)."""
+        writer = None if self.held_late else min(live)
+        packed, self.state_tensors = (
+            tree_as_json(self.syncer.state_dict()) if writer is not None else (None, [])
+        )
+        return {
+            "writer": writer, "state": packed, "stop": self.stop_agreed,
+            "syncer": self.record(), "checksum": replica_checksum(self.syncer.values).tolist(),
+        }  # fmt: skip
+
+    def _answer(self, r, header, at, values=False, extra=None) -> None:
+        super()._answer(r, header, at, values, extra)
+        if extra and extra["writer"] == r and self.links.connected(r):
+            try:  # the syncer's state after the global model, to the one that checkpoints
+                for t in self.state_tensors:
+                    self.links.send(r, t, TAG_VALUES)
+            except LINK_ERRORS:
+                self._failed(r)
 
     def record(self) -> dict:
         return {

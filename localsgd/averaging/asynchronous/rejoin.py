@@ -4,7 +4,8 @@ may bring the syncer its global model, and a new one after a session failed.
 - `join`: the worker's first session in this process. The request carries the model's layout
   (`spec`: the flat buffers, the averaged part, the parameter blocks) and the outer step's
   settings, as json; the first worker of the run also sends its model, which is every worker's
-  (replicas start identical), and the syncer is built from it. Any later worker, a restarted
+  (replicas start identical), and the syncer is built from it (and from the syncer's state
+  its checkpoint holds, when the run resumed from one). Any later worker, a restarted
   one included, takes the global model back and, after a restart, the state its last
   contribution was sent from (`welcome["resume"]`: `localsgd.loop.async_sessions` loads it).
 - `rejoin`: a session failed (the syncer's deadline passed mid-transfer, or the link broke): a
@@ -26,6 +27,7 @@ from localsgd.averaging.asynchronous.links import (
     join_session,
 )
 from localsgd.averaging.rounds.part import views
+from localsgd.averaging.trees import tree_as_json
 from localsgd.averaging.wire.quantize import BlockCodec
 from localsgd.averaging.wire.sparse import TopKCodec
 
@@ -60,11 +62,16 @@ def _settings(correction) -> dict:
 def join(averager, address: str) -> WorkerLink:
     """The first session of this process (see the module doc); `averager.welcome` keeps the
     syncer's welcome (its `resume` is this worker's state after a restart)."""
-    link = join_session(address, averager.rank, {"spec": spec(averager)}, averager.timeout_s)
+    request = spec(averager)
+    saved = averager._saved_syncer  # resumed: the checkpoint's syncer
+    request["state"], state = tree_as_json(saved) if saved is not None else (None, [])
+    link = join_session(address, averager.rank, {"spec": request}, averager.timeout_s)
     welcome = link.mailbox.take("welcome")
     if welcome.get("init"):  # the first worker: its model is the global one
         for b in averager.rounds.anchors.first:
             link.send(b.detach().cpu().contiguous(), TAG_VALUES)
+        for t in state:
+            link.send(t, TAG_VALUES)
         welcome = link.mailbox.take("welcome")
     averager.welcome = welcome
     _welcomed(averager, link, welcome)
