@@ -345,3 +345,30 @@ def test_a_state_dict_travels_as_json_and_tensors():
                        torch.ones(3))  # fmt: skip
     with pytest.raises(TypeError, match="a tree holding a object is not sent as json"):
         tree_as_json({"x": object()})
+
+
+@pytest.mark.timeout(20)
+def test_a_dropped_session_ends_the_workers_wait_at_once():
+    """A worker frozen past a transfer's deadline finds, when it wakes, its session dropped:
+    it waits for an answer that never comes until the syncer marks the session closed, and
+    then fails at once (and rejoins), not after its own deadline (dist.timeout_s)."""
+    import threading
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from localsgd.averaging.asynchronous.links import LINK_ERRORS, Sessions, WorkerLink
+    from localsgd.averaging.asynchronous.mailbox import Mailbox
+
+    sessions = Sessions("127.0.0.1", timeout_s=5)
+    # a session as `accept` leaves it (its process group is not needed: nothing is sent here)
+    sessions.open[0] = ("s0", Mailbox(sessions.store, "s/s0/", 5), None)
+    host, port = sessions.address.rsplit(":", 1)
+    client = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=30))
+    link = WorkerLink(Mailbox(client, "s/s0/", 30), None, 0, 30, session=True)
+    threading.Timer(0.3, sessions.drop, args=(0,)).start()
+    start = time.monotonic()
+    with pytest.raises(LINK_ERRORS, match="the syncer dropped this session"):
+        link.mailbox.take("r/0/0", link.alive)
+    assert time.monotonic() - start < 5

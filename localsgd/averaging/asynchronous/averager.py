@@ -310,7 +310,7 @@ class AsyncAverager(OuterAverager):
         return seq
 
     def _take(self, key: str) -> dict:
-        alive = self.service.alive if self.service is not None else None
+        alive = self.service.alive if self.service is not None else self.link.alive
         start = time.perf_counter()
         message = self.link.mailbox.take(key, alive)
         self.wait_s += time.perf_counter() - start

@@ -32,6 +32,7 @@ SYNCER_ENV = "LOCALSGD_ASYNC_SYNCER"  # host:port of a hosted syncer's store (ft
 LINK_ERRORS = (RuntimeError, TimeoutError, dist.DistError)
 # the tags of a contribution to the syncer and of the global model back
 TAG_PAYLOAD, TAG_VALUES = 71, 72
+CLOSED = "closed"  # a session's key once the syncer dropped it
 
 
 class WorkerLink:
@@ -41,6 +42,13 @@ class WorkerLink:
         self.mailbox, self.group, self.peer = mailbox, group, peer
         self.timeout = timedelta(seconds=timeout_s)
         self.session = session  # a group of two, opened by `join_session`
+
+    def alive(self) -> None:
+        """Raise where the syncer dropped this session (called while a message is awaited):
+        a worker that was frozen or cut off past a transfer's deadline rejoins at once instead
+        of waiting out its own deadline for an answer that never comes."""
+        if self.session and self.mailbox.has(CLOSED):
+            raise RuntimeError("asynchronous rounds: the syncer dropped this session")
 
     def send(self, tensor: torch.Tensor, tag: int) -> None:
         if self.session:
@@ -148,7 +156,10 @@ class Sessions:
         self.open[worker] = (session, Mailbox(self.store, f"s/{session}/", self.timeout_s), group)
 
     def drop(self, worker: int) -> None:
-        self.open.pop(worker, None)
+        """Worker's session is over: marked so (`WorkerLink.alive`), its group let go."""
+        session = self.open.pop(worker, None)
+        if session is not None:
+            session[1].put(CLOSED, {})
 
     def connected(self, worker: int) -> bool:
         return worker in self.open
