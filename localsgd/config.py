@@ -189,9 +189,10 @@ class SyncConfig:
     # others, and averages weigh each worker by the samples it trained on (localsgd.loop.pacing;
     # how: budget_merge)
     inner_time_s: float | None = None
-    # how a budget's round merges the workers' changes: normalized (each worker's change scaled
-    # to the round's most samples, so a slow worker's short change does not shrink the mean:
-    # FedNova's normalized averaging) | weighted (the changes as they are, weighed by samples)
+    # how a budget's round (or an asynchronous merge) merges the workers' changes: normalized
+    # (each worker's change scaled to the round's most samples, so a slow worker's short change
+    # does not shrink the mean: FedNova's normalized averaging) | weighted (the changes as they
+    # are, weighed by samples)
     budget_merge: str = "normalized"
     # Workers you cannot trust (localsgd.averaging.trust.robust, docs/reliability.md): how each sync
     # combines the workers' contributions (changes since the last sync; DiLoCo's pseudo-

@@ -133,7 +133,10 @@ def _heloco(d: torch.Tensor, m: torch.Tensor, keep: float) -> torch.Tensor:
 
 
 def _replay(
-    codec: BlockCodec | str | None = None, budget: float | None = None, keep: float | None = None
+    codec: BlockCodec | str | None = None,
+    budget: float | None = None,
+    keep: float | None = None,
+    normalized: bool = False,
 ) -> tuple[list[torch.Tensor], list[tuple]]:
     """One process: the three workers' phases in the order of their modelled send times (ties
     together, in rank order), the syncer's merges by hand (samples-weighted mean, Delayed
@@ -141,7 +144,9 @@ def _replay(
     buffer: the parameters end to end) quantised with error feedback (`"bfloat16"`: each piece
     a 16-bit copy, nothing fed back); with `budget`, phases by
     modelled time; with `keep`, each contribution corrected by HeLoCo (`_heloco`) against the
-    momentum before its merge. Returns the final model and each merge's (time, contributions)."""
+    momentum before its merge; `normalized`: each change weighed by the merge's most samples
+    (FedNova's normalized averaging) instead of its own. Returns the final model and each
+    merge's (time, contributions)."""
     models = [_model() for _ in SPEEDS]
     opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in models]
     theta = [p.detach().clone() for p in models[0].parameters()]
@@ -159,8 +164,9 @@ def _replay(
                 (r, n, [_heloco(d, m, keep) for d, m in zip(g, momentum, strict=True)])
                 for r, n, g in pending
             ]
-        total = sum(n for _, n, _ in pending)
-        mean = [sum(g[i] * (n / total) for _, n, g in pending) for i in range(len(theta))]
+        total, most = sum(n for _, n, _ in pending), max(n for _, n, _ in pending)
+        weight = {r: (most if normalized else n) / total for r, n, _ in pending}
+        mean = [sum(g[i] * weight[r] for r, _, g in pending) for i in range(len(theta))]
         k = len(pending)  # a merge of k contributions counts k of the cycle's DELAY
         cycle += k
         plain = k / max(DELAY, k)
@@ -238,10 +244,14 @@ def _replay(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", ["float32", "int8", "bfloat16", "time budget", "heloco"])
+@pytest.mark.parametrize(
+    "variant", ["float32", "int8", "bfloat16", "time budget", "normalized", "heloco"]
+)
 def test_a_run_on_modelled_clocks_equals_the_one_process_replay_of_its_order(variant):
     codec = {"int8": BlockCodec("int8"), "bfloat16": "bfloat16"}.get(variant)
-    budget = 4.0 if variant == "time budget" else None  # DyLU: 4, 2 and 1 steps a phase
+    # DyLU: 4, 2 and 1 steps a phase; normalized: merges of those weigh each change alike
+    budget = 4.0 if variant in ("time budget", "normalized") else None
+    normalized = variant == "normalized"
     # a high threshold, so that this small regression's aligned blocks are corrected too
     keep = 0.95 if variant == "heloco" else None
     kwargs = {"comm_dtype": "int8", "error_feedback": True} if variant == "int8" else {}
@@ -249,10 +259,12 @@ def test_a_run_on_modelled_clocks_equals_the_one_process_replay_of_its_order(var
         kwargs["comm_dtype"] = torch.bfloat16
     if budget is not None:
         kwargs["inner_time_s"] = budget
+    if normalized:
+        kwargs["normalized"] = True
     if keep is not None:
         kwargs["correction"] = HeLoCo(keep=keep)
     results = run_distributed(_async_worker, 3, kwargs, timeout_s=90)
-    expected, log = _replay(codec, budget, keep)
+    expected, log = _replay(codec, budget, keep, normalized)
     for out, _, _ in results:  # every worker ends on the final global model
         for got, want in zip(out, expected, strict=True):
             assert torch.allclose(got, want, atol=1e-6, rtol=0), (got - want).abs().max()
@@ -265,6 +277,9 @@ def test_a_run_on_modelled_clocks_equals_the_one_process_replay_of_its_order(var
         assert results[0][1]["async_corrected_blocks"]["reoriented"] > 0
         plain, _ = _replay(codec, budget)
         assert any((a - b).abs().max() > 1e-4 for a, b in zip(plain, expected, strict=True))
+    if normalized:  # merges of unequal samples: the weighted mean would differ
+        weighted, _ = _replay(codec, budget)
+        assert any((a - b).abs().max() > 1e-4 for a, b in zip(weighted, expected, strict=True))
 
 
 def _robust_worker(rank: int, world_size: int):

@@ -26,6 +26,10 @@ on a busy machine. Per seed and strategy, side by side in this one process:
   so the fleet trains fewer samples than `free` in the same steps;
 - `async, DyLU`: the same, each worker's phase ending by time (`sync.inner_time_s` = H x
   step_s, Async Local-SGD's DyLU: the slow worker sends after H/3 of its own steps);
+- `async, DyLU, grace`: with `sync.grace_s` one step of the slowest worker, so that each
+  phase's contributions (the slow worker's ends up to a step before the others') make one
+  merge; `..., weighted`: with `sync.budget_merge=weighted` (the merge before normalized
+  merges were the default);
 - `async, quorum 2|3`, `async, delay 1|2`, `async, DyLU, delay 1|2`: the same with
   `sync.min_quorum` 2 or 3, or `sync.outer_delay` 1 (the synchronous outer step) or 2, named
   only (the probes of a loss gap);
@@ -181,6 +185,9 @@ CONDITIONS = (  # in run order: "free, same samples" reads the budget run's samp
     "async, delay 2",
     "async, DyLU, delay 1",
     "async, DyLU, delay 2",
+    "async, DyLU, grace",
+    "async, DyLU, weighted",
+    "async, DyLU, grace, weighted",
     "async, HeLoCo",
     "async, DyLU, HeLoCo",
     "async, HeLoCo keep 0",
@@ -206,6 +213,11 @@ ASYNC = {  # condition: its overrides beside sync.mode=async (DyLU: the phase by
     "async, delay 2": ["sync.outer_delay=2"],
     "async, DyLU, delay 1": ["sync.outer_delay=1"],
     "async, DyLU, delay 2": ["sync.outer_delay=2"],
+    # sync.grace_s: one step of the slowest worker (run_one), so that a DyLU phase's
+    # contributions, which end up to a step apart, make one merge
+    "async, DyLU, grace": [],
+    "async, DyLU, weighted": ["sync.budget_merge=weighted"],  # as before normalized merges
+    "async, DyLU, grace, weighted": ["sync.budget_merge=weighted"],
     "async, HeLoCo": ["sync.staleness_correction=heloco"],
     "async, DyLU, HeLoCo": ["sync.staleness_correction=heloco"],
     # probes of HeLoCo's settings: shrink only, a weaker confidence, reorient only
@@ -243,6 +255,8 @@ def run_one(
         budget = ["sync.mode=async", *ASYNC[condition]]
         if "DyLU" in condition:
             budget.append(f"sync.inner_time_s={period * args.step_s}")
+        if "grace" in condition:
+            budget.append(f"sync.grace_s={max(args.slow) * args.step_s:g}")
     if steps is None:
         same_time = condition == "blocking, same time"
         steps = int(args.steps // max(args.slow)) if same_time else args.steps

@@ -238,6 +238,9 @@ class SyncerService:
             and not self.waiting
             and all(h["version"] == syncer.version for h in headers.values())
             and sum(samples) > 0
+            # the all-reduce weighs by samples: a normalized merge of unequal ones is the
+            # syncer's own
+            and not (syncer.normalized and any(s != samples[0] for s in samples))
             and (kind == MEET or self.size >= self.min_quorum)
         ):
             self._collective(now, headers, kind, samples)

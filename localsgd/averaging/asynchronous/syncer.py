@@ -2,16 +2,19 @@
 arrived but are not merged yet (`Syncer`). No communication here: `service` feeds it.
 
 A merge combines every pending contribution, each weighed by the samples it was trained on
-(`sum_i n_i g_i / sum_i n_i`, in arrival order), or by a robust rule (`aggregate`: clip,
-trimmed mean, median, sign; `localsgd.averaging.trust.robust`, unweighted: an untrusted worker
-could inflate the samples it reports), and takes one outer step with the result. A contribution
-holding NaN or Inf is dropped from its merge (`dropped`), as from every synchronous round:
-`OuterSGD` over the global model, the same class and bits as the synchronous rounds' outer
-step, with torch's SGD (the synchronous step) or `DelayedNesterov` (the default for
-asynchronous rounds). A contribution trained from an older global model (stale by
-`version - its base version` merges) is merged as it is; Delayed Nesterov is what tames it,
-and with `correction` (`heloco.HeLoCo`) each contribution is first corrected, block by block
-(`blocks`: the parameter tensors), against the outer momentum as it stands before the merge.
+(`sum_i n_i g_i / sum_i n_i`, in arrival order; `normalized`: each change first scaled to the
+merge's most samples, by `max_j n_j / n_i`, FedNova's normalized averaging, so that a slow
+worker's short change does not shrink the merged step), or by a robust rule (`aggregate`:
+clip, trimmed mean, median, sign; `localsgd.averaging.trust.robust`, unweighted: an untrusted
+worker could inflate the samples it reports), and takes one outer step with the result. A
+contribution holding NaN or Inf is dropped from its merge (`dropped`), as from every
+synchronous round: `OuterSGD` over the global model, the same class and bits as the
+synchronous rounds' outer step, with torch's SGD (the synchronous step) or `DelayedNesterov`
+(the default for asynchronous rounds). A contribution trained from an older global model
+(stale by `version - its base version` merges) is merged as it is; Delayed Nesterov is what
+tames it, and with `correction` (`heloco.HeLoCo`) each contribution is first corrected, block
+by block (`blocks`: the parameter tensors), against the outer momentum as it stands before
+the merge.
 """
 
 from __future__ import annotations
@@ -42,7 +45,8 @@ class Syncer:
     """The global model (`anchors.first`, laid out as the flat buffers), its outer optimizer
     (`sgd`: lr, momentum, nesterov, warmup_rounds, optimizer) and the pending contributions.
     `plain_first`: the first merge is a plain average (after a synchronous warmup, as the
-    synchronous rounds' first). `aggregate`: a robust rule instead of the weighted mean."""
+    synchronous rounds' first). `aggregate`: a robust rule instead of the weighted mean.
+    `normalized`: the weighted mean of the changes scaled to the merge's most samples."""
 
     def __init__(
         self,
@@ -53,8 +57,10 @@ class Syncer:
         aggregate: Aggregate | None = None,
         correction: HeLoCo | None = None,
         blocks: list[tuple[int, int, int]] = (),
+        normalized: bool = False,
     ):
         self.part = part
+        self.normalized = normalized
         self.aggregate = aggregate
         self.correction = correction
         # each block (a buffer g's slice at offset, numel) as (part entry, start, end) in it
@@ -104,10 +110,13 @@ class Syncer:
             mean = self.aggregate.combine(rows, keep)
         else:  # the weighted mean, summed in arrival order: no stacked copy
             total = sum(arrived[i].samples for i in keep)
+            most = max(arrived[i].samples for i in keep)
             mean = [torch.zeros_like(t) for t in arrived[keep[0]].tensors]
             for i in keep:
+                # normalized: n_i x (most / n_i) = most, the same weight for every change
+                weight = most if self.normalized else arrived[i].samples
                 for m, t in zip(mean, arrived[i].tensors, strict=True):
-                    m.add_(t, alpha=arrived[i].samples / total)
+                    m.add_(t, alpha=weight / total)
         self.staleness += [self.version - arrived[i].version for i in keep]
         self.step_(mean, sum(arrived[i].samples for i in keep), len(keep))
         return True
