@@ -260,7 +260,7 @@ def test_a_run_on_modelled_clocks_equals_the_one_process_replay_of_its_order(var
     if budget is not None:
         kwargs["inner_time_s"] = budget
     if normalized:
-        kwargs["normalized"] = True
+        kwargs["normalized_merges"] = True
     if keep is not None:
         kwargs["correction"] = HeLoCo(keep=keep)
     results = run_distributed(_async_worker, 3, kwargs, timeout_s=90)
@@ -407,10 +407,12 @@ def test_workers_whose_phases_end_at_one_modelled_instant_meet_in_synchronous_ro
 ):
     # DyLU phases of 0.3 s: worker 0 sends after 20 steps of 0.015 s, worker 1 after 10 of
     # 0.03 s; their clocks' float sums differ in the last bits, the instant is one. HeLoCo
-    # corrects each contribution, which an all-reduce would not show it: point-to-point then
+    # corrects each contribution, which an all-reduce would not show it: point-to-point then.
+    # The weighted merge: the normalized one of unequal samples is the syncer's own (below)
     run_dir = tmp_path / "run"
     args = FAST + ["dist.world_size=2", "trainer.max_steps=60", "sync.outer=diloco",
                    "sync.mode=async", "sync.inner_time_s=0.3", "trainer.checkpoint_every=0",
+                   "sync.budget_merge=weighted",
                    "comm.simulate.worker_speed=[1,2]", "comm.simulate.step_s=0.015",
                    f"sync.staleness_correction={correction}",
                    f"hydra.run.dir={run_dir}"]  # fmt: skip
@@ -424,6 +426,27 @@ def test_workers_whose_phases_end_at_one_modelled_instant_meet_in_synchronous_ro
         assert exchanges["collective"] == summary["async_merges"] >= 3
     else:
         assert exchanges["collective"] == 0 and exchanges["p2p"] >= 3
+
+
+@pytest.mark.slow
+def test_sync_budget_merge_reaches_the_syncer(tmp_path):
+    """Two workers 2x slower with DyLU's phases: each phase's four contributions (two of half
+    the samples) arrive at one instant. `weighted` merges them in the synchronous round's
+    all-reduce; `normalized`, the default, scales each to the merge's most samples, which the
+    all-reduce does not: the syncer merges them itself, and the model differs."""
+    args = FAST + ["dist.world_size=4", "trainer.max_steps=24", "sync.warmup_steps=0",
+                   "sync.outer=diloco", "sync.mode=async", "sync.inner_time_s=0.008",
+                   "comm.simulate.worker_speed=[1,1,2,2]", "comm.simulate.step_s=0.001",
+                   "trainer.checkpoint_every=0"]  # fmt: skip
+    summaries = {}
+    for merge in ("normalized", "weighted"):
+        proc, _ = cli(args + [f"sync.budget_merge={merge}", f"hydra.run.dir={tmp_path / merge}"])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        summaries[merge] = json.loads((tmp_path / merge / "summary.json").read_text())
+    exchanges = {m: s["async_exchanges"] for m, s in summaries.items()}
+    assert exchanges["weighted"]["collective"] >= 2 and exchanges["weighted"]["p2p"] == 0
+    assert exchanges["normalized"]["collective"] == 0 and exchanges["normalized"]["p2p"] >= 2
+    assert not same_model(tmp_path / "normalized" / "model.pt", tmp_path / "weighted" / "model.pt")
 
 
 @pytest.mark.slow

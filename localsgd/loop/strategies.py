@@ -234,7 +234,7 @@ def build_averager(
             inner_time_s=sync.inner_time_s,
             **wire,
             aggregate=trust.get("aggregate"),
-            normalized=sync.budget_merge == "normalized",
+            normalized_merges=sync.budget_merge == "normalized",
             correction=(
                 HeLoCo(**{k: getattr(sync.heloco, k) for k in HELOCO_RANGES})
                 if sync.staleness_correction == "heloco"

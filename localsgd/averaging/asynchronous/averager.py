@@ -67,8 +67,9 @@ class AsyncAverager(OuterAverager):
     of the ticks; None: the wall clock, every tick computes); `meet_every` (0: only at the
     end) and `max_steps`: the meetings; `timeout_s`: every wait's limit; `aggregate`: a robust
     rule for the syncer's merges; `correction`: HeLoCo's, applied by the syncer to each
-    contribution (`heloco`); `normalized`: a merge scales each change to its most samples
-    before the weighted mean (`syncer`). The other keywords are
+    contribution (`heloco`); `normalized_merges`: a merge scales each change to its most
+    samples before the weighted mean (`syncer`; not `Averager.normalized`, the time budget's
+    rounds'). The other keywords are
     `OuterAverager`'s. Call `computes()` before each step (whether to train it) and
     `maybe_average()` after every tick."""
 
@@ -92,7 +93,7 @@ class AsyncAverager(OuterAverager):
         timeout_s: float = 300.0,
         aggregate: Aggregate | None = None,
         correction: HeLoCo | None = None,
-        normalized: bool = False,
+        normalized_merges: bool = False,
         syncer_address: str | None = None,
         worker: int = 0,
         workers: int | None = None,
@@ -101,7 +102,8 @@ class AsyncAverager(OuterAverager):
         # the workers' own rounds are the mean's (a synchronous round's all-reduce); a robust
         # rule is the syncer's, over the contributions it holds one by one
         super().__init__(period, warmup_steps, process_group, module=module, **outer)
-        self.aggregate, self.correction, self.normalized = aggregate, correction, normalized
+        self.aggregate, self.correction = aggregate, correction
+        self.normalized_merges = normalized_merges
         # a hosted syncer (`hosted`, ft=torchft): this worker is `worker` of `workers`, each in
         # a world of its own, and reaches the syncer through sessions (`links`)
         self.syncer_address = syncer_address
@@ -278,7 +280,7 @@ class AsyncAverager(OuterAverager):
             syncer = Syncer(
                 self.rounds.anchors.first, self.rounds.parts[0], self.syncer_sgd,
                 self.warmup_steps > 0, self.aggregate, self.correction, self._param_blocks(),
-                self.normalized,
+                self.normalized_merges,
             )  # fmt: skip
             if self._saved_syncer is not None:
                 syncer.load_state_dict(self._saved_syncer)

@@ -52,7 +52,7 @@ def spec(averager) -> dict:
         "wire": wire,
         "aggregate": None if averager.aggregate is None else asdict(averager.aggregate),
         "correction": None if correction is None else _settings(correction),
-        "normalized": averager.normalized,
+        "normalized": averager.normalized_merges,
     }
 
 
