@@ -233,6 +233,7 @@ class _FakeSessions:
 
     def __init__(self):
         self.put: list[tuple[int, str]] = []
+        self.messages: dict[tuple[int, str], dict] = {}
         self.sent: list[int] = []
         self.open: set[int] = set()
 
@@ -246,8 +247,11 @@ class _FakeSessions:
         return worker in self.open
 
     def box(self, r):
+        def put(key, message):
+            self.put.append((r, key))
+            self.messages[r, key] = message
 
-        return SimpleNamespace(put=lambda key, message: self.put.append((r, key)))
+        return SimpleNamespace(put=put)
 
     def send(self, r, tensor, tag):
         self.sent.append(r)
@@ -372,3 +376,47 @@ def test_a_dropped_session_ends_the_workers_wait_at_once():
     with pytest.raises(LINK_ERRORS, match="the syncer dropped this session"):
         link.mailbox.take("r/0/0", link.alive)
     assert time.monotonic() - start < 5
+
+
+def _meeting(step: int, seq: int, stop: bool = False) -> dict:
+    return {"kind": "meet", "step": step, "seq": seq, "stop": stop, "last": False,
+            "version": 0, "samples": 0, "at": 1.0}  # fmt: skip
+
+
+def test_a_worker_late_to_a_meeting_meets_alone_and_neither_writes_nor_stops_the_run():
+    """A meeting is held without a worker behind once its deadline passes, the first worker
+    there writing the checkpoint. The one behind, at that step later, meets alone: it writes
+    nothing, a stop it asks for waits for the next meeting that checkpoints, and the meeting
+    the others wait at keeps its deadline."""
+    import time
+
+    from localsgd.averaging.asynchronous.hosted import HostedService, build_syncer
+
+    spec = {
+        "buffers": [[4, "float32"]], "part": [[0, 0, 4, 4]], "blocks": [[0, 0, 4]],
+        "sgd": {"lr": 0.7, "momentum": 0.9, "nesterov": True, "warmup_rounds": 0},
+        "plain_first": False, "wire": {"dtype": "float32"}, "aggregate": None,
+        "correction": None, "normalized": True,
+    }  # fmt: skip
+    links = _FakeSessions()
+    service = HostedService(
+        links, 2, end_wait_s=60.0, modelled=False, min_quorum=1, grace_s=0.0,
+        bootstrap=lambda request, recv: build_syncer({"spec": spec}, lambda t: t.zero_()),
+    )  # fmt: skip
+    service._join({"worker": 0})
+    service._join({"worker": 1})
+    assert service._advance() and service.started
+    service.met[0] = _meeting(step=9, seq=0)
+    assert not service._end_without([0, 1])  # waits for worker 1
+    service.meeting_deadline = time.monotonic() - 1  # ... until its deadline passed
+    assert service._end_without([0, 1])
+    assert links.messages[0, "r/0/0"]["writer"] == 0  # it writes the checkpoint of step 10
+    service.met[0] = _meeting(step=19, seq=1)  # at the next meeting: waiting for worker 1
+    assert not service._end_without([0, 1])
+    deadline = service.meeting_deadline
+    service.met[1] = _meeting(step=9, seq=0, stop=True)  # worker 1, late, signalled
+    assert service._end_without([0, 1])
+    late = links.messages[1, "r/1/0"]
+    assert late["writer"] is None and late["stop"] is False and late["state"] is None
+    assert service.meeting_deadline == deadline and not service.ended
+    assert service.met[0] is not None  # still waiting at the meeting of step 20

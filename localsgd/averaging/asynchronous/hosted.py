@@ -273,10 +273,12 @@ class HostedService(SyncerService):
         steps = {self.met[r]["step"] for r in live}
         self.held_late = steps <= self.meetings_held  # its checkpoint is written already
         last = any(self.met[r].get("last") for r in live)
-        self.stop_agreed = self.stop_agreed or any(self.met[r].get("stop") for r in live)
+        if not self.held_late:  # a stop is agreed where a checkpoint is written: the next one
+            self.stop_agreed = self.stop_agreed or any(self.met[r].get("stop") for r in live)
         super()._meet(live)
-        self.meetings_held |= steps
-        self.meeting_deadline = None
+        if not self.held_late:  # one behind, met alone, does not reset the others' meeting
+            self.meetings_held |= steps
+            self.meeting_deadline = None
         self.ended = self.ended or last or self.stop_agreed
 
     def _stop(self, r: int, header: dict) -> None:
