@@ -442,7 +442,12 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal(
         ("sync.inner_time_s", "sync.merge_alpha", "sync.budget_merge"),
         "sync.inner_time_s with sync.merge_alpha > 0 and sync.budget_merge=normalized",
-        lambda f: f.budget and f.plan.merge_alpha != 0 and f.budget_merge == "normalized",
+        lambda f: (
+            f.budget
+            and f.plan.mode == "sync"
+            and f.plan.merge_alpha != 0
+            and f.budget_merge == "normalized"
+        ),  # fmt: skip
         MEANINGLESS,
         "a mixed merge leaves part of each worker's own values in its next "
         "contribution, which the normalized merge would scale as if its samples had made it",
@@ -499,6 +504,16 @@ REFUSALS: tuple[Refusal, ...] = (
         "an asynchronous worker never waits for a round in flight: it trains on as soon as the "
         "syncer answers, so there is nothing to delay or to take a round late",
         "drop sync.delay_steps, sync.overlap and sync.eager",
+    ),
+    Refusal(
+        ("sync.mode", "sync.merge_alpha"),
+        "sync.mode=async with sync.merge_alpha > 0",
+        lambda f: f.plan.mode == "async" and f.plan.merge_alpha != 0,
+        DESIGN,
+        "an asynchronous worker takes the newest global model as its model and its anchor; a "
+        "mixed merge that keeps part of its own values is Streaming DiLoCo's synchronous merge "
+        "(without this line the run would be that, not asynchronous)",
+        "set sync.merge_alpha=0, or sync.mode=sync",
     ),
     Refusal(
         ("sync.mode", "sync.fragments", "sync.levels"),
