@@ -273,11 +273,13 @@ REFUSALS: tuple[Refusal, ...] = (
         "set sync.inner_time_s=null",
     ),
     Refusal(
-        ("sync.aggregate", "sync.drop_nonfinite"),
-        "sync.aggregate other than mean, or sync.score=true, with sync.drop_nonfinite=false",
-        lambda f: _gathered(f) and f.drop_nonfinite is False,
+        ("sync.aggregate", "sync.score", "sync.mode", "sync.drop_nonfinite"),
+        "sync.aggregate other than mean, sync.score=true or sync.mode=async, with "
+        "sync.drop_nonfinite=false",
+        lambda f: (_gathered(f) or f.plan.mode == "async") and f.drop_nonfinite is False,
         MEANINGLESS,
-        "a gathered round always drops a NaN/Inf contribution",
+        "a gathered round, and the asynchronous syncer, which reads each contribution, always "
+        "drop a NaN/Inf contribution",
         "set sync.drop_nonfinite=null",
     ),
     Refusal(
@@ -327,7 +329,13 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal(
         ("ft.backend", "sync.drop_nonfinite", "sync.comm_dtype"),
         "ft=torchft with sync.drop_nonfinite=true and a 16/32-bit sync.comm_dtype",
-        lambda f: f.ft and f.drop_nonfinite is True and not f.lossy and not _gathered(f),
+        lambda f: (
+            f.ft
+            and f.drop_nonfinite is True
+            and not f.lossy
+            and not _gathered(f)
+            and f.plan.mode == "sync"  # asynchronous rounds: the syncer's merge drops them
+        ),  # fmt: skip
         UNAVAILABLE,
         "torchft's Manager all-reduces the mean, which cannot leave a contribution out",
         "use a low-bit sync.comm_dtype (int8, int4: gathered and checked), "
