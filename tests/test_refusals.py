@@ -105,6 +105,8 @@ CASES: dict[str, list[str]] = {
     "sync.staleness_correction=heloco with sync.mode=sync, sync.outer=none or "
     "sync.outer_momentum=0": ["+experiment=diloco", "sync.staleness_correction=heloco"],
     "sync.mode=async with comm.disabled=true": ["sync.mode=async", "comm.disabled=true"],
+    "sync.mode=async with ft=torchft and ft.retry_failed_sync=true or ft.min_replicas > 1": [
+        "sync.mode=async", "ft=torchft", "ft.min_replicas=2"],
     "sync.mode=async with sync.merge_alpha > 0": [
         "sync.mode=async", "sync.merge_alpha=0.5", "sync.inner_time_s=0.1"],
     "sync.mode=async with dist.shard_size > 1 or dist.virtual_workers": [

@@ -57,6 +57,7 @@ class Facts:
     outer_state: str
     outer_warmup_rounds: int
     retry_failed: bool
+    min_replicas: int
     checkpoint_every: int
     staleness_correction: str
     lighthouse: bool  # ft.lighthouse names a running one
@@ -95,6 +96,7 @@ class Facts:
             outer_state=get(cfg, "sync.outer_state"),
             outer_warmup_rounds=get(cfg, "sync.outer_warmup_rounds"),
             retry_failed=bool(get(cfg, "ft.retry_failed_sync")),
+            min_replicas=int(get(cfg, "ft.min_replicas") or 1),
             checkpoint_every=get(cfg, "trainer.checkpoint_every"),
             staleness_correction=get(cfg, "sync.staleness_correction"),
             lighthouse=bool(get(cfg, "ft.lighthouse")),
@@ -512,6 +514,16 @@ REFUSALS: tuple[Refusal, ...] = (
         "an asynchronous worker never waits for a round in flight: it trains on as soon as the "
         "syncer answers, so there is nothing to delay or to take a round late",
         "drop sync.delay_steps, sync.overlap and sync.eager",
+    ),
+    Refusal(
+        ("sync.mode", "ft.backend", "ft.retry_failed_sync", "ft.min_replicas"),
+        "sync.mode=async with ft=torchft and ft.retry_failed_sync=true or ft.min_replicas > 1",
+        lambda f: f.plan.mode == "async" and f.ft and (f.retry_failed or f.min_replicas > 1),
+        MEANINGLESS,
+        "asynchronous rounds run no torchft round to retry and no quorum to hold: the syncer "
+        "merges whoever has sent (sync.min_quorum is their quorum)",
+        "set ft.retry_failed_sync=false and ft.min_replicas=1 (sync.min_quorum for a quorum of "
+        "merges), or sync.mode=sync",
     ),
     Refusal(
         ("sync.mode", "sync.merge_alpha"),
