@@ -132,7 +132,7 @@ class AsyncSessions(LocalRounds):
         if not averager.met_at(step - 1):
             return False
         stopping = bool(averager.meeting["stop"]) and step < max_steps
-        if every > 0 and (step % every == 0 or step == max_steps) or stopping:
+        if stopping or (every > 0 and (step % every == 0 or step == max_steps)):
             save_shared(averager.meeting["writer"] == self._worker)
         return stopping
 
