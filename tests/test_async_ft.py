@@ -407,15 +407,15 @@ def test_a_worker_late_to_a_meeting_meets_alone_and_neither_writes_nor_stops_the
     service._join({"worker": 1})
     assert service._advance() and service.started
     service.met[0] = _meeting(step=9, seq=0)
-    assert not service._end_without([0, 1])  # waits for worker 1
+    assert not service._meet_without([0, 1])  # waits for worker 1
     service.meeting_deadline = time.monotonic() - 1  # ... until its deadline passed
-    assert service._end_without([0, 1])
+    assert service._meet_without([0, 1])
     assert links.messages[0, "r/0/0"]["writer"] == 0  # it writes the checkpoint of step 10
     service.met[0] = _meeting(step=19, seq=1)  # at the next meeting: waiting for worker 1
-    assert not service._end_without([0, 1])
+    assert not service._meet_without([0, 1])
     deadline = service.meeting_deadline
     service.met[1] = _meeting(step=9, seq=0, stop=True)  # worker 1, late, signalled
-    assert service._end_without([0, 1])
+    assert service._meet_without([0, 1])
     late = links.messages[1, "r/1/0"]
     assert late["writer"] is None and late["stop"] is False and late["state"] is None
     assert service.meeting_deadline == deadline and not service.ended

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from localsgd.averaging.checksum import replica_checksum
-from localsgd.averaging.trees import map_tensors
+from localsgd.averaging.trees import tree_as_json, tree_from_json
 from localsgd.loop.guards import ReplicasDiverged
 from localsgd.loop.local_rounds import LocalRounds
 from localsgd.loop.metrics import notice
@@ -42,7 +42,7 @@ class AsyncSessions(LocalRounds):
     """`LocalRounds` (the averager's exchanges are its own) with the start, the writer and the
     checkpoints of a hosted syncer (see the module doc). `seed`, `attempt`: the reseeding."""
 
-    shared_checkpoints = True  # after the last meeting every worker holds the final model
+    shared_checkpoints = True  # after a meeting every worker there holds the global model
     checks_inside = True  # each worker against the syncer's model: `maybe_average`
 
     def __init__(self, averager, worker: int, seed: int, attempt: int, verify: bool = False):
@@ -141,18 +141,17 @@ class AsyncSessions(LocalRounds):
 
 
 def _json(state: Any) -> Any:
-    """`state` with each tensor as {"tensor": values, "dtype": ...}: a message is json."""
-    return map_tensors(
-        lambda t: {"tensor": t.tolist(), "dtype": str(t.dtype).removeprefix("torch.")}, state
+    """`state` as a message, which is json: `trees.tree_as_json`'s layout, the tensors' values
+    inline (the loop's and the sampler's state are small)."""
+    packed, tensors = tree_as_json(state)
+    return {"tree": packed, "values": [t.reshape(-1).tolist() for t in tensors]}
+
+
+def _tensors(message: Any) -> Any:
+    """`_json`'s inverse (tensors on the host); None stays None."""
+    if message is None:
+        return None
+    values = iter(message["values"])
+    return tree_from_json(
+        message["tree"], lambda t: t.copy_(torch.tensor(next(values), dtype=t.dtype).view(t.shape))
     )
-
-
-def _tensors(state: Any) -> Any:
-    """`_json`'s inverse (tensors on the host)."""
-    if isinstance(state, dict):
-        if set(state) == {"tensor", "dtype"}:
-            return torch.tensor(state["tensor"], dtype=getattr(torch, state["dtype"]))
-        return {k: _tensors(v) for k, v in state.items()}
-    if isinstance(state, list):
-        return [_tensors(v) for v in state]
-    return state

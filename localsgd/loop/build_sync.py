@@ -193,8 +193,8 @@ def _asynchronous(cfg: Config, info: WorkerInfo, store: dist.Store | None) -> di
         "run_id": str(info.attempt),
         "max_steps": cfg.trainer.max_steps,
         "timeout_s": cfg.dist.timeout_s,
+        "meet_every": cfg.trainer.checkpoint_every,
     }
-    common["meet_every"] = cfg.trainer.checkpoint_every
     if cfg.ft.backend != "none":
         hosted = {"syncer_address": os.environ[SYNCER_ENV], "worker": info.rank}
         return {**common, **hosted, "workers": info.world_size}

@@ -11,8 +11,9 @@ worker then holds the same model to save) and at the last step, which leaves eve
 the final global model. A worker that was away catches up at its next exchange: the answer
 carries the global model whenever it changed since its own base. With `syncer_address` the
 syncer is hosted by a process that trains nothing (`hosted`, `ft=torchft`): each worker is a
-world of its own and reaches it through sessions (`links`, `rejoin`), and only the last step
-is a meeting.
+world of its own and reaches it through sessions (`links`, `rejoin`); a meeting's answer
+then also names the worker that checkpoints (and brings it the syncer's state) and whether the
+run stops there.
 
 Under the modelled clock (`step_s`, `speed`: `clock`) the order of
 the syncer's merges is fixed: with every worker equally fast, a quorum of all of them and the
@@ -133,9 +134,9 @@ class AsyncAverager(OuterAverager):
         self.welcome: dict | None = None  # a hosted syncer's first answer (`rejoin.join`)
         self.rejoins = 0  # sessions opened again after one failed
         self.stopped = False  # the hosted syncer ended the run before this worker's last step
-        self.final_record: dict = {}  # the hosted syncer's record, from the last meeting
         # a hosted syncer's last meeting answer (who writes, whether the run stops, the global
-        # model's checksum), how many there were, the syncer's state if this worker writes
+        # model's checksum, the syncer's record), how many there were, the syncer's state if
+        # this worker writes
         self.meeting: dict = {}
         self.meetings = 0
         self.syncer_state: dict | None = None
@@ -298,6 +299,13 @@ class AsyncAverager(OuterAverager):
 
     _saved_syncer: dict | None = None
 
+    @property
+    def final_record(self) -> dict:
+        """The hosted syncer's record as of the last meeting, and who wrote at it."""
+        if not self.meeting:
+            return {}
+        return {**self.meeting["syncer"], "async_writer": self.meeting["writer"]}
+
     def met_at(self, step: int) -> bool:
         """Whether step `step` ended in a hosted syncer's meeting (`meeting` is its answer)."""
         return self.meeting.get("step") == step
@@ -401,7 +409,6 @@ class AsyncAverager(OuterAverager):
             if answer.get("align_s") is not None:  # out of step with the others: rejoin them
                 self.align_until = time.perf_counter() + answer["align_s"]
             if "syncer" in answer:  # a hosted syncer's meeting: its record, maybe its state
-                self.final_record = {**answer["syncer"], "async_writer": answer["writer"]}
                 self.meeting, self.meetings = {**answer, "step": step}, self.meetings + 1
                 if answer["writer"] == self.rank:
                     self.syncer_state = tree_from_json(

@@ -75,7 +75,7 @@ class HostedSyncer:
         self.service.start()
 
     def lose(self, worker: int) -> None:
-        """The launcher gave up on `worker`: the last meeting does not wait for it."""
+        """The launcher gave up on `worker`: no meeting waits for it."""
         self.service.lose(worker)
 
     def close(self, timeout_s: float) -> None:
@@ -116,8 +116,8 @@ def _wire(wire: dict):
 class HostedService(SyncerService):
     """`SyncerService` over `links.Sessions`: workers join (and join again after a failure or a
     restart), the start waits for every worker once, a failed transfer drops that worker's
-    session instead of failing the run, and the last meeting waits `end_wait_s` for a worker
-    behind, then ends without it (see the module doc)."""
+    session instead of failing the run, and a meeting waits `end_wait_s` for a worker behind,
+    then is held without it (see the module doc)."""
 
     def __init__(self, sessions: Sessions, size: int, *, end_wait_s: float, **kwargs):
         super().__init__(None, sessions, size, **kwargs)
@@ -133,7 +133,6 @@ class HostedService(SyncerService):
         self.meeting_deadline: float | None = None  # once one worker is at a meeting
         self.meetings_held: set[int] = set()  # their steps: a worker later there meets alone
         self.stop_agreed = False  # a worker at a meeting asked to stop: the run ends there
-        self.held_late = False  # the meeting being held was held before (`_last_words`)
         self.ended = False  # the last (or a stopping) meeting is over: one behind is told stop
         self.state_tensors: list[torch.Tensor] = []  # the syncer's state, for the writer
 
@@ -249,7 +248,7 @@ class HostedService(SyncerService):
         """The launcher gave up on worker r (out of restarts): nobody waits for it."""
         self.lost.add(r)
 
-    def _end_without(self, live: list[int]) -> bool:
+    def _meet_without(self, live: list[int]) -> bool:
         """Sessions: a meeting waits `end_wait_s` from the first worker there for the others;
         a worker still behind then (restarting, frozen, cut off) is not waited for. The meeting
         is held without it; it meets alone when it gets there (after the last meeting, or one
@@ -269,20 +268,24 @@ class HostedService(SyncerService):
         self._meet(met)
         return True
 
+    def _late(self, live: list[int]) -> bool:
+        """Whether the workers meeting are at a meeting held already (its checkpoint written)."""
+        return {self.met[r]["step"] for r in live} <= self.meetings_held
+
     def _meet(self, live: list[int]) -> None:
-        steps = {self.met[r]["step"] for r in live}
-        self.held_late = steps <= self.meetings_held  # its checkpoint is written already
+        steps, late = {self.met[r]["step"] for r in live}, self._late(live)
         last = any(self.met[r].get("last") for r in live)
-        if not self.held_late:  # a stop is agreed where a checkpoint is written: the next one
+        if not late:  # a stop is agreed where a checkpoint is written: the next one
             self.stop_agreed = self.stop_agreed or any(self.met[r].get("stop") for r in live)
         super()._meet(live)
-        if not self.held_late:  # one behind, met alone, does not reset the others' meeting
+        if not late:  # one behind, met alone, does not reset the others' meeting
             self.meetings_held |= steps
             self.meeting_deadline = None
         self.ended = self.ended or last or self.stop_agreed
 
     def _stop(self, r: int, header: dict) -> None:
-        """After the last meeting: worker r is told to stop (nothing it sends is merged)."""
+        """After the last meeting (or one that stopped the run): worker r is told to stop
+        (nothing it sends is merged)."""
         if header["kind"] in (SEND, MEET):
             self.links.box(r).put(f"d/{r}/{header['seq']}", {"do": "stop"})
         if header["kind"] != ANNOUNCE:
@@ -294,7 +297,7 @@ class HostedService(SyncerService):
         the global model to the writer), whether the run stops here, the syncer's record,
         which only this process holds, and the global model's checksum, which every worker
         there must now hold bit for bit (`sync.check_replicas` checks it there)."""
-        writer = None if self.held_late else min(live)
+        writer = None if self._late(live) else min(live)
         packed, self.state_tensors = (
             tree_as_json(self.syncer.state_dict()) if writer is not None else (None, [])
         )

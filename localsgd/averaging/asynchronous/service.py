@@ -163,12 +163,12 @@ class SyncerService:
         """A transfer with worker r failed: in one world the run fails with it."""
         raise
 
-    def _end_without(self, live: list[int]) -> bool:
-        """Whether the last meeting ended without a worker still behind (never, in one world)."""
+    def _meet_without(self, live: list[int]) -> bool:
+        """Whether a meeting was held without a worker still behind (never, in one world)."""
         return False
 
     def _last_words(self, live: list[int]) -> dict:
-        """What the last meeting's answers carry besides the model (nothing, in one world)."""
+        """What a meeting's answers carry besides the model (nothing, in one world)."""
         return {}
 
     def _now(self) -> float:
@@ -181,7 +181,7 @@ class SyncerService:
         if live and all(self.met[r] is not None for r in live):
             self._meet(live)
             return True
-        if self._end_without(live):
+        if self._meet_without(live):
             return True
         times: dict[int, float] = {}
         for r in live:
@@ -365,9 +365,7 @@ class SyncerService:
         if self.syncer.pending:
             self._merge(at)
         self.deadline = None
-        # the last meeting, in a process that trains nothing: who writes the results (the
-        # first worker there) and the syncer's record, which only this process holds
-        extra = self._last_words(live)
+        extra = self._last_words(live)  # a hosted syncer's: who writes, its record, ...
         for r in live:
             self._answer(r, self.met[r], at, values=True, extra=extra)
             self.met[r] = None
