@@ -61,8 +61,10 @@ class TrainerConfig:
     callbacks: list[Any] = field(default_factory=list)
     progress: bool = True  # rank-0 progress bar
     # replica drift at each average: one persistent model-sized scratch buffer and one extra
-    # scalar all-reduce per average (none between averages)
-    track_drift: bool = True
+    # scalar all-reduce per average (none between averages). null: wherever there is a mean to
+    # measure it around, which ft=torchft's replica groups, each a world of its own, have not
+    # (true there is refused in one line)
+    track_drift: bool | None = None
     checkpoint_every: int = 500  # steps between checkpoints, plus one at the end; 0 = none
     keep_checkpoints: int = 2  # complete checkpoints kept (older ones are deleted)
     # auto: the run dir's newest complete checkpoint; with the default timestamped run dir, the
@@ -284,7 +286,8 @@ class FtConfig:
     # others' next quorum forms without a cut-off worker after one window and the heartbeat
     # timeout instead of join_timeout_s; it rejoins and heals when it is back. false: torchft's
     # own heartbeats, which go on whatever the worker does
-    heartbeat_gate: bool = True
+    # null: on wherever a lighthouse runs (not under sync.mode=async: true there is refused)
+    heartbeat_gate: bool | None = None
     stall_s: float = 30.0  # longer than any step, evaluation or checkpoint between rounds
     host: str = "127.0.0.1"  # the interface the lighthouse, managers and heal servers bind to
 

@@ -105,6 +105,9 @@ CASES: dict[str, list[str]] = {
     "sync.staleness_correction=heloco with sync.mode=sync, sync.outer=none or "
     "sync.outer_momentum=0": ["+experiment=diloco", "sync.staleness_correction=heloco"],
     "sync.mode=async with comm.disabled=true": ["sync.mode=async", "comm.disabled=true"],
+    "trainer.track_drift=true with ft=torchft": ["ft=torchft", "trainer.track_drift=true"],
+    "ft.heartbeat_gate=true with sync.mode=async": [
+        "ft=torchft", "sync.mode=async", "ft.heartbeat_gate=true"],
     "sync.mode=async with ft=torchft and ft.retry_failed_sync=true or ft.min_replicas > 1": [
         "sync.mode=async", "ft=torchft", "ft.min_replicas=2"],
     "sync.mode=async with sync.merge_alpha > 0": [
@@ -183,6 +186,10 @@ def test_the_cli_exits_2_with_the_rows_line(tmp_path, capsys):
         ["ft=torchft", "sync.delay_steps=1", "sync.check_replicas=true"],
         # the asynchronous syncer's merge drops NaN/Inf: no all-reduce that cannot
         ["ft=torchft", "sync.mode=async", "sync.drop_nonfinite=true", "sync.check_replicas=true"],
+        # by default drift is measured where it can be and the gate runs where a lighthouse does
+        ["ft=torchft", "sync.mode=async", "trainer.track_drift=false", "ft.heartbeat_gate=false"],
+        ["ft=torchft", "ft.heartbeat_gate=true", "trainer.track_drift=false"],
+        ["sync.mode=async", "trainer.track_drift=true", "ft.heartbeat_gate=true"],
         ["dist.shard_size=2", "optim=muon", "model=mlp"],
         [
             *VIRTUAL,

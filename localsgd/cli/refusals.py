@@ -63,6 +63,8 @@ class Facts:
     lighthouse: bool  # ft.lighthouse names a running one
     replica_groups: bool  # ft.replica_groups set (torchrun: one replica group per machine)
     warmup_steps: int
+    track_drift: bool | None  # as set: None measures wherever there is a mean
+    heartbeat_gate: bool | None  # as set: None gates wherever a lighthouse runs
 
     @classmethod
     def of(cls, cfg: Any, get: Callable[[Any, str], Any]) -> Facts:
@@ -102,6 +104,8 @@ class Facts:
             lighthouse=bool(get(cfg, "ft.lighthouse")),
             replica_groups=get(cfg, "ft.replica_groups") is not None,
             warmup_steps=get(cfg, "sync.warmup_steps"),
+            track_drift=get(cfg, "trainer.track_drift"),
+            heartbeat_gate=get(cfg, "ft.heartbeat_gate"),
         )
 
     @property
@@ -319,6 +323,24 @@ REFUSALS: tuple[Refusal, ...] = (
         MEANINGLESS,
         "nothing is communicated to make fault tolerant",
         "drop ft=torchft",
+    ),
+    Refusal(
+        ("trainer.track_drift", "ft.backend"),
+        "trainer.track_drift=true with ft=torchft",
+        lambda f: f.ft and f.track_drift is True,
+        UNAVAILABLE,
+        "under torchft each replica group is a world of its own, and the mean across them is "
+        "the Manager's all-reduce: there is no collective to measure the drift around",
+        "drop trainer.track_drift (by default it is measured wherever it can be)",
+    ),
+    Refusal(
+        ("ft.heartbeat_gate", "sync.mode"),
+        "ft.heartbeat_gate=true with sync.mode=async",
+        lambda f: f.ft and f.plan.mode == "async" and f.heartbeat_gate is True,
+        MEANINGLESS,
+        "asynchronous rounds under ft=torchft run no lighthouse to heartbeat to: the syncer "
+        "drops a worker whose transfer misses its deadline (ft.grace_s)",
+        "drop ft.heartbeat_gate",
     ),
     Refusal(
         ("ft.backend", "sync.warmup_steps", "sync.aggregate"),

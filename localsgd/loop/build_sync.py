@@ -142,7 +142,8 @@ def build_synchroniser(
         else None
     )  # fmt: skip
     # under torchft the process group is the replica group alone: drift would measure nothing
-    measure = cfg.trainer.track_drift and not comm.disabled and not fault_tolerant
+    # (an explicit trainer.track_drift=true there is refused in one line)
+    measure = cfg.trainer.track_drift is not False and not comm.disabled and not fault_tolerant
     drift = DriftMeter(averager.flat.buffers, replicas, shards) if measure else None
     # the round driver: the averager's syncs straight through torch.distributed, or, under
     # ft=torchft, as rounds of torchft's Manager (the same methods; torchft imported only then)

@@ -24,7 +24,7 @@ def grace_window(ft: FtConfig) -> GraceWindow:
 def heartbeat_gate(ft: FtConfig) -> HeartbeatGate | None:
     """This worker's heartbeat gate (`ft.heartbeat_gate`, `ft.stall_s`); None: torchft's own
     heartbeats, which go on whatever the worker does."""
-    return HeartbeatGate(ft.stall_s) if ft.heartbeat_gate else None
+    return HeartbeatGate(ft.stall_s) if ft.heartbeat_gate is not False else None
 
 
 def gate_notice(worker: int, ft: FtConfig):
