@@ -147,6 +147,33 @@ def test_every_worker_stops_at_the_meeting_a_stop_was_asked_at_and_resumes(tmp_p
     assert summary["steps"] == 80 and summary["replica_checks"] == 2  # meetings 60, 80
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_run_stopped_with_two_workers_resumes_with_three(tmp_path):
+    """The checkpoint of an agreed stop holds the syncer's state and the meeting's model: the
+    run resumes with another world size, the syncer going on from its version, the new worker
+    starting from the meeting's model, and every worker leaving the last meeting on one model."""
+    run_dir, digests = tmp_path / "run", tmp_path / "digests"
+    args = [a for a in FAULTS if not a.startswith(("dist.world_size", "trainer.max_steps",
+            "comm.simulate.worker_speed", "trainer.checkpoint_every"))]  # fmt: skip
+    args += ["trainer.max_steps=80", "trainer.checkpoint_every=20", f"hydra.run.dir={run_dir}"]
+    two = [*args, "dist.world_size=2", "comm.simulate.worker_speed=[1,1]"]
+    proc, left = cli([*two, faults.override("sigterm:1:25")], timeout=120)
+    assert proc.returncode == 143 and not left, proc.stderr[-3000:]
+    assert "stopped after step 40 with a checkpoint" in proc.stderr, proc.stderr[-3000:]
+    digest = f"trainer.callbacks=[{{_target_:tests.faults.FinalDigest,dir:'{digests}'}}]"
+    three = [*args, "dist.world_size=3", "comm.simulate.worker_speed=[1,1,1]", digest]
+    proc, left = cli(three, timeout=120)
+    assert proc.returncode == 0 and not left, proc.stderr[-3000:]
+    assert "step-40" in proc.stderr, proc.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 80 and summary["replica_checks"] == 2  # meetings 60, 80
+    assert len(summary["async_sessions"]) == 3, summary["async_sessions"]
+    written = {p.name: p.read_text() for p in digests.iterdir()}
+    assert sorted(written) == ["rank-0.txt", "rank-1.txt", "rank-2.txt"], written
+    assert len(set(written.values())) == 1, written
+
+
 def test_a_merge_waits_only_for_workers_due_within_its_window():
     """On the wall clock a merge waits for a worker only where its next contribution is due
     within the window around the merge's oldest one (its last arrival plus its last interval):
