@@ -173,3 +173,24 @@ def test_a_killed_forkserver_is_named_in_one_line_and_the_workers_are_stopped(tm
     ], err[-2000:]
     assert "Traceback" not in err and "exit code 255" not in err, err[-2000:]
     assert _group_gone(proc.pid, timeout_s=5)
+
+
+@pytest.mark.long  # make test-long: the SIGTERM stop of async ft is in tests/test_async_ft.py
+@pytest.mark.timeout(180)
+def test_ctrl_c_stops_asynchronous_ft_rounds_at_the_next_meeting(tmp_path):
+    """Asynchronous rounds under ft=torchft: the syncer lives in the launcher, and the stop is
+    agreed at the next meeting (every 20 steps) with a checkpoint; Ctrl-C exits 130."""
+    run_dir = tmp_path / "run"
+    proc = _start(
+        run_dir, "sync=diloco", "sync.mode=async", "sync.warmup_steps=0", "ft=torchft",
+        "sync.grace_s=0.05", "trainer.checkpoint_every=20",
+    )  # fmt: skip
+    _wait_for_training(proc, run_dir)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    stopped = int(re.search(r"stopped after step (\d+) with a checkpoint", err).group(1))
+    assert stopped % 20 == 0 and (run_dir / "checkpoints" / f"step-{stopped}").is_dir(), err
+    assert not (run_dir / "summary.json").exists()
+    assert _group_gone(proc.pid)
