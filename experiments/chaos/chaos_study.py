@@ -151,6 +151,12 @@ SETTINGS["async MNIST-1D DiLoCo, H = 50, 50 ms, grace 0.1 s"] = [
 SETTINGS["async MNIST-1D DiLoCo, H = 16, 50 ms, grace 0.1 s"] = [
     *SETTINGS["async MNIST-1D DiLoCo, H = 16, 50 ms"], "sync.grace_s=0.1",
 ]  # fmt: skip
+# ... the stale contributions of a worker back from a freeze or a partition corrected against
+# the outer momentum (HeLoCo, its defaults)
+SETTINGS["async MNIST-1D DiLoCo, H = 16, 50 ms, grace 0.1 s, HeLoCo"] = [
+    *SETTINGS["async MNIST-1D DiLoCo, H = 16, 50 ms, grace 0.1 s"],
+    "sync.staleness_correction=heloco",
+]  # fmt: skip
 
 
 def _override(setting: str, key: str, default):
@@ -454,6 +460,10 @@ def _command(args: argparse.Namespace) -> str:
         cmd += f" --seeds {seeds} --settings {settings} --out {args.out}"
         if args.steps != 3000:
             cmd += f" --steps {args.steps}"
+        if args.every != 20:
+            cmd += f" --every {args.every:g}"
+        if list(getattr(args, "kinds", KINDS)) != list(KINDS):
+            cmd += " --kinds " + " ".join(args.kinds)
     return cmd
 
 
@@ -546,6 +556,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--every", type=float, default=20, help="syncs between faults")
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    parser.add_argument(
+        "--kinds", nargs="+", default=list(KINDS), choices=list(KINDS),
+        help="play only the schedule's faults of these kinds (the others' steps stay fault-free)",
+    )  # fmt: skip
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--report", action="store_true", help="rewrite the .md/.png from the json")
     parser.add_argument(
@@ -570,6 +584,8 @@ def main() -> None:
         for seed in args.seeds:
             for setting in args.settings:
                 faults = schedule(seed, args.steps, args.every, period_of(setting))
+                # --kinds: the same schedule's faults of those kinds only (an ablation)
+                faults = [f for f in faults if f["kind"] in args.kinds]
                 pair = []
                 for chaos in (False, True):
                     label = "".join(c if c.isalnum() else "_" for c in setting)
