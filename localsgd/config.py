@@ -179,6 +179,9 @@ class SyncConfig:
     mode: str = "sync"
     min_quorum: int = 1  # async: the syncer merges once this many workers' contributions wait
     grace_s: float = 0.0  # async: ... this many seconds later (modelled, under worker_speed)
+    # async: a contribution trained from a global model more than this many merges old is not
+    # merged (its worker takes the newest model all the same); null: every one is
+    max_staleness: int | None = None
     # async: Delayed Nesterov's N, the merges between outer momentum steps (Liu et al. 2024);
     # null: the number of workers; 1: the synchronous outer step (torch's SGD)
     outer_delay: int | None = None

@@ -498,3 +498,58 @@ def test_an_asynchronous_checkpoint_resumes_at_another_world_size(tmp_path):
 )
 def test_bad_asynchronous_keys_are_one_line(args, names, capsys):
     assert names in refusal(FAST + args, capsys)
+
+
+def test_a_contribution_older_than_max_staleness_merges_is_not_merged():
+    """`sync.max_staleness=1`: a contribution trained from a global model two merges old is
+    dropped from its merge (recorded, its samples not counted), the fresh one beside it is
+    merged; a merge of nothing but stale ones does not step. The outer step is plain SGD at
+    lr 1, so the global model is minus the sum of what was merged."""
+    from localsgd.averaging.asynchronous.hosted import build_syncer
+    from localsgd.averaging.asynchronous.syncer import Arrival
+
+    spec = {
+        "buffers": [[4, "float32"]], "part": [[0, 0, 4, 4]], "blocks": [[0, 0, 4]],
+        "sgd": {"lr": 1.0, "momentum": 0.0, "nesterov": False, "warmup_rounds": 0},
+        "plain_first": False, "wire": {"dtype": "float32"}, "aggregate": None,
+        "correction": None, "normalized": False, "max_staleness": 1,
+    }  # fmt: skip
+    syncer, _ = build_syncer({"spec": spec}, lambda t: t.zero_())
+    ones = torch.ones(4)
+    for worker, version, change in ((0, 0, 1.0), (1, 1, 2.0)):  # fresh: versions 1, 2
+        syncer.add(Arrival(worker, float(version), 10, version, [ones * change]))
+        assert syncer.merge()
+    syncer.add(Arrival(2, 3.0, 10, 0, [ones * 100]))  # two merges old
+    syncer.add(Arrival(0, 3.0, 10, 2, [ones]))
+    assert syncer.merge()
+    assert torch.equal(syncer.values[0], -4 * ones)
+    assert syncer.too_stale == [(2, 3.0, 2)] and syncer.version == 3
+    syncer.add(Arrival(1, 4.0, 10, 1, [ones * 100]))
+    assert not syncer.merge() and syncer.version == 3
+    assert syncer.merged_samples == 30 and syncer.staleness == [0, 0, 0]
+    assert syncer.too_stale == [(2, 3.0, 2), (1, 4.0, 2)]
+    spec["max_staleness"] = None  # every one merged
+    syncer, _ = build_syncer({"spec": spec}, lambda t: t.zero_())
+    syncer.version = 2
+    syncer.add(Arrival(2, 3.0, 10, 0, [ones]))
+    assert syncer.merge() and syncer.too_stale == [] and syncer.staleness == [2]
+
+
+@pytest.mark.slow
+def test_sync_max_staleness_reaches_the_syncer(tmp_path):
+    """A worker 3x slower by steps sends contributions one merge old or more: with
+    `sync.max_staleness=0` none of them is merged, and the summary names each."""
+    args = FAST + ["dist.world_size=2", "trainer.max_steps=24", "sync.warmup_steps=0",
+                   "sync.outer=diloco", "sync.mode=async", "sync.period=4",
+                   "comm.simulate.worker_speed=[1,3]", "comm.simulate.step_s=0.001",
+                   "trainer.checkpoint_every=0"]  # fmt: skip
+    seen = {}
+    for bound in ("null", "0"):
+        run_dir = tmp_path / bound
+        proc, _ = cli(args + [f"sync.max_staleness={bound}", f"hydra.run.dir={run_dir}"])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        seen[bound] = json.loads((run_dir / "summary.json").read_text())
+    assert seen["null"]["async_max_staleness"] >= 1 and seen["null"]["async_dropped_stale"] == []
+    dropped = seen["0"]["async_dropped_stale"]
+    assert seen["0"]["async_max_staleness"] == 0 and dropped
+    assert {worker for worker, _, staleness in dropped} == {1} and min(s for *_, s in dropped) == 1

@@ -105,6 +105,7 @@ CASES: dict[str, list[str]] = {
     "sync.staleness_correction=heloco with sync.mode=sync, sync.outer=none or "
     "sync.outer_momentum=0": ["+experiment=diloco", "sync.staleness_correction=heloco"],
     "sync.mode=async with comm.disabled=true": ["sync.mode=async", "comm.disabled=true"],
+    "sync.max_staleness with sync.mode=sync": ["+experiment=diloco", "sync.max_staleness=2"],
     "trainer.track_drift=true with ft=torchft": ["ft=torchft", "trainer.track_drift=true"],
     "ft.heartbeat_gate=true with sync.mode=async": [
         "ft=torchft", "sync.mode=async", "ft.heartbeat_gate=true"],

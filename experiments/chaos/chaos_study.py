@@ -153,6 +153,10 @@ SETTINGS["async MNIST-1D DiLoCo, H = 16, 50 ms, grace 0.1 s"] = [
 ]  # fmt: skip
 # ... the stale contributions of a worker back from a freeze or a partition corrected against
 # the outer momentum (HeLoCo, its defaults)
+# ... or not merged where more than 3 merges old, the most the fault-free runs merged
+SETTINGS["async MNIST-1D DiLoCo, H = 16, 50 ms, grace 0.1 s, max staleness 3"] = [
+    *SETTINGS["async MNIST-1D DiLoCo, H = 16, 50 ms, grace 0.1 s"], "sync.max_staleness=3",
+]  # fmt: skip
 SETTINGS["async MNIST-1D DiLoCo, H = 16, 50 ms, grace 0.1 s, HeLoCo"] = [
     *SETTINGS["async MNIST-1D DiLoCo, H = 16, 50 ms, grace 0.1 s"],
     "sync.staleness_correction=heloco",

@@ -324,6 +324,9 @@ def validate_sync(cfg: Any, ws: int | None, local_ws: int | None) -> None:
     )  # fmt: skip
     grace = _get(cfg, "sync.grace_s")
     _require(grace >= 0, "sync.grace_s", ">= 0 (seconds)", grace)
+    stale = _get(cfg, "sync.max_staleness")
+    _require(stale is None or (isinstance(stale, int) and stale >= 0), "sync.max_staleness",
+             "an integer >= 0 (merges), or null (every contribution merged)", stale)  # fmt: skip
     _choice(cfg, "sync.staleness_correction", STALENESS_CORRECTIONS)
     for name, allowed in HELOCO_RANGES.items():
         value = _get(cfg, f"sync.heloco.{name}")

@@ -60,6 +60,7 @@ class Facts:
     min_replicas: int
     checkpoint_every: int
     staleness_correction: str
+    max_staleness: int | None
     lighthouse: bool  # ft.lighthouse names a running one
     replica_groups: bool  # ft.replica_groups set (torchrun: one replica group per machine)
     warmup_steps: int
@@ -101,6 +102,7 @@ class Facts:
             min_replicas=int(get(cfg, "ft.min_replicas") or 1),
             checkpoint_every=get(cfg, "trainer.checkpoint_every"),
             staleness_correction=get(cfg, "sync.staleness_correction"),
+            max_staleness=get(cfg, "sync.max_staleness"),
             lighthouse=bool(get(cfg, "ft.lighthouse")),
             replica_groups=get(cfg, "ft.replica_groups") is not None,
             warmup_steps=get(cfg, "sync.warmup_steps"),
@@ -612,6 +614,15 @@ REFUSALS: tuple[Refusal, ...] = (
         "to correct against",
         "set sync.mode=async with sync.outer=diloco (momentum > 0), or "
         "sync.staleness_correction=none",
+    ),
+    Refusal(
+        ("sync.max_staleness", "sync.mode"),
+        "sync.max_staleness with sync.mode=sync",
+        lambda f: f.max_staleness is not None and f.plan.mode != "async",
+        MEANINGLESS,
+        "a synchronous round merges every worker's change from the same global model: none is "
+        "stale",
+        "set sync.mode=async, or sync.max_staleness=null",
     ),
     Refusal(
         ("sync.mode", "comm.disabled"),

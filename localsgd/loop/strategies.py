@@ -235,6 +235,7 @@ def build_averager(
             **wire,
             aggregate=trust.get("aggregate"),
             normalized_merges=sync.budget_merge == "normalized",
+            max_staleness=sync.max_staleness,
             correction=(
                 HeLoCo(**{k: getattr(sync.heloco, k) for k in HELOCO_RANGES})
                 if sync.staleness_correction == "heloco"

@@ -70,7 +70,8 @@ class AsyncAverager(OuterAverager):
     rule for the syncer's merges; `correction`: HeLoCo's, applied by the syncer to each
     contribution (`heloco`); `normalized_merges`: a merge scales each change to its most
     samples before the weighted mean (`syncer`; not `Averager.normalized`, the time budget's
-    rounds'). The other keywords are
+    rounds'); `max_staleness`: a contribution more merges old than that is not merged (None:
+    every one is). The other keywords are
     `OuterAverager`'s. Call `computes()` before each step (whether to train it) and
     `maybe_average()` after every tick."""
 
@@ -95,6 +96,7 @@ class AsyncAverager(OuterAverager):
         aggregate: Aggregate | None = None,
         correction: HeLoCo | None = None,
         normalized_merges: bool = False,
+        max_staleness: int | None = None,
         syncer_address: str | None = None,
         worker: int = 0,
         workers: int | None = None,
@@ -105,6 +107,9 @@ class AsyncAverager(OuterAverager):
         super().__init__(period, warmup_steps, process_group, module=module, **outer)
         self.aggregate, self.correction = aggregate, correction
         self.normalized_merges = normalized_merges
+        if max_staleness is not None and max_staleness < 0:
+            raise ValueError(f"sync.max_staleness must be >= 0 or None, got {max_staleness}")
+        self.max_staleness = max_staleness
         # a hosted syncer (`hosted`, ft=torchft): this worker is `worker` of `workers`, each in
         # a world of its own, and reaches the syncer through sessions (`links`)
         self.syncer_address = syncer_address
@@ -281,7 +286,7 @@ class AsyncAverager(OuterAverager):
             syncer = Syncer(
                 self.rounds.anchors.first, self.rounds.parts[0], self.syncer_sgd,
                 self.warmup_steps > 0, self.aggregate, self.correction, self._param_blocks(),
-                self.normalized_merges,
+                self.normalized_merges, self.max_staleness,
             )  # fmt: skip
             if self._saved_syncer is not None:
                 syncer.load_state_dict(self._saved_syncer)

@@ -99,6 +99,7 @@ def build_syncer(request: dict, receive_one) -> tuple[Syncer, Decoders]:
     syncer = Syncer(
         buffers, [tuple(s) for s in spec["part"]], sgd, spec["plain_first"], aggregate,
         correction, [tuple(b) for b in spec["blocks"]], spec["normalized"],
+        spec.get("max_staleness"),
     )  # fmt: skip
     if spec.get("state") is not None:  # resumed: the checkpoint's syncer goes on
         syncer.load_state_dict(tree_from_json(spec["state"], receive_one))

@@ -53,6 +53,7 @@ def spec(averager) -> dict:
         "aggregate": None if averager.aggregate is None else asdict(averager.aggregate),
         "correction": None if correction is None else _settings(correction),
         "normalized": averager.normalized_merges,
+        "max_staleness": averager.max_staleness,
     }
 
 

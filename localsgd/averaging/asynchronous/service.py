@@ -378,6 +378,7 @@ class SyncerService:
             "async_merges": syncer.version,
             "async_max_staleness": max(syncer.staleness, default=0),
             "async_dropped_nonfinite": [list(d) for d in syncer.dropped],
+            "async_dropped_stale": [list(d) for d in syncer.too_stale],
             "async_syncer_bytes": self.sent_bytes,
             "async_mean_staleness": (
                 sum(syncer.staleness) / len(syncer.staleness) if syncer.staleness else 0.0

@@ -11,10 +11,11 @@ contribution holding NaN or Inf is dropped from its merge (`dropped`), as from e
 synchronous round: `OuterSGD` over the global model, the same class and bits as the
 synchronous rounds' outer step, with torch's SGD (the synchronous step) or `DelayedNesterov`
 (the default for asynchronous rounds). A contribution trained from an older global model
-(stale by `version - its base version` merges) is merged as it is; Delayed Nesterov is what
-tames it, and with `correction` (`heloco.HeLoCo`) each contribution is first corrected, block
-by block (`blocks`: the parameter tensors), against the outer momentum as it stands before
-the merge.
+(stale by `version - its base version` merges) is merged as it is, or dropped where it is more
+than `max_staleness` merges old (`too_stale`: its worker takes the newest model all the same);
+Delayed Nesterov is what tames it, and with `correction` (`heloco.HeLoCo`) each contribution
+is first corrected, block by block (`blocks`: the parameter tensors), against the outer
+momentum as it stands before the merge.
 """
 
 from __future__ import annotations
@@ -58,8 +59,10 @@ class Syncer:
         correction: HeLoCo | None = None,
         blocks: list[tuple[int, int, int]] = (),
         normalized: bool = False,
+        max_staleness: int | None = None,
     ):
         self.part = part
+        self.max_staleness = max_staleness
         self.normalized = normalized
         self.aggregate = aggregate
         self.correction = correction
@@ -71,6 +74,8 @@ class Syncer:
             if g in entries
         ]
         self.dropped: list[tuple[int, float]] = []  # (worker, time) of each non-finite one
+        # (worker, time, staleness) of each one older than max_staleness merges
+        self.too_stale: list[tuple[int, float, int]] = []
         self.anchors = Anchors([b.detach().clone() for b in buffers])
         self.outer = OuterSGD([part], self.anchors, sgd)
         self.plain_first = plain_first
@@ -101,6 +106,13 @@ class Syncer:
             (a.worker, a.time) for a, ok in zip(arrived, finite, strict=True) if not ok
         ]
         keep = [i for i, ok in enumerate(finite) if ok]
+        if self.max_staleness is not None:  # trained from a model too old: not merged
+            stale = {i for i in keep if self.version - arrived[i].version > self.max_staleness}
+            self.too_stale += [
+                (arrived[i].worker, arrived[i].time, self.version - arrived[i].version)
+                for i in sorted(stale)
+            ]
+            keep = [i for i in keep if i not in stale]
         if not keep:
             return False
         if self.correction is not None:
@@ -161,6 +173,7 @@ class Syncer:
             "merged_samples": self.merged_samples,
             "staleness": list(self.staleness),
             "dropped": [list(d) for d in self.dropped],
+            "too_stale": [list(d) for d in self.too_stale],
             "corrected": dict(self.correction.counts) if self.correction is not None else {},
         }
 
@@ -171,5 +184,6 @@ class Syncer:
         self.merged_samples = float(state["merged_samples"])
         self.staleness = [int(s) for s in state["staleness"]]
         self.dropped = [(int(w), float(t)) for w, t in state.get("dropped", [])]
+        self.too_stale = [(int(w), float(t), int(s)) for w, t, s in state.get("too_stale", [])]
         if self.correction is not None:
             self.correction.counts.update(state.get("corrected", {}))
