@@ -174,6 +174,26 @@ def test_a_run_stopped_with_two_workers_resumes_with_three(tmp_path):
     assert len(set(written.values())) == 1, written
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_the_hosted_syncer_leaves_out_contributions_older_than_max_staleness(tmp_path):
+    """The launcher's syncer is built from the first worker's spec: `sync.max_staleness=0`
+    reaches it, and a worker 3x slower by steps, whose every contribution is merges old, has
+    none of them merged (a missing key would merge them all)."""
+    run_dir = tmp_path / "run"
+    args = [a for a in FAULTS if not a.startswith(("dist.world_size", "trainer.max_steps",
+            "comm.simulate.worker_speed", "trainer.checkpoint_every"))]  # fmt: skip
+    args += ["dist.world_size=2", "trainer.max_steps=48", "comm.simulate.worker_speed=[1,3]",
+             "trainer.checkpoint_every=0", "sync.max_staleness=0", "comm.simulate.step_s=0.01",
+             f"hydra.run.dir={run_dir}"]  # fmt: skip
+    proc, left = cli(args, timeout=100)
+    assert proc.returncode == 0 and not left, proc.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    dropped = summary["async_dropped_stale"]
+    assert dropped and {worker for worker, *_ in dropped} == {1}, dropped
+    assert summary["async_max_staleness"] == 0
+
+
 def test_a_merge_waits_only_for_workers_due_within_its_window():
     """On the wall clock a merge waits for a worker only where its next contribution is due
     within the window around the merge's oldest one (its last arrival plus its last interval):
