@@ -428,6 +428,16 @@ def test_workers_whose_phases_end_at_one_modelled_instant_meet_in_synchronous_ro
         assert exchanges["collective"] == 0 and exchanges["p2p"] >= 3
 
 
+def _summaries(tmp_path, args: list[str], key: str, values: tuple[str, ...]) -> dict:
+    """The summary of one CLI run per value of `key` (run dirs named by the value)."""
+    out = {}
+    for value in values:
+        proc, _ = cli(args + [f"{key}={value}", f"hydra.run.dir={tmp_path / value}"])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        out[value] = json.loads((tmp_path / value / "summary.json").read_text())
+    return out
+
+
 @pytest.mark.slow
 def test_sync_budget_merge_reaches_the_syncer(tmp_path):
     """Two workers 2x slower with DyLU's phases: each phase's four contributions (two of half
@@ -438,11 +448,7 @@ def test_sync_budget_merge_reaches_the_syncer(tmp_path):
                    "sync.outer=diloco", "sync.mode=async", "sync.inner_time_s=0.008",
                    "comm.simulate.worker_speed=[1,1,2,2]", "comm.simulate.step_s=0.001",
                    "trainer.checkpoint_every=0"]  # fmt: skip
-    summaries = {}
-    for merge in ("normalized", "weighted"):
-        proc, _ = cli(args + [f"sync.budget_merge={merge}", f"hydra.run.dir={tmp_path / merge}"])
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        summaries[merge] = json.loads((tmp_path / merge / "summary.json").read_text())
+    summaries = _summaries(tmp_path, args, "sync.budget_merge", ("normalized", "weighted"))
     exchanges = {m: s["async_exchanges"] for m, s in summaries.items()}
     assert exchanges["weighted"]["collective"] >= 2 and exchanges["weighted"]["p2p"] == 0
     assert exchanges["normalized"]["collective"] == 0 and exchanges["normalized"]["p2p"] >= 2
@@ -543,12 +549,7 @@ def test_sync_max_staleness_reaches_the_syncer(tmp_path):
                    "sync.outer=diloco", "sync.mode=async", "sync.period=4",
                    "comm.simulate.worker_speed=[1,3]", "comm.simulate.step_s=0.001",
                    "trainer.checkpoint_every=0"]  # fmt: skip
-    seen = {}
-    for bound in ("null", "0"):
-        run_dir = tmp_path / bound
-        proc, _ = cli(args + [f"sync.max_staleness={bound}", f"hydra.run.dir={run_dir}"])
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        seen[bound] = json.loads((run_dir / "summary.json").read_text())
+    seen = _summaries(tmp_path, args, "sync.max_staleness", ("null", "0"))
     assert seen["null"]["async_max_staleness"] >= 1 and seen["null"]["async_dropped_stale"] == []
     dropped = seen["0"]["async_dropped_stale"]
     assert seen["0"]["async_max_staleness"] == 0 and dropped
