@@ -33,6 +33,9 @@ test loss against the fault-free run's. Writes experiments/chaos/chaos_study.{md
     python experiments/chaos/chaos_study.py            # 3 seeds x 3 settings x 2 runs, ~30 min
     python experiments/chaos/chaos_study.py --tiny     # smoke test: 1 seed, 900 steps, in /tmp
     python experiments/chaos/chaos_study.py --report   # the .md and .png again from the .json
+    # the loss at equal samples: each chaos run of these files against a fault-free run of its
+    # seed and setting stopped at the samples the chaos run merged
+    python experiments/chaos/chaos_study.py --same-samples chaos_async_mnist1d ... --out NAME
 """
 
 from __future__ import annotations
@@ -554,6 +557,68 @@ def write_report(data: dict, out: str) -> None:
     print("\n".join(lines))
 
 
+def same_samples(names: list[str], out: str) -> None:
+    """OUT.{json,md}: each chaos run of the studies `names` (their .json here) against the
+    fault-free run of its seed and setting stopped where the fleet has trained the samples the
+    chaos run merged (`trainer.max_steps`, so a step schedule spans the shorter run), and
+    against its own fault-free run (the same steps), as the study wrote it."""
+    started, rows = time.perf_counter(), []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in names:
+            with open(os.path.join(HERE, name + ".json")) as f:
+                data = json.load(f)
+            for row in data["rows"]:
+                runs = [r for r in data["runs"]
+                        if r["seed"] == row["seed"] and r["setting"] == row["setting"]]  # fmt: skip
+                chaos = next(r for r in runs if r["chaos"])
+                free = next(r for r in runs if not r["chaos"])
+                setting, seed = row["setting"], row["seed"]
+                per_step = batch_of(setting) * WORKERS
+                steps = round(chaos["merged_samples"] / per_step)
+                args = argparse.Namespace(steps=steps)
+                label = "".join(c if c.isalnum() else "_" for c in setting)
+                matched = run_one(setting, seed, args, os.path.join(tmp, f"{label}-{seed}"), None)
+                rows.append({
+                    "file": name, "setting": setting, "seed": seed,
+                    "faults_fired": row["faults_fired"], "steps": steps,
+                    "samples": chaos["merged_samples"], "chaos_loss": chaos["test_loss"],
+                    "free_loss": free["test_loss"], "matched_loss": matched["test_loss"],
+                    "vs_same_steps": chaos["test_loss"] / free["test_loss"] - 1,
+                    "vs_same_samples": chaos["test_loss"] / matched["test_loss"] - 1,
+                })  # fmt: skip
+                print(json.dumps(rows[-1]), flush=True)
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    elapsed = time.perf_counter() - started
+    with open(out + ".json", "w") as f:
+        json.dump({"names": names, "stamp": stamp, "elapsed_s": round(elapsed, 1),
+                   "rows": rows}, f, indent=1)  # fmt: skip
+    lines = [
+        "# Chaos runs against fault-free at equal samples",
+        "",
+        f"    python experiments/chaos/chaos_study.py --same-samples {' '.join(names)} "
+        f"--out {os.path.basename(out)}",
+        "",
+        f"Run {stamp}, {elapsed:.0f} s on 2 CPUs shared with other jobs. Each chaos run of "
+        "those files (its test loss as the file has it) against a fault-free run of its seed "
+        "and setting stopped at the samples the chaos run merged (`trainer.max_steps` = merged "
+        "samples / (4 workers x batch), so the learning-rate schedule spans the shorter run), "
+        "and against its own fault-free run at the same steps.",
+        "",
+        "| file | setting | seed | faults | chaos merged (steps) | test loss vs fault-free, "
+        "same samples | same steps |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['file']} | {r['setting']} | {r['seed']} | {r['faults_fired']} | "
+            f"{r['samples']:,} ({r['steps']}) | {r['vs_same_samples']:+.2%} | "
+            f"{r['vs_same_steps']:+.2%} |"
+        )
+    with open(out + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -563,6 +628,11 @@ def main() -> None:
     parser.add_argument(
         "--kinds", nargs="+", default=list(KINDS), choices=list(KINDS),
         help="play only the schedule's faults of these kinds (the others' steps stay fault-free)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--same-samples", nargs="+", metavar="STUDY",
+        help="no new chaos: each chaos run of these studies (experiments/chaos/STUDY.json) "
+        "against a fault-free run stopped at the samples it merged",
     )  # fmt: skip
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--report", action="store_true", help="rewrite the .md/.png from the json")
@@ -578,6 +648,9 @@ def main() -> None:
         args.seeds, args.steps, args.every = [0], 900, 10
         args.settings = args.settings if asked else ["make train"]
         out = os.path.join(tempfile.gettempdir(), "chaos_study_tiny")
+    if args.same_samples:
+        same_samples(args.same_samples, out)
+        return
     if args.report:
         with open(out + ".json") as f:
             write_report(json.load(f), out)
