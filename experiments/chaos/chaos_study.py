@@ -348,6 +348,11 @@ def run_one(setting: str, seed: int, args, run_dir: str, faults: list[dict] | No
         "grace_s_end": s.get("grace_s"),
         "async_merges": s.get("async_merges"),
         "async_max_staleness": s.get("async_max_staleness"),
+        # asynchronous ft: sessions dropped mid-transfer and rejoins, to tell a lost phase from
+        # a late one when a run loses merges
+        "async_failed_sessions": s.get("async_failed_sessions"),
+        "async_rejoins": s.get("async_rejoins"),
+        "async_dropped_stale": len(s.get("async_dropped_stale") or []),
         "restarts": proc.stderr.count("died (signal 9); restart"),
         "progress": progress,  # rank 0's log lines: step, training seconds, participants
     }
