@@ -106,13 +106,14 @@ class Syncer:
             (a.worker, a.time) for a, ok in zip(arrived, finite, strict=True) if not ok
         ]
         keep = [i for i, ok in enumerate(finite) if ok]
+        staleness = [self.version - a.version for a in arrived]
         if self.max_staleness is not None:  # trained from a model too old: not merged
-            stale = {i for i in keep if self.version - arrived[i].version > self.max_staleness}
             self.too_stale += [
-                (arrived[i].worker, arrived[i].time, self.version - arrived[i].version)
-                for i in sorted(stale)
+                (arrived[i].worker, arrived[i].time, staleness[i])
+                for i in keep
+                if staleness[i] > self.max_staleness
             ]
-            keep = [i for i in keep if i not in stale]
+            keep = [i for i in keep if staleness[i] <= self.max_staleness]
         if not keep:
             return False
         if self.correction is not None:
@@ -129,7 +130,7 @@ class Syncer:
                 weight = most if self.normalized else arrived[i].samples
                 for m, t in zip(mean, arrived[i].tensors, strict=True):
                     m.add_(t, alpha=weight / total)
-        self.staleness += [self.version - arrived[i].version for i in keep]
+        self.staleness += [staleness[i] for i in keep]
         self.step_(mean, sum(arrived[i].samples for i in keep), len(keep))
         return True
 
