@@ -534,6 +534,19 @@ def test_a_contribution_older_than_max_staleness_merges_is_not_merged():
     assert not syncer.merge() and syncer.version == 3
     assert syncer.merged_samples == 30 and syncer.staleness == [0, 0, 0]
     assert syncer.too_stale == [(2, 3.0, 2), (1, 4.0, 2)]
+    resumed, _ = build_syncer({"spec": spec}, lambda t: t.zero_())  # the list is checkpointed
+    resumed.load_state_dict(syncer.state_dict())
+    assert resumed.too_stale == syncer.too_stale
+    # under a robust rule the stale one is left out of the rows it judges: the median of the
+    # three fresh ones, not of four
+    robust = {**spec, "aggregate": {"rule": "median"}}
+    median, _ = build_syncer({"spec": robust}, lambda t: t.zero_())
+    median.version = 3
+    for worker, change in ((0, 1.0), (1, 2.0), (2, 6.0)):
+        median.add(Arrival(worker, 5.0, 10, 3, [ones * change]))
+    median.add(Arrival(3, 5.0, 10, 1, [ones * -50]))
+    assert median.merge() and torch.equal(median.values[0], -2 * ones)
+    assert median.too_stale == [(3, 5.0, 2)]
     spec["max_staleness"] = None  # every one merged
     syncer, _ = build_syncer({"spec": spec}, lambda t: t.zero_())
     syncer.version = 2
