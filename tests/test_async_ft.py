@@ -32,19 +32,22 @@ ONE = FAST + [  # one worker, DiLoCo on the int8 wire, Delayed Nesterov (N = 2),
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_one_worker_under_ft_equals_the_plain_path(tmp_path):
+@pytest.mark.parametrize("fragments", [1, 2])
+def test_one_worker_under_ft_equals_the_plain_path(tmp_path, fragments):
     """The hosted syncer is built from the json the first worker sends (`rejoin.spec`): it
-    fails without any of the wire, the delay or the correction carried over."""
+    fails without any of the wire, the delay, the correction or the fragments carried over."""
     runs = {}
     for name, extra in (("plain", []), ("ft", ["ft=torchft"])):
         run_dir = tmp_path / name
+        extra = [*extra, f"sync.fragments={fragments}"]
         proc, left = cli(ONE + extra + [f"hydra.run.dir={run_dir}"])
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert not left
         runs[name] = json.loads((run_dir / "summary.json").read_text())
     assert same_model(tmp_path / "plain" / "model.pt", tmp_path / "ft" / "model.pt")
-    # after the first step, then every 4, and the last meeting: 11 merges
-    assert runs["ft"]["async_merges"] == runs["plain"]["async_merges"] == 11
+    # after the first step, then every 4, and the last meeting: 11 merges (of each fragment:
+    # one every 2 steps, the meeting's of both)
+    assert runs["ft"]["async_merges"] == runs["plain"]["async_merges"] == 11 * fragments
     assert runs["ft"]["async_corrected_blocks"] == runs["plain"]["async_corrected_blocks"]
     assert runs["ft"]["merged_samples"] == 40 * 16
     assert runs["ft"]["replica_checks"] == 1  # against the syncer's model, at the last meeting
@@ -313,7 +316,10 @@ def _hosted(size: int):
     service = HostedService(
         links, size, end_wait_s=1.0, modelled=False, min_quorum=1, grace_s=0.25,
         bootstrap=lambda request, recv: (
-            SimpleNamespace(values=[torch.zeros(2)], version=0), None
+            SimpleNamespace(
+                values=[torch.zeros(2)], versions=[0], values_of=lambda f: [torch.zeros(2)]
+            ),
+            None,
         ),
     )  # fmt: skip
     return service, links
@@ -427,7 +433,8 @@ def test_a_dropped_session_ends_the_workers_wait_at_once():
 
 def _meeting(step: int, seq: int, stop: bool = False) -> dict:
     return {"kind": "meet", "step": step, "seq": seq, "stop": stop, "last": False,
-            "version": 0, "samples": 0, "at": 1.0}  # fmt: skip
+            "versions": [0], "fragments": [0], "weights": [0], "samples": 0,
+            "at": 1.0}  # fmt: skip
 
 
 def test_a_worker_late_to_a_meeting_meets_alone_and_neither_writes_nor_stops_the_run():
@@ -440,7 +447,7 @@ def test_a_worker_late_to_a_meeting_meets_alone_and_neither_writes_nor_stops_the
     from localsgd.averaging.asynchronous.hosted import HostedService, build_syncer
 
     spec = {
-        "buffers": [[4, "float32"]], "part": [[0, 0, 4, 4]], "blocks": [[0, 0, 4]],
+        "buffers": [[4, "float32"]], "parts": [[[0, 0, 4, 4]]], "blocks": [[0, 0, 4]],
         "sgd": {"lr": 0.7, "momentum": 0.9, "nesterov": True, "warmup_rounds": 0},
         "plain_first": False, "wire": {"dtype": "float32"}, "aggregate": None,
         "correction": None, "normalized": True,

@@ -337,14 +337,21 @@ EQUAL_CLOCKS = ["sync.mode=async", "sync.min_quorum=4", "sync.outer_delay=1",
                 "comm.simulate.worker_speed=[1,1,1,1]", "comm.simulate.step_s=0.001"]  # fmt: skip
 
 
-@pytest.mark.slow
-def test_equal_clocks_with_a_full_quorum_are_synchronous_diloco_bit_for_bit(tmp_path):
+def same_as_synchronous(tmp_path, args: list[str]) -> dict:
+    """Run `args` synchronously and asynchronously on equal clocks with a full quorum and the
+    synchronous outer step; assert one final model, bit for bit. The asynchronous summary."""
     sync_dir, async_dir = tmp_path / "sync", tmp_path / "async"
-    proc, _ = cli(SAME + [f"hydra.run.dir={sync_dir}"])
+    proc, _ = cli(args + [f"hydra.run.dir={sync_dir}"])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    proc, _ = cli(SAME + EQUAL_CLOCKS + [f"hydra.run.dir={async_dir}"])
+    proc, _ = cli(args + EQUAL_CLOCKS + [f"hydra.run.dir={async_dir}"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert same_model(sync_dir / "model.pt", async_dir / "model.pt")
+    return json.loads((async_dir / "summary.json").read_text())
+
+
+@pytest.mark.slow
+def test_equal_clocks_with_a_full_quorum_are_synchronous_diloco_bit_for_bit(tmp_path):
+    same_as_synchronous(tmp_path, SAME)
 
 
 @pytest.mark.slow
@@ -515,7 +522,7 @@ def test_a_contribution_older_than_max_staleness_merges_is_not_merged():
     from localsgd.averaging.asynchronous.syncer import Arrival
 
     spec = {
-        "buffers": [[4, "float32"]], "part": [[0, 0, 4, 4]], "blocks": [[0, 0, 4]],
+        "buffers": [[4, "float32"]], "parts": [[[0, 0, 4, 4]]], "blocks": [[0, 0, 4]],
         "sgd": {"lr": 1.0, "momentum": 0.0, "nesterov": False, "warmup_rounds": 0},
         "plain_first": False, "wire": {"dtype": "float32"}, "aggregate": None,
         "correction": None, "normalized": False, "max_staleness": 1,
@@ -541,7 +548,7 @@ def test_a_contribution_older_than_max_staleness_merges_is_not_merged():
     # three fresh ones, not of four
     robust = {**spec, "aggregate": {"rule": "median"}}
     median, _ = build_syncer({"spec": robust}, lambda t: t.zero_())
-    median.version = 3
+    median.versions = [3]
     for worker, change in ((0, 1.0), (1, 2.0), (2, 6.0)):
         median.add(Arrival(worker, 5.0, 10, 3, [ones * change]))
     median.add(Arrival(3, 5.0, 10, 1, [ones * -50]))
@@ -549,7 +556,7 @@ def test_a_contribution_older_than_max_staleness_merges_is_not_merged():
     assert median.too_stale == [(3, 5.0, 2)]
     spec["max_staleness"] = None  # every one merged
     syncer, _ = build_syncer({"spec": spec}, lambda t: t.zero_())
-    syncer.version = 2
+    syncer.versions = [2]
     syncer.add(Arrival(2, 3.0, 10, 0, [ones]))
     assert syncer.merge() and syncer.too_stale == [] and syncer.staleness == [2]
 

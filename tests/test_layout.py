@@ -155,7 +155,9 @@ LONG_MODULES = {
     "averaging/torchft/rounds.py": "one round across replica groups: torchft's protocol in order",
     "cli/refusals.py": "the one table of refusals: a row per combination, each keys, why and fix",
     "averaging/asynchronous/averager.py": "one worker's side of asynchronous rounds: its phase "
-    "clock, the exchange with the syncer in its three forms, and their state",
+    "clock and fragments, the exchange with the syncer in its three forms, and their state",
+    "averaging/asynchronous/service.py": "the syncer's loop in order: reading, the modelled "
+    "clock's order, quorum and grace, synchronous rounds, meetings and the wall clock's pacing",
 }
 LIMIT = 450  # "about 400"
 

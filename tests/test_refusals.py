@@ -94,7 +94,7 @@ CASES: dict[str, list[str]] = {
         "comm.disabled=true", "sync.outer=diloco", "sync.outer_state=cpu"],
     "sync.mode=async with sync.delay_steps > 0, sync.overlap=true or sync.eager=true": [
         "sync.mode=async", "sync.overlap=true"],
-    "sync.mode=async with sync.fragments > 1 or sync.levels": [
+    "sync.mode=async with sync.levels": [
         "sync=hierarchical", "sync.mode=async"],
     "sync.mode=async with sync.topk_mean=senders": [
         "sync.mode=async", "sync.compress=topk", "sync.error_feedback=true",
@@ -185,6 +185,16 @@ def test_the_cli_exits_2_with_the_rows_line(tmp_path, capsys):
         ["ft=torchft", "sync.outer=diloco", "sync.outer_state=cpu"],
         ["ft=torchft", "+experiment=diloco", "sync.eager=true", "trainer.checkpoint_every=8"],
         ["ft=torchft", "sync.delay_steps=1", "sync.check_replicas=true"],
+        # asynchronous Streaming DiLoCo: a fragment a phase, on every wire, under ft too
+        [
+            "sync.mode=async",
+            "+experiment=diloco",
+            "sync.fragments=2",
+            "sync.comm_dtype=int4",
+            "sync.error_feedback=true",
+            "sync.aggregate=median",
+        ],
+        ["ft=torchft", "sync.mode=async", "+experiment=diloco", "sync.fragments=2"],
         # the asynchronous syncer's merge drops NaN/Inf: no all-reduce that cannot
         ["ft=torchft", "sync.mode=async", "sync.drop_nonfinite=true", "sync.check_replicas=true"],
         # by default drift is measured where it can be and the gate runs where a lighthouse does

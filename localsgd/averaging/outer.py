@@ -15,6 +15,8 @@ extrapolated by momentum (a running variance could go negative).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -23,6 +25,7 @@ from localsgd.averaging.flat import FlatBuffers
 from localsgd.averaging.offload import check_outer_state
 from localsgd.averaging.periodic import PeriodicAverager
 from localsgd.averaging.rounds import DILOCO, OUTER_DEFAULTS, Rounds, outer_step, whole
+from localsgd.averaging.rounds.part import Part
 from localsgd.averaging.schedule import ConstantPeriod
 from localsgd.averaging.trust.robust import Aggregate
 from localsgd.averaging.trust.trusted_round import Judge
@@ -46,6 +49,8 @@ class OuterAverager(PeriodicAverager):
     configured step (`outer_step`). `outer_state="cpu"` keeps the anchor and the outer momentum
     in host memory (pinned where CUDA is available) and runs the outer step there, with the
     same bits (`localsgd.averaging.offload`).
+    `split`: the parts its rounds run on (None: the whole model; asynchronous rounds' fragments,
+    `localsgd.averaging.asynchronous.averager`).
     `aggregate`/`judge`: the pseudo-gradients gathered and combined robustly, non-finite ones
     dropped, workers scored and excluded (`localsgd.averaging.trust.trusted_round`); None: the mean.
     The anchor must exist from the start, so `module` is required. The outer step moves the
@@ -77,6 +82,7 @@ class OuterAverager(PeriodicAverager):
         judge: Judge | None = None,
         error_feedback_decay: float = 1.0,
         drop_nonfinite: bool = True,
+        split: Callable[[FlatBuffers], list[Part]] | None = None,
     ):
         dtype = comm_dtype_of(comm_dtype, quant_block_size)
         host = check_outer_state(outer_state)
@@ -93,7 +99,7 @@ class OuterAverager(PeriodicAverager):
         def make_rounds(flat: FlatBuffers) -> Rounds:
             return Rounds(
                 flat,
-                [whole(flat)],
+                [whole(flat)] if split is None else split(flat),
                 size=size,
                 contribution="pseudo_gradient",
                 outer=sgd,

@@ -560,14 +560,13 @@ REFUSALS: tuple[Refusal, ...] = (
         "set sync.merge_alpha=0, or sync.mode=sync",
     ),
     Refusal(
-        ("sync.mode", "sync.fragments", "sync.levels"),
-        "sync.mode=async with sync.fragments > 1 or sync.levels",
-        lambda f: f.plan.mode == "async" and (f.plan.fragments > 1 or bool(f.plan.levels)),
+        ("sync.mode", "sync.levels"),
+        "sync.mode=async with sync.levels",
+        lambda f: f.plan.mode == "async" and bool(f.plan.levels),
         DESIGN,
-        "asynchronous rounds send the whole model's pseudo-gradient when a worker's phase "
-        "ends; fragments on a shared clock and inner levels are not built for workers on "
-        "their own",
-        "set sync.mode=sync, or drop sync.fragments and sync.levels",
+        "an inner level is a plain mean within a group of workers at steps they share; "
+        "asynchronous workers share no step between meetings",
+        "set sync.mode=sync, or drop sync.levels (sync.fragments works asynchronously)",
     ),
     Refusal(
         ("sync.mode", "sync.topk_mean"),

@@ -170,7 +170,7 @@ def build_averager(
         "quant_block_size": sync.quant_block_size,
         "drop_nonfinite": plan.drop_nonfinite,
     }
-    if plan.streaming:
+    if plan.streaming and plan.mode != "async":  # asynchronous fragments: `AsyncAverager`
         # with levels, the widest is the streaming one; the others average the whole model
         outer_step = outer_step if outer != "none" else {}  # plain streaming has no outer step
         averager = StreamingAverager(
@@ -236,6 +236,7 @@ def build_averager(
             aggregate=trust.get("aggregate"),
             normalized_merges=sync.budget_merge == "normalized",
             max_staleness=sync.max_staleness,
+            fragments=sync.fragments,
             correction=(
                 HeLoCo(**{k: getattr(sync.heloco, k) for k in HELOCO_RANGES})
                 if sync.staleness_correction == "heloco"

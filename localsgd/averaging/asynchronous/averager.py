@@ -15,6 +15,15 @@ world of its own and reaches it through sessions (`links`, `rejoin`); a meeting'
 then also names the worker that checkpoints (and brings it the syncer's state) and whether the
 run stops there.
 
+**Fragments** (`fragments` = P > 1, Streaming DiLoCo's split, `streaming.fragments`): a phase
+is `period / P` steps (or `inner_time_s / P` seconds), and each phase sends the next fragment
+in turn, its pseudo-gradient against its own anchor, weighed by the samples trained since that
+fragment's last sync; the answer brings that fragment's global values back, and the other
+fragments train on. So each fragment is synced every `period` steps, staggered by `period / P`
+as in synchronous Streaming DiLoCo, and a message carries a fragment, not the model. A meeting
+sends and takes back every fragment. The syncer keeps each fragment's outer step and version
+(`syncer`).
+
 Under the modelled clock (`step_s`, `speed`: `clock`) the order of
 the syncer's merges is fixed: with every worker equally fast, a quorum of all of them and the
 synchronous outer step, every round is a synchronous one and the run is today's synchronous
@@ -25,7 +34,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 
 import torch
@@ -43,7 +52,7 @@ from localsgd.averaging.asynchronous.links import (
     world_link,
 )
 from localsgd.averaging.asynchronous.mailbox import Mailbox
-from localsgd.averaging.asynchronous.messages import Decoders, encode_
+from localsgd.averaging.asynchronous.messages import encode_, part_decoders
 from localsgd.averaging.asynchronous.rejoin import join, rejoin
 from localsgd.averaging.asynchronous.service import (
     ANNOUNCE,
@@ -55,11 +64,12 @@ from localsgd.averaging.asynchronous.service import (
 from localsgd.averaging.asynchronous.syncer import Syncer
 from localsgd.averaging.outer import OuterAverager
 from localsgd.averaging.rounds.part import views
+from localsgd.averaging.streaming.fragments import FragmentOrder
 from localsgd.averaging.trees import tree_from_json
 from localsgd.averaging.trust.robust import Aggregate
 
 
-class AsyncAverager(OuterAverager):
+class AsyncAverager(FragmentOrder, OuterAverager):
     """`OuterAverager`'s rounds, asynchronous (see the module doc). `store`: the rendezvous
     store (messages); `run_id` keys them; `min_quorum`, `grace_s`: when the syncer merges;
     `outer_delay`: Delayed Nesterov's N (None: the synchronous outer step, torch's SGD);
@@ -71,7 +81,8 @@ class AsyncAverager(OuterAverager):
     contribution (`heloco`); `normalized_merges`: a merge scales each change to its most
     samples before the weighted mean (`syncer`; not `Averager.normalized`, the time budget's
     rounds'); `max_staleness`: a contribution more merges old than that is not merged (None:
-    every one is). The other keywords are
+    every one is); `fragments`, `blocks`: Streaming DiLoCo's split (see the module doc; the
+    blocks as `StreamingAverager`'s). The other keywords are
     `OuterAverager`'s. Call `computes()` before each step (whether to train it) and
     `maybe_average()` after every tick."""
 
@@ -100,11 +111,20 @@ class AsyncAverager(OuterAverager):
         syncer_address: str | None = None,
         worker: int = 0,
         workers: int | None = None,
+        fragments: int = 1,
+        blocks: Sequence[torch.nn.Module] | None = None,
         **outer,
     ):
+        if fragments < 1 or period % fragments:
+            raise ValueError(
+                f"sync.fragments must be >= 1 and divide sync.period={period}, got {fragments}"
+            )
+        self.fragments = fragments
+        self._order_fragments(module, fragments, blocks)
+        split = self.fragment_parts if fragments > 1 else None
         # the workers' own rounds are the mean's (a synchronous round's all-reduce); a robust
         # rule is the syncer's, over the contributions it holds one by one
-        super().__init__(period, warmup_steps, process_group, module=module, **outer)
+        super().__init__(period, warmup_steps, process_group, module=module, split=split, **outer)
         self.aggregate, self.correction = aggregate, correction
         self.normalized_merges = normalized_merges
         if max_staleness is not None and max_staleness < 0:
@@ -149,7 +169,11 @@ class AsyncAverager(OuterAverager):
         self.align_until: float | None = None  # this phase ends here (`_phase_ends`)
         self.grid = 0  # the step count phases are counted from (moved by an aligned phase)
         self.seq = 0
-        self.version = 0  # the global model's version this worker's anchor holds
+        # each fragment's version this worker's anchor holds, the samples trained since its
+        # last sync, and the fragment the next phase sends
+        self.versions = [0] * fragments
+        self.unsynced = [0.0] * fragments
+        self.turn = 0
         self.clock = 0.0  # modelled seconds since the warmup (or wall seconds)
         self.computed = 0  # the ticks since the warmup this worker computed
         self.phase_steps = 0
@@ -208,9 +232,9 @@ class AsyncAverager(OuterAverager):
             self.align_until, self.grid = None, done - 1
             return True
         if self.inner_time_s is None:
-            return (done - 1 - self.grid) % self.period == 0
+            return (done - 1 - self.grid) % (self.period // self.fragments) == 0
         ahead = self.step_seconds if self.modelled else phase_time / max(1, steps)
-        return phase_time + ahead > self.inner_time_s * FITS
+        return phase_time + ahead > self.inner_time_s / self.fragments * FITS
 
     def _next_time(self, step: int) -> float:
         """The modelled time of this worker's next message after step `step`, where its phase
@@ -226,6 +250,11 @@ class AsyncAverager(OuterAverager):
             if self._meets(s):
                 return _instant(clock)
         return math.inf
+
+    @property
+    def version(self) -> int:
+        """The global model's version this worker holds: every fragment's merges."""
+        return sum(self.versions)
 
     # --- the loop -----------------------------------------------------------------------------
 
@@ -284,7 +313,7 @@ class AsyncAverager(OuterAverager):
         elif self.rank == 0 and self.service is None:
             # the global model every worker's anchor holds (its last answer, or the start)
             syncer = Syncer(
-                self.rounds.anchors.first, self.rounds.parts[0], self.syncer_sgd,
+                self.rounds.anchors.first, self.rounds.parts, self.syncer_sgd,
                 self.warmup_steps > 0, self.aggregate, self.correction, self._param_blocks(),
                 self.normalized_merges, self.max_staleness,
             )  # fmt: skip
@@ -296,7 +325,7 @@ class AsyncAverager(OuterAverager):
                 min_quorum=self.min_quorum, grace_s=self.grace_s,
                 # a robust rule or a correction reads each contribution: never an all-reduce
                 collective_rounds=self.aggregate is None and self.correction is None,
-                decoders=Decoders(self.flat.buffers, self.comm_dtype),
+                decoders=part_decoders(self.flat.buffers, self.rounds.parts, self.comm_dtype),
             )  # fmt: skip
             self.service.start()
         self._send_header(ANNOUNCE, next=self._next_time(self.step - 1) if self.modelled else None)
@@ -354,6 +383,8 @@ class AsyncAverager(OuterAverager):
         self.level_stats[0].rounds += 1
         self.level_stats[0].bytes += self.stats.bytes - before
         self.phase_samples, self.phase_time, self.phase_steps = 0.0, 0.0, 0
+        if kind == SEND:
+            self.turn = (self.turn + 1) % self.fragments
         self.merged = self.all_in_sync
         if kind == MEET and not self.stopped:
             if last or self.meeting.get("stop"):
@@ -366,45 +397,59 @@ class AsyncAverager(OuterAverager):
     def _talk(self, kind: str, step: int, last: bool) -> None:
         rounds, buffers = self.rounds, self.flat.buffers
         samples = self.phase_samples
-        work = views(buffers, rounds.parts[0])
+        # a phase sends its fragment, a meeting every one: each weighed by the samples trained
+        # since its last sync
+        sent = list(range(self.fragments)) if kind == MEET else [self.turn]
+        unsynced = [n + samples for n in self.unsynced]
+        work = {f: views(buffers, rounds.parts[f]) for f in sent}
         nxt = self._next_time(step) if self.modelled and kind == SEND else None
         resume = self.resume_state() if self.resume_state is not None and kind == SEND else None
         seq = self._send_header(
             kind, time=_instant(self.clock) if self.modelled else None, samples=samples,
-            version=self.version, next=nxt, resume=resume, last=last, step=step,
+            fragments=sent, weights=[unsynced[f] for f in sent], versions=list(self.versions),
+            next=nxt, resume=resume, last=last, step=step,
             stop=kind == MEET and self.stop_requested(),
         )  # fmt: skip
         decision = self._take(f"d/{self.rank}/{seq}")
         if decision["do"] == "stop":  # a hosted syncer's run ended without this worker
             self.stopped = True
             return
-        # every worker is here (a meeting, or a synchronous round): the global-sync hooks
-        # (drift) run around it, their collectives in the same order on every rank
-        together = kind == MEET or decision["do"] == "collective"
+        self.unsynced = [0.0 if f in work else n for f, n in enumerate(unsynced)]
+        # every worker is here with the whole model (a meeting, or a synchronous round): the
+        # global-sync hooks (drift) run around it, their collectives in the same order on every
+        # rank
+        together = kind == MEET or (decision["do"] == "collective" and self.fragments == 1)
         if together:
             self._global_hooks("before")
-        # the pseudo-gradient, in place (zeros where nothing was trained since the last
-        # answer): the buffers take the global model back after
-        rounds.offer(0, buffers, work)
+        # the pseudo-gradients, in place (zeros where nothing was trained since the last
+        # answer): the buffers take the global values back after
+        for f, w in work.items():
+            rounds.offer(f, buffers, w)
         if decision["do"] == "collective":
-            self._collective(decision, work, samples)
+            self._collective(decision, work, [unsynced[f] for f in sent])
             self.exchanges["collective"] += 1
-            self.version = decision["version"]
+            for f in work:
+                self.versions[f] = decision["versions"][f]
             if kind == MEET and self.modelled:  # every worker leaves a meeting at its time
                 self.clock = decision["time"]
         else:
             if decision["do"] == "payload":
-                self._send_payload(work)
+                for f, w in work.items():
+                    self._send_payload(w, f)
             answer = self._take(f"r/{self.rank}/{seq}")
             if answer["values"]:
-                self._receive_values(work)
+                self._receive_values([t for w in work.values() for t in w])
                 self.exchanges["p2p"] += 1
-            else:  # the global model is still this worker's anchor
-                for w, a in zip(work, views(rounds.anchors.first, rounds.parts[0]), strict=True):
-                    w.copy_(a)
+            else:  # the global values are still this worker's anchor
+                anchors = rounds.anchors.first
+                for f, w in work.items():
+                    for t, a in zip(w, views(anchors, rounds.parts[f]), strict=True):
+                        t.copy_(a)
                 self.exchanges["unchanged"] += 1
-            rounds.anchors.reset(buffers)
-            self.version = answer["version"]
+            for f, w in work.items():
+                rounds.anchors.settle_(rounds.parts[f], 0, w)
+            for f in work:  # the other fragments' anchors are as old as before
+                self.versions[f] = answer["versions"][f]
             waited = self.modelled and answer["time"] > _instant(self.clock)
             if waited:  # at a meeting, or for its merge (sync.grace_s): idle until then
                 self.clock = answer["time"]
@@ -422,30 +467,39 @@ class AsyncAverager(OuterAverager):
         if together:
             self._global_hooks("after")
 
-    def _collective(self, decision: dict, work: list, samples: float) -> None:
-        """A synchronous round: the mean all-reduced (weighted by samples where they differ),
-        the outer step on rank 0's syncer, the new global model broadcast."""
+    def _collective(self, decision: dict, work: dict[int, list], weights: list[float]) -> None:
+        """A synchronous round of the fragments in `work`: each one's mean all-reduced
+        (weighted by samples where they differ), the outer steps on rank 0's syncer, the new
+        global values broadcast."""
         rounds, comm = self.rounds, self.comm
-        if decision["weighted"]:
-            comm.weigh(samples, work[0].device)
-        try:
-            rounds.combine.blocking(0, work, comm, rounds.wires[0])
-        finally:
-            comm.unweigh()
+        totals = []
+        for (f, w), weight in zip(work.items(), weights, strict=True):
+            if decision["weighted"]:
+                comm.weigh(weight, w[0].device)
+            try:
+                rounds.combine.blocking(f, w, comm, rounds.wires[f])
+                # the samples behind the mean: every worker's weight (all alike unweighted)
+                totals.append(sum(comm.weights or []) if decision["weighted"] else None)
+            finally:
+                comm.unweigh()
         if self.service is not None:
-            total = (
-                samples * self.world_size if not decision["weighted"] else sum(comm.weights or [])
+            totals = [weight * self.world_size if t is None else t
+                      for t, weight in zip(totals, weights, strict=True)]  # fmt: skip
+            self.service.collective_merged(
+                list(work.values()), totals, decision["workers"], list(work)
             )
-            self.service.collective_merged(work, total, decision["workers"])
-        for w in work:
-            comm.broadcast_(w)
-        rounds.anchors.reset(self.flat.buffers)
-        self.all_in_sync = True
+        for w in work.values():
+            for t in w:
+                comm.broadcast_(t)
+        for f, w in work.items():
+            rounds.anchors.settle_(rounds.parts[f], 0, w)
+        self.all_in_sync = len(work) == self.fragments
 
-    def _send_payload(self, work: list) -> None:
-        """The contribution in the wire's format (`messages`); rank 0's goes in-process."""
+    def _send_payload(self, work: list, f: int) -> None:
+        """Fragment f's contribution in the wire's format (`messages`); rank 0's goes
+        in-process."""
         start = time.perf_counter()
-        messages, decoded = encode_(work, self.rounds.wires[0])
+        messages, decoded = encode_(work, self.rounds.wires[f])
         if self.service is not None:  # as the syncer decodes the others': in the buffers' dtype
             self.service.payload.put(
                 [d.detach().to(w.dtype, copy=True) for d, w in zip(decoded, work, strict=True)]
@@ -492,8 +546,9 @@ class AsyncAverager(OuterAverager):
             raise RuntimeError("asynchronous rounds checkpoint at meetings only")
         state = super().state_dict()
         state["async"] = {
-            "version": self.version, "clock": self.clock, "exchanges": dict(self.exchanges),
-            "computed": self.computed,
+            "versions": list(self.versions), "clock": self.clock,
+            "exchanges": dict(self.exchanges), "computed": self.computed, "turn": self.turn,
+            "unsynced": list(self.unsynced),
         }  # fmt: skip
         if self.service is not None:
             with self.service.lock:
@@ -505,7 +560,14 @@ class AsyncAverager(OuterAverager):
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         saved = state.get("async", {})
-        self.version = int(saved.get("version", 0))
+        versions = saved.get("versions", [saved.get("version", 0)])
+        if len(versions) != self.fragments:
+            raise ValueError(
+                f"the checkpoint has sync.fragments={len(versions)}, this run {self.fragments}"
+            )
+        self.versions = [int(v) for v in versions]
+        self.turn = int(saved.get("turn", 0))
+        self.unsynced = [float(n) for n in saved.get("unsynced", [0.0] * self.fragments)]
         self.clock = float(saved.get("clock", 0.0))
         self.computed = int(saved.get("computed", 0))
         self.exchanges.update(saved.get("exchanges", {}))

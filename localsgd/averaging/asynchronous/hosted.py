@@ -26,7 +26,7 @@ import torch
 from localsgd.averaging.asynchronous.delayed_nesterov import DelayedNesterov
 from localsgd.averaging.asynchronous.heloco import HeLoCo
 from localsgd.averaging.asynchronous.links import Sessions
-from localsgd.averaging.asynchronous.messages import Decoders
+from localsgd.averaging.asynchronous.messages import Decoders, part_decoders
 from localsgd.averaging.asynchronous.service import (
     ANNOUNCE,
     LINK_ERRORS,
@@ -83,7 +83,7 @@ class HostedSyncer:
         self.service.join(timeout_s)
 
 
-def build_syncer(request: dict, receive_one) -> tuple[Syncer, Decoders]:
+def build_syncer(request: dict, receive_one) -> tuple[Syncer, list[Decoders]]:
     """The syncer from the first worker's `request` (`rejoin.spec`) and its model, read by
     `receive_one(tensor)` buffer by buffer, then any state it resumes from; and the decoders
     of the run's wire."""
@@ -96,14 +96,15 @@ def build_syncer(request: dict, receive_one) -> tuple[Syncer, Decoders]:
         sgd["optimizer"] = DelayedNesterov
     aggregate = None if spec["aggregate"] is None else Aggregate(**spec["aggregate"])
     correction = None if spec["correction"] is None else HeLoCo(**spec["correction"])
+    parts = [[tuple(s) for s in part] for part in spec["parts"]]
     syncer = Syncer(
-        buffers, [tuple(s) for s in spec["part"]], sgd, spec["plain_first"], aggregate,
+        buffers, parts, sgd, spec["plain_first"], aggregate,
         correction, [tuple(b) for b in spec["blocks"]], spec["normalized"],
         spec.get("max_staleness"),
     )  # fmt: skip
     if spec.get("state") is not None:  # resumed: the checkpoint's syncer goes on
         syncer.load_state_dict(tree_from_json(spec["state"], receive_one))
-    return syncer, Decoders(buffers, _wire(spec["wire"]))
+    return syncer, part_decoders(buffers, parts, _wire(spec["wire"]))
 
 
 def _wire(wire: dict):
@@ -160,8 +161,8 @@ class HostedService(SyncerService):
                     self.unconfirmed[r] = self.resume.get(r)
                 self.resume[r] = (header["resume"], time.monotonic())
 
-    def _receive(self, r: int) -> list[torch.Tensor]:
-        tensors = super()._receive(r)
+    def _receive(self, r: int, f: int) -> list[torch.Tensor]:
+        tensors = super()._receive(r, f)
         self.unconfirmed.pop(r, None)  # its contribution arrived: it resumes after it
         return tensors
 
@@ -225,7 +226,7 @@ class HostedService(SyncerService):
         resume, since = self.resume.get(r) or (None, None)
         box.put(
             "welcome",
-            {"version": self.syncer.version, "values": True, "resume": resume,
+            {"versions": list(self.syncer.versions), "values": True, "resume": resume,
              "since_s": None if since is None else time.monotonic() - since},
         )  # fmt: skip
         self._send_values(r)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from localsgd.averaging.rounds.part import Tensors
+from localsgd.averaging.rounds.part import Part, Tensors, views
 from localsgd.averaging.wire.compress import MESSAGE_WIRES, CommFormat, feed_back_, wire_buffers
 
 
@@ -68,3 +68,8 @@ class Decoders:
             else:
                 out.append(message.to(dtype))
         return out
+
+
+def part_decoders(buffers: Tensors, parts: list[Part], fmt: CommFormat) -> list[Decoders]:
+    """One `Decoders` per part of `buffers` (the whole model, or each fragment)."""
+    return [Decoders(views(buffers, part), fmt) for part in parts]

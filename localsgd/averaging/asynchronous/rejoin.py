@@ -26,7 +26,6 @@ from localsgd.averaging.asynchronous.links import (
     WorkerLink,
     join_session,
 )
-from localsgd.averaging.rounds.part import views
 from localsgd.averaging.trees import tree_as_json
 from localsgd.averaging.wire.quantize import BlockCodec
 from localsgd.averaging.wire.sparse import TopKCodec
@@ -45,7 +44,7 @@ def spec(averager) -> dict:
     correction, buffers = averager.correction, averager.flat.buffers
     return {
         "buffers": [[b.numel(), str(b.dtype).removeprefix("torch.")] for b in buffers],
-        "part": [list(s) for s in averager.rounds.parts[0]],
+        "parts": [[list(s) for s in part] for part in averager.rounds.parts],
         "blocks": [list(b) for b in averager._param_blocks()],
         "sgd": sgd,
         "plain_first": averager.warmup_steps > 0,
@@ -97,6 +96,7 @@ def rejoin(averager) -> None:
     averager.link, averager.seq = link, 0
     averager.rejoins += 1
     averager.phase_samples = 0.0  # what it trained since its last answer is not merged
+    averager.unsynced = [0.0] * len(averager.unsynced)
 
 
 def _welcomed(averager, link: WorkerLink, welcome: dict) -> None:
@@ -107,6 +107,6 @@ def _welcomed(averager, link: WorkerLink, welcome: dict) -> None:
         return
     rounds, buffers = averager.rounds, averager.flat.buffers
     if welcome["values"]:
-        link.receive_model(views(buffers, rounds.parts[0]))
+        link.receive_model(list(buffers))
     rounds.anchors.reset(buffers)
-    averager.version = welcome["version"]
+    averager.versions = list(welcome["versions"])

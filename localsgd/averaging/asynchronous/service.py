@@ -16,6 +16,11 @@ all-reduced mean, then this thread's outer step, then a broadcast (the synchrono
 bits). A merge runs once `min_quorum` workers have contributions pending, `grace_s` later
 (modelled seconds, or the wall clock's); a sender is answered right away with the global model
 as of its time, so nobody waits for a quorum. A meeting answers once every worker is there.
+
+**Fragments** (Streaming DiLoCo): a header names the fragments it carries (`fragments`: one
+when a phase ends, every one at a meeting), their weights (the samples each was trained on
+since its last sync) and the sender's version of each; the answer carries the global values of
+those fragments only, where they changed since the sender's versions.
 """
 
 from __future__ import annotations
@@ -58,7 +63,7 @@ class SyncerService:
         min_quorum: int,
         grace_s: float,
         collective_rounds: bool = True,
-        decoders: Decoders | None = None,
+        decoders: list[Decoders] | None = None,
         timeout_s: float = 300.0,
         bootstrap=None,
     ):
@@ -68,7 +73,7 @@ class SyncerService:
         self.local = None if links.sessions else 0
         self.modelled, self.min_quorum, self.grace_s = modelled, min_quorum, grace_s
         self.collective_rounds = collective_rounds
-        self.decoders = decoders  # the wire's messages to fp32 (None: fp32 as sent)
+        self.decoders = decoders  # each part's messages to fp32 (None: fp32 as sent)
         self.lock = threading.Lock()
         self.payload: queue.Queue = queue.Queue()  # rank 0's own contributions
         self.values: queue.Queue = queue.Queue()  # ... and the global model sent to it
@@ -229,14 +234,16 @@ class SyncerService:
             self.announced[r] = h["next"] if h["kind"] == SEND else None
         kind = kinds.pop() if len(kinds) == 1 else None
         samples = [h["samples"] for h in headers.values()]
+        sent = {tuple(h["fragments"]) for h in headers.values()}
         if (
             self.collective_rounds
             and self.modelled
             and len(headers) == self.size
             and kind is not None
+            and len(sent) == 1
             and not syncer.pending
             and not self.waiting
-            and all(h["version"] == syncer.version for h in headers.values())
+            and all(h["versions"] == syncer.versions for h in headers.values())
             and sum(samples) > 0
             # the all-reduce weighs by samples: a normalized merge of unequal ones is the
             # syncer's own
@@ -251,12 +258,13 @@ class SyncerService:
             if h["samples"] > 0:
                 box.put(f"d/{r}/{h['seq']}", {"do": "payload"})
                 try:
-                    tensors = self._receive(r)
+                    tensors = [self._receive(r, f) for f in h["fragments"]]
                 except LINK_ERRORS:  # it died or was cut off mid-transfer: nothing arrived
                     self._failed(r)
                     del headers[r]
                     continue
-                syncer.add(Arrival(r, now, h["samples"], h["version"], tensors))
+                for f, weight, t in zip(h["fragments"], h["weights"], tensors, strict=True):
+                    syncer.add(Arrival(r, now, weight, h["versions"][f], t, f))
                 last = self.arrivals.get(r)
                 # after an aligned phase the worker goes on at the others' interval
                 gap = self.aligned.pop(r, None) or (None if last is None else now - last[0])
@@ -324,33 +332,39 @@ class SyncerService:
 
     def _collective(self, now: float, headers: dict, kind: str, samples: list) -> None:
         """Every worker at one time, nothing pending: a synchronous round (see the module doc)."""
-        weighted = any(s != samples[0] for s in samples)
+        weights = [h["weights"] for h in headers.values()]
+        weighted = any(w != weights[0] for w in weights)
+        fragments = next(iter(headers.values()))["fragments"]
+        versions = [v + (f in fragments) for f, v in enumerate(self.syncer.versions)]
         self.collective_done.clear()
         for r, h in headers.items():
             self.links.box(r).put(
                 f"d/{r}/{h['seq']}",
-                {"do": "collective", "weighted": weighted, "time": now,
-                 "version": self.syncer.version + 1, "workers": sum(s > 0 for s in samples)},
+                {"do": "collective", "weighted": weighted, "time": now, "versions": versions,
+                 "workers": sum(s > 0 for s in samples)},
             )  # fmt: skip
         if not self.collective_done.wait(self.timeout_s):
             raise TimeoutError("the synchronous round's mean never came (dist.timeout_s)")
         self._record(now, len(headers), [0] * len(headers), "collective" + (kind == MEET) * " meet")
 
-    def collective_merged(self, mean: list[torch.Tensor], samples: float, workers: int) -> None:
-        """Rank 0's training thread, in a synchronous round of `workers` contributions: the
-        all-reduced mean is in `mean`; the outer step runs here and `mean` takes the new
-        global model."""
+    def collective_merged(
+        self, means: list[list[torch.Tensor]], samples: list[float], workers: int, fragments
+    ) -> None:
+        """Rank 0's training thread, in a synchronous round of `workers` contributions: each
+        fragment's all-reduced mean is in `means` (its samples in `samples`); the outer steps
+        run here and each mean takes its fragment's new global values."""
         with self.lock:
-            self.syncer.step_(mean, samples, workers)
-            for m, v in zip(mean, self.syncer.values, strict=True):
-                m.copy_(v)
+            for mean, n, f in zip(means, samples, fragments, strict=True):
+                self.syncer.step_(mean, n, workers, f)
+                for m, v in zip(mean, self.syncer.values_of(f), strict=True):
+                    m.copy_(v)
         self.collective_done.set()
 
     def _merge(self, at: float) -> None:
         """Merge what is pending; every sender waiting for it is answered after it."""
         pending = self.syncer.pending
-        count, version = len(pending), self.syncer.version
-        staleness = [version - a.version for a in pending]
+        count, versions = len(pending), self.syncer.versions
+        staleness = [versions[a.fragment] - a.version for a in pending]
         with self.lock:
             merged = self.syncer.merge()
         self.deadline = None
@@ -391,7 +405,8 @@ class SyncerService:
     def _answer(
         self, r: int, header: dict, at: float, values: bool = False, extra: dict | None = None
     ) -> None:
-        values = values or header["version"] != self.syncer.version
+        versions = self.syncer.versions
+        values = values or any(header["versions"][f] != versions[f] for f in header["fragments"])
         if self.modelled and header["kind"] == SEND and at > header["time"]:
             self.announced[r] = None  # it waited: it announces its next time again
         if not self._reachable(r):
@@ -399,20 +414,25 @@ class SyncerService:
         align = self._align(r, at) if header["kind"] == SEND else None
         self.links.box(r).put(
             f"r/{r}/{header['seq']}",
-            {"version": self.syncer.version, "time": at, "values": values, "align_s": align,
-             **(extra or {})},
+            {"version": self.syncer.version, "versions": list(versions), "time": at,
+             "values": values, "align_s": align, **(extra or {})},
         )  # fmt: skip
         if values:
-            self._send_values(r)
+            self._send_values(r, header["fragments"])
 
-    def _send_values(self, r: int) -> None:
-        """The global model to worker r (in-process to the worker beside this thread)."""
-        if r == self.local:
-            with self.lock:
-                self.values.put([v.clone() for v in self.syncer.values])
-            return
-        with self.lock:  # host copies: the point-to-point group is gloo's, on every device
-            hosted = [v.detach().cpu().contiguous() for v in self.syncer.values]
+    def _send_values(self, r: int, fragments: list[int] | None = None) -> None:
+        """The global values of `fragments` (None: the whole model) to worker r, in-process to
+        the worker beside this thread."""
+        with self.lock:
+            if fragments is None:
+                values = self.syncer.values_of(None)
+            else:
+                values = [v for f in fragments for v in self.syncer.values_of(f)]
+            if r == self.local:
+                self.values.put([v.clone() for v in values])
+                return
+            # host copies: the point-to-point group is gloo's, on every device
+            hosted = [v.detach().cpu().contiguous() for v in values]
         try:
             for v in hosted:
                 self.links.send(r, v, TAG_VALUES)
@@ -420,16 +440,18 @@ class SyncerService:
         except LINK_ERRORS:
             self._failed(r)
 
-    def _receive(self, r: int) -> list[torch.Tensor]:
+    def _receive(self, r: int, f: int) -> list[torch.Tensor]:
+        """Worker r's contribution to fragment f (the whole model, unfragmented)."""
         if r == self.local:
             return self.payload.get(timeout=self.timeout_s)
-        if self.decoders is None:
-            messages = [torch.empty_like(v, device="cpu") for v in self.syncer.values]
+        decoders = None if self.decoders is None else self.decoders[f]
+        if decoders is None:
+            messages = [torch.empty_like(v, device="cpu") for v in self.syncer.values_of(f)]
         else:
-            messages = self.decoders.empty()
+            messages = decoders.empty()
         for m in messages:
             self.links.recv(r, m, TAG_PAYLOAD)
-        tensors = messages if self.decoders is None else self.decoders.decode(messages)
+        tensors = messages if decoders is None else decoders.decode(messages)
         device = self.syncer.values[0].device
         return [t.to(device) for t in tensors]
 

@@ -16,6 +16,13 @@ than `max_staleness` merges old (`too_stale`: its worker takes the newest model 
 Delayed Nesterov is what tames it, and with `correction` (`heloco.HeLoCo`) each contribution
 is first corrected, block by block (`blocks`: the parameter tensors), against the outer
 momentum as it stands before the merge.
+
+**Fragments** (Streaming DiLoCo, `parts` more than one): each contribution is one fragment's
+(a meeting's: one per fragment), and each fragment is its own global model as above: its own
+outer optimizer, its own version (`versions`; a contribution's staleness counts its fragment's
+merges) and its own first plain merge. A merge steps every fragment that has contributions
+pending, in fragment order; `version` counts every fragment's merges, and `merged_samples`
+counts a fragment's samples as that share of the model (`1/P` each).
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ import torch
 from localsgd.averaging.asynchronous.heloco import HeLoCo
 from localsgd.averaging.finite import all_finite
 from localsgd.averaging.rounds.outer import Anchors, OuterSGD
-from localsgd.averaging.rounds.part import Part, Tensors
+from localsgd.averaging.rounds.part import Part, Tensors, views
 from localsgd.averaging.trust.robust import Aggregate
 
 
@@ -38,13 +45,15 @@ class Arrival:
     worker: int
     time: float  # when it was sent: modelled seconds, or the syncer's clock
     samples: float  # what it was trained on: its weight
-    version: int  # the global model's version it was trained from
+    version: int  # its fragment's version it was trained from
     tensors: Tensors
+    fragment: int = 0
 
 
 class Syncer:
     """The global model (`anchors.first`, laid out as the flat buffers), its outer optimizer
-    (`sgd`: lr, momentum, nesterov, warmup_rounds, optimizer) and the pending contributions.
+    (`sgd`: lr, momentum, nesterov, warmup_rounds, optimizer; one per part of `parts`: the
+    whole model, or each fragment) and the pending contributions.
     `plain_first`: the first merge is a plain average (after a synchronous warmup, as the
     synchronous rounds' first). `aggregate`: a robust rule instead of the weighted mean.
     `normalized`: the weighted mean of the changes scaled to the merge's most samples."""
@@ -52,7 +61,7 @@ class Syncer:
     def __init__(
         self,
         buffers: Tensors,
-        part: Part,
+        parts: list[Part],
         sgd: dict,
         plain_first: bool = False,
         aggregate: Aggregate | None = None,
@@ -61,25 +70,29 @@ class Syncer:
         normalized: bool = False,
         max_staleness: int | None = None,
     ):
-        self.part = part
+        self.parts = parts
         self.max_staleness = max_staleness
         self.normalized = normalized
         self.aggregate = aggregate
         self.correction = correction
-        # each block (a buffer g's slice at offset, numel) as (part entry, start, end) in it
-        entries = {g: (i, s) for i, (g, s, _, _) in enumerate(part)}
+        # each part's blocks (a buffer g's slice at offset o, numel k), as (slice, start, end)
+        # in that part's slices
         self.blocks = [
-            (entries[g][0], o - entries[g][1], o - entries[g][1] + k)
-            for g, o, k in blocks
-            if g in entries
+            [
+                (i, o - s, o - s + k)
+                for g, o, k in blocks
+                for i, (h, s, _, e) in enumerate(part)
+                if h == g and s <= o < e
+            ]
+            for part in parts
         ]
         self.dropped: list[tuple[int, float]] = []  # (worker, time) of each non-finite one
         # (worker, time, staleness) of each one older than max_staleness merges
         self.too_stale: list[tuple[int, float, int]] = []
         self.anchors = Anchors([b.detach().clone() for b in buffers])
-        self.outer = OuterSGD([part], self.anchors, sgd)
+        self.outer = OuterSGD(parts, self.anchors, sgd)
         self.plain_first = plain_first
-        self.version = 0  # merges so far: the global model's version
+        self.versions = [0] * len(parts)  # each part's merges so far: its version
         self.pending: list[Arrival] = []
         self.merged_samples = 0.0
         self.staleness: list[int] = []  # of every merged contribution, in merge order
@@ -89,6 +102,17 @@ class Syncer:
         """The global model, as flat buffers."""
         return self.anchors.first
 
+    def values_of(self, fragment: int | None) -> Tensors:
+        """The global values of one part (None: the whole model), one view per slice."""
+        if fragment is None:
+            return list(self.values)
+        return views(self.values, self.parts[fragment])
+
+    @property
+    def version(self) -> int:
+        """Every part's merges: the global model's version (the one part's, unfragmented)."""
+        return sum(self.versions)
+
     def add(self, arrival: Arrival) -> None:
         self.pending.append(arrival)
 
@@ -96,9 +120,14 @@ class Syncer:
         return len({a.worker for a in self.pending})
 
     def merge(self) -> bool:
-        """Merge every pending contribution; whether there was one."""
-        arrived = [a for a in self.pending if a.samples > 0]
-        self.pending = []
+        """Merge every pending contribution, fragment by fragment; whether one was merged."""
+        pending, self.pending = self.pending, []
+        merged = False
+        for f in range(len(self.parts)):
+            merged |= self._merge([a for a in pending if a.fragment == f and a.samples > 0], f)
+        return merged
+
+    def _merge(self, arrived: list[Arrival], f: int) -> bool:
         if not arrived:
             return False
         finite = [all_finite(a.tensors) for a in arrived]
@@ -106,7 +135,7 @@ class Syncer:
             (a.worker, a.time) for a, ok in zip(arrived, finite, strict=True) if not ok
         ]
         keep = [i for i, ok in enumerate(finite) if ok]
-        staleness = [self.version - a.version for a in arrived]
+        staleness = [self.versions[f] - a.version for a in arrived]
         if self.max_staleness is not None:  # trained from a model too old: not merged
             self.too_stale += [
                 (arrived[i].worker, arrived[i].time, staleness[i])
@@ -117,9 +146,9 @@ class Syncer:
         if not keep:
             return False
         if self.correction is not None:
-            self._correct([arrived[i] for i in keep])
+            self._correct([arrived[i] for i in keep], f)
         if self.aggregate is not None:  # the rule reads the contributions as rows
-            rows = [torch.stack([a.tensors[i] for a in arrived]) for i in range(len(self.values))]
+            rows = [torch.stack([a.tensors[i] for a in arrived]) for i in range(len(self.parts[f]))]
             mean = self.aggregate.combine(rows, keep)
         else:  # the weighted mean, summed in arrival order: no stacked copy
             total = sum(arrived[i].samples for i in keep)
@@ -131,38 +160,38 @@ class Syncer:
                 for m, t in zip(mean, arrived[i].tensors, strict=True):
                     m.add_(t, alpha=weight / total)
         self.staleness += [staleness[i] for i in keep]
-        self.step_(mean, sum(arrived[i].samples for i in keep), len(keep))
+        self.step_(mean, sum(arrived[i].samples for i in keep), len(keep), f)
         return True
 
-    def _correct(self, arrived: list[Arrival]) -> None:
+    def _correct(self, arrived: list[Arrival], f: int) -> None:
         """HeLoCo: each contribution against the outer momentum before this merge (None where
         the optimizer has none yet: the block is kept)."""
-        opt = self.outer.optimizers[0]
+        opt = self.outer.optimizers[f]
         momenta: dict[int, torch.Tensor | None] = {}
         mu = 0.0
         if opt is not None:
             mu = opt.param_groups[0]["momentum"]
-            holding = [i for i, (_, s, n, _) in enumerate(self.part) if n > s]
+            holding = [i for i, (_, s, n, _) in enumerate(self.parts[f]) if n > s]
             for i, param in zip(holding, opt.param_groups[0]["params"], strict=True):
                 momenta[i] = opt.state.get(param, {}).get("momentum_buffer")
         for a in arrived:
             pairs = []
-            for i, lo, hi in self.blocks:
+            for i, lo, hi in self.blocks[f]:
                 m = momenta.get(i)
                 pairs.append((a.tensors[i][lo:hi], None if m is None else m[lo:hi]))
             self.correction.correct_(pairs, mu)
 
-    def step_(self, mean: Tensors, samples: float, contributions: int) -> None:
-        """One outer step by the combined pseudo-gradient `mean` of `contributions` workers' (a
-        merge's, or a synchronous round's all-reduced one,
+    def step_(self, mean: Tensors, samples: float, contributions: int, f: int = 0) -> None:
+        """One outer step of part `f` by its combined pseudo-gradient `mean` of `contributions`
+        workers' (a merge's, or a synchronous round's all-reduced one,
         `service.SyncerService.collective_merged`)."""
-        for opt in self.outer.optimizers:  # Delayed Nesterov counts its cycle in them
-            if opt is not None:
-                opt.contributions = contributions
-        plain = self.plain_first and self.version == 0
-        self.outer.step_(0, self.part, mean, plain)
-        self.version += 1
-        self.merged_samples += samples
+        opt = self.outer.optimizers[f]
+        if opt is not None:  # Delayed Nesterov counts its cycle in it
+            opt.contributions = contributions
+        plain = self.plain_first and self.versions[f] == 0
+        self.outer.step_(f, self.parts[f], mean, plain)
+        self.versions[f] += 1
+        self.merged_samples += samples / len(self.parts)
 
     def state_dict(self) -> dict:
         if self.pending:
@@ -171,6 +200,7 @@ class Syncer:
             **self.anchors.state_dict(),
             "optimizers": self.outer.state_dict(),
             "version": self.version,
+            "versions": list(self.versions),
             "merged_samples": self.merged_samples,
             "staleness": list(self.staleness),
             "dropped": [list(d) for d in self.dropped],
@@ -181,7 +211,12 @@ class Syncer:
     def load_state_dict(self, state: dict) -> None:
         self.anchors.load_state_dict(state)
         self.outer.load_state_dict(state["optimizers"])
-        self.version = int(state["version"])
+        self.versions = [int(v) for v in state.get("versions", [state["version"]])]
+        if len(self.versions) != len(self.parts):
+            raise ValueError(
+                f"the checkpoint's syncer has {len(self.versions)} fragments, this run "
+                f"{len(self.parts)} (sync.fragments)"
+            )
         self.merged_samples = float(state["merged_samples"])
         self.staleness = [int(s) for s in state["staleness"]]
         self.dropped = [(int(w), float(t)) for w, t in state.get("dropped", [])]

@@ -94,14 +94,13 @@ from torch import nn
 
 from localsgd.averaging.averager import Averager, mirrored
 from localsgd.averaging.comm import CommStats, Communicator, SimulatedLink
-from localsgd.averaging.flat import FlatBuffers, averaged_tensors
+from localsgd.averaging.flat import FlatBuffers
 from localsgd.averaging.hierarchical import level_by_period
 from localsgd.averaging.offload import check_outer_state
 from localsgd.averaging.rounds import DILOCO, Rounds
 from localsgd.averaging.rounds.merge import MERGE_RULES
-from localsgd.averaging.rounds.part import fragments as fragment_parts
 from localsgd.averaging.schedule import ConstantPeriod
-from localsgd.averaging.streaming.fragments import Tensors, fragment_ids
+from localsgd.averaging.streaming.fragments import FragmentOrder, Tensors
 from localsgd.averaging.trust.robust import Aggregate
 from localsgd.averaging.trust.trusted_round import Judge
 from localsgd.averaging.wire.compress import CommFormat, comm_dtype_of
@@ -110,7 +109,7 @@ from localsgd.averaging.wire.quantize import DEFAULT_BLOCK_SIZE
 __all__ = ["MERGE_RULES", "StreamingAverager"]
 
 
-class StreamingAverager(Averager):
+class StreamingAverager(FragmentOrder, Averager):
     """Streaming DiLoCo: `fragments` fragments synced in turn, each `delay_steps` late, merged
     with `merge_alpha`; `eager` overlaps the whole outer step; `outer=False` streams plain
     averages; `inner_levels` adds hierarchical levels below the streaming one; `outer_state="cpu"`
@@ -204,11 +203,8 @@ class StreamingAverager(Averager):
         # a varying period changes between cycles of the P fragments: the cycle's start and H
         self.cycle_start, self.cycle_period = warmup_steps, 0
         self.cycle_period = self._cycle_period(schedule, warmup_steps)
-        ids = fragment_ids(module, fragments, blocks)
-        n_params = sum(1 for t in module.parameters() if torch.is_floating_point(t))
         # the tensors bound in fragment order: each fragment contiguous in every buffer
-        self._order = sorted(range(len(ids)), key=lambda i: (ids[i], i >= n_params, i))
-        self._param_ids: set[int] = set()
+        self._order_fragments(module, fragments, blocks)
         sgd = {"lr": outer_lr, "momentum": outer_momentum, "nesterov": outer_nesterov,
                "warmup_rounds": outer_warmup_rounds}  # fmt: skip
         # plain streaming sends the values in fp32; below it (or judged) the change since the
@@ -220,9 +216,7 @@ class StreamingAverager(Averager):
         def make_rounds(flat: FlatBuffers) -> Rounds:
             return Rounds(
                 flat,
-                fragment_parts(
-                    flat, [ids[i] for i in self._order], [i < n_params for i in self._order]
-                ),  # fmt: skip
+                self.fragment_parts(flat),
                 size=comm.size,  # M, the workers of the widest level
                 contribution=kind,
                 outer=sgd if outer else None,
@@ -264,29 +258,6 @@ class StreamingAverager(Averager):
             parts=fragments,
             schedule=schedule,
         )
-
-    # --- binding in fragment order -------------------------------------------------------------
-
-    def _bind(self, params: Tensors, tensors: Tensors) -> None:
-        self._param_ids = {id(t) for t in params}
-        super()._bind(params, [tensors[i] for i in self._order])
-
-    def _module_tensors(self) -> Tensors:
-        current = averaged_tensors(self.module)
-        return [current[i] for i in self._order]
-
-    def _follow_module(self) -> None:
-        before = self._bound().tensors
-        super()._follow_module()
-        if self.flat.tensors is not before:
-            self._param_ids = {id(t) for t in self.module.parameters()}
-
-    def _check_params(self, given: Tensors) -> None:
-        if {id(t) for t in given} != self._param_ids:
-            raise ValueError(
-                "average_parameters() got other parameters than the module's: build a new "
-                "averager for other parameters"
-            )
 
     # --- the schedule --------------------------------------------------------------------------
 

@@ -12,7 +12,9 @@ from itertools import chain
 import torch
 from torch import nn
 
-from localsgd.averaging.flat import averaged_tensors
+from localsgd.averaging.flat import FlatBuffers, averaged_tensors
+from localsgd.averaging.rounds.part import Part
+from localsgd.averaging.rounds.part import fragments as parts_of
 
 Tensors = list[torch.Tensor]
 
@@ -79,3 +81,48 @@ def fragment_ids(
             out[i] = min(range(fragments), key=lambda q: (sizes[q], q))
             sizes[out[i]] += t.numel()
     return out
+
+
+class FragmentOrder:
+    """Binding in fragment order (a mixin before `Averager`): the averaged tensors are bound so
+    that each fragment is contiguous in every flat buffer (its parameters, then its buffers),
+    which `rounds.part.fragments` then cuts into one part per fragment. Call `_order_fragments`
+    before `Averager.__init__` binds; `fragment_parts` is the `make_rounds` split."""
+
+    _order: list[int] = []
+    _param_ids: set[int] = set()
+
+    def _order_fragments(
+        self, module: nn.Module, fragments: int, blocks: Sequence[nn.Module] | None = None
+    ) -> None:
+        ids = fragment_ids(module, fragments, blocks)
+        n_params = sum(1 for t in module.parameters() if torch.is_floating_point(t))
+        self._order = sorted(range(len(ids)), key=lambda i: (ids[i], i >= n_params, i))
+        self._fragment_of = [ids[i] for i in self._order]
+        self._is_param = [i < n_params for i in self._order]
+        self._param_ids = set()
+
+    def fragment_parts(self, flat: FlatBuffers) -> list[Part]:
+        """One part per fragment of `flat` (bound in this order)."""
+        return parts_of(flat, self._fragment_of, self._is_param)
+
+    def _bind(self, params: Tensors, tensors: Tensors) -> None:
+        self._param_ids = {id(t) for t in params}
+        super()._bind(params, [tensors[i] for i in self._order])
+
+    def _module_tensors(self) -> Tensors:
+        current = averaged_tensors(self.module)
+        return [current[i] for i in self._order]
+
+    def _follow_module(self) -> None:
+        before = self._bound().tensors
+        super()._follow_module()
+        if self.flat.tensors is not before:
+            self._param_ids = {id(t) for t in self.module.parameters()}
+
+    def _check_params(self, given: Tensors) -> None:
+        if {id(t) for t in given} != self._param_ids:
+            raise ValueError(
+                "average_parameters() got other parameters than the module's: build a new "
+                "averager for other parameters"
+            )

@@ -1,0 +1,198 @@
+"""Asynchronous Streaming DiLoCo (`sync.mode=async` with `sync.fragments`): each phase of
+`period / P` steps sends one fragment's pseudo-gradient, in turn, and takes that fragment's
+global values back.
+
+- across 3 processes on their own modelled clocks, a run equals a one-process replay of the
+  order the model fixes (to 1e-6): each fragment its own Delayed Nesterov, version and staleness,
+  each contribution weighed by the samples since its fragment's last sync;
+- from the CLI: every worker equally fast with a quorum of all and the synchronous outer step
+  gives synchronous Streaming DiLoCo's model (τ = 0, α = 0) bit for bit, and each message
+  carries one fragment; a run on unequal clocks resumes exactly after a SIGKILL.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from localsgd.averaging.asynchronous import AsyncAverager
+from tests.helpers import BASE, FAST, killed_and_resumed, run_distributed
+from tests.test_async_rounds import (
+    BATCH,
+    DELAY,
+    OUTER,
+    QUORUM,
+    SPEEDS,
+    STEPS,
+    _inner_step,
+    same_as_synchronous,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+PERIOD, P = 4, 2  # a phase of 2 steps, each fragment synced every 4 of a worker's steps
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)  # two blocks: fragment 0 the first layer, fragment 1 the second
+    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+
+
+def _worker(rank: int, world_size: int):
+    torch.set_num_threads(1)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    averager = AsyncAverager(
+        PERIOD, module=model, store=dist.distributed_c10d._get_default_store(),
+        run_id="fragments", max_steps=STEPS, min_quorum=QUORUM, outer_delay=DELAY, step_s=1.0,
+        speed=SPEEDS[rank], timeout_s=60, fragments=P, **OUTER,
+    )  # fmt: skip
+    sent = []
+    for step in range(STEPS):
+        if averager.computes():
+            _inner_step(model, opt, rank, step)
+            averager.trained(BATCH)
+        before = averager.stats.bytes
+        if averager.maybe_average() and step != STEPS - 1:
+            sent.append(averager.stats.bytes - before)
+    out = [p.detach().clone() for p in model.parameters()]
+    return out, averager.summary(), averager.service.events if rank == 0 else None, sent
+
+
+def _replay() -> tuple[list[torch.Tensor], list[tuple]]:
+    """One process: the three workers' phases in the order of their modelled send times (ties
+    together, in rank order). Worker r sends after its first step and every PERIOD/P of its
+    steps, fragment 0, 1, 0, ... in turn, weighed by the samples since that fragment's last
+    sync; the last tick is a meeting of every fragment. A merge (once QUORUM workers are
+    pending) steps each fragment with contributions: the weighted mean, Delayed Nesterov with
+    N = DELAY, counted per fragment. Returns the final model and each merge's (time,
+    contributions)."""
+    models = [_model() for _ in SPEEDS]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in models]
+    # fragment f: the f-th Linear's weight and bias (parameters 2f, 2f + 1)
+    frag = [[0, 1], [2, 3]]
+    theta = [p.detach().clone() for p in models[0].parameters()]
+    momentum = [torch.zeros_like(t) for t in theta]
+    buffered = [torch.zeros_like(t) for t in theta]
+    anchors = [[t.clone() for t in theta] for _ in SPEEDS]
+    base = [[0] * P for _ in SPEEDS]
+    versions, cycles = [0] * P, [0] * P
+    unsynced = [[0] * P for _ in SPEEDS]
+    pending, log = [], []  # (worker, fragment, samples, change by parameter index)
+
+    def merge(at: float) -> None:
+        for f in range(P):
+            mine = [(r, n, g) for r, q, n, g in pending if q == f]
+            if not mine:
+                continue
+            total = sum(n for _, n, _ in mine)
+            k = len(mine)
+            cycles[f] += k
+            plain = k / max(DELAY, k)
+            for i in frag[f]:
+                g = sum(c[i] * (n / total) for _, n, c in mine)
+                buffered[i] += k * g
+                if cycles[f] >= DELAY:
+                    momentum[i].mul_(0.9).add_(buffered[i] / cycles[f])
+                    theta[i] -= 0.7 * (plain * g + 0.9 * momentum[i])
+                    buffered[i].zero_()
+                else:
+                    theta[i] -= 0.7 * plain * g
+            cycles[f] = 0 if cycles[f] >= DELAY else cycles[f]
+            versions[f] += 1
+        log.append((at, len(pending)))
+        pending.clear()
+
+    events, todo = [], [[] for _ in SPEEDS]
+    for r, speed in enumerate(SPEEDS):
+        done, turn = 0, 0
+        for tick in range(STEPS):
+            if (done + 1) * speed <= tick + 1:
+                done += 1
+                todo[r].append(tick)
+                if (done - 1) % (PERIOD // P) == 0 and tick != STEPS - 1:
+                    events.append((done * speed, r, tick, [turn]))
+                    turn = (turn + 1) % P
+            if tick == STEPS - 1:
+                events.append((done * speed, r, tick, list(range(P))))
+    events.sort()
+    trained = [0] * len(SPEEDS)
+    i = 0
+    while i < len(events):
+        at = events[i][0]
+        group = [e for e in events if e[0] == at]
+        i += len(group)
+        for _, r, step, sent in group:
+            ticks = [t for t in todo[r] if trained[r] <= t <= step]
+            for t in ticks:
+                _inner_step(models[r], opts[r], r, t)
+            trained[r] = step + 1
+            unsynced[r] = [n + BATCH * len(ticks) for n in unsynced[r]]
+            local = [p.detach() for p in models[r].parameters()]
+            change = [a - p for a, p in zip(anchors[r], local, strict=True)]
+            for f in sent:
+                pending.append((r, f, unsynced[r][f], change))
+                unsynced[r][f] = 0
+        if len({r for r, *_ in pending}) >= QUORUM:
+            merge(at)
+        for _, r, step, sent in group:
+            if step == STEPS - 1:
+                continue
+            (f,) = sent
+            if base[r][f] != versions[f]:
+                for j in frag[f]:
+                    anchors[r][j] = theta[j].clone()
+                base[r][f] = versions[f]
+            with torch.no_grad():
+                for j, p in enumerate(models[r].parameters()):
+                    if j in frag[f]:
+                        p.copy_(anchors[r][j])
+    if pending:  # the meeting merges what is left
+        merge(events[-1][0])
+    return theta, log
+
+
+@pytest.mark.slow
+def test_fragments_on_modelled_clocks_equal_the_one_process_replay_of_their_order():
+    results = run_distributed(_worker, 3, timeout_s=90)
+    expected, log = _replay()
+    for out, *_ in results:  # every worker ends on the final global model
+        for got, want in zip(out, expected, strict=True):
+            assert torch.allclose(got, want, atol=1e-6, rtol=0), (got - want).abs().max()
+    events = results[0][2]
+    assert [(e["time"], e["contributions"]) for e in events] == log
+    assert max(e["max_staleness"] for e in events) >= 1  # stale fragments were merged
+    # each phase's message is one fragment's pseudo-gradient (fp32): 4x3+3 or 3x2+2 values
+    assert {b for *_, sent in results for b in sent} == {15 * 4, 8 * 4}
+
+
+# --- from the CLI ----------------------------------------------------------------------------
+
+# rounds of fragment 0 after steps 3, 7, ..., 19, of fragment 1 after 5, 9, ..., 21; the last
+# step, 22, is a meeting, as synchronous Streaming DiLoCo's final average of every fragment
+SAME = FAST + [
+    "dist.world_size=4", "trainer.max_steps=23", "sync.warmup_steps=3", "sync.period=4",
+    "sync.outer=diloco", "sync.fragments=2", "trainer.checkpoint_every=0",
+    "trainer.eval_every=1000", "data.num_samples=800", "model.hidden=[16]",
+]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_equal_clocks_with_a_full_quorum_are_synchronous_streaming_diloco_bit_for_bit(tmp_path):
+    summary = same_as_synchronous(tmp_path, SAME)
+    # 5 rounds of each fragment, then the meeting's two: every one a synchronous round
+    assert summary["async_exchanges"]["collective"] == 11 and summary["async_merges"] == 12
+
+
+@pytest.mark.slow
+def test_asynchronous_fragments_resume_exactly_after_a_kill(tmp_path):
+    """Each fragment's version, the next fragment to send and the samples since each one's
+    last sync are checkpointed at the meeting; the resumed run equals the uninterrupted one."""
+    args = BASE + ["sync.outer=diloco", "sync.mode=async", "sync.period=4", "sync.fragments=2",
+                   "comm.simulate.worker_speed=[1,3]", "comm.simulate.step_s=0.002"]  # fmt: skip
+    reference, _ = killed_and_resumed(args, tmp_path)
+    summary = json.loads((reference / "summary.json").read_text())
+    assert summary["async_merges"] > summary["async_exchanges"]["p2p"] / 2  # fragments merged
