@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from localsgd.averaging import PeriodicAverager
-from localsgd.loop.drift import DriftMeter
+from localsgd.loop.drift import DriftMeter, RoundDriftMeter
 from tests.helpers import run_distributed
 
 pytestmark = pytest.mark.slow
@@ -82,3 +82,37 @@ def test_measuring_drift_waits_for_no_other_worker_until_it_is_read(tmp_path):
     hold every worker until the slowest arrives, a second time each round."""
     results = run_distributed(_unblocked_worker, 2, str(tmp_path / "flag"), timeout_s=50)
     assert results[0] == results[1] and isinstance(results[0], float), results
+
+
+class _OneOtherReplica:
+    """A torchft round's communicator as `RoundDriftMeter` sees it: one other live replica
+    group, whose worker is at distance 3 from the average."""
+
+    size = 2
+
+    def sum_(self, value: torch.Tensor) -> bool:
+        value += 3.0
+        return True
+
+
+def _round_drift_worker(rank, world_size):
+    model = torch.nn.Linear(3, 2)
+    averager = PeriodicAverager(1, module=model)
+    meter = RoundDriftMeter(averager.flat.buffers, _OneOtherReplica())
+    takes = []
+    for committed in (True, False, True):
+        buffers = averager.flat.buffers
+        meter.before(buffers)
+        with torch.no_grad():
+            buffers[0][0] += 4.0  # this worker's distance from the average: 4
+        meter.after(buffers)
+        meter.round_ended(committed)
+        takes.append(meter.take())
+    return takes
+
+
+@pytest.mark.timeout(60)
+def test_under_torchft_a_round_s_drift_counts_only_if_it_commits():
+    """Under ft=torchft the distances are summed through the round's communicator and divided
+    by its workers: (4 + 3) / 2; a round rolled back adds no figure."""
+    assert run_distributed(_round_drift_worker, 1)[0] == pytest.approx([3.5, None, 3.5])

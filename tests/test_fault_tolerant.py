@@ -62,7 +62,7 @@ def _replica(cfg: dict) -> None:
     index, steps = cfg["index"], cfg["steps"]
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    seen: dict = {"participants": {}, "after": {}, "before": {}, "post": {}}
+    seen: dict = {"participants": {}, "after": {}, "before": {}, "post": {}, "drift": {}}
     from localsgd.averaging.torchft import (
         FaultTolerantRounds,
         TorchftCommunicator,
@@ -81,6 +81,13 @@ def _replica(cfg: dict) -> None:
     ft = FaultTolerantRounds(av, comm)
     ft.register_state("model", model.state_dict, model.load_state_dict)
     ft.register_state("optimizer", opt.state_dict, opt.load_state_dict)
+    meter = None
+    if cfg["kind"] == "periodic":  # the replicas' drift, measured through the rounds
+        from localsgd.loop.drift import RoundDriftMeter
+
+        meter = RoundDriftMeter(av.flat.buffers, comm)
+        av.global_hooks.append(meter)
+        ft.round_ended.append(meter.round_ended)
     if cfg.get("fail_at") is not None and index == cfg["victim"]:
         real_mean, real_launch = comm.mean_, comm.launch_mean_
 
@@ -117,6 +124,8 @@ def _replica(cfg: dict) -> None:
             seen["before"][step] = [b.clone() for b in av.flat.buffers]
             synced = ft.maybe_average() if ft is not None else av.maybe_average()
             seen["post"][step] = [b.clone() for b in av.flat.buffers]
+            if meter is not None:
+                seen["drift"][step] = meter.take()
             if synced:
                 seen["after"][step] = [b.clone() for b in av.flat.buffers]
                 if ft is not None:
@@ -245,7 +254,9 @@ def _killed_inside_the_sync_after_step_8(tmp_path, lighthouse, kind: str) -> dic
 def test_killed_inside_all_reduce_rolls_back(tmp_path, lighthouse):
     """Replica 2 dies inside the sync after step 8: the survivors' round fails to commit and
     they hold exactly the global weights of the sync after step 4 (no half-average); the sync
-    after step 12 commits with 2, and the survivors end identical."""
+    after step 12 commits with 2, and the survivors end identical. The drift is measured at
+    every committed sync (at 12 the mean of the two survivors' distances to their average, as
+    computed here), and the failed one adds none."""
     got = _killed_inside_the_sync_after_step_8(tmp_path, lighthouse, "periodic")
     _identical(got)
     for r in got.values():
@@ -253,6 +264,16 @@ def test_killed_inside_all_reduce_rolls_back(tmp_path, lighthouse):
         for a, b in zip(r["after"][4], r["after"][8], strict=True):
             assert torch.equal(a, b)  # rolled back to the last global weights
         assert r["participants"][12] == 2
+    drifts = {s: d for s, d in got[0]["drift"].items() if d is not None}
+    assert sorted(drifts) == [0, 4, 12] and got[1]["drift"] == got[0]["drift"]
+    assert all(d > 0 for d in drifts.values())
+
+    def distance(r, step):
+        before, after = torch.cat(r["before"][step]), torch.cat(r["after"][step])
+        return torch.linalg.vector_norm(before - after).item()
+
+    by_hand = sum(distance(r, 12) for r in got.values()) / 2
+    assert drifts[12] == pytest.approx(by_hand, rel=1e-5)
 
 
 @pytest.mark.parametrize("kind", ["streaming", "streaming_delayed"])

@@ -55,6 +55,11 @@ def _participants(run_dir) -> list[int]:
     return [r["participants"] for r in map(json.loads, lines) if "participants" in r]
 
 
+def _drifts(run_dir) -> list[tuple[int, float]]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [(r["step"], r["drift"]) for r in map(json.loads, lines) if "drift" in r]
+
+
 def _collapse(seq: list[int]) -> list[int]:
     return [x for i, x in enumerate(seq) if i == 0 or seq[i - 1] != x]
 
@@ -95,6 +100,16 @@ def test_no_fault_is_bit_identical_to_the_plain_path(tmp_path, strategy):
             gathered = any("int4" in o or "sparseloco" in o for o in strategy)
             assert (said in proc.stderr) is not gathered
     assert same_model(plain / "model.pt", ft / "model.pt")
+    # the replicas' drift, measured through the Manager's rounds: the same figures as the plain
+    # path's (the same models, the mean of the same distances); not at a delayed merge, which
+    # follows its round's commit
+    drifts = {run: _drifts(run) for run in (plain, ft)}
+    assert len(drifts[plain]) > 5 and all(0 < d < float("inf") for _, d in drifts[plain])
+    if "sync.delay_steps=1" in strategy:
+        assert drifts[ft] == []
+    else:
+        assert [s for s, _ in drifts[ft]] == [s for s, _ in drifts[plain]]
+        assert [d for _, d in drifts[ft]] == pytest.approx([d for _, d in drifts[plain]], rel=1e-5)
     summary = json.loads((ft / "summary.json").read_text())
     if check:  # every sync checked, through torchft as on the plain path (eager: each merge)
         plain_summary = json.loads((plain / "summary.json").read_text())
@@ -145,6 +160,13 @@ def test_a_killed_worker_is_restarted_and_heals_from_a_live_peer(tmp_path, strat
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     clock = [r["wall_time_s"] for r in map(json.loads, lines) if "wall_time_s" in r]
     assert clock == sorted(clock) and summary["wall_time_s"] >= clock[-1], clock
+    # the replicas' drift, measured through the Manager's rounds, on every line that follows an
+    # average, before the kill and after (worker 0 healed: from its heal on)
+    records = [json.loads(line) for line in lines]
+    averaged = [r["step"] for r in records if "samples_per_s" in r and r["step"] >= 8]
+    drifts = _drifts(run_dir)
+    assert [step for step, _ in drifts] == averaged and averaged[-1] == 60
+    assert all(0 < d < float("inf") for _, d in drifts), drifts
 
 
 @pytest.mark.slow
@@ -375,6 +397,10 @@ def test_two_machines_each_a_replica_group_of_two_one_killed_and_restarted(tmp_p
     inner, widest = summary["comm_levels"]
     assert inner["group_size"] == 2 and inner["rounds"] > 0  # inside the machine
     assert widest["group_size"] == 4 and widest["rounds"] > 0  # both machines, through torchft
+    # the drift around the averages across the machines: summed inside each machine's pair,
+    # then across the groups through the Manager
+    drifts = _drifts(run_dir)
+    assert len(drifts) > 20 and all(d > 0 for _, d in drifts), drifts
     assert not survivors(tag)
 
 

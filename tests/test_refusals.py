@@ -106,7 +106,10 @@ CASES: dict[str, list[str]] = {
     "sync.outer_momentum=0": ["+experiment=diloco", "sync.staleness_correction=heloco"],
     "sync.mode=async with comm.disabled=true": ["sync.mode=async", "comm.disabled=true"],
     "sync.max_staleness with sync.mode=sync": ["+experiment=diloco", "sync.max_staleness=2"],
-    "trainer.track_drift=true with ft=torchft": ["ft=torchft", "trainer.track_drift=true"],
+    "trainer.track_drift=true with ft=torchft and sync.mode=async": [
+        "ft=torchft", "sync.mode=async", "trainer.track_drift=true"],
+    "trainer.track_drift=true with ft=torchft and sync.delay_steps > 0 or sync.overlap=true": [
+        "ft=torchft", "sync.overlap=true", "trainer.track_drift=true"],
     "ft.heartbeat_gate=true with sync.mode=async": [
         "ft=torchft", "sync.mode=async", "ft.heartbeat_gate=true"],
     "sync.mode=async with ft=torchft and ft.retry_failed_sync=true or ft.min_replicas > 1": [
@@ -200,6 +203,9 @@ def test_the_cli_exits_2_with_the_rows_line(tmp_path, capsys):
         # by default drift is measured where it can be and the gate runs where a lighthouse does
         ["ft=torchft", "sync.mode=async", "trainer.track_drift=false", "ft.heartbeat_gate=false"],
         ["ft=torchft", "ft.heartbeat_gate=true", "trainer.track_drift=false"],
+        # synchronous rounds under ft: measured through the Manager's rounds
+        ["ft=torchft", "trainer.track_drift=true", "+experiment=diloco", "sync.fragments=2"],
+        ["ft=torchft", "trainer.track_drift=true", "sync.check_replicas=true"],
         ["sync.mode=async", "trainer.track_drift=true", "ft.heartbeat_gate=true"],
         ["dist.shard_size=2", "optim=muon", "model=mlp"],
         [

@@ -124,6 +124,11 @@ def test_a_sharded_group_killed_and_restarted_heals_each_shard_from_the_live_gro
     assert summary["participants"] == 2 and summary["participants_min"] == 1
     assert summary["replica_checks"] > 0
     assert _participants(run_dir) == [2, 1, 2]
+    # the drift, each rank's distance summed over its shards, then across the groups through
+    # the Manager: 0 while group 0 averages alone, positive once both do again
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    drifts = [r["drift"] for r in map(json.loads, lines) if "drift" in r]
+    assert len(drifts) > 20 and all(d >= 0 for d in drifts) and drifts[-1] > 0, drifts
     assert not (tmp_path / "group_1" / "summary.json").exists()
     # the checkpoints (the first round at or after 40 and 80, and the end) are the leading
     # group's, written by its 2 ranks into its own run directory

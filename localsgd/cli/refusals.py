@@ -327,12 +327,21 @@ REFUSALS: tuple[Refusal, ...] = (
         "drop ft=torchft",
     ),
     Refusal(
-        ("trainer.track_drift", "ft.backend"),
-        "trainer.track_drift=true with ft=torchft",
-        lambda f: f.ft and f.track_drift is True,
+        ("trainer.track_drift", "ft.backend", "sync.mode"),
+        "trainer.track_drift=true with ft=torchft and sync.mode=async",
+        lambda f: f.ft and f.track_drift is True and f.plan.mode == "async",
         UNAVAILABLE,
-        "under torchft each replica group is a world of its own, and the mean across them is "
-        "the Manager's all-reduce: there is no collective to measure the drift around",
+        "asynchronous rounds under torchft are sessions with the launcher's syncer: no "
+        "collective across the workers to measure the drift with",
+        "drop trainer.track_drift (by default it is measured wherever it can be)",
+    ),
+    Refusal(
+        ("trainer.track_drift", "ft.backend", "sync.delay_steps"),
+        "trainer.track_drift=true with ft=torchft and sync.delay_steps > 0 or sync.overlap=true",
+        lambda f: f.ft and f.track_drift is True and f.plan.delay > 0,
+        UNAVAILABLE,
+        "a delayed average is merged after its torchft round committed, and no collective "
+        "may outlive its round: there is none to measure the drift with",
         "drop trainer.track_drift (by default it is measured wherever it can be)",
     ),
     Refusal(

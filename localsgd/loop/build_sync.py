@@ -141,10 +141,13 @@ def build_synchroniser(
         if sync.warmup_steps > 0
         else None
     )  # fmt: skip
-    # under torchft the process group is the replica group alone: drift would measure nothing
-    # (an explicit trainer.track_drift=true there is refused in one line)
-    measure = cfg.trainer.track_drift is not False and not comm.disabled and not fault_tolerant
-    drift = DriftMeter(averager.flat.buffers, replicas, shards) if measure else None
+    # under torchft the mean across replica groups is the Manager's: the drift is measured in
+    # its rounds (`RoundDriftMeter`), not in asynchronous sessions nor at a delayed merge, which
+    # follows its round's commit (an explicit trainer.track_drift=true there is refused)
+    measure = cfg.trainer.track_drift is not False and not comm.disabled
+    measure = measure and not (fault_tolerant and (sync.mode == "async" or averager.delayed_syncs))
+    on_torch = measure and not fault_tolerant
+    drift = DriftMeter(averager.flat.buffers, replicas, shards) if on_torch else None
     # the round driver: the averager's syncs straight through torch.distributed, or, under
     # ft=torchft, as rounds of torchft's Manager (the same methods; torchft imported only then)
     driver = LocalRounds(averager, grad_averager)
@@ -166,7 +169,9 @@ def build_synchroniser(
             sync.check_replicas,
             sharded=sharding is not None and sharding.sharded,
             batch=cfg.trainer.batch_size * cfg.trainer.accumulate_grad_batches,
+            drift=(replicas, shards) if measure else None,
         )
+        drift = driver.drift
     return Synchroniser(
         averager,
         model,

@@ -57,6 +57,14 @@ class DriftMeter:
         # the last average's all-reduce, launched a round ago, is done: summing it here keeps
         # one in flight on ranks that never log (only rank 0 reads `take`)
         self.wait()
+        distance = self._distance(buffers)
+        # the one extra (scalar) collective
+        self.pending.append((dist.all_reduce(distance, group=self.group, async_op=True), distance))
+        self.count += 1
+
+    def _distance(self, buffers: list[torch.Tensor]) -> torch.Tensor:
+        """This worker's ||x_i - x_avg||_2 (the whole model's, over its shards), from the copy
+        `before()` took and the averaged `buffers`."""
         squared = torch.zeros((), dtype=torch.float64, device=self.device)
         for scratch, flat in zip(self.scratch, buffers, strict=True):
             scratch.sub_(flat)
@@ -65,12 +73,9 @@ class DriftMeter:
             squared += torch.linalg.vector_norm(scratch).double().square()
         if self.shard_group is not None:  # the whole model's distance, over its shards
             dist.all_reduce(squared, group=self.shard_group)
-        distance = squared.sqrt_()
-        # the one extra (scalar) collective
-        self.pending.append((dist.all_reduce(distance, group=self.group, async_op=True), distance))
-        self.count += 1
         if self.transient:
             self.scratch = []
+        return squared.sqrt_()
 
     def wait(self) -> None:
         """Wait for the launched all-reduces and sum them into `total`."""
@@ -97,3 +102,42 @@ class DriftMeter:
     def load_state_dict(self, state: dict) -> None:
         self.total.copy_(state["total"])
         self.count = int(state["count"])
+
+
+class RoundDriftMeter(DriftMeter):
+    """Drift under `ft=torchft` with synchronous rounds, where each replica group is a world of
+    its own and the mean across the groups is a round of torchft's Manager
+    (`localsgd.averaging.torchft.FaultTolerantRounds`). Around each average of a round the
+    distances are summed inside the replica group (torch.distributed, `group`), then across the
+    round's live replica groups through the round's own communicator (`comm.sum_`: one scalar
+    all-reduce, blocking, as no collective may outlive its round), and divided by the round's
+    workers (`comm.size`): the same mean over workers as `DriftMeter`'s, a healing replica left
+    out as it is of the average. The figure is held until the round ends (`round_ended`, one of
+    the rounds' listeners): kept if the round committed, dropped if it was rolled back, whose
+    average never became the global model.
+    """
+
+    def __init__(
+        self,
+        buffers: list[torch.Tensor],
+        comm,  # the rounds' TorchftCommunicator
+        group: dist.ProcessGroup | None = None,
+        shard_group: dist.ProcessGroup | None = None,
+    ):
+        super().__init__(buffers, group, shard_group)
+        self.comm = comm
+        self.held: list[torch.Tensor] = []  # this round's figures, until it commits
+
+    def after(self, buffers: list[torch.Tensor]) -> None:
+        distance = self._distance(buffers)
+        if self.world_size > 1:  # the replica group's workers
+            dist.all_reduce(distance, group=self.group)
+        if self.comm.sum_(distance):
+            self.held.append(distance / self.comm.size)
+
+    def round_ended(self, committed: bool) -> None:
+        if committed:
+            for distance in self.held:
+                self.total += distance
+                self.count += 1
+        self.held.clear()

@@ -47,14 +47,17 @@ from localsgd.averaging.torchft import (
 )
 from localsgd.averaging.trees import as_dtensor_like, into_dtensors, local_tree
 from localsgd.config import FtConfig
+from localsgd.loop.drift import RoundDriftMeter
 from localsgd.loop.ft_clocks import RoundClock, gate_notice, grace_window, heartbeat_gate
 from localsgd.loop.metrics import notice
 from localsgd.loop.stop import signalled
 from localsgd.loop.worker import WorkerInfo
 
 # Registry entries a healing worker does not take from its peer: the averager (sent by the round
-# driver itself, less this worker's residuals), its own random generators, the drift meter (not
-# kept under ft) and the round driver's counters (sent with its state).
+# driver itself, less this worker's residuals), its own random generators, the drift meter (only
+# the worker that logs empties it at each log line: a peer's holds every figure since its start;
+# a healed worker measures from its heal on) and the round driver's counters (sent with its
+# state).
 # the pacer is the worker's own too: its speed and its step counts (sync.inner_time_s)
 NOT_HEALED = ("averager", "rng", "drift", "ft", "pacer")
 
@@ -91,9 +94,11 @@ class FaultTolerance:
         rounds: FaultTolerantRounds,
         seed: int,
         sharded: bool = False,
+        drift: RoundDriftMeter | None = None,
     ):
         self.ft, self.info, self.rounds, self.seed = ft, info, rounds, seed
         self.sharded = sharded  # the replica group's ranks hold shards: they write together
+        self.drift = drift  # measured through the rounds (built here: it needs their comm)
         self.round_clock = RoundClock(ft.join_timeout_s)
 
     @classmethod
@@ -107,9 +112,12 @@ class FaultTolerance:
         verify: bool,
         sharded: bool = False,
         batch: int = 0,
+        drift: tuple | None = None,
     ) -> FaultTolerance:
         """`batch`: the samples one worker's optimizer step trains on (each replica group's
-        step trains on `batch` x its ranks: `merged_samples` counts them)."""
+        step trains on `batch` x its ranks: `merged_samples` counts them). `drift`: the
+        replica group's (replicate, shard) process groups to measure the drift over, with the
+        rounds (`RoundDriftMeter`: then `drift` holds it); None: not measured."""
         group: dict[str, Any] = {}
         if ft.replica_groups is not None:  # torchrun: this machine's ranks are the replica group
             group = {**_group_store(), "rank": dist.get_rank(), "world_size": dist.get_world_size()}
@@ -150,7 +158,11 @@ class FaultTolerance:
         )
         if gate is not None:  # an optimizer step is progress
             gate.watch(lambda: averager.step)
-        return cls(ft, info, rounds, seed, sharded)
+        meter = None
+        if drift is not None:
+            meter = RoundDriftMeter(averager.flat.buffers, comm, *drift)
+            rounds.round_ended.append(meter.round_ended)
+        return cls(ft, info, rounds, seed, sharded, meter)
 
     # --- the first round -----------------------------------------------------------------------
 

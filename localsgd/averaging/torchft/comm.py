@@ -297,6 +297,21 @@ class TorchftCommunicator(GatheredCollectives, Communicator):
                 flat.copy_(wire)
         self._account(start, _nbytes(wire))
 
+    def sum_(self, value: torch.Tensor) -> bool:
+        """Inside a round: replace a small tensor by its sum over the round's live replica
+        groups (a replica that healed in it adds zeros), blocking: no collective may outlive its
+        round. A measurement beside the average (the replicas' drift), so neither counted in
+        `stats` nor weighted. False where nothing was summed: no quorum, or a collective of the
+        round failed (it will not commit)."""
+        if not self.in_round:
+            raise RuntimeError("TorchftCommunicator.sum_ outside a round (begin()/commit())")
+        if self.lost or self.manager.errored() is not None:
+            return False
+        if not self.live:
+            value.zero_()
+        self._allreduce(value, dist.ReduceOp.SUM).wait()
+        return self.manager.errored() is None
+
     def identical(self, tensors: list[torch.Tensor]) -> bool:
         """Inside a round: whether every replica group holds bit-identical `tensors` (two MAX
         all-reduces per tensor: the element-wise maximum and minimum agree everywhere). True

@@ -146,6 +146,9 @@ class FaultTolerantRounds:
         self._open_rounds: dict | None = None  # τ > 0: the rounds' state before the launch
         self._peer: dict | None = None
         self._snapshot_due = False
+        # called with each round's outcome as it closes (True: committed): what a round
+        # measured beside its average (the drift) counts only if the round committed
+        self.round_ended: list[Callable[[bool], None]] = []
         self.manager.register_state_dict_fn(FT_STATE_KEY, self._load_ft_state, self._ft_state)
 
     # --- state ---------------------------------------------------------------------------------
@@ -314,6 +317,8 @@ class FaultTolerantRounds:
                 self.participants_min = min(self.participants_min, self.comm.participants)
         else:
             self.failed_syncs += 1
+        for ended in self.round_ended:
+            ended(ok)
         self.phase = "idle"
         return ok
 
