@@ -187,7 +187,8 @@ class SyncPlan:
             "sync.overlap": self.overlap,
             "sync.delay_steps": 0 if self.overlap else self.delay,
             "sync.eager": self.eager,
-            "sync.fragments": self.fragments if self.fragments != 1 else 0,
+            # asynchronous fragments checkpoint at meetings, where every fragment just synced
+            "sync.fragments": self.fragments if self.fragments != 1 and self.mode != "async" else 0,
             "sync.aggregate": self.aggregate if self.aggregate != "mean" else 0,
             "sync.score": self.score,  # under the mean, scoring alone gathers and judges
         }
