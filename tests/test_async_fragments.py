@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 
 from localsgd.averaging.asynchronous import AsyncAverager
+from localsgd.averaging.asynchronous.heloco import HeLoCo
+from localsgd.averaging.wire.quantize import BlockCodec
 from tests.helpers import BASE, FAST, killed_and_resumed, run_distributed
 from tests.test_async_rounds import (
     BATCH,
@@ -27,6 +29,7 @@ from tests.test_async_rounds import (
     QUORUM,
     SPEEDS,
     STEPS,
+    _heloco,
     _inner_step,
     same_as_synchronous,
 )
@@ -41,14 +44,14 @@ def _model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
 
 
-def _worker(rank: int, world_size: int):
+def _worker(rank: int, world_size: int, wire: dict):
     torch.set_num_threads(1)
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     averager = AsyncAverager(
         PERIOD, module=model, store=dist.distributed_c10d._get_default_store(),
         run_id="fragments", max_steps=STEPS, min_quorum=QUORUM, outer_delay=DELAY, step_s=1.0,
-        speed=SPEEDS[rank], timeout_s=60, fragments=P, **OUTER,
+        speed=SPEEDS[rank], timeout_s=60, fragments=P, **OUTER, **wire,
     )  # fmt: skip
     sent = []
     for step in range(STEPS):
@@ -62,14 +65,18 @@ def _worker(rank: int, world_size: int):
     return out, averager.summary(), averager.service.events if rank == 0 else None, sent
 
 
-def _replay() -> tuple[list[torch.Tensor], list[tuple]]:
+def _replay(
+    codec: BlockCodec | None = None, keep: float | None = None
+) -> tuple[list[torch.Tensor], list[tuple]]:
     """One process: the three workers' phases in the order of their modelled send times (ties
     together, in rank order). Worker r sends after its first step and every PERIOD/P of its
     steps, fragment 0, 1, 0, ... in turn, weighed by the samples since that fragment's last
     sync; the last tick is a meeting of every fragment. A merge (once QUORUM workers are
     pending) steps each fragment with contributions: the weighted mean, Delayed Nesterov with
-    N = DELAY, counted per fragment. Returns the final model and each merge's (time,
-    contributions)."""
+    N = DELAY, counted per fragment. With `codec`, each fragment's contribution (its
+    parameters end to end) goes through it with that fragment's own residual; with `keep`,
+    each is corrected by HeLoCo against its fragment's momentum before its merge. Returns the
+    final model and each merge's (time, contributions)."""
     models = [_model() for _ in SPEEDS]
     opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in models]
     # fragment f: the f-th Linear's weight and bias (parameters 2f, 2f + 1)
@@ -81,6 +88,7 @@ def _replay() -> tuple[list[torch.Tensor], list[tuple]]:
     base = [[0] * P for _ in SPEEDS]
     versions, cycles = [0] * P, [0] * P
     unsynced = [[0] * P for _ in SPEEDS]
+    residuals = [[0.0] * P for _ in SPEEDS]
     pending, log = [], []  # (worker, fragment, samples, change by parameter index)
 
     def merge(at: float) -> None:
@@ -88,6 +96,11 @@ def _replay() -> tuple[list[torch.Tensor], list[tuple]]:
             mine = [(r, n, g) for r, q, n, g in pending if q == f]
             if not mine:
                 continue
+            if keep is not None:  # each contribution against the momentum before the merge
+                mine = [
+                    (r, n, {i: _heloco(g[i], momentum[i], keep) for i in frag[f]})
+                    for r, n, g in mine
+                ]
             total = sum(n for _, n, _ in mine)
             k = len(mine)
             cycles[f] += k
@@ -134,7 +147,15 @@ def _replay() -> tuple[list[torch.Tensor], list[tuple]]:
             local = [p.detach() for p in models[r].parameters()]
             change = [a - p for a, p in zip(anchors[r], local, strict=True)]
             for f in sent:
-                pending.append((r, f, unsynced[r][f], change))
+                sent_change = dict(enumerate(change))
+                if codec is not None:  # the fragment's parameters end to end, through the codec
+                    flat = torch.cat([change[i].reshape(-1) for i in frag[f]]) + residuals[r][f]
+                    decoded = codec.dequantize(codec.quantize(flat), flat.numel())
+                    residuals[r][f] = flat - decoded
+                    pieces = decoded.split([theta[i].numel() for i in frag[f]])
+                    for j, piece in zip(frag[f], pieces, strict=True):
+                        sent_change[j] = piece.reshape(theta[j].shape)
+                pending.append((r, f, unsynced[r][f], sent_change))
                 unsynced[r][f] = 0
         if len({r for r, *_ in pending}) >= QUORUM:
             merge(at)
@@ -156,17 +177,27 @@ def _replay() -> tuple[list[torch.Tensor], list[tuple]]:
 
 
 @pytest.mark.slow
-def test_fragments_on_modelled_clocks_equal_the_one_process_replay_of_their_order():
-    results = run_distributed(_worker, 3, timeout_s=90)
-    expected, log = _replay()
+@pytest.mark.parametrize("variant", ["float32", "int8", "heloco"])
+def test_fragments_on_modelled_clocks_equal_the_one_process_replay_of_their_order(variant):
+    codec = BlockCodec("int8") if variant == "int8" else None
+    keep = 0.95 if variant == "heloco" else None  # high: this small model's blocks are corrected
+    wire = {"comm_dtype": "int8", "error_feedback": True} if codec is not None else {}
+    if keep is not None:
+        wire["correction"] = HeLoCo(keep=keep)
+    results = run_distributed(_worker, 3, wire, timeout_s=90)
+    expected, log = _replay(codec, keep)
     for out, *_ in results:  # every worker ends on the final global model
         for got, want in zip(out, expected, strict=True):
             assert torch.allclose(got, want, atol=1e-6, rtol=0), (got - want).abs().max()
     events = results[0][2]
     assert [(e["time"], e["contributions"]) for e in events] == log
     assert max(e["max_staleness"] for e in events) >= 1  # stale fragments were merged
-    # each phase's message is one fragment's pseudo-gradient (fp32): 4x3+3 or 3x2+2 values
-    assert {b for *_, sent in results for b in sent} == {15 * 4, 8 * 4}
+    if variant == "float32":  # each phase's message is one fragment's: 4x3+3 or 3x2+2 values
+        assert {b for *_, sent in results for b in sent} == {15 * 4, 8 * 4}
+    if keep is not None:  # the correction acted: without it the models differ
+        assert results[0][1]["async_corrected_blocks"]["reoriented"] > 0
+        plain, _ = _replay()
+        assert any((a - b).abs().max() > 1e-4 for a, b in zip(plain, expected, strict=True))
 
 
 # --- from the CLI ----------------------------------------------------------------------------

@@ -68,6 +68,7 @@ experiments/stragglers/OUT.{md,json} (`--out`, straggler_study by default).
         --conditions free budget async "free, same samples" "free, same samples as async" \
         --out straggler_study_lm_async     # ~30 min
     python experiments/stragglers/straggler_study.py --tiny     # smoke test: 1 seed, a few steps
+    # with --paired: how finely the test set resolves each loss at equal samples (paired.py)
 """
 
 from __future__ import annotations
@@ -84,6 +85,8 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))  # the study's folder: its results go here
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)  # the clock of this checkout, as the runs (cwd ROOT) import it
+
+import paired  # noqa: E402  (beside this script)
 
 from localsgd.averaging.asynchronous.clock import computes  # noqa: E402
 
@@ -337,6 +340,11 @@ def main() -> None:
         help="these strategies of the setting (default: all but Streaming DiLoCo)",
     )  # fmt: skip
     parser.add_argument("--tiny", action="store_true")
+    parser.add_argument(
+        "--paired", action="store_true",
+        help="also each loss at equal samples with its paired bootstrap 95%% interval over the "
+        "test samples (paired.py)",
+    )  # fmt: skip
     args = parser.parse_args()
     if len(args.slow) != 4 or min(args.slow) < 1:
         parser.error(f"--slow must give 4 factors >= 1 (one per worker), got {args.slow}")
@@ -357,6 +365,7 @@ def main() -> None:
             parser.error(f"--strategies must name some of {list(strategies)}, got {unknown}")
         strategies = {name: strategies[name] for name in args.strategies}
     runs: dict = {}
+    losses: dict = {}  # (strategy, condition, seed): the final model's test loss per sample
     with tempfile.TemporaryDirectory() as tmp:
         for seed in args.seeds:
             for strategy in strategies:
@@ -379,8 +388,10 @@ def main() -> None:
                         )
                     r = run_one(strategy, condition, seed, args, run_dir, steps)
                     runs.setdefault(strategy, {}).setdefault(condition, {})[seed] = r
+                    if args.paired:
+                        losses[strategy, condition, seed] = paired.test_losses(run_dir)
                     print(strategy, condition, seed, json.dumps(r), flush=True)
-    rows = []
+    rows, intervals = [], []
     for strategy, by_condition in runs.items():
         free = by_condition["free"]
         short = by_condition.get("blocking, same time")
@@ -408,6 +419,14 @@ def main() -> None:
                 (strategy, condition, speed, trained, against(free), against(short),
                  against(matched), accuracy)
             )  # fmt: skip
+            match = "free, same samples as async" if condition in ASYNC else "free, same samples"
+            if args.paired and match in by_condition:  # how finely the test set resolves it
+                intervals.append((strategy, condition, [
+                    paired.ratio_interval(
+                        losses[strategy, match, s], losses[strategy, condition, s]
+                    )
+                    for s in args.seeds
+                ]))  # fmt: skip
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
         "# Slow workers: blocking against a time budget"
@@ -437,12 +456,29 @@ def main() -> None:
             + (", ".join(f"{x:+.1%}" for x in fair) if budget else "")
             + " |"
         )
+    if intervals:
+        lines += [
+            "",
+            "The loss at equal samples with its paired bootstrap 95% interval over the test "
+            "samples (`paired.py`: both models on the same resampled test set; an interval "
+            "wider than a target means this test set cannot resolve it):",
+            "",
+            "| strategy | slow worker | vs free at the samples the run merged, [95% interval] "
+            "(per seed) |",
+            "|---|---|---|",
+        ]
+        for strategy, condition, per_seed in intervals:
+            cells = ", ".join(f"{r:+.1%} [{lo:+.1%}, {hi:+.1%}]" for r, lo, hi in per_seed)
+            lines.append(f"| {strategy} | {condition} | {cells} |")
     out = os.path.join(HERE, args.out)
     if not args.tiny:
         with open(out + ".md", "w") as f:
             f.write("\n".join(lines) + "\n")
         with open(out + ".json", "w") as f:
-            json.dump({"args": vars(args), "runs": runs}, f, indent=1)
+            record = {"args": vars(args), "runs": runs}
+            if intervals:  # per seed: (ratio, lo, hi)
+                record["paired_intervals"] = [list(i) for i in intervals]
+            json.dump(record, f, indent=1)
     print("\n".join(lines))
 
 
