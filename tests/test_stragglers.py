@@ -195,6 +195,9 @@ def test_the_cli_paces_a_simulated_slow_worker_and_nobody_late_is_todays_model(t
         # worker 3 three times slower, a budget of 8 steps at speed 1: it computes 2 of a
         # round's 8 steps, the others all 8
         "paced": JOB + SLOW + ["sync.inner_time_s=0.016"],
+        # the same as Streaming DiLoCo: each fragment's rounds weigh every sample once
+        "fragments": JOB + SLOW + ["sync.inner_time_s=0.016", "sync.outer=diloco",
+                                   "sync.fragments=2"],
         # the same, stopped after 24 steps with a checkpoint, then extended to 48
         "first_half": JOB + SLOW + ["sync.inner_time_s=0.016", "trainer.max_steps=24",
                                     "trainer.checkpoint_every=24"],
@@ -215,6 +218,10 @@ def test_the_cli_paces_a_simulated_slow_worker_and_nobody_late_is_todays_model(t
     batch = 32
     assert paced["round_weights"] == [7 * batch] * 3 + [2 * batch]
     assert paced["contributed_samples"] == batch * (4 + 5 * (3 * 8 + 2) + (3 * 7 + 2))
+    # samples merged, counted once however many fragments averaged them: more than the three
+    # fast workers' 48 steps, at most the whole fleet's
+    fragments = summaries["fragments"]["contributed_samples"]
+    assert 3 * 48 * batch < fragments <= 4 * 48 * batch, fragments
     assert not same_model(tmp_path / "plain" / "model.pt", tmp_path / "paced" / "model.pt")
     # the pacing is in the checkpoint, and the modelled clock repeats: an exact continuation
     assert same_model(tmp_path / "paced" / "model.pt", tmp_path / "first_half" / "model.pt")

@@ -346,7 +346,8 @@ class Averager(FlatBinding, RoundDriverView, ModelAverager):
         start = time.perf_counter()
         self.round_weights = comm.weigh(own, self.flat.buffers[0].device)
         self.wait_s += time.perf_counter() - start
-        self.contributed += sum(self.round_weights)
+        if comm is self.comm:  # a global round's samples, a fragment's as its share of the model
+            self.contributed += sum(self.round_weights) / self.parts
         if not (self.normalized and comm.share):  # equal weights, or none trained here
             return None
         return max(self.round_weights) / own
