@@ -66,7 +66,7 @@ def _worker(rank: int, world_size: int, wire: dict):
 
 
 def _replay(
-    codec: BlockCodec | None = None, keep: float | None = None
+    codec: BlockCodec | None = None, keep: float | None = None, budget: float | None = None
 ) -> tuple[list[torch.Tensor], list[tuple]]:
     """One process: the three workers' phases in the order of their modelled send times (ties
     together, in rank order). Worker r sends after its first step and every PERIOD/P of its
@@ -75,8 +75,10 @@ def _replay(
     pending) steps each fragment with contributions: the weighted mean, Delayed Nesterov with
     N = DELAY, counted per fragment. With `codec`, each fragment's contribution (its
     parameters end to end) goes through it with that fragment's own residual; with `keep`,
-    each is corrected by HeLoCo against its fragment's momentum before its merge. Returns the
-    final model and each merge's (time, contributions)."""
+    each is corrected by HeLoCo against its fragment's momentum before its merge; with
+    `budget`, a phase ends where the worker's next step would pass budget / P modelled seconds
+    (DyLU, each fragment's share of the time). Returns the final model and each merge's (time,
+    contributions)."""
     models = [_model() for _ in SPEEDS]
     opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in models]
     # fragment f: the f-th Linear's weight and bias (parameters 2f, 2f + 1)
@@ -121,14 +123,17 @@ def _replay(
 
     events, todo = [], [[] for _ in SPEEDS]
     for r, speed in enumerate(SPEEDS):
-        done, turn = 0, 0
+        done, turn, phase = 0, 0, 0.0
         for tick in range(STEPS):
             if (done + 1) * speed <= tick + 1:
                 done += 1
+                phase += speed
                 todo[r].append(tick)
-                if (done - 1) % (PERIOD // P) == 0 and tick != STEPS - 1:
+                ends = phase + speed > budget / P if budget else (done - 1) % (PERIOD // P) == 0
+                if ends and tick != STEPS - 1:
                     events.append((done * speed, r, tick, [turn]))
                     turn = (turn + 1) % P
+                    phase = 0.0
             if tick == STEPS - 1:
                 events.append((done * speed, r, tick, list(range(P))))
     events.sort()
@@ -177,15 +182,18 @@ def _replay(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", ["float32", "int8", "heloco"])
+@pytest.mark.parametrize("variant", ["float32", "int8", "heloco", "time budget"])
 def test_fragments_on_modelled_clocks_equal_the_one_process_replay_of_their_order(variant):
     codec = BlockCodec("int8") if variant == "int8" else None
     keep = 0.95 if variant == "heloco" else None  # high: this small model's blocks are corrected
     wire = {"comm_dtype": "int8", "error_feedback": True} if codec is not None else {}
     if keep is not None:
         wire["correction"] = HeLoCo(keep=keep)
+    budget = 8.0 if variant == "time budget" else None  # phases of 4, 2 and 1 steps (DyLU)
+    if budget is not None:
+        wire["inner_time_s"] = budget
     results = run_distributed(_worker, 3, wire, timeout_s=90)
-    expected, log = _replay(codec, keep)
+    expected, log = _replay(codec, keep, budget)
     for out, *_ in results:  # every worker ends on the final global model
         for got, want in zip(out, expected, strict=True):
             assert torch.allclose(got, want, atol=1e-6, rtol=0), (got - want).abs().max()
@@ -227,3 +235,43 @@ def test_asynchronous_fragments_resume_exactly_after_a_kill(tmp_path):
     reference, _ = killed_and_resumed(args, tmp_path)
     summary = json.loads((reference / "summary.json").read_text())
     assert summary["async_merges"] > summary["async_exchanges"]["p2p"] / 2  # fragments merged
+
+
+def test_the_syncer_merges_each_fragment_on_its_own():
+    """Two fragments of one buffer (values 0-1 and 2-3), plain SGD at lr 1 (the global values
+    are minus the sum merged): a merge steps only the fragments with contributions pending,
+    each fragment counts its own version (a contribution's staleness is its fragment's), the
+    staleness bound and a robust rule act per fragment, a fragment's samples count as its
+    share of the model, and the checkpoint keeps each fragment's version."""
+    from localsgd.averaging.asynchronous.hosted import build_syncer
+    from localsgd.averaging.asynchronous.syncer import Arrival
+
+    spec = {
+        "buffers": [[4, "float32"]], "parts": [[[0, 0, 2, 2]], [[0, 2, 4, 4]]],
+        "blocks": [[0, 0, 2], [0, 2, 2]],
+        "sgd": {"lr": 1.0, "momentum": 0.0, "nesterov": False, "warmup_rounds": 0},
+        "plain_first": False, "wire": {"dtype": "float32"}, "aggregate": {"rule": "median"},
+        "correction": None, "normalized": False, "max_staleness": 0,
+    }  # fmt: skip
+    syncer, decoders = build_syncer({"spec": spec}, lambda t: t.zero_())
+    assert len(decoders) == 2
+    ones = torch.ones(2)
+    syncer.add(Arrival(0, 1.0, 10, 0, [ones], 0))  # fragment 0 alone
+    assert syncer.merge() and syncer.versions == [1, 0]
+    assert torch.equal(syncer.values[0], torch.tensor([-1.0, -1.0, 0.0, 0.0]))
+    # fragment 1's first contributions are fresh (version 0 of fragment 1), fragment 0's from
+    # version 0 is one merge old: dropped by the bound of 0
+    for worker, change in ((0, 1.0), (1, 2.0), (2, 6.0)):
+        syncer.add(Arrival(worker, 2.0, 10, 0, [ones * change], 1))
+    syncer.add(Arrival(3, 2.0, 10, 0, [ones * 50], 0))
+    assert syncer.merge() and syncer.versions == [1, 1]
+    # fragment 1 took the median of 1, 2, 6; fragment 0 is as it was
+    assert torch.equal(syncer.values[0], torch.tensor([-1.0, -1.0, -2.0, -2.0]))
+    assert syncer.too_stale == [(3, 2.0, 1)] and syncer.staleness == [0, 0, 0, 0]
+    assert syncer.merged_samples == (10 + 30) / 2 and syncer.version == 2
+    resumed, _ = build_syncer({"spec": spec}, lambda t: t.zero_())
+    resumed.load_state_dict(syncer.state_dict())
+    assert resumed.versions == [1, 1] and torch.equal(resumed.values[0], syncer.values[0])
+    one = {**spec, "parts": [[[0, 0, 4, 4]]]}  # the checkpoint of another split: one line
+    with pytest.raises(ValueError, match="sync.fragments"):
+        build_syncer({"spec": one}, lambda t: t.zero_())[0].load_state_dict(syncer.state_dict())

@@ -164,6 +164,11 @@ SETTINGS["async MNIST-1D DiLoCo, H = 16, 50 ms, grace 0.1 s, HeLoCo"] = [
     *SETTINGS["async MNIST-1D DiLoCo, H = 16, 50 ms, grace 0.1 s"],
     "sync.staleness_correction=heloco",
 ]  # fmt: skip
+# ... as Streaming DiLoCo: 2 fragments, each phase of 8 steps sending one (added with
+# asynchronous fragments: what a fault costs where each message is half the model)
+SETTINGS["async MNIST-1D Streaming DiLoCo, H = 16, P = 2, 50 ms, grace 0.1 s"] = [
+    *SETTINGS["async MNIST-1D DiLoCo, H = 16, 50 ms, grace 0.1 s"], "sync.fragments=2",
+]  # fmt: skip
 
 
 def _override(setting: str, key: str, default):

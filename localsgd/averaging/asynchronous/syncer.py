@@ -209,14 +209,15 @@ class Syncer:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self.anchors.load_state_dict(state)
-        self.outer.load_state_dict(state["optimizers"])
-        self.versions = [int(v) for v in state.get("versions", [state["version"]])]
-        if len(self.versions) != len(self.parts):
+        versions = [int(v) for v in state.get("versions", [state["version"]])]
+        if len(versions) != len(self.parts):
             raise ValueError(
-                f"the checkpoint's syncer has {len(self.versions)} fragments, this run "
+                f"the checkpoint's syncer has {len(versions)} fragments, this run "
                 f"{len(self.parts)} (sync.fragments)"
             )
+        self.anchors.load_state_dict(state)
+        self.outer.load_state_dict(state["optimizers"])
+        self.versions = versions
         self.merged_samples = float(state["merged_samples"])
         self.staleness = [int(s) for s in state["staleness"]]
         self.dropped = [(int(w), float(t)) for w, t in state.get("dropped", [])]
