@@ -93,6 +93,12 @@ from localsgd.averaging.asynchronous.clock import computes  # noqa: E402
 STRATEGIES = {  # name: (overrides, H)
     "local SGD H=16": (["sync.period=16"], 16),
     "DiLoCo H=50": (["+experiment=diloco", "sync.outer_warmup_rounds=0"], 50),
+    # ... as Streaming DiLoCo with 2 fragments (tau = 0, alpha = 0): asynchronously, each phase
+    # of 25 steps sends one
+    "DiLoCo H=50 P=2": (
+        ["+experiment=diloco", "sync.outer_warmup_rounds=0", "sync.fragments=2"],
+        50,
+    ),
     # each of 4 fragments weighs the samples since its own sync (blocking: the weighted rounds
     # are the blocking ones)
     "Streaming DiLoCo H=48 P=4": (
