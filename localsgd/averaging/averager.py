@@ -114,7 +114,7 @@ class Averager(FlatBinding, RoundDriverView, ModelAverager):
         self.normalized = False
         self.part_samples = PartSamples(parts, progress=False, levels=len(levels))
         # the last weighted round's weights, this rank's seconds in their exchange (where it
-        # waits for the slowest), their sum over every round so far
+        # waits for the slowest), the samples global rounds merged (a fragment's as 1/P of them)
         self.round_weights: list[float] | None = None
         self.wait_s = 0.0
         self.contributed = 0.0
@@ -346,8 +346,7 @@ class Averager(FlatBinding, RoundDriverView, ModelAverager):
         start = time.perf_counter()
         self.round_weights = comm.weigh(own, self.flat.buffers[0].device)
         self.wait_s += time.perf_counter() - start
-        if comm is self.comm:  # a global round's samples, a fragment's as its share of the model
-            self.contributed += sum(self.round_weights) / self.parts
+        self.contributed += sum(self.round_weights) / self.parts if comm is self.comm else 0.0
         if not (self.normalized and comm.share):  # equal weights, or none trained here
             return None
         return max(self.round_weights) / own
