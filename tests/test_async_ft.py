@@ -203,18 +203,23 @@ def test_a_merge_waits_only_for_workers_due_within_its_window():
     a worker in step is waited for, one out of step (back from a fault) or overdue (frozen)
     is not; without a history, and under the modelled clock, every worker is."""
 
-    from localsgd.averaging.asynchronous.service import SyncerService
+    from localsgd.averaging.asynchronous.pacing import Pacing
 
-    service = SimpleNamespace(modelled=False, grace_s=0.25, arrivals={
+    pacing = Pacing(grace_s=0.25, modelled=False)
+    pacing.arrivals = {
         0: (8.0, 4.0),  # due at 12.0: in step
         1: (9.6, 4.0),  # due at 13.6: out of step by 1.6 s
         2: (4.0, 4.0),  # due at 8.0: overdue (frozen since)
         3: (11.9, None),  # one arrival only
-    })  # fmt: skip
-    due = [SyncerService._due(service, r, oldest=12.1) for r in range(5)]
-    assert due == [True, False, False, True, True]
-    service.modelled = True
-    assert all(SyncerService._due(service, r, oldest=12.1) for r in range(5))
+    }
+    assert [pacing.due(r, oldest=12.1) for r in range(5)] == [True, False, False, True, True]
+    pacing.modelled = True
+    assert all(pacing.due(r, oldest=12.1) for r in range(5))
+    # an arrival records the interval since the last one
+    pacing = Pacing(grace_s=0.25, modelled=False)
+    pacing.arrived(0, 4.0)
+    pacing.arrived(0, 8.0)
+    assert pacing.arrivals[0] == (8.0, 4.0)
 
 
 def test_a_worker_out_of_step_is_told_when_the_others_merge_next():
@@ -223,22 +228,25 @@ def test_a_worker_out_of_step_is_told_when_the_others_merge_next():
     theirs again: their next merge at least half a period away. In step, or with no window, or
     under the modelled clock: nothing."""
 
-    from localsgd.averaging.asynchronous.service import SyncerService
+    from localsgd.averaging.asynchronous.pacing import Pacing
 
-    service = SimpleNamespace(
-        modelled=False, grace_s=0.25, done=[False] * 4, lost=set(), _reachable=lambda w: True,
-        aligned={},
-        arrivals={0: (8.0, 4.0), 1: (8.05, 4.0), 2: (8.1, 4.0), 3: (10.5, 4.0)},
-    )  # fmt: skip
+    pacing = Pacing(grace_s=0.25, modelled=False)
+    pacing.arrivals = {0: (8.0, 4.0), 1: (8.05, 4.0), 2: (8.1, 4.0), 3: (10.5, 4.0)}
+    live = lambda w: True  # noqa: E731
     # the others merge next at 12.0, 1.4 s away: worker 3 aims at the merge after, at 16.0
-    assert SyncerService._align(service, 3, at=10.6) == pytest.approx(5.4)
+    assert pacing.align(3, at=10.6, live=live) == pytest.approx(5.4)
     # ... and a merge then waits for it: it is due with them
-    assert service.arrivals[3] == pytest.approx((10.5, 5.5)) and service.aligned[3] == 4.0
-    assert SyncerService._align(service, 0, at=8.0) is None
-    service.grace_s = 0.0
-    assert SyncerService._align(service, 3, at=10.6) is None
-    service.grace_s, service.modelled = 0.25, True
-    assert SyncerService._align(service, 3, at=10.6) is None
+    assert pacing.arrivals[3] == pytest.approx((10.5, 5.5)) and pacing.aligned[3] == 4.0
+    # its next arrival goes on at their interval
+    pacing.arrived(3, 16.0)
+    assert pacing.arrivals[3] == (16.0, 4.0)
+    assert pacing.align(0, at=8.0, live=live) is None
+    # a worker no longer live is not one of the others it aligns with
+    assert pacing.align(3, at=16.1, live=lambda w: w == 3) is None
+    pacing.grace_s = 0.0
+    assert pacing.align(3, at=10.6, live=live) is None
+    pacing.grace_s, pacing.modelled = 0.25, True
+    assert pacing.align(3, at=10.6, live=live) is None
 
 
 def test_the_hosted_syncer_listens_on_its_host_only():

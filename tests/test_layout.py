@@ -156,8 +156,6 @@ LONG_MODULES = {
     "cli/refusals.py": "the one table of refusals: a row per combination, each keys, why and fix",
     "averaging/asynchronous/averager.py": "one worker's side of asynchronous rounds: its phase "
     "clock and fragments, the exchange with the syncer in its three forms, and their state",
-    "averaging/asynchronous/service.py": "the syncer's loop in order: reading, the modelled "
-    "clock's order, quorum and grace, synchronous rounds, meetings and the wall clock's pacing",
 }
 LIMIT = 450  # "about 400"
 

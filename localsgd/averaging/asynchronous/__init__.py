@@ -5,6 +5,8 @@
 - `service`: `SyncerService`, the syncer's thread on rank 0: the order of the messages, the
   quorum and grace window, synchronous rounds where every worker arrives at once;
 - `syncer`: `Syncer`, the global model, its outer optimizer and the pending contributions;
+- `pacing`: `Pacing`, the wall clock's rules: who a merge waits for, and where a worker out of
+  step with the others ends its next phase;
 - `clock`: the modelled clock, which ticks a slower worker computes;
 - `delayed_nesterov`: `DelayedNesterov`, the staleness-aware outer step;
 - `heloco`: `HeLoCo`, the optional correction of each stale pseudo-gradient against the outer

@@ -42,6 +42,7 @@ from localsgd.averaging.asynchronous.links import (
     WorldLinks,
 )
 from localsgd.averaging.asynchronous.messages import Decoders
+from localsgd.averaging.asynchronous.pacing import Pacing
 from localsgd.averaging.asynchronous.syncer import Arrival, Syncer
 
 SEND, MEET, ANNOUNCE, DONE = "send", "meet", "announce", "done"
@@ -85,9 +86,7 @@ class SyncerService:
         self.met: list[dict | None] = [None] * size
         self.done = [False] * size
         self.lost: set[int] = set()  # workers nobody waits for any more (`hosted`)
-        # wall clock: each worker's last arrival and the interval before it (`_due`)
-        self.arrivals: dict[int, tuple[float, float | None]] = {}
-        self.aligned: dict[int, float] = {}  # the interval a worker told to align goes on at
+        self.pacing = Pacing(grace_s, modelled)  # the wall clock's: who a merge waits for
         self.deadline: float | None = None  # the next merge's, once the quorum is there
         # senders waiting (at most grace_s) for the merge that takes their contribution:
         # worker -> (its header, when it is answered anyway)
@@ -175,6 +174,10 @@ class SyncerService:
     def _last_words(self, live: list[int]) -> dict:
         """What a meeting's answers carry besides the model (nothing, in one world)."""
         return {}
+
+    def _live(self, w: int) -> bool:
+        """Whether worker w is still in the run and can be heard from."""
+        return not self.done[w] and w not in self.lost and self._reachable(w)
 
     def _now(self) -> float:
         return time.monotonic() - self.start_time
@@ -265,20 +268,15 @@ class SyncerService:
                     continue
                 for f, weight, t in zip(h["fragments"], h["weights"], tensors, strict=True):
                     syncer.add(Arrival(r, now, weight, h["versions"][f], t, f))
-                last = self.arrivals.get(r)
-                # after an aligned phase the worker goes on at the others' interval
-                gap = self.aligned.pop(r, None) or (None if last is None else now - last[0])
-                self.arrivals[r] = (now, gap)
+                self.pacing.arrived(r, now)
             else:
                 box.put(f"d/{r}/{h['seq']}", {"do": "wait"})
         merged = False
         if syncer.workers_pending() >= self.min_quorum:
-            live = {  # a worker away (dead, restarting) is not waited for: the grace window is
-                r for r in range(self.size)
-                if not self.done[r] and r not in self.lost and self._reachable(r)
-            }  # fmt: skip
+            # a worker away (dead, restarting, cut off) is not waited for by the grace window
+            live = {r for r in range(self.size) if self._live(r)}
             oldest = min(a.time for a in syncer.pending)
-            awaited = {r for r in live if self._due(r, oldest)}
+            awaited = {r for r in live if self.pacing.due(r, oldest)}
             everyone = {a.worker for a in syncer.pending} >= awaited
             if everyone or oldest + self.grace_s <= now:
                 self._merge(now)
@@ -292,43 +290,6 @@ class SyncerService:
                 self.waiting[r] = (h, now + self.grace_s)  # for its merge, at most grace_s
             else:
                 self._answer(r, h, now)
-
-    def _due(self, r: int, oldest: float) -> bool:
-        """Whether a merge whose oldest contribution arrived at `oldest` waits (at most
-        `grace_s`) for worker r: under the modelled clock always; on the wall clock only where
-        r's next contribution is due within the window around it (its last arrival plus its
-        last interval), so that a worker out of step with the others (back from a freeze or a
-        restart) or overdue (frozen, dead) does not hold every merge for the whole window."""
-        if self.modelled or self.arrivals.get(r, (None, None))[1] is None:
-            return True
-        last, gap = self.arrivals[r]
-        return oldest - self.grace_s <= last + gap <= oldest + self.grace_s
-
-    def _align(self, r: int, at: float) -> float | None:
-        """On the wall clock with a grace window: where worker r is out of step with most of
-        the others (back from a freeze, a partition or a restart), the seconds from `at` to
-        their next merge, when its next phase should end instead (earlier or later), so that
-        its contributions are merged with theirs again; None where it is in step."""
-        if self.modelled or self.grace_s <= 0 or self.arrivals.get(r, (0, None))[1] is None:
-            return None
-        others = [
-            (last, gap) for w, (last, gap) in self.arrivals.items()
-            if w != r and gap and not self.done[w] and w not in self.lost and self._reachable(w)
-        ]  # fmt: skip
-        if not others:
-            return None
-        dues = [last + gap for last, gap in others]
-        # the due time most of them share (within the window): their next merge
-        target = max(dues, key=lambda t: (sum(abs(u - t) <= self.grace_s for u in dues), -t))
-        last, gap = self.arrivals[r]
-        if abs(last + gap - target) <= self.grace_s:
-            return None  # in step
-        period = sorted(g for _, g in others)[len(others) // 2]
-        while target < at + 0.5 * period:  # their next merge after this phase's start
-            target += period
-        # due then (a merge waits for it), and at their interval after
-        self.arrivals[r], self.aligned[r] = (last, target - last), period
-        return target - at
 
     def _collective(self, now: float, headers: dict, kind: str, samples: list) -> None:
         """Every worker at one time, nothing pending: a synchronous round (see the module doc)."""
@@ -411,7 +372,7 @@ class SyncerService:
             self.announced[r] = None  # it waited: it announces its next time again
         if not self._reachable(r):
             return  # its session failed meanwhile: it is welcomed afresh when it rejoins
-        align = self._align(r, at) if header["kind"] == SEND else None
+        align = self.pacing.align(r, at, self._live) if header["kind"] == SEND else None
         self.links.box(r).put(
             f"r/{r}/{header['seq']}",
             {"version": self.syncer.version, "versions": list(versions), "time": at,
