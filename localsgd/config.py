@@ -158,7 +158,8 @@ class SyncConfig:
     # reference code; an index one worker sent moves by its whole value)
     topk_mean: str = "all"
     # Streaming DiLoCo (Douillard et al. 2025): P fragments strided by block, fragment p's outer
-    # step every `period` steps offset by p*period/P (1 = the whole model at once)
+    # step every `period` steps offset by p*period/P (1 = the whole model at once); async: each
+    # phase of period/P steps sends one fragment in turn
     fragments: int = 1
     delay_steps: int = 0  # tau: a fragment's all-reduce runs while tau more steps train
     merge_alpha: float = 0.0  # merged = alpha * local + (1 - alpha) * global (paper: 0.5)
