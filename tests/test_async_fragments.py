@@ -216,6 +216,7 @@ SAME = FAST + [
     "dist.world_size=4", "trainer.max_steps=23", "sync.warmup_steps=3", "sync.period=4",
     "sync.outer=diloco", "sync.fragments=2", "trainer.checkpoint_every=0",
     "trainer.eval_every=1000", "data.num_samples=800", "model.hidden=[16]",
+    "trainer.log_every=4",
 ]  # fmt: skip
 
 
@@ -224,6 +225,14 @@ def test_equal_clocks_with_a_full_quorum_are_synchronous_streaming_diloco_bit_fo
     summary = same_as_synchronous(tmp_path, SAME)
     # 5 rounds of each fragment, then the meeting's two: every one a synchronous round
     assert summary["async_exchanges"]["collective"] == 11 and summary["async_merges"] == 12
+    # the drift is measured around each fragment's synchronous round, as in the synchronous
+    # schedule (the last line adds the meeting, a whole-model average the synchronous run's
+    # final one does not measure)
+    drift = {}
+    for name in ("sync", "async"):
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        drift[name] = [(r["step"], r["drift"]) for r in map(json.loads, lines) if "drift" in r]
+    assert len(drift["async"]) == 6 and drift["async"][:-1] == drift["sync"][:-1]
 
 
 @pytest.mark.slow

@@ -415,10 +415,10 @@ class AsyncAverager(FragmentOrder, OuterAverager):
             self.stopped = True
             return
         self.unsynced = [0.0 if f in work else n for f, n in enumerate(unsynced)]
-        # every worker is here with the whole model (a meeting, or a synchronous round): the
-        # global-sync hooks (drift) run around it, their collectives in the same order on every
-        # rank
-        together = kind == MEET or (decision["do"] == "collective" and self.fragments == 1)
+        # every worker is here (a meeting, or a synchronous round, of a fragment as in the
+        # synchronous schedule): the global-sync hooks (drift) run around it, their collectives
+        # in the same order on every rank
+        together = kind == MEET or decision["do"] == "collective"
         if together:
             self._global_hooks("before")
         # the pseudo-gradients, in place (zeros where nothing was trained since the last
