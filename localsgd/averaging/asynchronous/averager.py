@@ -474,17 +474,14 @@ class AsyncAverager(FragmentOrder, OuterAverager):
         rounds, comm = self.rounds, self.comm
         totals = []
         for (f, w), weight in zip(work.items(), weights, strict=True):
-            if decision["weighted"]:
-                comm.weigh(weight, w[0].device)
+            # the samples behind the mean: every worker's weight (all alike unweighted)
+            every = comm.weigh(weight, w[0].device) if decision["weighted"] else None
+            totals.append(sum(every) if every else weight * self.world_size)
             try:
                 rounds.combine.blocking(f, w, comm, rounds.wires[f])
-                # the samples behind the mean: every worker's weight (all alike unweighted)
-                totals.append(sum(comm.weights or []) if decision["weighted"] else None)
             finally:
                 comm.unweigh()
         if self.service is not None:
-            totals = [weight * self.world_size if t is None else t
-                      for t, weight in zip(totals, weights, strict=True)]  # fmt: skip
             self.service.collective_merged(
                 list(work.values()), totals, decision["workers"], list(work)
             )
