@@ -13,6 +13,7 @@ global values back.
 from __future__ import annotations
 
 import json
+from itertools import groupby
 
 import pytest
 import torch
@@ -136,13 +137,10 @@ def _replay(
                     phase = 0.0
             if tick == STEPS - 1:
                 events.append((done * speed, r, tick, list(range(P))))
-    events.sort()
+    events.sort()  # by time, ties in rank order
     trained = [0] * len(SPEEDS)
-    i = 0
-    while i < len(events):
-        at = events[i][0]
-        group = [e for e in events if e[0] == at]
-        i += len(group)
+    for at, group in groupby(events, key=lambda e: e[0]):
+        group = list(group)
         for _, r, step, sent in group:
             ticks = [t for t in todo[r] if trained[r] <= t <= step]
             for t in ticks:
