@@ -193,7 +193,7 @@ class SyncConfig:
     # per-worker step counts: each round's inner phase lasts at most this many seconds per
     # worker, a slow worker computing fewer of the round's steps instead of holding up the
     # others, and averages weigh each worker by the samples it trained on (localsgd.loop.pacing;
-    # how: budget_merge)
+    # how: budget_merge; a robust sync.aggregate weighs nobody)
     inner_time_s: float | None = None
     # how a budget's round (or an asynchronous merge) merges the workers' changes: normalized
     # (each worker's change scaled to the round's most samples, so a slow worker's short change

@@ -335,13 +335,16 @@ EQUAL_CLOCKS = ["sync.mode=async", "sync.min_quorum=4", "sync.outer_delay=1",
                 "comm.simulate.worker_speed=[1,1,1,1]", "comm.simulate.step_s=0.001"]  # fmt: skip
 
 
-def same_as_synchronous(tmp_path, args: list[str]) -> dict:
-    """Run `args` synchronously and asynchronously on equal clocks with a full quorum and the
-    synchronous outer step; assert one final model, bit for bit. The asynchronous summary."""
+def same_as_synchronous(tmp_path, args: list[str], workers: int = 4) -> dict:
+    """Run `args` synchronously and asynchronously on equal clocks with a full quorum (of
+    `workers`) and the synchronous outer step; assert one final model, bit for bit. The
+    asynchronous summary."""
     sync_dir, async_dir = tmp_path / "sync", tmp_path / "async"
     proc, _ = cli(args + [f"hydra.run.dir={sync_dir}"])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    proc, _ = cli(args + EQUAL_CLOCKS + [f"hydra.run.dir={async_dir}"])
+    clocks = [f"sync.min_quorum={workers}" if c.startswith("sync.min_quorum=") else c
+              for c in EQUAL_CLOCKS]  # fmt: skip
+    proc, _ = cli(args + clocks + [f"hydra.run.dir={async_dir}"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert same_model(sync_dir / "model.pt", async_dir / "model.pt")
     return json.loads((async_dir / "summary.json").read_text())
@@ -355,13 +358,17 @@ def test_equal_clocks_with_a_full_quorum_are_synchronous_diloco_bit_for_bit(tmp_
 @pytest.mark.slow
 def test_an_asynchronous_run_resumes_exactly_after_a_kill(tmp_path):
     # checkpoints every 5 steps are meetings; the kill comes after the one at step 10
-    # with HeLoCo's correction, which reads the outer momentum the checkpoint carries
+    # with HeLoCo's correction, which reads the outer momentum the checkpoint carries; the
+    # replicas checked where they meet (worker 1 idles the first tick after the warmup: it
+    # must not count itself in sync there and check alone)
     args = BASE + ["sync.outer=diloco", "sync.mode=async", "comm.simulate.worker_speed=[1,3]",
-                   "comm.simulate.step_s=0.002", "sync.staleness_correction=heloco"]  # fmt: skip
+                   "comm.simulate.step_s=0.002", "sync.staleness_correction=heloco",
+                   "sync.check_replicas=true"]  # fmt: skip
     reference, resumed = killed_and_resumed(args, tmp_path)
     counts = [json.loads((d / "summary.json").read_text())["async_corrected_blocks"]
               for d in (reference, resumed)]  # fmt: skip
     assert counts[0] == counts[1] and counts[0]["shrunk"] + counts[0]["reoriented"] > 0
+    assert json.loads((reference / "summary.json").read_text())["replica_checks"] >= 1
     again = tmp_path / "again"
     proc, _ = cli(args + [f"hydra.run.dir={again}"])  # the same seed: the same model
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -575,3 +582,44 @@ def test_sync_max_staleness_reaches_the_syncer(tmp_path):
     dropped = seen["0"]["async_dropped_stale"]
     assert seen["0"]["async_max_staleness"] == 0 and dropped
     assert {worker for worker, _, staleness in dropped} == {1} and min(s for *_, s in dropped) == 1
+
+
+def test_a_syncer_resumed_under_another_n_keeps_its_own_n_and_the_momentum():
+    """`sync.outer_delay=null` makes N the number of workers, so a checkpoint resumed at another
+    world size brings Delayed Nesterov's state to another N, or to torch's SGD (N = 1), or the
+    other way round: the resumed syncer keeps this run's N and the momentum."""
+    from localsgd.averaging.asynchronous.hosted import build_syncer
+    from localsgd.averaging.asynchronous.syncer import Arrival
+
+    def syncer(delay):
+        spec = {
+            "buffers": [[4, "float32"]], "parts": [[[0, 0, 4, 4]]], "blocks": [[0, 0, 4]],
+            "sgd": {"lr": 0.5, "momentum": 0.9, "nesterov": True, "warmup_rounds": 0,
+                    **({} if delay is None else {"delay": delay})},
+            "plain_first": False, "wire": {"dtype": "float32"}, "aggregate": None,
+            "correction": None, "normalized": False, "max_staleness": None,
+        }  # fmt: skip
+        return build_syncer({"spec": spec}, lambda t: t.zero_())[0]
+
+    def momentum(s):
+        opt = s.outer.optimizers[0]
+        return opt.state[opt.param_groups[0]["params"][0]]["momentum_buffer"]
+
+    four = syncer(4)
+    for worker in range(5):  # a cycle of 4 moved the momentum; one more is pending
+        four.add(Arrival(worker % 4, float(worker), 10, four.version, [torch.ones(4) * worker]))
+        assert four.merge()
+    for delay in (2, None):  # Delayed Nesterov at N = 2, torch's SGD at N = 1
+        resumed = syncer(delay)
+        resumed.load_state_dict(four.state_dict())
+        assert torch.equal(momentum(resumed), momentum(four))
+        group = resumed.outer.optimizers[0].param_groups[0]
+        assert group.get("delay") == delay  # this run's N, not the checkpoint's 4
+        assert ("weight_decay" in group) == (delay is None)  # torch's SGD's own group
+    sgd = syncer(None)
+    sgd.load_state_dict(four.state_dict())
+    back = syncer(4)  # and from torch's SGD back to Delayed Nesterov: the momentum goes on
+    back.load_state_dict(sgd.state_dict())
+    back.add(Arrival(0, 9.0, 10, back.version, [torch.ones(4)]))
+    # 1 of the cycle's 4: the momentum moves at the cycle's end, not here
+    assert back.merge() and torch.equal(momentum(back), momentum(four))

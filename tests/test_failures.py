@@ -34,6 +34,10 @@ def test_nan_loss_stops_the_run_naming_step_and_rank_and_keeps_the_last_checkpoi
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert "worker rank 1 failed" in proc.stderr
     assert "non-finite loss at step 8 on rank 1" in proc.stderr, proc.stderr[-2000:]
+    # one line on the terminal, the worker's whole traceback in the run's log
+    assert f"(its traceback: {run_dir / 'train.log'})" in proc.stderr, proc.stderr[-2000:]
+    log = (run_dir / "train.log").read_text()
+    assert "worker rank 1 failed:\nTraceback (most recent call last):" in log, log[-2000:]
     assert time.monotonic() - started < 90  # well within dist.timeout_s of the failure
     assert not left, "a worker outlived the failed job"
     # the checkpoint due at step 10 was refused (it would hold NaN); step 5's is intact

@@ -47,8 +47,7 @@ CASES: dict[str, list[str]] = {
         "sync=hierarchical", "sync.aggregate=median"],
     "sync.aggregate other than mean, or sync.score=true, with sync.eager=true": [
         "+experiment=diloco", "sync.eager=true", "sync.aggregate=median"],
-    "sync.aggregate other than mean, or sync.score=true, with sync.inner_time_s": [
-        "sync.inner_time_s=1", "sync.score=true"],
+    "sync.score=true with sync.inner_time_s": ["sync.inner_time_s=1", "sync.score=true"],
     "sync.aggregate other than mean, sync.score=true or sync.mode=async, with "
     "sync.drop_nonfinite=false": ["sync.mode=async", "sync.drop_nonfinite=false"],
     "sync.score=true with sync.aggregate=mean and sync.warmup_steps > 0": [
@@ -116,8 +115,7 @@ CASES: dict[str, list[str]] = {
         "sync.mode=async", "ft=torchft", "ft.min_replicas=2"],
     "sync.mode=async with sync.merge_alpha > 0": [
         "sync.mode=async", "sync.merge_alpha=0.5", "sync.inner_time_s=0.1"],
-    "sync.mode=async with dist.shard_size > 1 or dist.virtual_workers": [
-        "sync.mode=async", "dist.shard_size=2"],
+    "sync.mode=async with dist.virtual_workers": ["sync.mode=async", *VIRTUAL],
     "sync.mode=async with ft=torchft and ft.lighthouse or ft.replica_groups set, or "
     "sync.warmup_steps > 0": ["sync.mode=async", "ft=torchft", "sync.warmup_steps=5"],
 }  # fmt: skip
@@ -208,6 +206,10 @@ def test_the_cli_exits_2_with_the_rows_line(tmp_path, capsys):
         ["ft=torchft", "trainer.track_drift=true", "sync.check_replicas=true"],
         ["sync.mode=async", "trainer.track_drift=true", "ft.heartbeat_gate=true"],
         ["dist.shard_size=2", "optim=muon", "model=mlp"],
+        # a budget's rounds under a robust rule: unweighted
+        ["sync.inner_time_s=1", "sync.aggregate=median"],
+        # asynchronous rounds over sharded replica groups: a syncer per shard
+        ["sync.mode=async", "+experiment=diloco", "dist.shard_size=2", "sync.fragments=2"],
         [
             *VIRTUAL,
             "sync.inner_time_s=0.2",

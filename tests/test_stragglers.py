@@ -187,6 +187,24 @@ SLOW = ["comm.simulate.worker_speed=[1,1,1,3]", "comm.simulate.step_s=0.002"]
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
+def test_a_budget_under_a_robust_rule_paces_the_slow_worker_and_weighs_nobody(tmp_path):
+    """The median combines a budget's rounds unweighted (an untrusted worker could inflate the
+    samples it reports): the paced run, worker 3 three times slower and worker 1 flipping its
+    change's sign, trains to the end on bit-identical replicas, and no round is weighted."""
+    attack = "{_target_:localsgd.loop.attacks.Attack,kind:'sign_flip',rank:1}"
+    run = tmp_path / "run"
+    args = JOB + SLOW + ["sync.inner_time_s=0.016", "sync.aggregate=median",
+                         "sync.check_replicas=true", f"trainer.callbacks=[{attack}]",
+                         f"hydra.run.dir={run}"]  # fmt: skip
+    proc, _ = cli(args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["computed_steps"] == 48 and summary["replica_checks"] > 0  # rank 0: on time
+    assert "round_weights" not in summary and "contributed_samples" not in summary
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
 def test_the_cli_paces_a_simulated_slow_worker_and_nobody_late_is_todays_model(tmp_path):
     runs = {
         "plain": JOB,

@@ -316,11 +316,14 @@ def validate_sync(cfg: Any, ws: int | None, local_ws: int | None) -> None:
     warm = _get(cfg, "sync.outer_warmup_rounds")
     _require(warm >= 0, "sync.outer_warmup_rounds", "an integer >= 0", warm)
     quorum = _get(cfg, "sync.min_quorum")
-    workers = f"the {ws} workers" if ws is not None else "the workers"
+    shard = _get(cfg, "dist.shard_size")
+    # sharded replica groups: each group is one worker
+    groups = ws // shard if ws is not None and isinstance(shard, int) and shard > 1 else ws
+    workers = "workers" if groups == ws else f"replica groups of {shard} ranks"
     _require(
-        isinstance(quorum, int) and quorum >= 1 and (ws is None or quorum <= ws),
-        "sync.min_quorum", f"an integer in [1, {ws if ws is not None else 'world size'}] "
-        f"({workers})", quorum,
+        isinstance(quorum, int) and quorum >= 1 and (groups is None or quorum <= groups),
+        "sync.min_quorum", f"an integer in [1, {groups if groups is not None else 'world size'}] "
+        f"(the {f'{groups} ' if groups is not None else ''}{workers})", quorum,
     )  # fmt: skip
     grace = _get(cfg, "sync.grace_s")
     _require(grace >= 0, "sync.grace_s", ">= 0 (seconds)", grace)

@@ -146,7 +146,12 @@ _FAILURE_GRACE_S = 2.0
 
 
 class WorkerFailed(RuntimeError):
-    """A spawned worker raised or died; the message names the rank and the error's last line."""
+    """A spawned worker raised or died; the message names the rank and the error's last line.
+    `raised`: it raised (its whole traceback is in the run's log, `cli.train.run_worker`)."""
+
+    def __init__(self, message: str, raised: bool = False):
+        super().__init__(message)
+        self.raised = raised
 
 
 # How long a worker read as dead with exit code 255 waits for its server's exit to be seen.
@@ -266,7 +271,7 @@ def spawn(
         cause = _peer_that_died(context, e.error_index) if _lost_a_peer(last) else None
         if cause is not None:
             raise WorkerFailed(cause) from None
-        raise WorkerFailed(f"worker rank {e.error_index} failed: {last}") from None
+        raise WorkerFailed(f"worker rank {e.error_index} failed: {last}", raised=True) from None
     finally:
         signal.signal(signal.SIGTERM, previous[0])
         signal.signal(signal.SIGINT, previous[1])

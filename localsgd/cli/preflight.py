@@ -184,7 +184,8 @@ def resolve_resume(
             relaid = shards != _get(cfg, "dist.shard_size")
             config["dist"]["shard_size"] = shards
         if marker["world_size"] != world_size or relaid:
-            refusal = SyncPlan.of(_get(cfg, "sync")).reshard_refusal()
+            sharded = shards > 1 or _get(cfg, "dist.shard_size") > 1
+            refusal = SyncPlan.of(_get(cfg, "sync")).reshard_refusal(sharded)
             if refusal is not None:
                 keys, was = "dist.world_size", str(marker["world_size"])
                 if relaid:

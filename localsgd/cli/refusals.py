@@ -271,14 +271,17 @@ REFUSALS: tuple[Refusal, ...] = (
         "set sync.eager=false",
     ),
     Refusal(
-        ("sync.aggregate", "sync.score", "sync.inner_time_s"),
-        "sync.aggregate other than mean, or sync.score=true, with sync.inner_time_s",
-        # (asynchronous merges under a robust rule weigh nobody: refused by sync.score alone)
-        lambda f: _gathered(f) and f.budget and f.plan.mode == "sync",
+        ("sync.score", "sync.inner_time_s"),
+        "sync.score=true with sync.inner_time_s",
+        # (a robust rule alone combines a budget's rounds unweighted; asynchronous scoring is
+        # refused by sync.score alone)
+        lambda f: f.plan.score and f.budget and f.plan.mode == "sync",
         DESIGN,
-        "a weighted round weighs each worker by the samples it reports of itself, which an "
-        "untrusted worker could inflate",
-        "set sync.inner_time_s=null",
+        "scoring holds each worker's change against the others' on one batch, and a slow "
+        "worker's honest change, a few steps long, scores like a free rider's: only the "
+        "samples it reports of itself, which an untrusted worker could fake, tell them apart",
+        "set sync.inner_time_s=null, or sync.score=false (sync.aggregate combines a budget's "
+        "rounds unweighted)",
     ),
     Refusal(
         ("sync.aggregate", "sync.score", "sync.mode", "sync.drop_nonfinite"),
@@ -641,12 +644,12 @@ REFUSALS: tuple[Refusal, ...] = (
         "set sync.mode=sync",
     ),
     Refusal(
-        ("sync.mode", "dist.shard_size", "dist.virtual_workers"),
-        "sync.mode=async with dist.shard_size > 1 or dist.virtual_workers",
-        lambda f: f.plan.mode == "async" and (f.shard_size > 1 or f.virtual),
+        ("sync.mode", "dist.virtual_workers"),
+        "sync.mode=async with dist.virtual_workers",
+        lambda f: f.plan.mode == "async" and f.virtual,
         UNAVAILABLE,
-        "the syncer talks to each worker point-to-point as one process; shard groups and "
-        "virtual workers have no such channel here",
+        "the syncer is a thread that talks to each worker point-to-point while they train; "
+        "virtual workers take turns in one thread at their collectives",
         "set sync.mode=sync",
     ),
     Refusal(

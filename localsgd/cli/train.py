@@ -16,6 +16,7 @@ import shlex
 import shutil
 import sys
 import threading
+import traceback
 
 import hydra
 import torch.distributed as dist
@@ -103,7 +104,12 @@ def run_worker(
         run_dir = agree_on_run_dir(run_dir, info.rank)
         set_notice_log(run_log(run_dir), bar_elsewhere=cfg.trainer.progress)
         resume = agree_on(resume)
-        Trainer(cfg, info, device, run_dir, resume_from=resume, store=store).train()
+        try:
+            Trainer(cfg, info, device, run_dir, resume_from=resume, store=store).train()
+        except Exception:  # the launcher says one line; the whole traceback goes to the log
+            with open(run_log(run_dir), "a", encoding="utf-8") as log:
+                log.write(f"worker rank {info.rank} failed:\n{traceback.format_exc()}")
+            raise
     finally:
         dist.destroy_process_group()
 
@@ -255,7 +261,8 @@ def run_job(cfg: DictConfig, run_dir: str) -> float | None:
                     lost = ", ".join(map(str, outcome["lost"]))
                     notice(f"ft: finished without worker(s) {lost} (lost for good)")
         except (WorkerFailed, ReplicasFailed) as e:
-            fail(str(e), code=1)
+            where = f" (its traceback: {run_log(run_dir)})" if getattr(e, "raised", False) else ""
+            fail(f"{e}{where}", code=1)
         except ReplicasStopped as e:  # every worker stopped at an agreed round, checkpointed
             stopped_by = e.signum
     if not os.path.exists(summary_path):  # stopped by SIGTERM or Ctrl-C after a checkpoint

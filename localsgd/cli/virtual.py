@@ -68,5 +68,7 @@ def spawn_virtual(fn: Callable, world_size: int, timeout_s: float, args: tuple =
     except Exception as e:  # the first failed worker's error (the others were aborted)
         rank = getattr(e, "virtual_rank", "?")
         last = (str(e).strip().splitlines() or [""])[-1]
-        raise WorkerFailed(f"worker rank {rank} failed: {type(e).__name__}: {last}") from e
+        raise WorkerFailed(
+            f"worker rank {rank} failed: {type(e).__name__}: {last}", raised=True
+        ) from e
     return first_signal()

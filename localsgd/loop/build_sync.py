@@ -70,7 +70,7 @@ def build_synchroniser(
         loss_at=None
         if held_out is None
         else (lambda round_, samples=None: held_out(round_, sync.score_batch, samples)),
-        asynchronous=_asynchronous(cfg, info, store) if sync.mode == "async" else None,
+        asynchronous=_asynchronous(cfg, info, store, sharding) if sync.mode == "async" else None,
     )
     buffers = averager.flat.buffers
     wall_clock = sim.worker_speed is None or fault_tolerant  # the syncer's order: arrivals
@@ -185,10 +185,14 @@ def build_synchroniser(
     )
 
 
-def _asynchronous(cfg: Config, info: WorkerInfo, store: dist.Store | None) -> dict:
+def _asynchronous(
+    cfg: Config, info: WorkerInfo, store: dist.Store | None, sharding: Sharding | None
+) -> dict:
     """`AsyncAverager`'s arguments beyond the sync config: the store its messages go through,
     the run's attempt (their keys), the meetings (checkpoint steps and the last) and this
-    worker's modelled speed (`comm.simulate.worker_speed`, `step_s`; none: the wall clock).
+    worker's modelled speed (`comm.simulate.worker_speed`, `step_s`; none: the wall clock). A
+    sharded replica group is one worker: it runs at its slowest rank's speed, as its ranks
+    compute a tick together.
     Under `ft=torchft` the syncer is the launcher's (`hosted`): the worker joins it at the
     address the launcher gives, on the wall clock (the modelled one would wait on every
     worker's announced times, a dead one's too)."""
@@ -206,8 +210,12 @@ def _asynchronous(cfg: Config, info: WorkerInfo, store: dist.Store | None) -> di
         return {**common, **hosted, "workers": info.world_size}
     if store is None:
         raise ValueError("sync.mode=async needs the rendezvous store")
+    group = range(info.rank, info.rank + 1)
+    if sharding is not None and sharding.sharded:
+        first = info.rank - info.rank % sharding.size
+        group = range(first, first + sharding.size)
     return {
         **common,
         "step_s": sim.step_s if speeds else None,
-        "speed": float(speeds[info.rank]) if speeds else 1.0,
+        "speed": max(float(speeds[r]) for r in group) if speeds else 1.0,
     }

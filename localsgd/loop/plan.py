@@ -23,7 +23,10 @@ RESHARD_REFUSED = {
     "sync.overlap": "an average is in flight at every sync",
     "sync.delay_steps": "a fragment's average is in flight",
     "sync.eager": "each worker's pseudo-gradient is carried to the next round",
-    "sync.fragments": "fragments sync at different steps",
+    # (asynchronous fragments meet whole at checkpoints: only their sharded syncers' per-fragment
+    # outer states stay laid out for the old shards)
+    "sync.fragments": "fragments sync at different steps, or under asynchronous rounds keep a "
+    "sharded outer state per fragment",
     "sync.aggregate": "the verdicts (bad-round streaks, exclusions) name the old world's ranks",
     "sync.score": "the verdicts (bad-round streaks, exclusions) name the old world's ranks",
 }
@@ -181,14 +184,16 @@ class SyncPlan:
         shared checkpoint to resume from (`Averager.global_state`)."""
         return self.streaming and self.outer != "none" and not self.eager
 
-    def reshard_refusal(self) -> str | None:
-        """Why a checkpoint of this run cannot continue at another world size, or None."""
+    def reshard_refusal(self, sharded: bool = False) -> str | None:
+        """Why a checkpoint of this run cannot continue at another world size, or None.
+        `sharded`: the checkpoint or the run has sharded replica groups."""
+        # asynchronous fragments checkpoint at meetings, where every fragment just synced
+        fragments = self.fragments != 1 and (self.mode != "async" or sharded)
         values = {
             "sync.overlap": self.overlap,
             "sync.delay_steps": 0 if self.overlap else self.delay,
             "sync.eager": self.eager,
-            # asynchronous fragments checkpoint at meetings, where every fragment just synced
-            "sync.fragments": self.fragments if self.fragments != 1 and self.mode != "async" else 0,
+            "sync.fragments": self.fragments if fragments else 0,
             "sync.aggregate": self.aggregate if self.aggregate != "mean" else 0,
             "sync.score": self.score,  # under the mean, scoring alone gathers and judges
         }

@@ -135,7 +135,9 @@ def build_averager(
     meet_every, timeout_s)."""
     plan = SyncPlan.of(sync)
     trust = trust_of(sync, plan, loss_at)
-    weighted = sync.inner_time_s is not None
+    # a budget's rounds weigh each worker by the samples it reports, except under a robust rule,
+    # which combines the contributions unweighted (an untrusted worker could inflate its report)
+    weighted = sync.inner_time_s is not None and not plan.gathered
     # a budget's normalized merge scales each change since the last average: the values kept
     normalized = weighted and sync.budget_merge == "normalized"
     comm_dtype = plan.comm_format(sync.comm_dtype)  # a name, or top-k's codec

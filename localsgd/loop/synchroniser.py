@@ -172,6 +172,12 @@ class Synchroniser:
                 hook(grads)
         return self.driver.all_reduce_gradients()
 
+    def idled(self) -> None:
+        """This tick computes no step (a slow worker's, past the warmup): it is not one of the
+        warmup's synchronous steps, whatever the last computed step was (a worker idle right
+        after the warmup would otherwise count itself in sync and check its replica alone)."""
+        self.synchronous = False
+
     def after_step(self, loss: torch.Tensor | None, samples: float = 0) -> None:
         """After the optimizer step, which trained on `samples` samples (0: it idled or was
         skipped; a weighted round's weight): feed the loss (None: skipped) to a schedule that

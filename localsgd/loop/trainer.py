@@ -228,6 +228,7 @@ class Trainer:
             self.compute_s += time.perf_counter() - began - (self.comm_stats.seconds - in_comm)
         else:
             pacer.idle()
+            self.sync.idled()
         self.sync.after_step(loss, samples)  # the model average, when due
         # a round every worker must reach (a fragment's, launched or blocking) ends the budget's
         if self.in_sync or self.sync.round_started:

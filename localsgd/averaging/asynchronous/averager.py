@@ -24,6 +24,10 @@ as in synchronous Streaming DiLoCo, and a message carries a fragment, not the mo
 sends and takes back every fragment. The syncer keeps each fragment's outer step and version
 (`syncer`).
 
+**Sharded replica groups** (`process_group`: the ranks holding this rank's shard, one per
+group): each shard has its own syncer, on the group's first rank, its own mailbox keys and
+point-to-point group (`_point_to_point`); every rank sends its shard and takes its shard back.
+
 Under the modelled clock (`step_s`, `speed`: `clock`) the order of
 the syncer's merges is fixed: with every worker equally fast, a quorum of all of them and the
 synchronous outer step, every round is a synchronous one and the run is today's synchronous
@@ -62,6 +66,7 @@ from localsgd.averaging.asynchronous.service import (
     SyncerService,
 )
 from localsgd.averaging.asynchronous.syncer import Syncer
+from localsgd.averaging.binding import mirrored
 from localsgd.averaging.outer import OuterAverager
 from localsgd.averaging.rounds.part import views
 from localsgd.averaging.streaming.fragments import FragmentOrder
@@ -150,11 +155,11 @@ class AsyncAverager(FragmentOrder, OuterAverager):
         self.step_seconds = speed * step_s if step_s is not None else None
         self.timeout_s = timeout_s
         self.link: WorkerLink | None = None
+        # sharded replica groups: this rank averages its shard among the ranks that hold it
+        self.sharded = process_group is not None and self.world_size < dist.get_world_size()
         if syncer_address is None:
-            # tensors move on a group of their own, so that a thread's sends never meet the
-            # training's collectives; its timeout is the run's
-            p2p = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-            self.link = world_link(Mailbox(store, f"localsgd/async/{run_id}/", timeout_s), p2p)
+            p2p, key = _point_to_point(process_group, timeout_s)
+            self.link = world_link(Mailbox(store, f"localsgd/async/{run_id}/{key}", timeout_s), p2p)
         self.resume_state = None  # () -> json: where a restarted process resumes (sessions)
         self.welcome: dict | None = None  # a hosted syncer's first answer (`rejoin.join`)
         self.rejoins = 0  # sessions opened again after one failed
@@ -305,6 +310,7 @@ class AsyncAverager(FragmentOrder, OuterAverager):
             self._start()
         self._exchange(MEET, self.step - 1, final=True)
 
+    @mirrored()  # sharded parameters: their values in the flat buffers while it runs
     def _start(self) -> None:
         """The syncer starts (rank 0) with the global model every worker's anchor holds, and every
         worker announces when it will first send (after a meeting: its next time)."""
@@ -363,6 +369,7 @@ class AsyncAverager(FragmentOrder, OuterAverager):
         self.wait_s += time.perf_counter() - start
         return message
 
+    @mirrored()
     def _exchange(self, kind: str, step: int, final: bool = False) -> None:
         """Send this phase's contribution (or meet), then take the global model back. With a
         hosted syncer, an exchange whose session fails rejoins (`rejoin`): the buffers take the
@@ -418,7 +425,12 @@ class AsyncAverager(FragmentOrder, OuterAverager):
         # every worker is here (a meeting, or a synchronous round, of a fragment as in the
         # synchronous schedule): the global-sync hooks (drift) run around it, their collectives
         # in the same order on every rank
-        together = kind == MEET or decision["do"] == "collective"
+        # (a sharded replica group's shards merge apart: on the wall clock each shard's syncer
+        # may merge at another moment, so its hooks, whose collectives span the group, run at
+        # meetings only)
+        together = kind == MEET or (
+            decision["do"] == "collective" and (self.modelled or not self.sharded)
+        )
         if together:
             self._global_hooks("before")
         # the pseudo-gradients, in place (zeros where nothing was trained since the last
@@ -569,6 +581,23 @@ class AsyncAverager(FragmentOrder, OuterAverager):
         self.computed = int(saved.get("computed", 0))
         self.exchanges.update(saved.get("exchanges", {}))
         self._saved_syncer = saved.get("syncer")
+
+
+def _point_to_point(group: dist.ProcessGroup | None, timeout_s: float):
+    """The gloo group the workers of `group` (None: every rank) and their syncer move tensors
+    on, apart from the training's collectives so that a thread's sends never meet them, and the
+    key of their messages. Sharded replica groups average each shard among the ranks holding
+    it: each such group gets its own, keyed by its first rank (every rank takes part in making
+    them all, as `new_subgroups_by_enumeration` needs)."""
+    timeout = timedelta(seconds=timeout_s)
+    if group is None:
+        return dist.new_group(backend="gloo", timeout=timeout), ""
+    mine = dist.get_process_group_ranks(group)
+    everyone: list[list[int]] = [None] * dist.get_world_size()  # type: ignore[list-item]
+    dist.all_gather_object(everyone, mine)
+    groups = [list(g) for g in sorted({tuple(r) for r in everyone})]
+    p2p, _ = dist.new_subgroups_by_enumeration(groups, timeout=timeout, backend="gloo")
+    return p2p, f"g{mine[0]}/"
 
 
 def _instant(seconds: float) -> float:

@@ -56,9 +56,9 @@ class DelayedNesterov(torch.optim.Optimizer):
                         state["momentum_buffer"].mul_(beta).add_(g)
                     p.add_(g.add(state["momentum_buffer"], alpha=beta), alpha=-lr)
                     continue
-                if "pending" not in state:
+                if "pending" not in state:  # (a momentum loaded from torch's SGD carries on)
                     state["pending"] = torch.zeros_like(g)
-                    state["momentum_buffer"] = torch.zeros_like(g)
+                    state.setdefault("momentum_buffer", torch.zeros_like(g))
                 pending, buf = state["pending"], state["momentum_buffer"]
                 pending.add_(g, alpha=k)
                 plain = k / max(n, k)

@@ -1,8 +1,10 @@
 """How a worker and the syncer reach each other: messages (json) through a `Mailbox`, tensors
 point-to-point through torch.distributed.
 
-- `WorldLinks`: every worker in one torch.distributed world, the syncer on rank 0 (the plain
-  launch and torchrun): one mailbox in the rendezvous store, one point-to-point group.
+- `WorldLinks`: every worker in one torch.distributed world, the syncer on rank 0 of the
+  workers' group (the plain launch and torchrun): one mailbox in the rendezvous store, one
+  point-to-point group. With sharded replica groups each shard has its own: the ranks that hold
+  it, one per replica group, its syncer on the first of them (ranks are the group's).
 - `Sessions`: the syncer in a process that trains nothing (the launcher under `ft=torchft`),
   workers that die, restart and reconnect. The syncer hosts a TCPStore (bound to one interface);
   a worker *joins* by leaving its name there, and the two open a gloo group of their own (rank 0
@@ -54,13 +56,13 @@ class WorkerLink:
         if self.session:
             self.group.send([tensor], self.peer, tag).wait(self.timeout)
         else:
-            dist.send(tensor, dst=self.peer, group=self.group, tag=tag)
+            dist.send(tensor, group=self.group, tag=tag, group_dst=self.peer)
 
     def recv(self, tensor: torch.Tensor, tag: int) -> None:
         if self.session:
             self.group.recv([tensor], self.peer, tag).wait(self.timeout)
         else:
-            dist.recv(tensor, src=self.peer, group=self.group, tag=tag)
+            dist.recv(tensor, group=self.group, tag=tag, group_src=self.peer)
 
     def receive_model(self, work: list[torch.Tensor]) -> None:
         """The global model into `work` (through host memory: the groups are gloo's)."""
@@ -76,7 +78,7 @@ class WorkerLink:
 
 
 def world_link(mailbox: Mailbox, group) -> WorkerLink:
-    """A worker's end in one world: the syncer is rank 0 of `group`."""
+    """A worker's end in one world: the syncer is `group`'s rank 0."""
     return WorkerLink(mailbox, group, 0, mailbox.timeout_s, session=False)
 
 
@@ -111,10 +113,10 @@ class WorldLinks:
         return self.mailbox.rung()
 
     def send(self, r: int, tensor: torch.Tensor, tag: int) -> None:
-        dist.send(tensor, dst=r, group=self.group, tag=tag)
+        dist.send(tensor, group=self.group, tag=tag, group_dst=r)
 
     def recv(self, r: int, tensor: torch.Tensor, tag: int) -> None:
-        dist.recv(tensor, src=r, group=self.group, tag=tag)
+        dist.recv(tensor, group=self.group, tag=tag, group_src=r)
 
 
 class Sessions:

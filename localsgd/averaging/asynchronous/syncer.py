@@ -27,6 +27,7 @@ counts a fragment's samples as that share of the model (`1/P` each).
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -163,6 +164,32 @@ class Syncer:
         self.step_(mean, sum(arrived[i].samples for i in keep), len(keep), f)
         return True
 
+    def _load_outer(self, saved: list) -> None:
+        """The outer optimizers' checkpointed state, kept at this run's N: with
+        `sync.outer_delay=null` N is the number of workers, so a run resumed at another world
+        size may hold torch's SGD (N = 1) where the checkpoint has Delayed Nesterov, or the
+        other way round. The momentum carries over either way; a cycle in progress under the
+        old N (its pending sum, whose contributions were already stepped plainly) does not."""
+        for opt, state in zip(self.outer.optimizers, saved, strict=True):
+            if opt is None or state is None:
+                continue
+            own = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+            state = copy.deepcopy(state)
+            if ("delay" in own[0]) != ("delay" in state["param_groups"][0]):
+                state["state"] = {
+                    k: {"momentum_buffer": v["momentum_buffer"]}
+                    for k, v in state["state"].items()
+                    if "momentum_buffer" in v
+                }
+                state["param_groups"] = [
+                    {**mine, "params": g["params"]}
+                    for mine, g in zip(own, state["param_groups"], strict=True)
+                ]
+            opt.load_state_dict(state)
+            for group, mine in zip(opt.param_groups, own, strict=True):
+                if "delay" in mine:  # this run's N, not the checkpoint's
+                    group["delay"] = mine["delay"]
+
     def _correct(self, arrived: list[Arrival], f: int) -> None:
         """HeLoCo: each contribution against the outer momentum before this merge (None where
         the optimizer has none yet: the block is kept)."""
@@ -216,7 +243,7 @@ class Syncer:
                 f"{len(self.parts)} (sync.fragments)"
             )
         self.anchors.load_state_dict(state)
-        self.outer.load_state_dict(state["optimizers"])
+        self._load_outer(state["optimizers"])
         self.versions = versions
         self.merged_samples = float(state["merged_samples"])
         self.staleness = [int(s) for s in state["staleness"]]

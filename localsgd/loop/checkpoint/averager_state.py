@@ -149,26 +149,15 @@ def averager_state(
         return state
     groups = len(states) // old_shards
     group0 = [s["averager"]["rounds"] for s in states[:old_shards]]  # the same in every group
+    out = {**rounds, **_outer_relaid(group0, averager, new_shards, new_s)}
+    syncer = state.get("async", {}).get("syncer")
+    if syncer is not None:
+        # asynchronous rounds: each shard's syncer (on replica group 0's rank of that shard)
+        # holds that shard's global model and outer momentum, laid out as the rounds' own
+        syncers = [s["averager"]["async"]["syncer"] for s in states[:old_shards]]
+        relaid = {**syncer, **_outer_relaid(syncers, averager, new_shards, new_s)}
+        state = {**state, "async": {**state["async"], "syncer": relaid}}
     shapes = flat_shapes(averager.flat, params_only=False)
-    out = dict(rounds)
-    if "anchors" in rounds:
-        out["anchors"] = [
-            relayout([r["anchors"][b] for r in group0], shapes[b], new_shards, new_s)
-            for b in range(len(shapes))
-        ]
-    if rounds.get("optimizers"):
-        # the whole model's outer SGD (resharding refuses fragments): one outer parameter per
-        # buffer that leads with parameters, their prefix of it
-        param_shapes = [s for s in flat_shapes(averager.flat, params_only=True) if s]
-        optim = rounds["optimizers"][0]
-        new_state = {}
-        for k, entry in optim["state"].items():
-            entry = dict(entry)
-            if isinstance(entry.get("momentum_buffer"), torch.Tensor):
-                old = [r["optimizers"][0]["state"][k]["momentum_buffer"] for r in group0]
-                entry["momentum_buffer"] = relayout(old, param_shapes[int(k)], new_shards, new_s)
-            new_state[k] = entry
-        out["optimizers"] = [{**optim, "state": new_state}]
     if rounds.get("residuals") is not None:
         # every new group takes the old groups' sum over the old number of groups: the next
         # average adds what the old groups' next one would have (the module docstring)
@@ -188,6 +177,33 @@ def averager_state(
             residuals.append(total.div_(groups))
         out["residuals"] = [residuals]
     return {**state, "rounds": out}
+
+
+def _outer_relaid(olds: list[dict], averager, new_shards: int, new_s: int) -> dict:
+    """The `anchors` and outer `optimizers` of `olds` (one state per old shard, in shard order)
+    laid out for shard `new_s` of `new_shards`: the whole model's outer SGD (resharding refuses
+    fragments), one outer parameter per buffer that leads with parameters, their prefix of it."""
+    first, out = olds[0], {}
+    shapes = flat_shapes(averager.flat, params_only=False)
+    if "anchors" in first:
+        out["anchors"] = [
+            relayout([r["anchors"][b] for r in olds], shapes[b], new_shards, new_s)
+            for b in range(len(shapes))
+        ]
+    if first.get("optimizers"):
+        param_shapes = [s for s in flat_shapes(averager.flat, params_only=True) if s]
+        optim = first["optimizers"][0]
+        new_state = {}
+        for k, entry in optim["state"].items():
+            entry = dict(entry)
+            # laid out as the parameter: the momentum, Delayed Nesterov's pending sum
+            for name, value in entry.items():
+                if isinstance(value, torch.Tensor) and value.dim() == 1:
+                    old = [r["optimizers"][0]["state"][k][name] for r in olds]
+                    entry[name] = relayout(old, param_shapes[int(k)], new_shards, new_s)
+            new_state[k] = entry
+        out["optimizers"] = [{**optim, "state": new_state}]
+    return out
 
 
 def from_anchor(averager) -> None:
