@@ -179,7 +179,9 @@ class SyncConfig:
     # model; a syncer on rank 0 merges what has arrived; the workers meet at checkpoints)
     mode: str = "sync"
     min_quorum: int = 1  # async: the syncer merges once this many workers' contributions wait
-    grace_s: float = 0.0  # async: ... this many seconds later (modelled, under worker_speed)
+    # async: ... and every worker due within this many seconds of the oldest has sent, or they
+    # have passed (modelled, under worker_speed); null: adaptive, one step of the slowest worker
+    grace_s: float | None = None
     # async: a contribution trained from a global model more than this many merges old is not
     # merged (its worker takes the newest model all the same); null: every one is
     max_staleness: int | None = None

@@ -82,7 +82,7 @@ FAULTS = FAST + [  # three workers, every step padded to 30 ms, a sync every 8 s
     "sync.period=8", "sync.warmup_steps=0", "optim=adamw", "optim.lr=0.003",
     "comm.simulate.worker_speed=[1,1,1]", "comm.simulate.step_s=0.03", "sync.mode=async",
     "ft=torchft", "ft.grace_min_s=1", "trainer.checkpoint_every=50", "logger=jsonl",
-    "sync.check_replicas=true",
+    "sync.check_replicas=true", "sync.grace_s=0",
 ]  # fmt: skip
 
 

@@ -402,7 +402,7 @@ def test_a_grace_window_lets_a_slow_sender_wait_for_the_merge_of_everyone(tmp_pa
                    "sync.mode=async", "sync.inner_time_s=0.2", "trainer.checkpoint_every=0",
                    "comm.simulate.worker_speed=[1,3]", "comm.simulate.step_s=0.01"]  # fmt: skip
     seen = {}
-    for grace in (0, 0.05):
+    for grace in (0, 0.05, "null"):  # null, the default: one step of the slowest, 0.03 s
         run_dir = tmp_path / f"grace{grace}"
         proc, _ = cli(args + [f"sync.grace_s={grace}", f"hydra.run.dir={run_dir}"])
         assert proc.returncode == 0, proc.stderr[-3000:]
@@ -410,6 +410,26 @@ def test_a_grace_window_lets_a_slow_sender_wait_for_the_merge_of_everyone(tmp_pa
     assert seen[0]["async_max_staleness"] >= 1
     assert seen[0.05]["async_max_staleness"] == 0
     assert seen[0.05]["async_merges"] < seen[0]["async_merges"]  # both at once
+    # the adaptive window is as wide as the phases' spread (0.02 s): the same merges, the
+    # same model as the wider fixed one
+    assert seen["null"]["async_merges"] == seen[0.05]["async_merges"]
+    assert same_model(tmp_path / "grace0.05" / "model.pt", tmp_path / "gracenull" / "model.pt")
+
+
+@pytest.mark.slow
+def test_a_merge_waits_only_for_a_worker_due_within_its_window(tmp_path):
+    # by steps, worker 1 ten times slower: its phases of 0.4 modelled s end within worker 0's
+    # 0.05-s window once in ten of worker 0's phases of 0.04 s. Worker 0 waits for it there
+    # only: 7 idle ticks of 48 (a merge that waited out its window each time: 23)
+    run_dir = tmp_path / "run"
+    args = FAST + ["dist.world_size=2", "trainer.max_steps=48", "sync.outer=diloco",
+                   "sync.mode=async", "sync.period=4", "trainer.checkpoint_every=0",
+                   "comm.simulate.worker_speed=[1,10]", "comm.simulate.step_s=0.01",
+                   "sync.grace_s=0.05", f"hydra.run.dir={run_dir}"]  # fmt: skip
+    proc, _ = cli(args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["computed_steps"], summary["idle_steps"]) == (41, 7)
 
 
 @pytest.mark.slow

@@ -305,7 +305,7 @@ def test_a_paced_run_resumed_at_another_world_size_starts_a_new_round(tmp_path):
         (["comm.simulate.worker_speed=[1,1,1,0.5]", "comm.simulate.step_s=0.1"], "factor >= 1"),
         (["comm.simulate.worker_speed=[1,1,1,3]"], "comm.simulate.step_s must be > 0"),
         (["comm.simulate.step_s=0.1"], "comm.simulate.step_s without comm.simulate.worker_spee"),
-        (["sync.inner_time_s=1", "sync.aggregate=median"], "which an untrusted worker could inf"),
+        (["sync.inner_time_s=1", "sync.score=true"], "scores like a free rider's"),
         (["sync.budget_merge=fednova"], "sync.budget_merge must be one of normalized, weighted"),
     ],
 )

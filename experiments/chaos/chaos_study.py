@@ -122,37 +122,47 @@ SETTINGS["LM DiLoCo, 250 ms, heartbeat 0.5 s, join 6 s, retried"] = [
 ]  # fmt: skip
 
 
+def _without_grace(overrides: list[str]) -> list[str]:
+    return [o for o in overrides if not o.startswith("sync.grace_s=")]
+
+
 # Asynchronous rounds (issue 48, docs/asynchronous.md#under-fttorchft): the syncer in the
 # launcher, each worker on its own clock, nobody waiting for a worker that is away. The same
 # two jobs: the LM as above, and MNIST-1D under DiLoCo with H = 16 and 50-ms steps (a sync
 # every 0.8 s, a fault every ~16 s). No torchft round is run, so the ft membership keys do not
 # apply; the grace window's floor (0.75 s) bounds one transfer with a worker and the last
-# meeting's wait for a worker behind.
+# meeting's wait for a worker behind. (sync.grace_s=0: these ran before the adaptive window
+# became the default.)
 SETTINGS["async LM DiLoCo, 250 ms"] = [
     *(o for o in SETTINGS["LM DiLoCo, 250 ms, heartbeat 0.5 s, join 6 s, retried"]
       if not o.startswith("ft.")),
-    "sync.mode=async", "ft.grace_min_s=0.75",
+    "sync.mode=async", "ft.grace_min_s=0.75", "sync.grace_s=0",
 ]  # fmt: skip
 # ... and with a grace window (sync.grace_s): a merge waits up to that long for the other
 # workers' contributions of the same phase, so that workers in step take one merge together, not
 # one each (added after seed 3 of the first: without it the LM's fault-free loss was 2.61,
 # against 1.92 for synchronous rounds)
 SETTINGS["async LM DiLoCo, 250 ms, grace 0.25 s"] = [
-    *SETTINGS["async LM DiLoCo, 250 ms"], "sync.grace_s=0.25",
+    *_without_grace(SETTINGS["async LM DiLoCo, 250 ms"]), "sync.grace_s=0.25",
 ]  # fmt: skip
+# ... with the adaptive window, the default since sync.grace_s=null (one measured step)
+SETTINGS["async LM DiLoCo, 250 ms, adaptive grace"] = _without_grace(
+    SETTINGS["async LM DiLoCo, 250 ms"]
+)
 SETTINGS["async MNIST-1D DiLoCo, H = 16, 50 ms"] = [
     "sync=diloco", "optim=adamw", "optim.lr=0.003", "sync.period=16", "sync.warmup_steps=0",
     "comm.simulate.worker_speed=[1,1,1,1]", "comm.simulate.step_s=0.05",
-    "sync.mode=async", "ft.grace_min_s=0.75",
+    "sync.mode=async", "ft.grace_min_s=0.75", "sync.grace_s=0",
 ]  # fmt: skip
 # rounds of 50 steps (2.5 s), as the synchronous "H = 50" setting above, 6000 steps: a fault
 # every ~50 s, where the faults' own downtime leaves room for 97%
 SETTINGS["async MNIST-1D DiLoCo, H = 50, 50 ms, grace 0.1 s"] = [
-    *(o for o in SETTINGS["async MNIST-1D DiLoCo, H = 16, 50 ms"] if o != "sync.period=16"),
+    *(o for o in _without_grace(SETTINGS["async MNIST-1D DiLoCo, H = 16, 50 ms"])
+      if o != "sync.period=16"),
     "sync.period=50", "sync.grace_s=0.1",
 ]  # fmt: skip
 SETTINGS["async MNIST-1D DiLoCo, H = 16, 50 ms, grace 0.1 s"] = [
-    *SETTINGS["async MNIST-1D DiLoCo, H = 16, 50 ms"], "sync.grace_s=0.1",
+    *_without_grace(SETTINGS["async MNIST-1D DiLoCo, H = 16, 50 ms"]), "sync.grace_s=0.1",
 ]  # fmt: skip
 # ... the stale contributions of a worker back from a freeze or a partition corrected against
 # the outer momentum (HeLoCo, its defaults)

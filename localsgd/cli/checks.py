@@ -326,7 +326,8 @@ def validate_sync(cfg: Any, ws: int | None, local_ws: int | None) -> None:
         f"(the {f'{groups} ' if groups is not None else ''}{workers})", quorum,
     )  # fmt: skip
     grace = _get(cfg, "sync.grace_s")
-    _require(grace >= 0, "sync.grace_s", ">= 0 (seconds)", grace)
+    _require(grace is None or grace >= 0, "sync.grace_s",
+             ">= 0 (seconds), or null (one step of the slowest worker)", grace)  # fmt: skip
     stale = _get(cfg, "sync.max_staleness")
     _require(stale is None or (isinstance(stale, int) and stale >= 0), "sync.max_staleness",
              "an integer >= 0 (merges), or null (every contribution merged)", stale)  # fmt: skip

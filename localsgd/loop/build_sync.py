@@ -77,7 +77,7 @@ def build_synchroniser(
     if (
         sync.mode == "async"
         and wall_clock
-        and not sync.grace_s
+        and sync.grace_s == 0
         and info.world_size > 1
         and info.rank == 0
     ):

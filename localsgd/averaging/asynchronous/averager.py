@@ -76,7 +76,8 @@ from localsgd.averaging.trust.robust import Aggregate
 
 class AsyncAverager(FragmentOrder, OuterAverager):
     """`OuterAverager`'s rounds, asynchronous (see the module doc). `store`: the rendezvous
-    store (messages); `run_id` keys them; `min_quorum`, `grace_s`: when the syncer merges;
+    store (messages); `run_id` keys them; `min_quorum`, `grace_s`: when the syncer merges
+    (`grace_s` None: one step of the slowest worker, `service`);
     `outer_delay`: Delayed Nesterov's N (None: the synchronous outer step, torch's SGD);
     `inner_time_s`: the phase by time, not by `period` steps; `step_s` and `speed`: the
     modelled clock (`clock`: a step lasts speed x step_s, and a slower worker computes fewer
@@ -102,7 +103,7 @@ class AsyncAverager(FragmentOrder, OuterAverager):
         run_id: str,
         max_steps: int,
         min_quorum: int = 1,
-        grace_s: float = 0.0,
+        grace_s: float | None = 0.0,
         outer_delay: int | None = None,
         inner_time_s: float | None = None,
         step_s: float | None = None,
@@ -146,8 +147,8 @@ class AsyncAverager(FragmentOrder, OuterAverager):
             raise ValueError(
                 f"sync.min_quorum must be in [1, {size}] (the workers), got {min_quorum}"
             )
-        if grace_s < 0:
-            raise ValueError(f"sync.grace_s must be >= 0, got {grace_s}")
+        if grace_s is not None and grace_s < 0:
+            raise ValueError(f"sync.grace_s must be >= 0 or None (adaptive), got {grace_s}")
         self.rank, self.max_steps, self.meet_every = rank, max_steps, meet_every
         self.inner_time_s, self.speed = inner_time_s, speed
         self.modelled = step_s is not None
@@ -358,7 +359,13 @@ class AsyncAverager(FragmentOrder, OuterAverager):
 
     def _send_header(self, kind: str, **fields) -> int:
         seq = self.seq
-        self.link.mailbox.put(f"h/{self.rank}/{seq}", {"kind": kind, **fields}, ring=True)
+        # this worker's step length, for the adaptive grace window: modelled, or its last
+        # phase's mean (none yet after a meeting)
+        step_s = self.step_seconds
+        if not self.modelled:
+            step_s = self.phase_time / self.phase_steps if self.phase_steps else None
+        header = {"kind": kind, "step_s": step_s, **fields}
+        self.link.mailbox.put(f"h/{self.rank}/{seq}", header, ring=True)
         self.seq += 1
         return seq
 

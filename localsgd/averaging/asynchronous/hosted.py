@@ -54,7 +54,7 @@ class HostedSyncer:
         workers: int,
         *,
         min_quorum: int = 1,
-        grace_s: float = 0.0,
+        grace_s: float | None = 0.0,
         host: str = "127.0.0.1",
         transfer_timeout_s: float = 3.0,
         timeout_s: float = 300.0,

@@ -9,13 +9,23 @@ from collections.abc import Callable
 
 class Pacing:
     """Each worker's last arrival and the interval before it (`arrived`), read by `due` and
-    `align`. `grace_s`: the syncer's grace window; `modelled`: the modelled clock (then every
-    worker is due and none is realigned)."""
+    `align`. `grace_s`: the syncer's grace window (seconds, or a callable giving the window as
+    it stands: the adaptive one); `modelled`: the modelled clock (then `due` is the service's
+    and none is realigned)."""
 
-    def __init__(self, grace_s: float, modelled: bool):
-        self.grace_s, self.modelled = grace_s, modelled
+    def __init__(self, grace_s: float | Callable[[], float], modelled: bool):
+        self.window = grace_s if callable(grace_s) else (lambda: grace_s)
+        self.modelled = modelled
         self.arrivals: dict[int, tuple[float, float | None]] = {}
         self.aligned: dict[int, float] = {}  # the interval a worker told to align goes on at
+
+    @property
+    def grace_s(self) -> float:
+        return self.window()
+
+    @grace_s.setter
+    def grace_s(self, seconds: float) -> None:
+        self.window = lambda: seconds
 
     def arrived(self, r: int, now: float) -> None:
         """Worker r's contribution arrived at `now`."""

@@ -13,9 +13,15 @@ or the end: every worker waits there for the others, and a meeting merges whatev
 Each sender is told to send its contribution (point-to-point), or, where every worker sends at
 one time, nothing is pending and none is stale, to join a synchronous round instead: the
 all-reduced mean, then this thread's outer step, then a broadcast (the synchronous rounds'
-bits). A merge runs once `min_quorum` workers have contributions pending, `grace_s` later
+bits). A merge runs once `min_quorum` workers have contributions pending, and either every
+worker due within the grace window of its oldest one has sent or the window has passed
 (modelled seconds, or the wall clock's); a sender is answered right away with the global model
 as of its time, so nobody waits for a quorum. A meeting answers once every worker is there.
+The window is `grace_s`, or, where that is None, *adaptive*: one step of the slowest worker,
+from the step lengths the workers report (modelled, or measured), so that contributions one
+step apart make one merge. A worker is due where its next message (announced in advance under
+the modelled clock; its last interval on the wall clock, `pacing`) falls within the window: a
+merge never waits for one that cannot arrive in it.
 
 **Fragments** (Streaming DiLoCo): a header names the fragments it carries (`fragments`: one
 when a phase ends, every one at a meeting), their weights (the samples each was trained on
@@ -62,7 +68,7 @@ class SyncerService:
         *,
         modelled: bool,
         min_quorum: int,
-        grace_s: float,
+        grace_s: float | None,
         collective_rounds: bool = True,
         decoders: list[Decoders] | None = None,
         timeout_s: float = 300.0,
@@ -86,7 +92,8 @@ class SyncerService:
         self.met: list[dict | None] = [None] * size
         self.done = [False] * size
         self.lost: set[int] = set()  # workers nobody waits for any more (`hosted`)
-        self.pacing = Pacing(grace_s, modelled)  # the wall clock's: who a merge waits for
+        self.step_seconds: dict[int, float] = {}  # each worker's step length, as it reports
+        self.pacing = Pacing(self.grace, modelled)  # the wall clock's: who a merge waits for
         self.deadline: float | None = None  # the next merge's, once the quorum is there
         # senders waiting (at most grace_s) for the merge that takes their contribution:
         # worker -> (its header, when it is answered anyway)
@@ -149,7 +156,24 @@ class SyncerService:
                 self._take_header(r, header)
         return moved
 
+    def grace(self) -> float:
+        """The grace window: `grace_s`, or one step of the slowest worker (adaptive)."""
+        if self.grace_s is not None:
+            return self.grace_s
+        return max(self.step_seconds.values(), default=0.0)
+
+    def _due(self, r: int, oldest: float) -> bool:
+        """Whether a merge whose oldest contribution came at `oldest` waits for worker r: its
+        next message falls within the window (under the modelled clock, announced; on the wall
+        clock, `pacing.due`)."""
+        if not self.modelled:
+            return self.pacing.due(r, oldest)
+        upcoming = self.inbox[r][0]["time"] if self.inbox[r] else self.announced[r]
+        return upcoming is not None and upcoming <= oldest + self.grace()
+
     def _take_header(self, r: int, header: dict) -> None:
+        if header.get("step_s"):
+            self.step_seconds[r] = header["step_s"]
         if header["kind"] == ANNOUNCE:
             self.announced[r] = header["next"]
         elif header["kind"] == DONE:
@@ -276,18 +300,18 @@ class SyncerService:
             # a worker away (dead, restarting, cut off) is not waited for by the grace window
             live = {r for r in range(self.size) if self._live(r)}
             oldest = min(a.time for a in syncer.pending)
-            awaited = {r for r in live if self.pacing.due(r, oldest)}
+            awaited = {r for r in live if self._due(r, oldest)}
             everyone = {a.worker for a in syncer.pending} >= awaited
-            if everyone or oldest + self.grace_s <= now:
+            if everyone or oldest + self.grace() <= now:
                 self._merge(now)
                 merged = True
             elif self.deadline is None:
-                self.deadline = oldest + self.grace_s
+                self.deadline = oldest + self.grace()
         for r, h in headers.items():
             if h["kind"] == MEET:
                 self.met[r] = {**h, "at": now}
-            elif self.grace_s > 0 and h["samples"] > 0 and not merged:
-                self.waiting[r] = (h, now + self.grace_s)  # for its merge, at most grace_s
+            elif self.grace() > 0 and h["samples"] > 0 and not merged:
+                self.waiting[r] = (h, now + self.grace())  # for its merge, at most the window
             else:
                 self._answer(r, h, now)
 
