@@ -181,12 +181,13 @@ def test_a_run_stopped_with_two_workers_resumes_with_three(tmp_path):
 @pytest.mark.timeout(120)
 def test_the_hosted_syncer_leaves_out_contributions_older_than_max_staleness(tmp_path):
     """The launcher's syncer is built from the first worker's spec: `sync.max_staleness=0`
-    reaches it, and a worker 3x slower by steps, whose every contribution is merges old, has
-    none of them merged (a missing key would merge them all)."""
+    reaches it, and a worker 10x slower by steps, whose every contribution is merges old, has
+    none of them merged (a missing key would merge them all). (10x, not 3x: on the wall clock
+    under load a 3x worker's contribution was once fresh, the fast one's steps slowed.)"""
     run_dir = tmp_path / "run"
     args = [a for a in FAULTS if not a.startswith(("dist.world_size", "trainer.max_steps",
             "comm.simulate.worker_speed", "trainer.checkpoint_every"))]  # fmt: skip
-    args += ["dist.world_size=2", "trainer.max_steps=48", "comm.simulate.worker_speed=[1,3]",
+    args += ["dist.world_size=2", "trainer.max_steps=48", "comm.simulate.worker_speed=[1,10]",
              "trainer.checkpoint_every=0", "sync.max_staleness=0", "comm.simulate.step_s=0.01",
              f"hydra.run.dir={run_dir}"]  # fmt: skip
     proc, left = cli(args, timeout=100)
@@ -247,6 +248,17 @@ def test_a_worker_out_of_step_is_told_when_the_others_merge_next():
     assert pacing.align(3, at=10.6, live=live) is None
     pacing.grace_s, pacing.modelled = 0.25, True
     assert pacing.align(3, at=10.6, live=live) is None
+
+
+def test_a_frozen_phase_does_not_widen_the_adaptive_window():
+    """On the wall clock a worker reports the median of its last 3 phases' mean steps: one
+    phase with a 5-s freeze in it leaves the window at a step."""
+    from localsgd.averaging.asynchronous.pacing import typical_step
+
+    assert typical_step([]) is None
+    assert typical_step([0.25]) == 0.25
+    assert typical_step([0.25, 0.26, 5.25 / 16]) == 0.26
+    assert typical_step([0.25, 0.25 + 5 / 16, 0.24]) == 0.25
 
 
 def test_the_hosted_syncer_listens_on_its_host_only():

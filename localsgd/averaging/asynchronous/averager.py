@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 
@@ -57,6 +58,7 @@ from localsgd.averaging.asynchronous.links import (
 )
 from localsgd.averaging.asynchronous.mailbox import Mailbox
 from localsgd.averaging.asynchronous.messages import encode_, part_decoders
+from localsgd.averaging.asynchronous.pacing import typical_step
 from localsgd.averaging.asynchronous.rejoin import join, rejoin
 from localsgd.averaging.asynchronous.service import (
     ANNOUNCE,
@@ -185,6 +187,7 @@ class AsyncAverager(FragmentOrder, OuterAverager):
         self.phase_steps = 0
         self.phase_time = 0.0
         self.phase_samples = 0.0
+        self.phase_means: deque[float] = deque(maxlen=3)  # wall clock: the last phases' steps
         self.exchanges = {"p2p": 0, "collective": 0, "unchanged": 0}
         self.wait_s = 0.0
         self._tick_start = time.perf_counter()
@@ -359,11 +362,14 @@ class AsyncAverager(FragmentOrder, OuterAverager):
 
     def _send_header(self, kind: str, **fields) -> int:
         seq = self.seq
-        # this worker's step length, for the adaptive grace window: modelled, or its last
-        # phase's mean (none yet after a meeting)
+        # this worker's step length, for the adaptive grace window: modelled, or the median
+        # of its last 3 phases' means on the wall clock (a phase with a freeze in it does not
+        # widen the window; none before its first phase)
         step_s = self.step_seconds
         if not self.modelled:
-            step_s = self.phase_time / self.phase_steps if self.phase_steps else None
+            if self.phase_steps and kind in (SEND, MEET):  # once a phase
+                self.phase_means.append(self.phase_time / self.phase_steps)
+            step_s = typical_step(self.phase_means)
         header = {"kind": kind, "step_s": step_s, **fields}
         self.link.mailbox.put(f"h/{self.rank}/{seq}", header, ring=True)
         self.seq += 1

@@ -1,6 +1,7 @@
 """The syncer's wall-clock pacing (`Pacing`): from each worker's arrivals, whether a merge waits
-for a worker, and where a worker out of step with the others should end its next phase. Under
-the modelled clock neither applies: the order is the model's (`service`)."""
+for a worker, and where a worker out of step with the others should end its next phase; and the
+step length a worker reports for the adaptive grace window (`typical_step`). Under the modelled
+clock none applies: the order and the steps are the model's (`service`)."""
 
 from __future__ import annotations
 
@@ -70,3 +71,11 @@ class Pacing:
         # due then (a merge waits for it), and at their interval after
         self.arrivals[r], self.aligned[r] = (last, target - last), period
         return target - at
+
+
+def typical_step(means) -> float | None:
+    """A worker's step length for the adaptive grace window, on the wall clock: the median of
+    its last phases' mean steps (`means`), so that one phase with a freeze or a partition in it
+    does not widen every merge's window; None before its first phase."""
+    ordered = sorted(means)
+    return ordered[len(ordered) // 2] if ordered else None
