@@ -200,8 +200,8 @@ class SyncConfig:
     # how a budget's round (or an asynchronous merge) merges the workers' changes: normalized
     # (each worker's change scaled to the round's most samples, so a slow worker's short change
     # does not shrink the mean: FedNova's normalized averaging) | weighted (the changes as they
-    # are, weighed by samples)
-    budget_merge: str = "normalized"
+    # are, weighed by samples); null: normalized. Refused where no merge weighs samples
+    budget_merge: str | None = None
     # Workers you cannot trust (localsgd.averaging.trust.robust, docs/reliability.md): how each sync
     # combines the workers' contributions (changes since the last sync; DiLoCo's pseudo-
     # gradients). mean: today's all-reduce; clip | trimmed_mean | median all-gather them

@@ -48,6 +48,9 @@ CASES: dict[str, list[str]] = {
     "sync.aggregate other than mean, or sync.score=true, with sync.eager=true": [
         "+experiment=diloco", "sync.eager=true", "sync.aggregate=median"],
     "sync.score=true with sync.inner_time_s": ["sync.inner_time_s=1", "sync.score=true"],
+    "sync.budget_merge without sync.inner_time_s or sync.mode=async, or with a robust "
+    "sync.aggregate": [
+        "sync.inner_time_s=1", "sync.aggregate=median", "sync.budget_merge=weighted"],
     "sync.aggregate other than mean, sync.score=true or sync.mode=async, with "
     "sync.drop_nonfinite=false": ["sync.mode=async", "sync.drop_nonfinite=false"],
     "sync.score=true with sync.aggregate=mean and sync.warmup_steps > 0": [
@@ -82,7 +85,7 @@ CASES: dict[str, list[str]] = {
         *VIRTUAL, "sync.inner_time_s=1"],
     "dist.virtual_workers with comm.simulate.bandwidth_gbps or comm.simulate.latency_ms > 0": [
         *VIRTUAL, "comm.simulate.latency_ms=5"],
-    "sync.inner_time_s with sync.merge_alpha > 0 and sync.budget_merge=normalized": [
+    "sync.inner_time_s with sync.merge_alpha > 0 and sync.budget_merge=normalized (or null)": [
         "+experiment=streaming_diloco", "sync.inner_time_s=1"],
     "sync.inner_time_s with sync.levels under an outer step (Streaming DiLoCo's levels)": [
         "sync=hierarchical", "sync.outer=diloco", "sync.inner_time_s=1"],

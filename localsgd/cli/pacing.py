@@ -16,9 +16,10 @@ def validate_pacing(cfg: Any, get: Callable[[Any, str], Any], ws: int | None) ->
     if budget is not None and not (_number(budget) and budget > 0):
         raise ConfigError(f"sync.inner_time_s must be > 0 (seconds), or null, got {budget!r}")
     merge = get(cfg, "sync.budget_merge")
-    if merge not in BUDGET_MERGES:
+    if merge is not None and merge not in BUDGET_MERGES:
         raise ConfigError(
-            f"sync.budget_merge must be one of {', '.join(BUDGET_MERGES)}, got {merge!r}"
+            f"sync.budget_merge must be one of {', '.join(BUDGET_MERGES)} (or null: "
+            f"normalized), got {merge!r}"
         )
     speeds = get(cfg, "comm.simulate.worker_speed")
     step = get(cfg, "comm.simulate.step_s")

@@ -46,7 +46,7 @@ class Facts:
     link: bool  # comm.simulate.bandwidth_gbps or latency_ms
     comm_disabled: bool
     drop_nonfinite: bool | None  # as set: None means true
-    budget_merge: str
+    budget_merge: str | None  # null: normalized
     precision: str
     nan_policy: str
     excluded_shard: str | None
@@ -487,17 +487,31 @@ REFUSALS: tuple[Refusal, ...] = (
     # --- budgets and pacing ----------------------------------------------------------------------
     Refusal(
         ("sync.inner_time_s", "sync.merge_alpha", "sync.budget_merge"),
-        "sync.inner_time_s with sync.merge_alpha > 0 and sync.budget_merge=normalized",
+        "sync.inner_time_s with sync.merge_alpha > 0 and sync.budget_merge=normalized (or null)",
         lambda f: (
             f.budget
             and f.plan.mode == "sync"
             and f.plan.merge_alpha != 0
-            and f.budget_merge == "normalized"
+            and f.budget_merge != "weighted"
         ),  # fmt: skip
         MEANINGLESS,
         "a mixed merge leaves part of each worker's own values in its next "
         "contribution, which the normalized merge would scale as if its samples had made it",
         "set sync.merge_alpha=0, or sync.budget_merge=weighted",
+    ),
+    Refusal(
+        ("sync.budget_merge", "sync.inner_time_s", "sync.mode", "sync.aggregate"),
+        "sync.budget_merge without sync.inner_time_s or sync.mode=async, or with a robust "
+        "sync.aggregate",
+        lambda f: (
+            f.budget_merge is not None
+            and ((not f.budget and f.plan.mode == "sync") or f.plan.aggregate != "mean")
+        ),
+        MEANINGLESS,
+        "it says how a time budget's rounds (or the asynchronous syncer's merges) weigh the "
+        "workers' samples: without either, or under a robust rule, which weighs nobody, no "
+        "merge would read it",
+        "drop sync.budget_merge",
     ),
     Refusal(
         ("sync.inner_time_s", "sync.levels"),

@@ -139,7 +139,7 @@ def build_averager(
     # which combines the contributions unweighted (an untrusted worker could inflate its report)
     weighted = sync.inner_time_s is not None and not plan.gathered
     # a budget's normalized merge scales each change since the last average: the values kept
-    normalized = weighted and sync.budget_merge == "normalized"
+    normalized = weighted and sync.budget_merge != "weighted"  # null: normalized
     comm_dtype = plan.comm_format(sync.comm_dtype)  # a name, or top-k's codec
     levels = list(sync.levels)
     outer = sync.outer
@@ -236,7 +236,7 @@ def build_averager(
             inner_time_s=sync.inner_time_s,
             **wire,
             aggregate=trust.get("aggregate"),
-            normalized_merges=sync.budget_merge == "normalized",
+            normalized_merges=sync.budget_merge != "weighted",
             max_staleness=sync.max_staleness,
             fragments=sync.fragments,
             correction=(
