@@ -6,7 +6,8 @@ its own on the first of them; a replica group is one worker, on its slowest rank
   synchronous sharded run's model bit for bit (here Streaming DiLoCo's, a fragment a phase);
 - with one group 3x slower its shards are merged stale, the replicas end bit-identical, and
   a run killed after a checkpoint resumes to the same model;
-- on the wall clock, with phases by time, a group's ranks end each phase together.
+- on the wall clock, with phases by time, a group's ranks end each phase together (in
+  `make test-long`).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ def test_a_slow_sharded_group_merges_stale_and_resumes_exactly(tmp_path):
     assert summary["replica_checks"] >= 1  # at the meetings: bit-identical replicas
 
 
+@pytest.mark.long  # the wall clock: `make test-long`
 def test_on_the_wall_clock_a_sharded_group_ends_its_phases_together(tmp_path):
     # DyLU by wall time: each rank measures its own, and a rank that sent while its group's
     # other rank trained on would leave FSDP's collectives waiting; the group follows its
