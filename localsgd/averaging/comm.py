@@ -125,6 +125,18 @@ class PendingMean:
         self.comm.stats.seconds += time.perf_counter() - begin
 
 
+def parallel_groups(group: dist.ProcessGroup | None) -> list[list[int]]:
+    """`group`'s ranks (None: all) and its parallel groups' (sharded replica groups: one per
+    shard index), by first rank; one gather over every rank unless it is all of them."""
+    world = dist.get_world_size()
+    mine = list(range(world)) if group is None else dist.get_process_group_ranks(group)
+    if len(mine) == world:
+        return [mine]
+    everyone: list[list[int]] = [None] * world  # type: ignore[list-item]
+    dist.all_gather_object(everyone, mine)
+    return [list(r) for r in sorted({tuple(r) for r in everyone}, key=lambda r: r[0])]
+
+
 class Communicator:
     """A process group with its size, AVG support, counters (`stats`, shared across levels and
     with the warmup) and an optional simulated link.
@@ -193,20 +205,9 @@ class Communicator:
         group: every rank must call it in the same order."""
         if size == self.size:
             return self
-        mine = list(range(self.size))
-        if self.group is not None:
-            mine = dist.get_process_group_ranks(self.group)
-        parallel = [mine]
-        if len(mine) < dist.get_world_size():
-            # every rank must enumerate the same subgroups, and ranks outside this group hold
-            # groups of their own (sharded replica groups: one group per shard index), so the
-            # enumeration is the chunks of every rank's group, learnt by one gather
-            everyone: list[list[int]] = [None] * dist.get_world_size()  # type: ignore[list-item]
-            dist.all_gather_object(everyone, mine)
-            parallel = sorted({tuple(r) for r in everyone}, key=lambda r: r[0])
-        chunks = [
-            list(ranks[i : i + size]) for ranks in parallel for i in range(0, len(ranks), size)
-        ]
+        # every rank must enumerate the same subgroups: the chunks of every rank's group
+        every = parallel_groups(self.group)
+        chunks = [list(ranks[i : i + size]) for ranks in every for i in range(0, len(ranks), size)]
         group, _ = dist.new_subgroups_by_enumeration(chunks, timeout=default_timeout())
         level = Communicator(group, self.stats, self.link, self.guard)
         level.dropped = self.dropped

@@ -69,6 +69,7 @@ from localsgd.averaging.asynchronous.service import (
 )
 from localsgd.averaging.asynchronous.syncer import Syncer
 from localsgd.averaging.binding import mirrored
+from localsgd.averaging.comm import parallel_groups
 from localsgd.averaging.outer import OuterAverager
 from localsgd.averaging.rounds.part import views
 from localsgd.averaging.streaming.fragments import FragmentOrder
@@ -605,12 +606,9 @@ def _point_to_point(group: dist.ProcessGroup | None, timeout_s: float):
     timeout = timedelta(seconds=timeout_s)
     if group is None:
         return dist.new_group(backend="gloo", timeout=timeout), ""
-    mine = dist.get_process_group_ranks(group)
-    everyone: list[list[int]] = [None] * dist.get_world_size()  # type: ignore[list-item]
-    dist.all_gather_object(everyone, mine)
-    groups = [list(g) for g in sorted({tuple(r) for r in everyone})]
+    groups = parallel_groups(group)
     p2p, _ = dist.new_subgroups_by_enumeration(groups, timeout=timeout, backend="gloo")
-    return p2p, f"g{mine[0]}/"
+    return p2p, f"g{dist.get_process_group_ranks(group)[0]}/"
 
 
 def _instant(seconds: float) -> float:
