@@ -102,8 +102,10 @@ CASES: dict[str, list[str]] = {
         "sync.mode=async", "sync.compress=topk", "sync.error_feedback=true",
         "sync.topk_mean=senders"],
     "sync.mode=async with sync.score=true": ["sync.mode=async", "sync.score=true"],
-    "sync.mode=async with sync.optimizer_state other than local or a sync.schedule other "
-    "than constant": ["sync.mode=async", "sync.schedule=adaptive"],
+    "sync.mode=async with sync.optimizer_state other than local or sync.schedule=adaptive": [
+        "sync.mode=async", "sync.schedule=adaptive"],
+    "sync.mode=async with sync.schedule=step and sync.inner_time_s": [
+        "sync.mode=async", "sync.schedule=step", "sync.inner_time_s=0.5"],
     "sync.staleness_correction=heloco with sync.mode=sync, sync.outer=none or "
     "sync.outer_momentum=0": ["+experiment=diloco", "sync.staleness_correction=heloco"],
     "sync.mode=async with comm.disabled=true": ["sync.mode=async", "comm.disabled=true"],

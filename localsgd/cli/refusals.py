@@ -614,16 +614,25 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal(
         ("sync.mode", "sync.optimizer_state", "sync.schedule"),
-        "sync.mode=async with sync.optimizer_state other than local or a sync.schedule other "
-        "than constant",
+        "sync.mode=async with sync.optimizer_state other than local or sync.schedule=adaptive",
         lambda f: (
             f.plan.mode == "async"
-            and (f.plan.optimizer_state != "local" or f.plan.schedule != "constant")
+            and (f.plan.optimizer_state != "local" or f.plan.schedule == "adaptive")
         ),
         DESIGN,
-        "both act at rounds every worker takes part in, and asynchronous rounds have none "
-        "between meetings",
-        "set sync.optimizer_state=local sync.schedule=constant",
+        "both act at rounds every worker takes part in (the adaptive period reads the loss "
+        "averaged in them), and asynchronous rounds have none between meetings",
+        "set sync.optimizer_state=local, and sync.schedule=constant or step (a step schedule "
+        "works asynchronously)",
+    ),
+    Refusal(
+        ("sync.mode", "sync.schedule", "sync.inner_time_s"),
+        "sync.mode=async with sync.schedule=step and sync.inner_time_s",
+        lambda f: f.plan.mode == "async" and f.plan.schedule == "step" and f.budget,
+        MEANINGLESS,
+        "an asynchronous phase with a time budget ends by sync.inner_time_s, not by a count of "
+        "steps: the schedule's periods would change nothing",
+        "set sync.schedule=constant, or sync.inner_time_s=null",
     ),
     Refusal(
         ("sync.staleness_correction", "sync.mode", "sync.outer", "sync.outer_momentum"),

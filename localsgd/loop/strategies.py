@@ -239,6 +239,7 @@ def build_averager(
             normalized_merges=sync.budget_merge != "weighted",
             max_staleness=sync.max_staleness,
             fragments=sync.fragments,
+            schedule=build_schedule(sync),  # constant or step: where phases by steps end
             correction=(
                 HeLoCo(**{k: getattr(sync.heloco, k) for k in HELOCO_RANGES})
                 if sync.staleness_correction == "heloco"

@@ -8,6 +8,8 @@
 - `pacing`: `Pacing`, the wall clock's rules: who a merge waits for, and where a worker out of
   step with the others ends its next phase;
 - `clock`: the modelled clock, which ticks a slower worker computes;
+- `phases`: `PhaseGrid`, where a phase by steps ends (the synchronous rounds' rule, constant or
+  a step schedule);
 - `delayed_nesterov`: `DelayedNesterov`, the staleness-aware outer step;
 - `heloco`: `HeLoCo`, the optional correction of each stale pseudo-gradient against the outer
   momentum before it is merged;

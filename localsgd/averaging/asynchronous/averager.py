@@ -59,6 +59,7 @@ from localsgd.averaging.asynchronous.links import (
 from localsgd.averaging.asynchronous.mailbox import Mailbox
 from localsgd.averaging.asynchronous.messages import encode_, part_decoders
 from localsgd.averaging.asynchronous.pacing import typical_step
+from localsgd.averaging.asynchronous.phases import PhaseGrid
 from localsgd.averaging.asynchronous.rejoin import join, rejoin
 from localsgd.averaging.asynchronous.service import (
     ANNOUNCE,
@@ -176,7 +177,8 @@ class AsyncAverager(FragmentOrder, OuterAverager):
         self.syncer_state: dict | None = None
         self.stop_requested: Callable[[], bool] = lambda: False  # asks a meeting to stop
         self.align_until: float | None = None  # this phase ends here (`_phase_ends`)
-        self.grid = 0  # the step count phases are counted from (moved by an aligned phase)
+        # where phases by steps end: the synchronous rounds' rule (moved by an aligned phase)
+        self.phases = PhaseGrid(self.schedule, fragments, warmup_steps)
         self.seq = 0
         # each fragment's version this worker's anchor holds, the samples trained since its
         # last sync, and the fragment the next phase sends
@@ -229,20 +231,25 @@ class AsyncAverager(FragmentOrder, OuterAverager):
             return True
         return computes(self.clock, self.step - self.warmup_steps, self.step_seconds, self.step_s)
 
-    def _phase_ends(self, done: int, steps: int, phase_time: float) -> bool:
+    def _phase_ends(
+        self, done: int, steps: int, phase_time: float, step: int, grid: PhaseGrid | None = None
+    ) -> bool:
         """Whether an inner phase of `steps` computed steps lasting `phase_time`, `done` steps
-        computed in all, ends there: by steps, after the first and then every `period`
-        (torch's rule, as the synchronous rounds'), or by time, where the next step would not
-        fit in `inner_time_s`. A phase the syncer asked to end early or late (`align_s`: back
-        in step with the others) ends where its next step would pass that time; the steps'
-        count goes on from there."""
+        computed in all, ends after step `step`: by steps, where the synchronous rounds would
+        (`phases`: after the first and then every `period`, or as `sync.schedule=step` says),
+        or by time, where the next step would not fit in `inner_time_s`. A phase the syncer
+        asked to end early or late (`align_s`: back in step with the others) ends where its
+        next step would pass that time; the steps' count goes on from there. `grid`: the
+        phases' state to advance (None: this worker's own)."""
+        grid = self.phases if grid is None else grid
         if self.align_until is not None and not self.modelled:
             if time.perf_counter() + phase_time / max(1, steps) < self.align_until:
                 return False
-            self.align_until, self.grid = None, done - 1
+            self.align_until = None
+            grid.restart(done, step)
             return True
         if self.inner_time_s is None:
-            return (done - 1 - self.grid) % (self.period // self.fragments) == 0
+            return grid.ends(done, step)
         ahead = self.step_seconds if self.modelled else phase_time / max(1, steps)
         return phase_time + ahead > self.inner_time_s / self.fragments * FITS
 
@@ -250,12 +257,13 @@ class AsyncAverager(FragmentOrder, OuterAverager):
         """The modelled time of this worker's next message after step `step`, where its phase
         starts afresh: which ticks it computes, and so when it sends, is known in advance."""
         clock, done, steps, phase = self.clock, self.computed, 0, 0.0
+        grid = self.phases.copy()
         for s in range(step + 1, self.max_steps):
             if computes(clock, s - self.warmup_steps, self.step_seconds, self.step_s):
                 done, steps = done + 1, steps + 1
                 clock += self.step_seconds
                 phase += self.step_seconds
-                if self._phase_ends(done, steps, phase) and not self._meets(s):
+                if self._phase_ends(done, steps, phase, s, grid) and not self._meets(s):
                     return _instant(clock)
             if self._meets(s):
                 return _instant(clock)
@@ -297,9 +305,11 @@ class AsyncAverager(FragmentOrder, OuterAverager):
             self.phase_time += tick
         acted = False
         if self._meets(step):
+            if did and self.inner_time_s is None and self.align_until is None:
+                self.phases.ends(self.computed, step)  # the grid counts the meeting's step
             self._exchange(MEET, step)
             acted = True
-        elif did and self._phase_ends(self.computed, self.phase_steps, self.phase_time):
+        elif did and self._phase_ends(self.computed, self.phase_steps, self.phase_time, step):
             self._exchange(SEND, step)
             acted = True
         self.step += 1
@@ -571,7 +581,7 @@ class AsyncAverager(FragmentOrder, OuterAverager):
         state["async"] = {
             "versions": list(self.versions), "clock": self.clock,
             "exchanges": dict(self.exchanges), "computed": self.computed, "turn": self.turn,
-            "unsynced": list(self.unsynced),
+            "unsynced": list(self.unsynced), "phases": self.phases.state_dict(),
         }  # fmt: skip
         if self.service is not None:
             with self.service.lock:
@@ -593,6 +603,8 @@ class AsyncAverager(FragmentOrder, OuterAverager):
         self.unsynced = [float(n) for n in saved.get("unsynced", [0.0] * self.fragments)]
         self.clock = float(saved.get("clock", 0.0))
         self.computed = int(saved.get("computed", 0))
+        if "phases" in saved:
+            self.phases.load_state_dict(saved["phases"])
         self.exchanges.update(saved.get("exchanges", {}))
         self._saved_syncer = saved.get("syncer")
 
