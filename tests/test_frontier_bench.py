@@ -1,7 +1,8 @@
 """The long benchmarks at toy size (`make test-long`): the communication frontier
 (experiments/bench/frontier.py) reports every row, and the 4-bit format sends at most 0.14x
 fp32's bytes (a real property of the runs, counted by the trainer: payload plus scales); the
-sharded benchmark (experiments/bench/sharded.py) runs both layouts."""
+sharded benchmark (experiments/bench/sharded.py) runs both layouts; the asynchronous exchange's
+(experiments/bench/async_exchange.py) runs every mode."""
 
 from __future__ import annotations
 
@@ -75,3 +76,23 @@ def test_sharded_benchmark_runs_at_tiny_size(tmp_path):
     assert "| parameters | 0.00 | 0.00 | 0.500 |" in text
     assert "| AdamW moments | 0.00 | 0.00 | 0.500 |" in text
     assert "| ratio cpu / device |" in text  # sync.outer_state=cpu's rounds, side by side
+
+
+@pytest.mark.slow
+@pytest.mark.long  # ~5 s: `make test-long`
+@pytest.mark.timeout(120)
+def test_async_exchange_benchmark_runs_at_tiny_size(tmp_path):
+    """Every mode runs and the asynchronous runs exchange at each phase."""
+    out = tmp_path / "async.json"
+    proc = subprocess.run(
+        [sys.executable, "experiments/bench/async_exchange.py", "--tiny", "--json", str(out)],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["table"].values()
+    assert set(row["cost_s"]) == {"sync", "async", "async, grace 0"}
+    assert sum(row["async_exchanges"].values()) == 3  # after steps 0 and 4, the meeting at 8

@@ -241,7 +241,7 @@ REFUSALS: tuple[Refusal, ...] = (
         MEANINGLESS,
         "most indices hold one worker's value and the others' zeros, so a per-coordinate rule "
         "discards what was sent",
-        "use sync.aggregate=mean with sync.score=true, or clip",
+        "use sync.aggregate=clip, or mean with sync.score=true (synchronous rounds)",
     ),
     Refusal(
         ("sync.topk_mean", "sync.aggregate"),
