@@ -376,20 +376,44 @@ def test_an_asynchronous_run_resumes_exactly_after_a_kill(tmp_path):
 
 
 @pytest.mark.slow
-def test_on_the_wall_clock_the_workers_end_on_one_checked_model(tmp_path):
+@pytest.mark.parametrize("grace", ["0", "0.5"])
+def test_on_the_wall_clock_the_workers_end_on_one_checked_model(tmp_path, grace):
+    """Equally fast workers on the wall clock: with a window wide enough for both to arrive in
+    it, their exchanges are synchronous rounds (`synchronous_rounds`: an all-reduce, not each
+    contribution through rank 0), each one checked; with none, every one is point-to-point."""
     run_dir = tmp_path / "run"
     args = FAST + ["dist.world_size=2", "trainer.max_steps=30", "sync.period=4",
                    "sync.outer=diloco", "sync.mode=async", "sync.check_replicas=true",
                    "trainer.checkpoint_every=10", "trainer.log_every=10", "logger=jsonl",
-                   f"hydra.run.dir={run_dir}"]  # fmt: skip
+                   f"sync.grace_s={grace}", f"hydra.run.dir={run_dir}"]  # fmt: skip
     proc, _ = cli(args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["replica_checks"] >= 1  # at the meetings: bit-identical replicas
     assert summary["async_merges"] >= 2 and summary["async_version"] == summary["async_merges"]
-    # the replicas' drift, measured where every worker meets (steps 10, 20, 30)
+    rounds = summary["async_exchanges"]["collective"]
+    assert rounds >= 5 if grace != "0" else rounds == 0, summary["async_exchanges"]
+    # bit-identical replicas checked at the meetings (steps 10, 20, 30) and at each synchronous
+    # round; the replicas' drift logged at the meetings
+    assert summary["replica_checks"] > 3 if grace != "0" else summary["replica_checks"] == 3
     drifts = [r["drift"] for r in train_records(run_dir) if "drift" in r]
     assert len(drifts) == 3 and all(d > 0 for d in drifts), drifts
+
+
+@pytest.mark.slow
+def test_a_simulated_slow_link_slows_the_point_to_point_transfers(tmp_path):
+    """`comm.simulate.latency_ms` slows the syncer's point-to-point transfers as it slows the
+    collectives (`links.Slowed`): worker 1's 4 exchanges (no synchronous rounds with
+    `sync.grace_s=0`) each send its contribution and take the model back, 0.1 s each at both
+    ends, and rank 0 waits for them at the meeting; without the link the run takes ~0.05 s."""
+    run_dir = tmp_path / "run"
+    args = FAST + ["dist.world_size=2", "trainer.max_steps=12", "sync.period=4",
+                   "sync.outer=diloco", "sync.mode=async", "sync.grace_s=0",
+                   "comm.simulate.latency_ms=100", f"hydra.run.dir={run_dir}"]  # fmt: skip
+    proc, _ = cli(args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["async_exchanges"] == {"p2p": 4, "collective": 0, "unchanged": 0}
+    assert summary["wall_time_s"] > 0.5, summary["wall_time_s"]
 
 
 @pytest.mark.slow

@@ -9,7 +9,12 @@ no averaging at all, per phase. Modes, interleaved within each repetition:
   an all-reduce where every worker's contribution is in one merge: `async_exchanges`);
 - `async, grace 0`: every contribution merged alone, point-to-point only.
 
+With `--bandwidth-gbps` every transfer is slowed to that link (`comm.simulate`: the collectives,
+and at both ends each point-to-point transfer, so the syncer's queue on its one link).
+
     python experiments/bench/async_exchange.py --world 4 --sizes 100000 1000000 4000000 --reps 3
+    python experiments/bench/async_exchange.py --world 4 --sizes 1000000 4000000 --reps 3 \
+        --bandwidth-gbps 1
     python experiments/bench/async_exchange.py --tiny   # seconds: what `make test-long` runs
 
 Ratios are of medians over `--reps` runs measured in the same processes; the absolute times on
@@ -35,6 +40,7 @@ import torch.distributed as dist  # noqa: E402
 from experiments.bench.common import run_world  # noqa: E402
 from localsgd.averaging import OuterAverager  # noqa: E402
 from localsgd.averaging.asynchronous import AsyncAverager  # noqa: E402
+from localsgd.averaging.comm import SimulatedLink  # noqa: E402
 
 MODES = ("none", "sync", "async", "async, grace 0")
 OUTER = {"outer_lr": 0.7, "outer_momentum": 0.9, "outer_nesterov": True}
@@ -47,25 +53,27 @@ class _Flat(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.randn(n) * 0.01)
 
 
-def _averager(mode: str, model: torch.nn.Module, period: int, steps: int, run: str):
+def _averager(mode: str, model: torch.nn.Module, spec: dict, run: str):
+    period, link = spec["period"], spec["link"]
+    link = None if link is None else SimulatedLink(*link)
     if mode == "sync":
-        return OuterAverager(period, module=model, **OUTER)
+        return OuterAverager(period, module=model, link=link, **OUTER)
     store = dist.distributed_c10d._get_default_store()
     grace = 0.0 if mode == "async, grace 0" else None
     return AsyncAverager(
-        period, module=model, store=store, run_id=run, max_steps=steps,
-        min_quorum=1, grace_s=grace, timeout_s=120, **OUTER,
+        period, module=model, store=store, run_id=run, max_steps=spec["steps"],
+        min_quorum=1, grace_s=grace, timeout_s=120, link=link, **OUTER,
     )  # fmt: skip
 
 
-def _run(mode: str, n: int, period: int, steps: int, step_s: float, run: str) -> dict:
+def _run(mode: str, n: int, spec: dict, run: str) -> dict:
     """One run of `mode`: its seconds from the first step to the last, and what it did."""
     model = _Flat(n)
-    averager = None if mode == "none" else _averager(mode, model, period, steps, run)
+    averager = None if mode == "none" else _averager(mode, model, spec, run)
     dist.barrier()
     start = time.perf_counter()
-    for step in range(steps):
-        time.sleep(step_s)  # the compute
+    for step in range(spec["steps"]):
+        time.sleep(spec["step_s"])  # the compute
         with torch.no_grad():
             model.weight.add_(1e-4 * (dist.get_rank() + 1) * (step % 3 - 1))
         if averager is not None:
@@ -88,7 +96,7 @@ def _worker(rank: int, world_size: int, args: dict) -> dict:
         for rep in range(args["reps"]):
             for mode in MODES:
                 run = f"{n}/{rep}/{mode}"
-                got = _run(mode, n, args["period"], args["steps"], args["step_s"], run)
+                got = _run(mode, n, args, run)
                 results.setdefault(str(n), {}).setdefault(mode, []).append(got)
     return results
 
@@ -101,19 +109,24 @@ def main() -> None:
     parser.add_argument("--period", type=int, default=4)
     parser.add_argument("--steps", type=int, default=41)  # 11 phases: after step 0, every 4
     parser.add_argument("--step-ms", type=float, default=20.0)
+    parser.add_argument(
+        "--bandwidth-gbps", type=float, help="a simulated link (comm.simulate.bandwidth_gbps)"
+    )
     parser.add_argument("--json", help="also write the per-run figures here")
     parser.add_argument("--tiny", action="store_true")
     args = parser.parse_args()
     if args.tiny:
         args.world, args.sizes, args.reps, args.steps = 2, [1000], 1, 9
+    link = None if args.bandwidth_gbps is None else (args.bandwidth_gbps, 0.0)
     spec = {"sizes": args.sizes, "reps": args.reps, "period": args.period,
-            "steps": args.steps, "step_s": args.step_ms / 1000}  # fmt: skip
+            "steps": args.steps, "step_s": args.step_ms / 1000, "link": link}  # fmt: skip
     results = run_world(_worker, args.world, spec)
     phases = len([s for s in range(args.steps) if s % args.period == 0])
+    wire = "as is" if link is None else f"{args.bandwidth_gbps:g} Gbit/s (simulated)"
     print(
         f"{args.world} gloo workers, {args.steps} steps of {args.step_ms:g} ms, a phase every "
-        f"{args.period} ({phases} phases; the last step a meeting under async); per phase: the "
-        "run's seconds over the no-averaging run's, median over reps and ranks"
+        f"{args.period} ({phases} phases; the last step a meeting under async), link {wire}; "
+        "per phase: the run's seconds over the no-averaging run's, median over reps and ranks"
     )
     print("| fp32 params | sync round | async exchange | async, grace 0 | async vs sync | "
           "async exchanges (p2p / collective) |")  # fmt: skip

@@ -273,12 +273,15 @@ def _hosted_syncer(cfg: Any):
     a transfer with one worker may take one grace window before its session is dropped."""
     from localsgd.averaging.asynchronous.hosted import HostedSyncer
     from localsgd.averaging.asynchronous.links import SYNCER_ENV
+    from localsgd.averaging.comm import SimulatedLink
 
-    ft, sync = cfg.ft, cfg.sync
+    ft, sync, sim = cfg.ft, cfg.sync, cfg.comm.simulate
+    slow = sim.bandwidth_gbps is not None or sim.latency_ms > 0
     hosted = HostedSyncer(
         cfg.dist.world_size, min_quorum=sync.min_quorum, grace_s=sync.grace_s, host=ft.host,
         transfer_timeout_s=ft.grace_s if ft.grace_s is not None else ft.grace_min_s,
         timeout_s=cfg.dist.timeout_s,
+        simulated=SimulatedLink(sim.bandwidth_gbps, sim.latency_ms) if slow else None,
     )  # fmt: skip
     hosted.start()
     os.environ[SYNCER_ENV] = hosted.address

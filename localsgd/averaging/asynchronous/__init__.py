@@ -3,8 +3,10 @@
 - `averager`: `AsyncAverager`, each worker's side: when its phase ends, send the pseudo-gradient
   and take the newest global model back;
 - `service`: `SyncerService`, the syncer's thread on rank 0: the order of the messages, the
-  quorum and grace window, synchronous rounds where every worker arrives at once;
+  quorum and grace window;
 - `syncer`: `Syncer`, the global model, its outer optimizer and the pending contributions;
+- `synchronous_rounds`: where every worker sends at once (or, on the wall clock, within the
+  grace window), a synchronous round's all-reduce instead of point-to-point exchanges;
 - `pacing`: `Pacing`, the wall clock's rules: who a merge waits for, and where a worker out of
   step with the others ends its next phase;
 - `clock`: the modelled clock, which ticks a slower worker computes;

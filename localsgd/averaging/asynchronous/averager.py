@@ -165,6 +165,7 @@ class AsyncAverager(FragmentOrder, OuterAverager):
         if syncer_address is None:
             p2p, key = _point_to_point(process_group, timeout_s)
             self.link = world_link(Mailbox(store, f"localsgd/async/{run_id}/{key}", timeout_s), p2p)
+            self.link.simulated = self.comm.link  # comm.simulate: its transfers slowed too
         self.resume_state = None  # () -> json: where a restarted process resumes (sessions)
         self.welcome: dict | None = None  # a hosted syncer's first answer (`rejoin.join`)
         self.rejoins = 0  # sessions opened again after one failed
@@ -341,7 +342,8 @@ class AsyncAverager(FragmentOrder, OuterAverager):
             if self._saved_syncer is not None:
                 syncer.load_state_dict(self._saved_syncer)
             self.service = SyncerService(
-                syncer, WorldLinks(self.link.mailbox, self.link.group), self.world_size,
+                syncer, WorldLinks(self.link.mailbox, self.link.group, self.comm.link),
+                self.world_size,
                 modelled=self.modelled, timeout_s=self.timeout_s,
                 min_quorum=self.min_quorum, grace_s=self.grace_s,
                 # a robust rule or a correction reads each contribution: never an all-reduce
@@ -463,6 +465,8 @@ class AsyncAverager(FragmentOrder, OuterAverager):
             rounds.offer(f, buffers, w)
         if decision["do"] == "collective":
             self._collective(decision, work, [unsynced[f] for f in sent])
+            # on the wall clock a sharded group's shards may round apart: checked at meetings
+            self.all_in_sync = self.all_in_sync and (together or kind == MEET)
             self.exchanges["collective"] += 1
             for f in work:
                 self.versions[f] = decision["versions"][f]

@@ -37,6 +37,7 @@ from localsgd.averaging.asynchronous.service import (
 )
 from localsgd.averaging.asynchronous.syncer import Syncer
 from localsgd.averaging.checksum import replica_checksum
+from localsgd.averaging.comm import SimulatedLink
 from localsgd.averaging.trees import tree_as_json, tree_from_json
 from localsgd.averaging.trust.robust import Aggregate
 from localsgd.averaging.wire.compress import comm_dtype_of
@@ -47,7 +48,8 @@ class HostedSyncer:
     """`workers` workers; `min_quorum`, `grace_s`: when it merges; `host`: the interface its
     store binds to; `transfer_timeout_s`: how long one transfer with a worker may take before
     that worker's session is dropped (it holds every other worker that long); `timeout_s`:
-    how long the syncer waits with no message from any worker before it fails."""
+    how long the syncer waits with no message from any worker before it fails; `simulated`:
+    a slow link its transfers take as long as (`comm.simulate`, `links.Slowed`)."""
 
     def __init__(
         self,
@@ -58,8 +60,10 @@ class HostedSyncer:
         host: str = "127.0.0.1",
         transfer_timeout_s: float = 3.0,
         timeout_s: float = 300.0,
+        simulated: SimulatedLink | None = None,
     ):
         self.sessions = Sessions(host, transfer_timeout_s, join_timeout_s=timeout_s)
+        self.sessions.simulated = simulated  # comm.simulate: the syncer's transfers slowed
         self.service = HostedService(
             self.sessions, workers, end_wait_s=transfer_timeout_s, modelled=False,
             min_quorum=min_quorum, grace_s=grace_s, collective_rounds=False,

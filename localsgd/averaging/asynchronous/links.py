@@ -14,19 +14,24 @@ point-to-point through torch.distributed.
   torch.distributed's store and process groups do the rest.
 - `WorkerLink`: the worker's end, of either kind (`world_link`, `join_session`).
 
-Every operation has a deadline: a session's group its timeout, a mailbox its own.
+Every operation has a deadline: a session's group its timeout, a mailbox its own. Under a
+simulated slow link (`comm.simulate.bandwidth_gbps`, `latency_ms`: `Slowed`) every tensor
+transfer lasts at least what the link allows, at each end.
 """
 
 from __future__ import annotations
 
 import json
+import time
 import uuid
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from localsgd.averaging.asynchronous.mailbox import Mailbox
+from localsgd.averaging.comm import SimulatedLink
 from localsgd.averaging.stores import serving_store
 
 SYNCER_ENV = "LOCALSGD_ASYNC_SYNCER"  # host:port of a hosted syncer's store (ft=torchft)
@@ -37,7 +42,23 @@ TAG_PAYLOAD, TAG_VALUES = 71, 72
 CLOSED = "closed"  # a session's key once the syncer dropped it
 
 
-class WorkerLink:
+class Slowed:
+    """A simulated slow link on point-to-point transfers (`simulated`, as `comm.simulate` slows
+    the collectives): each tensor sent or received lasts at least the link's latency plus its
+    bytes over the bandwidth, at each end. So one end's transfers queue one after another as on
+    one network card: the syncer's, N - 1 contributions in and the global model out to each,
+    where a synchronous round's all-reduce moves about twice the model per worker."""
+
+    simulated: SimulatedLink | None = None
+
+    def _moved(self, tensor: torch.Tensor, transfer: Callable[[], None]) -> None:
+        start = time.perf_counter()
+        transfer()
+        if self.simulated is not None:
+            self.simulated.wait_out(start, tensor.numel() * tensor.element_size())
+
+
+class WorkerLink(Slowed):
     """A worker's end: `mailbox` for messages, `send`/`recv` for tensors (host memory)."""
 
     def __init__(self, mailbox: Mailbox, group, peer: int, timeout_s: float, session: bool):
@@ -53,12 +74,18 @@ class WorkerLink:
             raise RuntimeError("asynchronous rounds: the syncer dropped this session")
 
     def send(self, tensor: torch.Tensor, tag: int) -> None:
+        self._moved(tensor, lambda: self._send(tensor, tag))
+
+    def recv(self, tensor: torch.Tensor, tag: int) -> None:
+        self._moved(tensor, lambda: self._recv(tensor, tag))
+
+    def _send(self, tensor: torch.Tensor, tag: int) -> None:
         if self.session:
             self.group.send([tensor], self.peer, tag).wait(self.timeout)
         else:
             dist.send(tensor, group=self.group, tag=tag, group_dst=self.peer)
 
-    def recv(self, tensor: torch.Tensor, tag: int) -> None:
+    def _recv(self, tensor: torch.Tensor, tag: int) -> None:
         if self.session:
             self.group.recv([tensor], self.peer, tag).wait(self.timeout)
         else:
@@ -98,13 +125,13 @@ def join_session(address: str, worker: int, hello: dict, timeout_s: float) -> Wo
     return link
 
 
-class WorldLinks:
+class WorldLinks(Slowed):
     """The syncer's ends in one world (it is rank 0): worker r is rank r of `group`."""
 
     sessions = False
 
-    def __init__(self, mailbox: Mailbox, group):
-        self.mailbox, self.group = mailbox, group
+    def __init__(self, mailbox: Mailbox, group, simulated: SimulatedLink | None = None):
+        self.mailbox, self.group, self.simulated = mailbox, group, simulated
 
     def box(self, r: int) -> Mailbox:
         return self.mailbox
@@ -113,13 +140,13 @@ class WorldLinks:
         return self.mailbox.rung()
 
     def send(self, r: int, tensor: torch.Tensor, tag: int) -> None:
-        dist.send(tensor, group=self.group, tag=tag, group_dst=r)
+        self._moved(tensor, lambda: dist.send(tensor, group=self.group, tag=tag, group_dst=r))
 
     def recv(self, r: int, tensor: torch.Tensor, tag: int) -> None:
-        dist.recv(tensor, group=self.group, tag=tag, group_src=r)
+        self._moved(tensor, lambda: dist.recv(tensor, group=self.group, tag=tag, group_src=r))
 
 
-class Sessions:
+class Sessions(Slowed):
     """The syncer's ends when it trains nothing and workers come and go (see the module doc):
     the store it hosts on `host` (an ephemeral port: `address`), each worker's current session.
     `timeout_s` bounds every transfer with a worker: one that stopped mid-transfer holds the
@@ -174,7 +201,9 @@ class Sessions:
         return self.store.add("joins", 0) + sum(box.rung() for _, box, _ in self.open.values())
 
     def send(self, r: int, tensor: torch.Tensor, tag: int) -> None:
-        self.open[r][2].send([tensor], 1, tag).wait(self.timeout)
+        group = self.open[r][2]
+        self._moved(tensor, lambda: group.send([tensor], 1, tag).wait(self.timeout))
 
     def recv(self, r: int, tensor: torch.Tensor, tag: int) -> None:
-        self.open[r][2].recv([tensor], 1, tag).wait(self.timeout)
+        group = self.open[r][2]
+        self._moved(tensor, lambda: group.recv([tensor], 1, tag).wait(self.timeout))

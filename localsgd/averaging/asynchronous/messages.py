@@ -6,6 +6,9 @@ The worker adds its residual (times the decay) to each piece, encodes it (a 16-b
 block-quantised or a top-k message), keeps what the message fails to carry as its next residual
 (zeroed where the piece was not finite: that contribution is dropped anyway), and sends the
 message; the syncer decodes it to fp32 with decoders of its own. An fp32 piece goes as it is.
+
+A header's kinds: a worker *sends* (its phase ended), *meets* (a checkpoint or the end),
+*announces* its next send time, or is *done*.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import torch
 
 from localsgd.averaging.rounds.part import Part, Tensors, views
 from localsgd.averaging.wire.compress import MESSAGE_WIRES, CommFormat, feed_back_, wire_buffers
+
+SEND, MEET, ANNOUNCE, DONE = "send", "meet", "announce", "done"
 
 
 def encode_(pieces: Tensors, wire) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -67,6 +67,7 @@ def join(averager, address: str) -> WorkerLink:
     saved = averager._saved_syncer  # resumed: the checkpoint's syncer
     request["state"], state = tree_as_json(saved) if saved is not None else (None, [])
     link = join_session(address, averager.rank, {"spec": request}, averager.timeout_s)
+    link.simulated = averager.comm.link
     welcome = link.mailbox.take("welcome")
     if welcome.get("init"):  # the first worker: its model is the global one
         for b in averager.rounds.anchors.first:
@@ -86,6 +87,7 @@ def rejoin(averager) -> None:
     while True:
         try:
             link = join_session(averager.syncer_address, averager.rank, {}, averager.timeout_s)
+            link.simulated = averager.comm.link
             _welcomed(averager, link, link.mailbox.take("welcome"))
             break
         except LINK_ERRORS:

@@ -47,14 +47,13 @@ from localsgd.averaging.asynchronous.links import (
     Sessions,
     WorldLinks,
 )
-from localsgd.averaging.asynchronous.messages import Decoders
+from localsgd.averaging.asynchronous.messages import ANNOUNCE, DONE, MEET, SEND, Decoders
 from localsgd.averaging.asynchronous.pacing import Pacing
 from localsgd.averaging.asynchronous.syncer import Arrival, Syncer
+from localsgd.averaging.asynchronous.synchronous_rounds import Gathering, SynchronousRounds
 
-SEND, MEET, ANNOUNCE, DONE = "send", "meet", "announce", "done"
 
-
-class SyncerService:
+class SyncerService(SynchronousRounds):
     """The syncer's loop: a thread beside rank 0's training (`links`: `WorldLinks`), or in a
     process that trains nothing (`Sessions`: workers join, die and join again; `hosted`). `size`
     workers; `modelled`: messages carry modelled times; `syncer`: None until the first worker
@@ -94,6 +93,7 @@ class SyncerService:
         self.lost: set[int] = set()  # workers nobody waits for any more (`hosted`)
         self.step_seconds: dict[int, float] = {}  # each worker's step length, as it reports
         self.pacing = Pacing(self.grace, modelled)  # the wall clock's: who a merge waits for
+        self.gathering = Gathering(size, self.grace)  # the wall clock's synchronous rounds
         self.deadline: float | None = None  # the next merge's, once the quorum is there
         # senders waiting (at most grace_s) for the merge that takes their contribution:
         # worker -> (its header, when it is answered anyway)
@@ -235,6 +235,9 @@ class SyncerService:
         if due < now or (not self.modelled and due <= now):
             self._timed(due)
             return True
+        if self.gathering.expired(self._now()):  # no synchronous round: point-to-point
+            self._release()
+            return True
         group = sorted(r for r, t in times.items() if t == now and self.inbox[r])
         if not group or (
             self.modelled and any(not self.inbox[r] for r in times if times[r] == now)
@@ -242,7 +245,10 @@ class SyncerService:
             return False
         if not self.modelled:
             group = group[:1]
-        self._handle(now, {r: self.inbox[r].popleft() for r in group})
+        headers = {r: self.inbox[r].popleft() for r in group}
+        if not self.modelled and self._gathered(headers):
+            return True
+        self._handle(now, headers)
         return True
 
     def _timed(self, at: float) -> None:
@@ -256,28 +262,10 @@ class SyncerService:
 
     def _handle(self, now: float, headers: dict[int, dict]) -> None:
         syncer = self.syncer
-        kinds = {h["kind"] for h in headers.values()}
         for r, h in headers.items():
             self.announced[r] = h["next"] if h["kind"] == SEND else None
-        kind = kinds.pop() if len(kinds) == 1 else None
-        samples = [h["samples"] for h in headers.values()]
-        sent = {tuple(h["fragments"]) for h in headers.values()}
-        if (
-            self.collective_rounds
-            and self.modelled
-            and len(headers) == self.size
-            and kind is not None
-            and len(sent) == 1
-            and not syncer.pending
-            and not self.waiting
-            and all(h["versions"] == syncer.versions for h in headers.values())
-            and sum(samples) > 0
-            # the all-reduce weighs by samples: a normalized merge of unequal ones is the
-            # syncer's own
-            and not (syncer.normalized and any(s != samples[0] for s in samples))
-            and (kind == MEET or self.size >= self.min_quorum)
-        ):
-            self._collective(now, headers, kind, samples)
+        if self.modelled and self._round_fits(headers):
+            self._collective(now, headers)
             return
         for r in sorted(headers):
             h = headers[r]
@@ -314,36 +302,6 @@ class SyncerService:
                 self.waiting[r] = (h, now + self.grace())  # for its merge, at most the window
             else:
                 self._answer(r, h, now)
-
-    def _collective(self, now: float, headers: dict, kind: str, samples: list) -> None:
-        """Every worker at one time, nothing pending: a synchronous round (see the module doc)."""
-        weights = [h["weights"] for h in headers.values()]
-        weighted = any(w != weights[0] for w in weights)
-        fragments = next(iter(headers.values()))["fragments"]
-        versions = [v + (f in fragments) for f, v in enumerate(self.syncer.versions)]
-        self.collective_done.clear()
-        for r, h in headers.items():
-            self.links.box(r).put(
-                f"d/{r}/{h['seq']}",
-                {"do": "collective", "weighted": weighted, "time": now, "versions": versions,
-                 "workers": sum(s > 0 for s in samples)},
-            )  # fmt: skip
-        if not self.collective_done.wait(self.timeout_s):
-            raise TimeoutError("the synchronous round's mean never came (dist.timeout_s)")
-        self._record(now, len(headers), [0] * len(headers), "collective" + (kind == MEET) * " meet")
-
-    def collective_merged(
-        self, means: list[list[torch.Tensor]], samples: list[float], workers: int, fragments
-    ) -> None:
-        """Rank 0's training thread, in a synchronous round of `workers` contributions: each
-        fragment's all-reduced mean is in `means` (its samples in `samples`); the outer steps
-        run here and each mean takes its fragment's new global values."""
-        with self.lock:
-            for mean, n, f in zip(means, samples, fragments, strict=True):
-                self.syncer.step_(mean, n, workers, f)
-                for m, v in zip(mean, self.syncer.values_of(f), strict=True):
-                    m.copy_(v)
-        self.collective_done.set()
 
     def _merge(self, at: float) -> None:
         """Merge what is pending; every sender waiting for it is answered after it."""
