@@ -120,7 +120,8 @@ CASES: dict[str, list[str]] = {
         "sync.mode=async", "ft=torchft", "ft.min_replicas=2"],
     "sync.mode=async with sync.merge_alpha > 0": [
         "sync.mode=async", "sync.merge_alpha=0.5", "sync.inner_time_s=0.1"],
-    "sync.mode=async with dist.virtual_workers": ["sync.mode=async", *VIRTUAL],
+    "sync.mode=async with dist.virtual_workers and no comm.simulate.worker_speed": [
+        "sync.mode=async", *VIRTUAL],
     "sync.mode=async with ft=torchft and ft.lighthouse or ft.replica_groups set, or "
     "sync.warmup_steps > 0": ["sync.mode=async", "ft=torchft", "sync.warmup_steps=5"],
 }  # fmt: skip

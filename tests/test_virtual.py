@@ -143,6 +143,10 @@ def test_a_failed_worker_stops_the_others():
             "dist.virtual_workers with sync.inner_time_s and no comm.simulate.worker_speed",
         ),
         (
+            ["dist.virtual_workers=4", "sync.outer=diloco", "sync.mode=async"],
+            "sync.mode=async with dist.virtual_workers and no comm.simulate.worker_speed",
+        ),
+        (
             ["dist.virtual_workers=4", "comm.simulate.latency_ms=5"],
             "dist.virtual_workers with comm.simulate.bandwidth_gbps or comm.simulate.latency_ms",
         ),
@@ -166,9 +170,9 @@ SMALL = [
 ]
 
 
-def _same_run(args: list[str], workers: int, tmp_path) -> None:
+def _same_run(args: list[str], workers: int, tmp_path) -> dict:
     """`args` run as `workers` processes and as as many virtual workers: the same model bits,
-    the same summary and the same metrics, timings aside."""
+    the same summary and the same metrics, timings aside. The summary."""
     runs = {}
     for how in ("processes", "virtual"):
         run_dir = tmp_path / how
@@ -182,10 +186,11 @@ def _same_run(args: list[str], workers: int, tmp_path) -> None:
     assert same_model(real / "model.pt", virtual / "model.pt")
     summaries = [json.loads((d / "summary.json").read_text()) for d in (real, virtual)]
     for summary in summaries:
-        for key in (*TIMING_KEYS, "eval_seconds"):
+        for key in (*TIMING_KEYS, "eval_seconds", "async_wait_s"):
             summary.pop(key, None)
     assert summaries[0] == summaries[1]
     assert train_records(real) == train_records(virtual)
+    return summaries[1]
 
 
 @pytest.mark.slow
@@ -193,6 +198,22 @@ def test_virtual_workers_are_bit_identical_to_processes(tmp_path):
     """DiLoCo at 3 workers, where the order of an all-reduce's additions matters (AVG over 3
     ranks): the virtual run is the real one, bit for bit."""
     _same_run(["+experiment=diloco", "sync.period=8"], 3, tmp_path)
+
+
+@pytest.mark.slow
+def test_virtual_workers_run_asynchronous_rounds_as_processes_do(tmp_path):
+    """Asynchronous rounds on the modelled clock (workers 2x and 3x slower, 2 fragments on the
+    int8 wire, a quorum of 2): the syncer's thread beside 4 virtual workers, its messages
+    through the store and the tensors through the group's point-to-point queues
+    (`VirtualGroup.send`), each waiting worker handing the baton on: the processes' run, bit
+    for bit, stale contributions included."""
+    summary = _same_run(
+        ["+experiment=diloco", "sync.period=8", "sync.mode=async", "sync.fragments=2",
+         "sync.comm_dtype=int8", "sync.error_feedback=true", "sync.min_quorum=2",
+         "comm.simulate.worker_speed=[1,1,2,3]", "comm.simulate.step_s=0.001"],
+        4, tmp_path,
+    )  # fmt: skip
+    assert summary["async_max_staleness"] >= 1 and summary["async_exchanges"]["p2p"] > 0
 
 
 @pytest.mark.slow

@@ -7,7 +7,9 @@ round pipelines and codecs) in a thread of its own, with `torch.distributed` cal
 - **One thread runs at a time** (`Baton`): a worker runs until it calls a collective, then hands
   the baton to the next worker, in rank order, whose collective is complete (or that has not
   called one). Nothing two workers do between collectives can interleave, so the run is
-  deterministic and needs one core.
+  deterministic and needs one core. A worker that waits for a message another thread leaves
+  (asynchronous rounds' syncer: `wait_outside`, `poke`) hands the baton on the same way; the
+  syncer's thread is no worker and runs beside the one that holds it.
 - **Each worker keeps its own random state**: at every hand-off the process's torch, Python and
   NumPy generators are saved for the worker that stops and restored for the one that resumes, so
   `torch.manual_seed` in one worker never moves another's draws.
@@ -89,6 +91,13 @@ def gloo_ring_sum_(tensors: list[torch.Tensor]) -> torch.Tensor:
     return out.view_as(tensors[0])
 
 
+class _Done(dist.Work):
+    """A point-to-point transfer done when it returns (waited on with or without a timeout)."""
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+
 def _work(result: Any = None):
     fut: Future = Future()
     fut.set_result(result)
@@ -103,6 +112,21 @@ class _Collective:
         self.joined = 0
         self.run = run
         self.done = False
+
+
+class _Outside:
+    """A worker waiting for something no collective brings: a message another thread leaves
+    (asynchronous rounds' syncer); runnable once `ready()`."""
+
+    def __init__(self, ready: Callable[[], bool]):
+        self.ready = ready
+
+    @property
+    def done(self) -> bool:
+        return self.ready()
+
+
+_batons: set[Baton] = set()  # the jobs running, for `poke`
 
 
 class Baton:
@@ -134,7 +158,8 @@ class Baton:
                 self.cond.notify_all()
                 return
         self.turn = -1
-        if not all(self.finished) and self.failure is None:
+        outside = any(isinstance(w, _Outside) for w in self.waiting)
+        if not all(self.finished) and self.failure is None and not outside:
             stuck = [r for r in range(self.size) if not self.finished[r]]
             self.failure = (rank, RuntimeError(f"virtual workers {stuck} wait on each other"))
         self.cond.notify_all()
@@ -142,6 +167,8 @@ class Baton:
     def _wait_turn(self, rank: int) -> None:
         deadline = time.monotonic() + self.timeout_s
         while self.failure is None and not (self.turn == rank and self._runnable(rank)):
+            if self.turn == -1 and self._claim():  # nobody held it: the first one ready
+                continue
             left = deadline - time.monotonic()
             if left <= 0:
                 self.failure = (rank, TimeoutError(
@@ -149,13 +176,32 @@ class Baton:
                 ))  # fmt: skip
                 self.cond.notify_all()
                 break
-            self.cond.wait(left)
+            # a worker waiting outside the collectives is woken by `poke`; polled as well
+            self.cond.wait(min(left, 0.05))
         if self.failure is not None:
             failed, error = self.failure
             if failed == rank:
                 raise error
             raise VirtualWorkerAborted(f"virtual worker {failed} failed: {error}")
         _set_random_state(self.random_states[rank])
+
+    def _claim(self) -> bool:
+        ready = [r for r in range(self.size) if self._runnable(r)]
+        if ready:
+            self.turn = ready[0]
+            self.cond.notify_all()
+        return bool(ready)
+
+    def wait_outside(self, rank: int, ready: Callable[[], bool]) -> None:
+        """Worker `rank` waits for `ready()`, something another thread brings: the others run
+        meanwhile; it runs again once ready and its turn has come."""
+        with self.cond:
+            if ready():
+                return
+            self.waiting[rank] = _Outside(ready)
+            self._hand_on(rank)
+            self._wait_turn(rank)
+            self.waiting[rank] = None
 
     def enter(self, rank: int) -> None:
         """A worker's thread starts: wait for the baton."""
@@ -208,6 +254,23 @@ def bind_thread(baton: Baton, rank: int) -> None:
     _thread.baton, _thread.rank = baton, rank
 
 
+def wait_outside(ready: Callable[[], bool]) -> bool:
+    """On a virtual worker's thread: hand the baton on until `ready()` (a message another
+    thread leaves), then take it back, and return True; elsewhere False (the caller polls)."""
+    baton = getattr(_thread, "baton", None)
+    if baton is None:
+        return False
+    baton.wait_outside(_thread.rank, ready)
+    return True
+
+
+def poke() -> None:
+    """Something a worker may wait for outside the collectives arrived (`wait_outside`)."""
+    for baton in list(_batons):
+        with baton.cond:
+            baton.cond.notify_all()
+
+
 def _reduce(op, tensors: list[torch.Tensor]) -> torch.Tensor:
     if op == dist.ReduceOp.SUM:
         return gloo_ring_sum_(tensors)
@@ -223,7 +286,7 @@ def _reduce(op, tensors: list[torch.Tensor]) -> torch.Tensor:
 class VirtualGroup(dist.ProcessGroup):
     """A process group of virtual workers (threads of this process), with gloo's reduction
     order. Supports what localsgd calls: all_reduce (SUM, AVG, MAX, MIN), all_gather (list and
-    single tensor), broadcast and barrier."""
+    single tensor), broadcast, barrier, and send/recv."""
 
     def __init__(self, rank: int, size: int):
         super().__init__(rank, size)
@@ -285,12 +348,38 @@ class VirtualGroup(dist.ProcessGroup):
     def barrier(self, opts=None):
         return self._join(None, lambda data: None)
 
+    # point-to-point (asynchronous rounds' syncer and workers): a queue in the group's store
+    # per sender, receiver and tag, the bytes copied; a receive on a worker's thread hands the
+    # baton on while it waits, one on another thread (the syncer's) polls
+
+    def send(self, tensors, dst: int, tag: int):
+        for t in tensors:
+            data = t.detach().contiguous().view(torch.uint8).numpy().tobytes()
+            self._store.queue_push(f"p2p/{self._rank}/{dst}/{tag}", data)
+        poke()
+        return _Done()
+
+    def recv(self, tensors, src: int, tag: int):
+        key = f"p2p/{src}/{self._rank}/{tag}"
+        for t in tensors:
+            if not wait_outside(lambda: self._store.queue_len(key) > 0):
+                deadline = time.monotonic() + self.baton.timeout_s
+                while self._store.queue_len(key) == 0:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"virtual workers: nothing from {src} on tag {tag}")
+                    time.sleep(1e-4)
+            data = bytearray(self._store.queue_pop(key, False))
+            t.detach().view(torch.uint8).view(-1).copy_(torch.frombuffer(data, dtype=torch.uint8))
+        return _Done()
+
     def __repr__(self) -> str:
         return f"VirtualGroup(rank={self._rank}, size={self._size})"
 
 
 def _create_group(store, rank: int, size: int, timeout) -> VirtualGroup:
-    return VirtualGroup(rank, size)
+    group = VirtualGroup(rank, size)
+    group._store = store  # the group's own prefix of the job's store (its point-to-point)
+    return group
 
 
 _registered = False
@@ -323,6 +412,7 @@ def run_virtual(fn: Callable[..., Any], size: int, timeout_s: float, args: tuple
     returned, in rank order. Raises the first failing worker's error, with its rank in
     `error.virtual_rank`; the others stop at their next collective."""
     baton = Baton(size, timeout_s)
+    _batons.add(baton)
     results: list[Any] = [None] * size
 
     def body(rank: int) -> None:
@@ -341,10 +431,13 @@ def run_virtual(fn: Callable[..., Any], size: int, timeout_s: float, args: tuple
         for r in range(size)
     ]
     with thread_worlds():
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        try:
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        finally:
+            _batons.discard(baton)
     if baton.failure is not None:
         rank, error = baton.failure
         error.virtual_rank = rank  # type: ignore[attr-defined]

@@ -667,13 +667,13 @@ REFUSALS: tuple[Refusal, ...] = (
         "set sync.mode=sync",
     ),
     Refusal(
-        ("sync.mode", "dist.virtual_workers"),
-        "sync.mode=async with dist.virtual_workers",
-        lambda f: f.plan.mode == "async" and f.virtual,
-        UNAVAILABLE,
-        "the syncer is a thread that talks to each worker point-to-point while they train; "
-        "virtual workers take turns in one thread at their collectives",
-        "set sync.mode=sync",
+        ("sync.mode", "dist.virtual_workers", "comm.simulate.worker_speed"),
+        "sync.mode=async with dist.virtual_workers and no comm.simulate.worker_speed",
+        lambda f: f.plan.mode == "async" and f.virtual and not f.modelled_clock,
+        DESIGN,
+        "virtual workers take turns on one thread, so on the wall clock each one's phases "
+        "would be timed by the others' turns; the modelled clock gives each its own",
+        "set comm.simulate.worker_speed and comm.simulate.step_s, or dist.virtual_workers=null",
     ),
     Refusal(
         (

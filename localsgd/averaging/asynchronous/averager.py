@@ -70,7 +70,7 @@ from localsgd.averaging.asynchronous.service import (
 )
 from localsgd.averaging.asynchronous.syncer import Syncer
 from localsgd.averaging.binding import mirrored
-from localsgd.averaging.comm import parallel_groups
+from localsgd.averaging.comm import VIRTUAL_BACKEND, parallel_groups
 from localsgd.averaging.outer import OuterAverager
 from localsgd.averaging.rounds.part import views
 from localsgd.averaging.streaming.fragments import FragmentOrder
@@ -620,10 +620,12 @@ def _point_to_point(group: dist.ProcessGroup | None, timeout_s: float):
     it: each such group gets its own, keyed by its first rank (every rank takes part in making
     them all, as `new_subgroups_by_enumeration` needs)."""
     timeout = timedelta(seconds=timeout_s)
+    # virtual workers (threads of one process) move tensors through their own group's store
+    backend = VIRTUAL_BACKEND if dist.get_backend() == VIRTUAL_BACKEND else "gloo"
     if group is None:
-        return dist.new_group(backend="gloo", timeout=timeout), ""
+        return dist.new_group(backend=backend, timeout=timeout), ""
     groups = parallel_groups(group)
-    p2p, _ = dist.new_subgroups_by_enumeration(groups, timeout=timeout, backend="gloo")
+    p2p, _ = dist.new_subgroups_by_enumeration(groups, timeout=timeout, backend=backend)
     return p2p, f"g{dist.get_process_group_ranks(group)[0]}/"
 
 

@@ -79,17 +79,12 @@ class WorkerLink(Slowed):
     def recv(self, tensor: torch.Tensor, tag: int) -> None:
         self._moved(tensor, lambda: self._recv(tensor, tag))
 
+    # the group's own calls, group ranks (a virtual group's too: `virtual.VirtualGroup.send`)
     def _send(self, tensor: torch.Tensor, tag: int) -> None:
-        if self.session:
-            self.group.send([tensor], self.peer, tag).wait(self.timeout)
-        else:
-            dist.send(tensor, group=self.group, tag=tag, group_dst=self.peer)
+        self.group.send([tensor], self.peer, tag).wait(self.timeout)
 
     def _recv(self, tensor: torch.Tensor, tag: int) -> None:
-        if self.session:
-            self.group.recv([tensor], self.peer, tag).wait(self.timeout)
-        else:
-            dist.recv(tensor, group=self.group, tag=tag, group_src=self.peer)
+        self.group.recv([tensor], self.peer, tag).wait(self.timeout)
 
     def receive_model(self, work: list[torch.Tensor]) -> None:
         """The global model into `work` (through host memory: the groups are gloo's)."""
@@ -132,6 +127,7 @@ class WorldLinks(Slowed):
 
     def __init__(self, mailbox: Mailbox, group, simulated: SimulatedLink | None = None):
         self.mailbox, self.group, self.simulated = mailbox, group, simulated
+        self.timeout = timedelta(seconds=mailbox.timeout_s)
 
     def box(self, r: int) -> Mailbox:
         return self.mailbox
@@ -140,10 +136,10 @@ class WorldLinks(Slowed):
         return self.mailbox.rung()
 
     def send(self, r: int, tensor: torch.Tensor, tag: int) -> None:
-        self._moved(tensor, lambda: dist.send(tensor, group=self.group, tag=tag, group_dst=r))
+        self._moved(tensor, lambda: self.group.send([tensor], r, tag).wait(self.timeout))
 
     def recv(self, r: int, tensor: torch.Tensor, tag: int) -> None:
-        self._moved(tensor, lambda: dist.recv(tensor, group=self.group, tag=tag, group_src=r))
+        self._moved(tensor, lambda: self.group.recv([tensor], r, tag).wait(self.timeout))
 
 
 class Sessions(Slowed):

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from localsgd.averaging.virtual import poke, wait_outside
+
 
 class Mailbox:
     """Messages under `prefix` of `store`; every blocking wait gives up after `timeout_s`."""
@@ -28,6 +30,7 @@ class Mailbox:
         self.store.set(key, json.dumps(message))
         if ring:
             self.store.add("bell", 1)
+        poke()  # a virtual worker waiting for it runs again
 
     def rung(self) -> int:
         """How many messages were left with `ring` so far: one store call, so that the syncer
@@ -46,6 +49,9 @@ class Mailbox:
         while not self.store.check([key]):
             if alive is not None:
                 alive()
+            # a virtual worker lets the others run meanwhile (`virtual.wait_outside`)
+            if wait_outside(lambda: self.store.check([key])):
+                continue
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"asynchronous rounds: no answer for {key!r} within {self.timeout_s:g} s "

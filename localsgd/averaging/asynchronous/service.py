@@ -51,6 +51,7 @@ from localsgd.averaging.asynchronous.messages import ANNOUNCE, DONE, MEET, SEND,
 from localsgd.averaging.asynchronous.pacing import Pacing
 from localsgd.averaging.asynchronous.syncer import Arrival, Syncer
 from localsgd.averaging.asynchronous.synchronous_rounds import Gathering, SynchronousRounds
+from localsgd.averaging.virtual import wait_outside
 
 
 class SyncerService(SynchronousRounds):
@@ -112,6 +113,8 @@ class SyncerService(SynchronousRounds):
             raise RuntimeError(f"asynchronous rounds: the syncer failed: {self.error}")
 
     def join(self, timeout_s: float) -> None:
+        # virtual workers: the others run meanwhile (their last messages end the syncer)
+        wait_outside(lambda: not self.thread.is_alive())
         self.thread.join(timeout_s)
         self.alive()
         if self.thread.is_alive():
