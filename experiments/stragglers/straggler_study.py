@@ -280,7 +280,7 @@ def run_one(
         steps = int(args.steps // max(args.slow)) if same_time else args.steps
     command = [
         sys.executable, "-m", "localsgd.train", *overrides,
-        *base, "dist.world_size=4", "sync.warmup_steps=0",
+        *base, *launch(args), "sync.warmup_steps=0",
         f"trainer.max_steps={steps}", f"trainer.eval_every={steps}",
         "trainer.progress=false", "trainer.checkpoint_every=0", "logger.plots=false",
         f"comm.simulate.worker_speed={speeds(condition, args.slow)}",
@@ -324,10 +324,17 @@ def fleet_steps(steps: int, fleet: list[float]) -> list[int]:
     return done
 
 
-def same_samples_steps(budget: dict, steps: int, batch: int) -> int:
+def same_samples_steps(budget: dict, steps: int, batch: int, workers: int = 4) -> int:
     """The steps at which the straggler-free fleet has trained on what the budget run merged:
     its loss is the budget run's target once the slow worker's missing compute is discounted."""
-    return round(budget["contributed_samples"] / (4 * batch * steps) * steps)
+    return round(budget["contributed_samples"] / (workers * batch * steps) * steps)
+
+
+def launch(args) -> list[str]:
+    """The workers: one process each, or with `--virtual` as many threads of one process (any
+    number: one per `--slow` factor; their samples/s are turns, not a parallel job's)."""
+    n = len(args.slow)
+    return [f"dist.virtual_workers={n}"] if args.virtual else [f"dist.world_size={n}"]
 
 
 def main() -> None:
@@ -356,13 +363,20 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument(
+        "--virtual", action="store_true",
+        help="the workers as threads of one process (dist.virtual_workers), one per --slow factor",
+    )  # fmt: skip
+    parser.add_argument(
         "--paired", action="store_true",
         help="also each loss at equal samples with its paired bootstrap 95%% interval over the "
         "test samples (paired.py)",
     )  # fmt: skip
     args = parser.parse_args()
-    if len(args.slow) != 4 or min(args.slow) < 1:
-        parser.error(f"--slow must give 4 factors >= 1 (one per worker), got {args.slow}")
+    if (len(args.slow) != 4 and not args.virtual) or min(args.slow) < 1:
+        parser.error(
+            f"--slow must give 4 factors >= 1 (one per worker; any number with --virtual), "
+            f"got {args.slow}"
+        )
     if args.tiny:
         args.seeds, args.steps = [0], 100
     conditions = [c for c in CONDITIONS if c == "free" or c in args.conditions]
@@ -391,7 +405,7 @@ def main() -> None:
                     steps = None
                     if condition == "free, same samples":
                         budget = runs[strategy]["budget"][seed]
-                        steps = same_samples_steps(budget, args.steps, batch)
+                        steps = same_samples_steps(budget, args.steps, batch, len(args.slow))
                     elif condition == "free, same samples as async":  # every async one's alike
                         trained = {
                             runs[strategy][c][seed]["contributed_samples"] for c in run_async
@@ -399,7 +413,7 @@ def main() -> None:
                         if len(trained) != 1:
                             raise SystemExit(f"async conditions trained unlike samples: {trained}")
                         steps = same_samples_steps(
-                            runs[strategy][run_async[0]][seed], args.steps, batch
+                            runs[strategy][run_async[0]][seed], args.steps, batch, len(args.slow)
                         )
                     r = run_one(strategy, condition, seed, args, run_dir, steps)
                     runs.setdefault(strategy, {}).setdefault(condition, {})[seed] = r
@@ -426,7 +440,7 @@ def main() -> None:
             speed = [got[s]["samples_per_s"] / free[s]["samples_per_s"] for s in args.seeds]
             accuracy = [got[s]["test_accuracy"] - free[s]["test_accuracy"] for s in args.seeds]
             trained = [  # the fleet's samples against free's (blocking trains them all)
-                (got[s]["contributed_samples"] or 0) / (4 * batch * args.steps)
+                (got[s]["contributed_samples"] or 0) / (len(args.slow) * batch * args.steps)
                 if condition != "blocking" else 1.0
                 for s in args.seeds
             ]  # fmt: skip
@@ -443,6 +457,11 @@ def main() -> None:
                     for s in args.seeds
                 ]))  # fmt: skip
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    workers = (
+        f"{len(args.slow)} virtual workers (threads of one process: samples/s are turns)"
+        if args.virtual
+        else "4 CPU workers"
+    )
     lines = [
         "# Slow workers: blocking against a time budget"
         + (" and asynchronous rounds" if run_async else ""),
@@ -450,7 +469,7 @@ def main() -> None:
         f"Run {stamp}, `python experiments/stragglers/straggler_study.py "
         f"{shlex.join(sys.argv[1:])}` "
         f"(seeds {', '.join(map(str, args.seeds))}, {args.steps} steps, step_s {args.step_s} s, "
-        f"worker speeds {speeds('blocking', args.slow)}); {what}, 4 CPU workers, gloo. "
+        f"worker speeds {speeds('blocking', args.slow)}); {what}, {workers}, gloo. "
         "Ratios are against the straggler-free run of the same seed and strategy, measured in "
         "the same invocation.",
         "",
