@@ -110,6 +110,8 @@ CASES: dict[str, list[str]] = {
     "sync.outer_momentum=0": ["+experiment=diloco", "sync.staleness_correction=heloco"],
     "sync.mode=async with comm.disabled=true": ["sync.mode=async", "comm.disabled=true"],
     "sync.max_staleness with sync.mode=sync": ["+experiment=diloco", "sync.max_staleness=2"],
+    "sync.min_quorum > 1, sync.grace_s or sync.outer_delay with sync.mode=sync": [
+        "+experiment=diloco", "sync.outer_delay=4"],
     "trainer.track_drift=true with ft=torchft and sync.mode=async": [
         "ft=torchft", "sync.mode=async", "trainer.track_drift=true"],
     "trainer.track_drift=true with ft=torchft and sync.delay_steps > 0 or sync.overlap=true": [

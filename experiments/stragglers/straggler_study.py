@@ -268,7 +268,7 @@ def run_one(
             f"sync.budget_merge={MERGES[condition]}",
         ]
     elif condition in ASYNC:
-        budget = ["sync.mode=async", *ASYNC[condition]]
+        budget = ["sync.mode=async", *ASYNC[condition], *args.extra]
         if "DyLU" in condition:
             budget.append(f"sync.inner_time_s={period * args.step_s}")
         # (no grace window: 0, the default until the adaptive one; the window of one slow
@@ -362,6 +362,10 @@ def main() -> None:
         help="these strategies of the setting (default: all but Streaming DiLoCo)",
     )  # fmt: skip
     parser.add_argument("--tiny", action="store_true")
+    parser.add_argument(
+        "--extra", nargs="*", default=[], metavar="KEY=VALUE",
+        help="more overrides for the asynchronous runs (a probe: sync.outer_delay=4)",
+    )  # fmt: skip
     parser.add_argument(
         "--virtual", action="store_true",
         help="the workers as threads of one process (dist.virtual_workers), one per --slow factor",

@@ -61,6 +61,7 @@ class Facts:
     checkpoint_every: int
     staleness_correction: str
     max_staleness: int | None
+    syncer_keys: bool  # sync.min_quorum > 1, sync.grace_s or sync.outer_delay set
     lighthouse: bool  # ft.lighthouse names a running one
     replica_groups: bool  # ft.replica_groups set (torchrun: one replica group per machine)
     warmup_steps: int
@@ -103,6 +104,9 @@ class Facts:
             checkpoint_every=get(cfg, "trainer.checkpoint_every"),
             staleness_correction=get(cfg, "sync.staleness_correction"),
             max_staleness=get(cfg, "sync.max_staleness"),
+            syncer_keys=get(cfg, "sync.min_quorum") != 1
+            or get(cfg, "sync.grace_s") is not None
+            or get(cfg, "sync.outer_delay") is not None,
             lighthouse=bool(get(cfg, "ft.lighthouse")),
             replica_groups=get(cfg, "ft.replica_groups") is not None,
             warmup_steps=get(cfg, "sync.warmup_steps"),
@@ -648,6 +652,17 @@ REFUSALS: tuple[Refusal, ...] = (
         "to correct against",
         "set sync.mode=async with sync.outer=diloco (momentum > 0), or "
         "sync.staleness_correction=none",
+    ),
+    Refusal(
+        ("sync.mode", "sync.min_quorum", "sync.grace_s", "sync.outer_delay"),
+        "sync.min_quorum > 1, sync.grace_s or sync.outer_delay with sync.mode=sync",
+        lambda f: f.plan.mode != "async" and f.syncer_keys,
+        MEANINGLESS,
+        "they set the asynchronous syncer's merges (its quorum, its grace window, Delayed "
+        "Nesterov's N); a synchronous round merges every worker's change through torch's "
+        "outer step",
+        "set sync.mode=async, or drop them (under ft=torchft the synchronous rounds' quorum "
+        "is ft.min_replicas)",
     ),
     Refusal(
         ("sync.max_staleness", "sync.mode"),
