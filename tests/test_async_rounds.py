@@ -409,7 +409,7 @@ def test_a_simulated_slow_link_slows_the_point_to_point_transfers(tmp_path, host
     collectives (`links.Slowed`): worker 1's 4 exchanges (no synchronous rounds with
     `sync.grace_s=0`) each send its contribution and take the model back, 0.1 s each at both
     ends, and rank 0 waits for them at the meeting; without the link the run takes ~0.05 s.
-    `hosted`: under ft=torchft, the launcher's syncer (its sessions) and each worker's."""
+    `hosted`: under ft=torchft, through each worker's sessions with the launcher's syncer."""
     run_dir = tmp_path / "run"
     args = FAST + ["dist.world_size=2", "trainer.max_steps=12", "sync.period=4",
                    "sync.outer=diloco", "sync.mode=async", "sync.grace_s=0",
