@@ -16,19 +16,24 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.slow
-@pytest.mark.long  # ~40 s on 2 cores: `make test-long`
-@pytest.mark.timeout(120)
-def test_frontier_benchmark_runs_at_tiny_size(tmp_path):
+def _bench(script: str, *args: str, timeout: float) -> None:
+    """experiments/bench/`script` with `args` (one thread a process); it must exit 0."""
     proc = subprocess.run(
-        [sys.executable, "experiments/bench/frontier.py", "--tiny", "--out", str(tmp_path)],
+        [sys.executable, f"experiments/bench/{script}", *args],
         cwd=ROOT,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
         capture_output=True,
         text=True,
-        timeout=110,
+        timeout=timeout,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.long  # ~40 s on 2 cores: `make test-long`
+@pytest.mark.timeout(120)
+def test_frontier_benchmark_runs_at_tiny_size(tmp_path):
+    _bench("frontier.py", "--tiny", "--out", str(tmp_path), timeout=110)
     assert (tmp_path / "frontier.png").stat().st_size > 0
     text = (tmp_path / "FRONTIER.md").read_text()
     results = json.loads((tmp_path / "frontier.json").read_text())
@@ -63,15 +68,7 @@ def test_sharded_benchmark_runs_at_tiny_size(tmp_path):
     """experiments/bench/sharded.py (GPT-2 small, sharded against replicated) at toy size: both
     layouts run and the table shows half the parameters' and moments' bytes per rank at 2 x 2."""
     out = tmp_path / "SHARDED.md"
-    proc = subprocess.run(
-        [sys.executable, "experiments/bench/sharded.py", "--tiny", "--out", str(out)],
-        cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=170,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    _bench("sharded.py", "--tiny", "--out", str(out), timeout=170)
     text = out.read_text()
     assert "| parameters | 0.00 | 0.00 | 0.500 |" in text
     assert "| AdamW moments | 0.00 | 0.00 | 0.500 |" in text
@@ -84,15 +81,7 @@ def test_sharded_benchmark_runs_at_tiny_size(tmp_path):
 def test_async_exchange_benchmark_runs_at_tiny_size(tmp_path):
     """Every mode runs and the asynchronous runs exchange at each phase."""
     out = tmp_path / "async.json"
-    proc = subprocess.run(
-        [sys.executable, "experiments/bench/async_exchange.py", "--tiny", "--json", str(out)],
-        cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=110,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    _bench("async_exchange.py", "--tiny", "--json", str(out), timeout=110)
     (row,) = json.loads(out.read_text())["table"].values()
     assert set(row["cost_s"]) == {"sync", "async", "async, grace 0"}
     assert sum(row["async_exchanges"].values()) == 3  # after steps 0 and 4, the meeting at 8
