@@ -254,13 +254,18 @@ def test_virtual_workers_match_processes_long(args, workers, tmp_path):
     _same_run(args, workers, tmp_path)
 
 
+ASYNC_CLOCKS = ["sync.mode=async", "comm.simulate.worker_speed=[1,1,2,3]",
+                "comm.simulate.step_s=0.001"]  # fmt: skip
+
+
 @pytest.mark.slow
 @pytest.mark.long
-def test_virtual_workers_resume_bit_identically(tmp_path):
+@pytest.mark.parametrize("extra", [[], ASYNC_CLOCKS], ids=["sync", "async"])
+def test_virtual_workers_resume_bit_identically(tmp_path, extra):
     """DiLoCo at 4 virtual workers trained 48 steps, then continued from its final checkpoint
     to 72: the model of 72 steps without a stop (each worker's optimizer, outer state and random
-    state came back from the checkpoint)."""
-    args = [*SMALL, "+experiment=diloco", "sync.period=8", "dist.virtual_workers=4"]
+    state came back from the checkpoint; asynchronous: the meeting's, with the syncer's)."""
+    args = [*SMALL, "+experiment=diloco", "sync.period=8", "dist.virtual_workers=4", *extra]
     args = [a for a in args if not a.startswith(("trainer.max_steps", "trainer.checkpoint_every"))]
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     for run_dir, steps in ((straight, 72), (stopped, 48), (stopped, 72)):
