@@ -13,6 +13,12 @@ import math
 import torch
 
 
+def cycle_length(schedule: ConstantPeriod, step: int, fragments: int, least: int = 1) -> int:
+    """A cycle of `fragments` staggered rounds (Streaming DiLoCo's, synchronous or not): the
+    schedule's period at `step` rounded up to a multiple of `fragments`, and at least `least`."""
+    return max(least, -(-schedule.period_at(step) // fragments) * fragments)
+
+
 class ConstantPeriod:
     """k fixed for the whole run (torch's `PeriodicModelAverager`)."""
 

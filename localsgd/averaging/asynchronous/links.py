@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -50,10 +49,13 @@ class Slowed:
     where a synchronous round's all-reduce moves about twice the model per worker."""
 
     simulated: SimulatedLink | None = None
+    timeout: timedelta
 
-    def _moved(self, tensor: torch.Tensor, transfer: Callable[[], None]) -> None:
+    def _move(self, op: str, group, peer: int, tensor: torch.Tensor, tag: int) -> None:
+        """`group.send` or `group.recv` (`op`) of `tensor` with `peer` (a group rank; a
+        virtual group's too: `virtual.VirtualGroup.send`), waited on with the link's timeout."""
         start = time.perf_counter()
-        transfer()
+        getattr(group, op)([tensor], peer, tag).wait(self.timeout)
         if self.simulated is not None:
             self.simulated.wait_out(start, tensor.numel() * tensor.element_size())
 
@@ -74,17 +76,10 @@ class WorkerLink(Slowed):
             raise RuntimeError("asynchronous rounds: the syncer dropped this session")
 
     def send(self, tensor: torch.Tensor, tag: int) -> None:
-        self._moved(tensor, lambda: self._send(tensor, tag))
+        self._move("send", self.group, self.peer, tensor, tag)
 
     def recv(self, tensor: torch.Tensor, tag: int) -> None:
-        self._moved(tensor, lambda: self._recv(tensor, tag))
-
-    # the group's own calls, group ranks (a virtual group's too: `virtual.VirtualGroup.send`)
-    def _send(self, tensor: torch.Tensor, tag: int) -> None:
-        self.group.send([tensor], self.peer, tag).wait(self.timeout)
-
-    def _recv(self, tensor: torch.Tensor, tag: int) -> None:
-        self.group.recv([tensor], self.peer, tag).wait(self.timeout)
+        self._move("recv", self.group, self.peer, tensor, tag)
 
     def receive_model(self, work: list[torch.Tensor]) -> None:
         """The global model into `work` (through host memory: the groups are gloo's)."""
@@ -136,10 +131,10 @@ class WorldLinks(Slowed):
         return self.mailbox.rung()
 
     def send(self, r: int, tensor: torch.Tensor, tag: int) -> None:
-        self._moved(tensor, lambda: self.group.send([tensor], r, tag).wait(self.timeout))
+        self._move("send", self.group, r, tensor, tag)
 
     def recv(self, r: int, tensor: torch.Tensor, tag: int) -> None:
-        self._moved(tensor, lambda: self.group.recv([tensor], r, tag).wait(self.timeout))
+        self._move("recv", self.group, r, tensor, tag)
 
 
 class Sessions(Slowed):
@@ -197,9 +192,7 @@ class Sessions(Slowed):
         return self.store.add("joins", 0) + sum(box.rung() for _, box, _ in self.open.values())
 
     def send(self, r: int, tensor: torch.Tensor, tag: int) -> None:
-        group = self.open[r][2]
-        self._moved(tensor, lambda: group.send([tensor], 1, tag).wait(self.timeout))
+        self._move("send", self.open[r][2], 1, tensor, tag)  # the worker is the session's 1
 
     def recv(self, r: int, tensor: torch.Tensor, tag: int) -> None:
-        group = self.open[r][2]
-        self._moved(tensor, lambda: group.recv([tensor], 1, tag).wait(self.timeout))
+        self._move("recv", self.open[r][2], 1, tensor, tag)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import copy
 
-from localsgd.averaging.schedule import ConstantPeriod
+from localsgd.averaging.schedule import ConstantPeriod, cycle_length
 
 
 class PhaseGrid:
@@ -33,8 +33,7 @@ class PhaseGrid:
         self.length = self._cycle(first_step)
 
     def _cycle(self, step: int) -> int:
-        p = self.fragments
-        return -(-self.schedule.period_at(step) // p) * p
+        return cycle_length(self.schedule, step, self.fragments)
 
     def ends(self, done: int, step: int) -> bool:
         if self.schedule.varies and self.fragments == 1:

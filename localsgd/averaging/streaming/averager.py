@@ -99,7 +99,7 @@ from localsgd.averaging.hierarchical import level_by_period
 from localsgd.averaging.offload import check_outer_state
 from localsgd.averaging.rounds import DILOCO, Rounds
 from localsgd.averaging.rounds.merge import MERGE_RULES
-from localsgd.averaging.schedule import ConstantPeriod
+from localsgd.averaging.schedule import ConstantPeriod, cycle_length
 from localsgd.averaging.streaming.fragments import FragmentOrder, Tensors
 from localsgd.averaging.trust.robust import Aggregate
 from localsgd.averaging.trust.trusted_round import Judge
@@ -281,8 +281,7 @@ class StreamingAverager(FragmentOrder, Averager):
         """A cycle's H: the schedule's period at its start, rounded up to a multiple of P that
         leaves each fragment at least τ steps (H/P >= max(τ, 1))."""
         p = self.fragments
-        least = p * max(self.delay_steps, 1)
-        return max(least, -(-schedule.period_at(step) // p) * p)
+        return cycle_length(schedule, step, p, least=p * max(self.delay_steps, 1))
 
     def maybe_average(self) -> bool:
         step = self.step
