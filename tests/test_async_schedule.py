@@ -4,7 +4,8 @@
   averagers run their rounds: `PeriodicAverager`'s rule for the whole model, Streaming
   DiLoCo's cycles for fragments; the grid's state resumes where it was;
 - from the CLI: every worker equally fast with a quorum of all and the synchronous outer step
-  gives the synchronous run's model bit for bit with the period doubling mid-run;
+  gives the synchronous run's model bit for bit with the period doubling mid-run; a run killed
+  after a checkpoint taken inside a cycle resumes to the uninterrupted run's model (long);
 - the time budget with a step schedule and the adaptive schedule are refused in one line.
 """
 
@@ -20,7 +21,7 @@ from localsgd.averaging import PeriodicAverager, StreamingAverager
 from localsgd.averaging.asynchronous.phases import PhaseGrid
 from localsgd.averaging.schedule import ConstantPeriod, StepPeriod
 from localsgd.averaging.virtual import run_virtual
-from tests.helpers import refusal
+from tests.helpers import BASE, killed_and_resumed, refusal
 from tests.test_async_rounds import SAME, same_as_synchronous
 
 pytestmark = pytest.mark.timeout(120)
@@ -92,6 +93,22 @@ def test_equal_clocks_with_a_step_schedule_are_synchronous_diloco_bit_for_bit(tm
     summary = same_as_synchronous(tmp_path, args)
     assert summary["async_merges"] == 4  # a constant k = 4 merges 6 times
     assert summary["async_exchanges"]["collective"] == 4
+
+
+@pytest.mark.slow
+@pytest.mark.long  # ~10 s: `make test-long`
+def test_a_step_scheduled_asynchronous_run_resumes_exactly_after_a_kill(tmp_path):
+    """2 fragments, k = 2 then 6 from step 10, 2 equally fast workers (so that their steps are
+    the ticks): the kill comes after the step-10 checkpoint, taken inside a cycle of k = 2 that
+    started before the milestone; the resumed run (its phases' grid from the checkpoint) ends on
+    the uninterrupted run's model. A grid counted afresh there would end its phases at steps 11,
+    14, ... instead of 10, 13, ...: another model."""
+    args = BASE + ["sync.outer=diloco", "sync.mode=async", "sync.period=2", "sync.fragments=2",
+                   "sync.schedule=step", "sync.period_factor=3", "sync.period_milestones=[10]",
+                   "comm.simulate.worker_speed=[1,1]", "comm.simulate.step_s=0.002",
+                   "sync.check_replicas=true"]  # fmt: skip
+    reference, _ = killed_and_resumed(args, tmp_path)
+    assert json.loads((reference / "summary.json").read_text())["replica_checks"] >= 1
 
 
 @pytest.mark.parametrize(
