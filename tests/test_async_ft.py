@@ -337,7 +337,8 @@ def _hosted(size: int):
         links, size, end_wait_s=1.0, modelled=False, min_quorum=1, grace_s=0.25,
         bootstrap=lambda request, recv: (
             SimpleNamespace(
-                values=[torch.zeros(2)], versions=[0], values_of=lambda f: [torch.zeros(2)]
+                values=[torch.zeros(2)], versions=[0], values_of=lambda f: [torch.zeros(2)],
+                period=None,
             ),
             None,
         ),

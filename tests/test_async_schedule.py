@@ -6,7 +6,8 @@
 - from the CLI: every worker equally fast with a quorum of all and the synchronous outer step
   gives the synchronous run's model bit for bit with the period doubling mid-run; a run killed
   after a checkpoint taken inside a cycle resumes to the uninterrupted run's model (long);
-- the time budget with a step schedule and the adaptive schedule are refused in one line.
+- the time budget with a step or adaptive schedule is refused in one line (the adaptive
+  schedule itself: `test_async_adaptive.py`).
 """
 
 from __future__ import annotations
@@ -116,9 +117,12 @@ def test_a_step_scheduled_asynchronous_run_resumes_exactly_after_a_kill(tmp_path
     [
         (
             ["sync.inner_time_s=0.1", "sync.schedule=step"],
-            "sync.schedule=step and sync.inner_time_s",
+            "sync.schedule=step or adaptive and sync.inner_time_s",
         ),
-        (["sync.schedule=adaptive"], "sync.schedule=adaptive"),
+        (
+            ["sync.inner_time_s=0.1", "sync.schedule=adaptive"],
+            "sync.schedule=step or adaptive and sync.inner_time_s",
+        ),
     ],
 )
 def test_a_schedule_asynchronous_rounds_cannot_follow_is_one_line(args, names, capsys):

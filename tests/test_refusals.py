@@ -102,10 +102,13 @@ CASES: dict[str, list[str]] = {
         "sync.mode=async", "sync.compress=topk", "sync.error_feedback=true",
         "sync.topk_mean=senders"],
     "sync.mode=async with sync.score=true": ["sync.mode=async", "sync.score=true"],
-    "sync.mode=async with sync.optimizer_state other than local or sync.schedule=adaptive": [
-        "sync.mode=async", "sync.schedule=adaptive"],
-    "sync.mode=async with sync.schedule=step and sync.inner_time_s": [
-        "sync.mode=async", "sync.schedule=step", "sync.inner_time_s=0.5"],
+    "sync.mode=async with sync.optimizer_state other than local": [
+        "sync.mode=async", "sync.optimizer_state=desloc"],
+    "sync.mode=async with sync.schedule=step or adaptive and sync.inner_time_s": [
+        "sync.mode=async", "sync.schedule=adaptive", "sync.inner_time_s=0.5"],
+    "sync.mode=async with sync.schedule=adaptive and dist.shard_size > 1 without "
+    "comm.simulate.worker_speed": [
+        "sync.mode=async", "sync.schedule=adaptive", "dist.shard_size=2"],
     "sync.staleness_correction=heloco with sync.mode=sync, sync.outer=none or "
     "sync.outer_momentum=0": ["+experiment=diloco", "sync.staleness_correction=heloco"],
     "sync.mode=async with comm.disabled=true": ["sync.mode=async", "comm.disabled=true"],

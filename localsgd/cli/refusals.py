@@ -617,26 +617,37 @@ REFUSALS: tuple[Refusal, ...] = (
         "set sync.mode=sync, or sync.score=false (sync.aggregate works asynchronously)",
     ),
     Refusal(
-        ("sync.mode", "sync.optimizer_state", "sync.schedule"),
-        "sync.mode=async with sync.optimizer_state other than local or sync.schedule=adaptive",
-        lambda f: (
-            f.plan.mode == "async"
-            and (f.plan.optimizer_state != "local" or f.plan.schedule == "adaptive")
-        ),
+        ("sync.mode", "sync.optimizer_state"),
+        "sync.mode=async with sync.optimizer_state other than local",
+        lambda f: f.plan.mode == "async" and f.plan.optimizer_state != "local",
         DESIGN,
-        "both act at rounds every worker takes part in (the adaptive period reads the loss "
-        "averaged in them), and asynchronous rounds have none between meetings",
-        "set sync.optimizer_state=local, and sync.schedule=constant or step (a step schedule "
-        "works asynchronously)",
+        "the optimizer state is averaged in rounds every worker takes part in, and "
+        "asynchronous rounds have none between meetings",
+        "set sync.optimizer_state=local, or sync.mode=sync",
     ),
     Refusal(
         ("sync.mode", "sync.schedule", "sync.inner_time_s"),
-        "sync.mode=async with sync.schedule=step and sync.inner_time_s",
-        lambda f: f.plan.mode == "async" and f.plan.schedule == "step" and f.budget,
+        "sync.mode=async with sync.schedule=step or adaptive and sync.inner_time_s",
+        lambda f: f.plan.mode == "async" and f.plan.schedule in ("step", "adaptive") and f.budget,
         MEANINGLESS,
         "an asynchronous phase with a time budget ends by sync.inner_time_s, not by a count of "
         "steps: the schedule's periods would change nothing",
         "set sync.schedule=constant, or sync.inner_time_s=null",
+    ),
+    Refusal(
+        ("sync.mode", "sync.schedule", "dist.shard_size", "comm.simulate.worker_speed"),
+        "sync.mode=async with sync.schedule=adaptive and dist.shard_size > 1 without "
+        "comm.simulate.worker_speed",
+        lambda f: (
+            f.plan.mode == "async"
+            and f.plan.schedule == "adaptive"
+            and f.shard_size > 1
+            and not f.modelled_clock
+        ),
+        DESIGN,
+        "each shard's syncer decides the period from the merges it makes, and on the wall "
+        "clock the shards of one replica group merge apart, so its ranks could adapt apart",
+        "set sync.schedule=constant or step, or model the clock (comm.simulate.worker_speed)",
     ),
     Refusal(
         ("sync.staleness_correction", "sync.mode", "sync.outer", "sync.outer_momentum"),

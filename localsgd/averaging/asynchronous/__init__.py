@@ -12,6 +12,8 @@
 - `clock`: the modelled clock, which ticks a slower worker computes;
 - `phases`: `PhaseGrid`, where a phase by steps ends (the synchronous rounds' rule, constant or
   a step schedule);
+- `fleet_period`: `FleetPeriod`, the adaptive period (`sync.schedule=adaptive`), decided by the
+  syncer from the losses the workers report and sent back in its answers;
 - `delayed_nesterov`: `DelayedNesterov`, the staleness-aware outer step;
 - `heloco`: `HeLoCo`, the optional correction of each stale pseudo-gradient against the outer
   momentum before it is merged;

@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 from localsgd.averaging.asynchronous.clock import FITS, computes
 from localsgd.averaging.asynchronous.delayed_nesterov import DelayedNesterov
+from localsgd.averaging.asynchronous.fleet_period import FleetPeriod
 from localsgd.averaging.asynchronous.heloco import HeLoCo
 from localsgd.averaging.asynchronous.links import (
     LINK_ERRORS,
@@ -153,7 +154,8 @@ class AsyncAverager(FragmentOrder, OuterAverager):
             )
         if grace_s is not None and grace_s < 0:
             raise ValueError(f"sync.grace_s must be >= 0 or None (adaptive), got {grace_s}")
-        self.rank, self.max_steps, self.meet_every = rank, max_steps, meet_every
+        self.rank, self.workers, self.max_steps = rank, size, max_steps
+        self.meet_every = meet_every
         self.inner_time_s, self.speed = inner_time_s, speed
         self.modelled = step_s is not None
         self.step_s = step_s
@@ -205,6 +207,12 @@ class AsyncAverager(FragmentOrder, OuterAverager):
             self.syncer_sgd.update(optimizer=DelayedNesterov, delay=outer_delay)
         self.min_quorum, self.grace_s = min_quorum, grace_s
         self.announced = False
+
+    def extra_tensors(self, device: torch.device) -> list[torch.Tensor]:
+        """None: an adaptive period's loss goes in the headers (`fleet_period`), not in the
+        buffers (its slot exists all the same: `observe_loss` sums into it)."""
+        self.schedule.loss_slots(device)
+        return []
 
     # --- the rule -------------------------------------------------------------------------------
 
@@ -338,6 +346,7 @@ class AsyncAverager(FragmentOrder, OuterAverager):
                 self.rounds.anchors.first, self.rounds.parts, self.syncer_sgd,
                 self.warmup_steps > 0, self.aggregate, self.correction, self._param_blocks(),
                 self.normalized_merges, self.max_staleness,
+                FleetPeriod.build(self._period_settings()),
             )  # fmt: skip
             if self._saved_syncer is not None:
                 syncer.load_state_dict(self._saved_syncer)
@@ -441,12 +450,15 @@ class AsyncAverager(FragmentOrder, OuterAverager):
             kind, time=_instant(self.clock) if self.modelled else None, samples=samples,
             fragments=sent, weights=[unsynced[f] for f in sent], versions=list(self.versions),
             next=nxt, resume=resume, last=last, step=step,
-            stop=kind == MEET and self.stop_requested(),
+            stop=kind == MEET and self.stop_requested(), **self._loss_report(last),
         )  # fmt: skip
         decision = self._take(f"d/{self.rank}/{seq}")
         if decision["do"] == "stop":  # a hosted syncer's run ended without this worker
             self.stopped = True
             return
+        # an adaptive period: the syncer's decision, in its decision or its answer (so its next
+        # phase's end, announced in advance under the modelled clock, moves)
+        moved = self._take_period(decision)
         self.unsynced = [0.0 if f in work else n for f, n in enumerate(unsynced)]
         # every worker is here (a meeting, or a synchronous round, of a fragment as in the
         # synchronous schedule): the global-sync hooks (drift) run around it, their collectives
@@ -472,6 +484,8 @@ class AsyncAverager(FragmentOrder, OuterAverager):
                 self.versions[f] = decision["versions"][f]
             if kind == MEET and self.modelled:  # every worker leaves a meeting at its time
                 self.clock = decision["time"]
+            if moved and kind == SEND and self.modelled:
+                self._send_header(ANNOUNCE, next=self._next_time(step))
         else:
             if decision["do"] == "payload":
                 for f, w in work.items():
@@ -490,10 +504,12 @@ class AsyncAverager(FragmentOrder, OuterAverager):
                 rounds.anchors.settle_(rounds.parts[f], 0, w)
             for f in work:  # the other fragments' anchors are as old as before
                 self.versions[f] = answer["versions"][f]
+            moved = self._take_period(answer) or moved
             waited = self.modelled and answer["time"] > _instant(self.clock)
             if waited:  # at a meeting, or for its merge (sync.grace_s): idle until then
                 self.clock = answer["time"]
-            if waited and kind == SEND:  # so its next message comes later than it said
+            if (waited or moved) and kind == SEND and self.modelled:
+                # so its next message comes later (or, at a shorter period, sooner) than it said
                 self._send_header(ANNOUNCE, next=self._next_time(step))
             self.all_in_sync = kind == MEET
             if answer.get("align_s") is not None:  # out of step with the others: rejoin them
@@ -506,6 +522,35 @@ class AsyncAverager(FragmentOrder, OuterAverager):
                     )
         if together:
             self._global_hooks("after")
+
+    def _period_settings(self) -> dict | None:
+        """The syncer's adaptive period (`fleet_period`), from this worker's schedule."""
+        return FleetPeriod.settings_of(
+            self.schedule, self.workers, self.fragments, robust=self.aggregate is not None
+        )
+
+    def _loss_report(self, last: bool) -> dict:
+        """An adaptive period's fields of a contribution's header: this worker's mean training
+        loss since its last exchange with the steps behind it (None: none, or its `last`
+        exchange, after which no period is needed, as after the synchronous rounds' final
+        average), and the period it trained at (`fleet_period`); nothing for another schedule."""
+        schedule = self.schedule
+        if not schedule.needs_loss:
+            return {}
+        loss = None
+        if schedule.loss_count > 0 and not last:
+            loss = [float((schedule.loss_slot / schedule.loss_count).item()), schedule.loss_count]
+            schedule.loss_slot.zero_()
+            schedule.loss_count = 0
+        return {"loss": loss, "period": schedule.period}
+
+    def _take_period(self, message: dict) -> bool:
+        """The syncer's adaptive period, where `message` carries it; whether it changed."""
+        period = message.get("period")
+        if period is None or period == self.schedule.period:
+            return False
+        self.schedule.period = int(period)
+        return True
 
     def _collective(self, decision: dict, work: dict[int, list], weights: list[float]) -> None:
         """A synchronous round of the fragments in `work`: each one's mean all-reduced

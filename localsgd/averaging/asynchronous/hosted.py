@@ -24,6 +24,7 @@ import time
 import torch
 
 from localsgd.averaging.asynchronous.delayed_nesterov import DelayedNesterov
+from localsgd.averaging.asynchronous.fleet_period import FleetPeriod
 from localsgd.averaging.asynchronous.heloco import HeLoCo
 from localsgd.averaging.asynchronous.links import Sessions
 from localsgd.averaging.asynchronous.messages import Decoders, part_decoders
@@ -104,7 +105,7 @@ def build_syncer(request: dict, receive_one) -> tuple[Syncer, list[Decoders]]:
     syncer = Syncer(
         buffers, parts, sgd, spec["plain_first"], aggregate,
         correction, [tuple(b) for b in spec["blocks"]], spec["normalized"],
-        spec.get("max_staleness"),
+        spec.get("max_staleness"), FleetPeriod.build(spec.get("period")),
     )  # fmt: skip
     if spec.get("state") is not None:  # resumed: the checkpoint's syncer goes on
         syncer.load_state_dict(tree_from_json(spec["state"], receive_one))
@@ -231,7 +232,7 @@ class HostedService(SyncerService):
         box.put(
             "welcome",
             {"versions": list(self.syncer.versions), "values": True, "resume": resume,
-             "since_s": None if since is None else time.monotonic() - since},
+             "since_s": None if since is None else time.monotonic() - since, **self._period()},
         )  # fmt: skip
         self._send_values(r)
 

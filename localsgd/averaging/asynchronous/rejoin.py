@@ -53,6 +53,7 @@ def spec(averager) -> dict:
         "correction": None if correction is None else _settings(correction),
         "normalized": averager.normalized_merges,
         "max_staleness": averager.max_staleness,
+        "period": averager._period_settings(),
     }
 
 
@@ -112,3 +113,4 @@ def _welcomed(averager, link: WorkerLink, welcome: dict) -> None:
         link.receive_model(list(buffers))
     rounds.anchors.reset(buffers)
     averager.versions = list(welcome["versions"])
+    averager._take_period(welcome)  # an adaptive period: the fleet's, not the run's start

@@ -96,6 +96,7 @@ class SyncerService(SynchronousRounds):
         self.pacing = Pacing(self.grace, modelled)  # the wall clock's: who a merge waits for
         self.gathering = Gathering(size, self.grace)  # the wall clock's synchronous rounds
         self.deadline: float | None = None  # the next merge's, once the quorum is there
+        self.passed = -math.inf  # the modelled time handled last (one world: a check)
         # senders waiting (at most grace_s) for the merge that takes their contribution:
         # worker -> (its header, when it is answered anyway)
         self.waiting: dict[int, tuple[dict, float]] = {}
@@ -177,6 +178,14 @@ class SyncerService(SynchronousRounds):
     def _take_header(self, r: int, header: dict) -> None:
         if header.get("step_s"):
             self.step_seconds[r] = header["step_s"]
+        # the order is the model's only if no message comes from before a time handled
+        late = self.modelled and self.local is not None and header.get("time") is not None
+        if late and header["time"] < self.passed:
+            raise RuntimeError(
+                f"asynchronous rounds: worker {r}'s message of modelled time "
+                f"{header['time']:g} s came after the syncer had handled {self.passed:g} s "
+                "(a worker's next time was announced wrong)"
+            )
         if header["kind"] == ANNOUNCE:
             self.announced[r] = header["next"]
         elif header["kind"] == DONE:
@@ -256,6 +265,7 @@ class SyncerService(SynchronousRounds):
 
     def _timed(self, at: float) -> None:
         """A merge whose grace ran out, then the senders whose wait did."""
+        self.passed = max(self.passed, at)
         if self.deadline is not None and self.deadline <= at:
             self._merge(at)
         for r, (header, until) in list(self.waiting.items()):
@@ -265,6 +275,7 @@ class SyncerService(SynchronousRounds):
 
     def _handle(self, now: float, headers: dict[int, dict]) -> None:
         syncer = self.syncer
+        self.passed = max(self.passed, now)
         for r, h in headers.items():
             self.announced[r] = h["next"] if h["kind"] == SEND else None
         if self.modelled and self._round_fits(headers):
@@ -281,8 +292,11 @@ class SyncerService(SynchronousRounds):
                     self._failed(r)
                     del headers[r]
                     continue
-                for f, weight, t in zip(h["fragments"], h["weights"], tensors, strict=True):
-                    syncer.add(Arrival(r, now, weight, h["versions"][f], t, f))
+                for i, (f, weight, t) in enumerate(
+                    zip(h["fragments"], h["weights"], tensors, strict=True)
+                ):  # its loss (an adaptive period's) rides with its first fragment
+                    loss = h.get("loss") if i == 0 else None
+                    syncer.add(Arrival(r, now, weight, h["versions"][f], t, f, loss))
                 self.pacing.arrived(r, now)
             else:
                 box.put(f"d/{r}/{h['seq']}", {"do": "wait"})
@@ -346,6 +360,9 @@ class SyncerService(SynchronousRounds):
         }
         if syncer.correction is not None:  # blocks kept, shrunk, reoriented
             out["async_corrected_blocks"] = dict(syncer.correction.counts)
+        if syncer.period is not None:  # the adaptive period: where it ended, how often decided
+            out["async_period"] = syncer.period.period
+            out["async_period_decisions"] = syncer.period.decisions
         return out
 
     def _answer(
@@ -353,18 +370,28 @@ class SyncerService(SynchronousRounds):
     ) -> None:
         versions = self.syncer.versions
         values = values or any(header["versions"][f] != versions[f] for f in header["fragments"])
-        if self.modelled and header["kind"] == SEND and at > header["time"]:
-            self.announced[r] = None  # it waited: it announces its next time again
+        period = self.syncer.period
+        if (
+            self.modelled
+            and header["kind"] == SEND
+            and (at > header["time"] or (period and header.get("period") != period.period))
+        ):  # it waited, or its period changed: it announces its next time again
+            self.announced[r] = None
         if not self._reachable(r):
             return  # its session failed meanwhile: it is welcomed afresh when it rejoins
         align = self.pacing.align(r, at, self._live) if header["kind"] == SEND else None
         self.links.box(r).put(
             f"r/{r}/{header['seq']}",
             {"version": self.syncer.version, "versions": list(versions), "time": at,
-             "values": values, "align_s": align, **(extra or {})},
+             "values": values, "align_s": align, **self._period(), **(extra or {})},
         )  # fmt: skip
         if values:
             self._send_values(r, header["fragments"])
+
+    def _period(self) -> dict:
+        """What an answer carries of an adaptive period: the syncer's decision as it stands."""
+        period = self.syncer.period
+        return {} if period is None else {"period": period.period}
 
     def _send_values(self, r: int, fragments: list[int] | None = None) -> None:
         """The global values of `fragments` (None: the whole model) to worker r, in-process to

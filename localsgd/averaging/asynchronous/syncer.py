@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from localsgd.averaging.asynchronous.fleet_period import FleetPeriod
 from localsgd.averaging.asynchronous.heloco import HeLoCo
 from localsgd.averaging.finite import all_finite
 from localsgd.averaging.rounds.outer import Anchors, OuterSGD
@@ -49,6 +50,7 @@ class Arrival:
     version: int  # its fragment's version it was trained from
     tensors: Tensors
     fragment: int = 0
+    loss: list[float] | None = None  # its worker's [mean loss, steps] since its last exchange
 
 
 class Syncer:
@@ -70,8 +72,10 @@ class Syncer:
         blocks: list[tuple[int, int, int]] = (),
         normalized: bool = False,
         max_staleness: int | None = None,
+        period: FleetPeriod | None = None,
     ):
         self.parts = parts
+        self.period = period  # an adaptive period, decided here (`fleet_period`)
         self.max_staleness = max_staleness
         self.normalized = normalized
         self.aggregate = aggregate
@@ -123,10 +127,16 @@ class Syncer:
     def merge(self) -> bool:
         """Merge every pending contribution, fragment by fragment; whether one was merged."""
         pending, self.pending = self.pending, []
+        self.reported([(a.worker, a.loss, 1) for a in pending])
         merged = False
         for f in range(len(self.parts)):
             merged |= self._merge([a for a in pending if a.fragment == f and a.samples > 0], f)
         return merged
+
+    def reported(self, reports: list[tuple[int, list[float] | None, int]]) -> None:
+        """The losses of contributions merged (`FleetPeriod.merged`), where the period adapts."""
+        if self.period is not None:
+            self.period.merged(reports)
 
     def _merge(self, arrived: list[Arrival], f: int) -> bool:
         if not arrived:
@@ -233,6 +243,7 @@ class Syncer:
             "dropped": [list(d) for d in self.dropped],
             "too_stale": [list(d) for d in self.too_stale],
             "corrected": dict(self.correction.counts) if self.correction is not None else {},
+            "period": self.period.state_dict() if self.period is not None else None,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -251,3 +262,5 @@ class Syncer:
         self.too_stale = [(int(w), float(t), int(s)) for w, t, s in state.get("too_stale", [])]
         if self.correction is not None:
             self.correction.counts.update(state.get("corrected", {}))
+        if self.period is not None and state.get("period") is not None:
+            self.period.load_state_dict(state["period"])

@@ -126,12 +126,21 @@ class SynchronousRounds:
         weighted = any(w != weights[0] for w in weights)
         fragments = next(iter(headers.values()))["fragments"]
         versions = [v + (f in fragments) for f, v in enumerate(self.syncer.versions)]
+        # an adaptive period decides on the round's losses before the round: its decision is
+        # in every worker's answer, as after a synchronous round
+        self.syncer.reported(
+            [(r, h.get("loss"), len(fragments)) for r, h in headers.items() if h["samples"] > 0]
+        )
+        period = self._period()
         self.collective_done.clear()
         for r, h in headers.items():
+            moved = period and h.get("period") != period["period"]
+            if self.modelled and h["kind"] == SEND and moved:
+                self.announced[r] = None  # it announces its next time again, at the new period
             self.links.box(r).put(
                 f"d/{r}/{h['seq']}",
                 {"do": "collective", "weighted": weighted, "time": now, "versions": versions,
-                 "workers": sum(s > 0 for s in samples)},
+                 "workers": sum(s > 0 for s in samples), **period},
             )  # fmt: skip
         if not self.collective_done.wait(self.timeout_s):
             raise TimeoutError("the synchronous round's mean never came (dist.timeout_s)")
