@@ -96,8 +96,6 @@ CASES: dict[str, list[str]] = {
         "comm.disabled=true", "sync.outer=diloco", "sync.outer_state=cpu"],
     "sync.mode=async with sync.delay_steps > 0, sync.overlap=true or sync.eager=true": [
         "sync.mode=async", "sync.overlap=true"],
-    "sync.mode=async with sync.levels": [
-        "sync=hierarchical", "sync.mode=async"],
     "sync.mode=async with sync.topk_mean=senders": [
         "sync.mode=async", "sync.compress=topk", "sync.error_feedback=true",
         "sync.topk_mean=senders"],

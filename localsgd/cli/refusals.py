@@ -590,15 +590,6 @@ REFUSALS: tuple[Refusal, ...] = (
         "set sync.merge_alpha=0, or sync.mode=sync",
     ),
     Refusal(
-        ("sync.mode", "sync.levels"),
-        "sync.mode=async with sync.levels",
-        lambda f: f.plan.mode == "async" and bool(f.plan.levels),
-        DESIGN,
-        "an inner level is a plain mean within a group of workers at steps they share; "
-        "asynchronous workers share no step between meetings",
-        "set sync.mode=sync, or drop sync.levels (sync.fragments works asynchronously)",
-    ),
-    Refusal(
         ("sync.mode", "sync.topk_mean"),
         "sync.mode=async with sync.topk_mean=senders",
         lambda f: f.plan.mode == "async" and f.topk_mean == "senders",

@@ -1,5 +1,6 @@
 """The averaging strategy a `sync` config asks for, built in one place: `build_averager`.
 
+`sync.mode=async` gives an `AsyncAverager` (its fragments, its inner levels); otherwise
 Streaming DiLoCo's keys (and an outer optimizer over `sync.levels`) give a `StreamingAverager`,
 whose widest level is the streaming one; `sync.levels` otherwise a `HierarchicalAverager`;
 `sync.outer` (diloco | slowmo) an `OuterAverager`; otherwise a `PeriodicAverager`, each with
@@ -197,19 +198,6 @@ def build_averager(
             round_starts=normalized,
             **trust,  # robust rounds over each fragment
         )
-    elif levels:
-        averager = HierarchicalAverager(
-            sizes,
-            sync.warmup_steps,
-            process_group,
-            module=model,
-            stats=stats,
-            **wire,
-            link=link,
-            init_sync=True,
-            schedule=build_schedule(sync, plan.period),
-            round_starts=normalized,
-        )
     elif plan.mode == "async":
         from localsgd.averaging.asynchronous import AsyncAverager
         from localsgd.averaging.asynchronous.heloco import RANGES as HELOCO_RANGES
@@ -222,7 +210,7 @@ def build_averager(
         workers = (asynchronous or {}).get("workers") or world_size
         delay = sync.outer_delay if sync.outer_delay is not None else workers
         averager = AsyncAverager(
-            sync.period,
+            plan.period,
             sync.warmup_steps,
             process_group,
             module=model,
@@ -239,7 +227,9 @@ def build_averager(
             normalized_merges=sync.budget_merge != "weighted",
             max_staleness=sync.max_staleness,
             fragments=sync.fragments,
-            schedule=build_schedule(sync),  # constant or step: where phases by steps end
+            # where phases by steps end (constant, step; adaptive: as the syncer says)
+            schedule=build_schedule(sync, plan.period),
+            inner_levels=dict(list(sizes.items())[:-1]),  # synchronous inside each group
             correction=(
                 HeLoCo(**{k: getattr(sync.heloco, k) for k in HELOCO_RANGES})
                 if sync.staleness_correction == "heloco"
@@ -248,6 +238,19 @@ def build_averager(
             **(asynchronous or {}),
         )
         weighted = normalized = False  # the syncer weighs every contribution by its samples
+    elif levels:
+        averager = HierarchicalAverager(
+            sizes,
+            sync.warmup_steps,
+            process_group,
+            module=model,
+            stats=stats,
+            **wire,
+            link=link,
+            init_sync=True,
+            schedule=build_schedule(sync, plan.period),
+            round_starts=normalized,
+        )
     elif outer != "none":
         averager = OuterAverager(
             sync.period,

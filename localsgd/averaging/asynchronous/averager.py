@@ -24,6 +24,11 @@ as in synchronous Streaming DiLoCo, and a message carries a fragment, not the mo
 sends and takes back every fragment. The syncer keeps each fragment's outer step and version
 (`syncer`).
 
+**Inner levels** (`inner_levels={period: group_size}`, `sync.levels` but the widest): plain
+means of the whole model within groups of workers at the steps their periods divide, every
+worker of a group taking part at the same step; the widest level is the asynchronous one
+(`_add_inner_levels`). A sender is then answered at once, not held for its merge (`service`).
+
 **Sharded replica groups** (`process_group`: the ranks holding this rank's shard, one per
 group): each shard has its own syncer, on the group's first rank, its own mailbox keys and
 point-to-point group (`_point_to_point`); every rank sends its shard and takes its shard back.
@@ -71,7 +76,8 @@ from localsgd.averaging.asynchronous.service import (
 )
 from localsgd.averaging.asynchronous.syncer import Syncer
 from localsgd.averaging.binding import mirrored
-from localsgd.averaging.comm import VIRTUAL_BACKEND, parallel_groups
+from localsgd.averaging.comm import VIRTUAL_BACKEND, CommStats, Communicator, parallel_groups
+from localsgd.averaging.hierarchical import level_by_period
 from localsgd.averaging.outer import OuterAverager
 from localsgd.averaging.rounds.part import views
 from localsgd.averaging.streaming.fragments import FragmentOrder
@@ -124,6 +130,7 @@ class AsyncAverager(FragmentOrder, OuterAverager):
         workers: int | None = None,
         fragments: int = 1,
         blocks: Sequence[torch.nn.Module] | None = None,
+        inner_levels: dict[int, int] | None = None,
         **outer,
     ):
         if fragments < 1 or period % fragments:
@@ -136,6 +143,7 @@ class AsyncAverager(FragmentOrder, OuterAverager):
         # the workers' own rounds are the mean's (a synchronous round's all-reduce); a robust
         # rule is the syncer's, over the contributions it holds one by one
         super().__init__(period, warmup_steps, process_group, module=module, split=split, **outer)
+        self._add_inner_levels(inner_levels or {})
         self.aggregate, self.correction = aggregate, correction
         self.normalized_merges = normalized_merges
         if max_staleness is not None and max_staleness < 0:
@@ -207,6 +215,41 @@ class AsyncAverager(FragmentOrder, OuterAverager):
             self.syncer_sgd.update(optimizer=DelayedNesterov, delay=outer_delay)
         self.min_quorum, self.grace_s = min_quorum, grace_s
         self.announced = False
+
+    inner_periods: tuple[int, ...] | list[int] = ()  # none until `_add_inner_levels`
+
+    def _add_inner_levels(self, inner: dict[int, int]) -> None:
+        """Hierarchical levels below the asynchronous one (`inner_levels={period: group_size}`,
+        narrowest first, as `StreamingAverager`'s): each a plain fp32 mean of the whole model
+        within groups of contiguous workers after each step its period divides (torch's
+        hierarchical rule), at every worker's same step whether it computed it or not. The
+        collectives span each group only: its workers wait for each other there (a machine's
+        devices), while groups run on their own clocks."""
+        for p, size in inner.items():
+            if p < 1 or size < 1 or self.comm.size % size or size == self.comm.size:
+                raise ValueError(
+                    f"each inner level needs a period >= 1 and a group size dividing the "
+                    f"workers ({self.comm.size}) and below it, got {p} -> {size}"
+                )
+        by_size: dict[int, Communicator] = {}  # one set of subgroups per distinct size
+        for size in inner.values():
+            if size not in by_size:
+                by_size[size] = self.comm.subgroups(size)
+        self.inner_periods = list(inner)
+        self.levels = [*(by_size[size] for size in inner.values()), self.comm]
+        self.level_stats = [CommStats() for _ in self.levels]
+
+    def inner_level_at(self, step: int) -> int | None:
+        return level_by_period(step, self.warmup_steps, self.inner_periods)
+
+    def period_of(self, level: int) -> int:
+        if level < len(self.inner_periods):
+            return self.inner_periods[level]
+        return super().period_of(level)
+
+    @mirrored()  # sharded parameters: their values in the flat buffers while it runs
+    def _inner_mean(self, level: int) -> None:
+        self._inner_average(level)
 
     def extra_tensors(self, device: torch.device) -> list[torch.Tensor]:
         """None: an adaptive period's loss goes in the headers (`fleet_period`), not in the
@@ -313,6 +356,10 @@ class AsyncAverager(FragmentOrder, OuterAverager):
             self.clock += tick
             self.phase_time += tick
         acted = False
+        inner = self.inner_level_at(step)
+        if inner is not None:  # the group's mean first: what it sends is what the group agreed
+            self._inner_mean(inner)
+            acted = True
         if self._meets(step):
             if did and self.inner_time_s is None and self.align_until is None:
                 self.phases.ends(self.computed, step)  # the grid counts the meeting's step
@@ -358,6 +405,7 @@ class AsyncAverager(FragmentOrder, OuterAverager):
                 # a robust rule or a correction reads each contribution: never an all-reduce
                 collective_rounds=self.aggregate is None and self.correction is None,
                 decoders=part_decoders(self.flat.buffers, self.rounds.parts, self.comm_dtype),
+                hold_senders=not self.inner_periods,
             )  # fmt: skip
             self.service.start()
         self._send_header(ANNOUNCE, next=self._next_time(self.step - 1) if self.modelled else None)
@@ -422,8 +470,8 @@ class AsyncAverager(FragmentOrder, OuterAverager):
                 if kind != MEET:
                     break
         self.stats.rounds += 1
-        self.level_stats[0].rounds += 1
-        self.level_stats[0].bytes += self.stats.bytes - before
+        self.level_stats[-1].rounds += 1
+        self.level_stats[-1].bytes += self.stats.bytes - before
         self.phase_samples, self.phase_time, self.phase_steps = 0.0, 0.0, 0
         if kind == SEND:
             self.turn = (self.turn + 1) % self.fragments

@@ -73,6 +73,7 @@ class SyncerService(SynchronousRounds):
         decoders: list[Decoders] | None = None,
         timeout_s: float = 300.0,
         bootstrap=None,
+        hold_senders: bool = True,
     ):
         self.syncer, self.links, self.size = syncer, links, size
         self.timeout_s, self.bootstrap = timeout_s, bootstrap
@@ -80,6 +81,9 @@ class SyncerService(SynchronousRounds):
         self.local = None if links.sessions else 0
         self.modelled, self.min_quorum, self.grace_s = modelled, min_quorum, grace_s
         self.collective_rounds = collective_rounds
+        # a sender waits (at most the window) for the merge that takes its contribution; not
+        # where workers meet in groups (inner levels): its group's next mean needs it
+        self.hold_senders = hold_senders
         self.decoders = decoders  # each part's messages to fp32 (None: fp32 as sent)
         self.lock = threading.Lock()
         self.payload: queue.Queue = queue.Queue()  # rank 0's own contributions
@@ -315,7 +319,7 @@ class SyncerService(SynchronousRounds):
         for r, h in headers.items():
             if h["kind"] == MEET:
                 self.met[r] = {**h, "at": now}
-            elif self.grace() > 0 and h["samples"] > 0 and not merged:
+            elif self.hold_senders and self.grace() > 0 and h["samples"] > 0 and not merged:
                 self.waiting[r] = (h, now + self.grace())  # for its merge, at most the window
             else:
                 self._answer(r, h, now)
