@@ -47,6 +47,23 @@ def level_by_period(step: int, warmup_steps: int, periods: list[int]) -> int | N
     return None
 
 
+def inner_level_groups(comm: Communicator, inner: dict[int, int]) -> list[Communicator]:
+    """The groups of each inner level (`{period: group_size}`, narrowest first: Streaming
+    DiLoCo's and the asynchronous rounds' plain means below their widest level), subgroups of
+    `comm`'s contiguous ranks, one set per distinct size. Collective over the default group."""
+    for p, size in inner.items():
+        if p < 1 or size < 1 or comm.size % size:
+            raise ValueError(
+                f"each inner level needs a period >= 1 and a group size dividing the "
+                f"group's size ({comm.size}), got {p} -> {size}"
+            )
+    by_size: dict[int, Communicator] = {}
+    for size in inner.values():
+        if size not in by_size:
+            by_size[size] = comm.subgroups(size)
+    return [by_size[size] for size in inner.values()]
+
+
 class HierarchicalAverager(Averager):
     """Averages within groups of contiguous ranks, each level with its own period: a drop-in for
     torch's `HierarchicalModelAverager(period_group_size_dict, warmup_steps, process_group)`.

@@ -76,8 +76,8 @@ from localsgd.averaging.asynchronous.service import (
 )
 from localsgd.averaging.asynchronous.syncer import Syncer
 from localsgd.averaging.binding import mirrored
-from localsgd.averaging.comm import VIRTUAL_BACKEND, CommStats, Communicator, parallel_groups
-from localsgd.averaging.hierarchical import level_by_period
+from localsgd.averaging.comm import VIRTUAL_BACKEND, CommStats, parallel_groups
+from localsgd.averaging.hierarchical import inner_level_groups, level_by_period
 from localsgd.averaging.outer import OuterAverager
 from localsgd.averaging.rounds.part import views
 from localsgd.averaging.streaming.fragments import FragmentOrder
@@ -225,18 +225,8 @@ class AsyncAverager(FragmentOrder, OuterAverager):
         hierarchical rule), at every worker's same step whether it computed it or not. The
         collectives span each group only: its workers wait for each other there (a machine's
         devices), while groups run on their own clocks."""
-        for p, size in inner.items():
-            if p < 1 or size < 1 or self.comm.size % size or size == self.comm.size:
-                raise ValueError(
-                    f"each inner level needs a period >= 1 and a group size dividing the "
-                    f"workers ({self.comm.size}) and below it, got {p} -> {size}"
-                )
-        by_size: dict[int, Communicator] = {}  # one set of subgroups per distinct size
-        for size in inner.values():
-            if size not in by_size:
-                by_size[size] = self.comm.subgroups(size)
+        self.levels = [*inner_level_groups(self.comm, inner), self.comm]
         self.inner_periods = list(inner)
-        self.levels = [*(by_size[size] for size in inner.values()), self.comm]
         self.level_stats = [CommStats() for _ in self.levels]
 
     def inner_level_at(self, step: int) -> int | None:

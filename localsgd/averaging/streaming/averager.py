@@ -95,7 +95,7 @@ from torch import nn
 from localsgd.averaging.averager import Averager, mirrored
 from localsgd.averaging.comm import CommStats, Communicator, SimulatedLink
 from localsgd.averaging.flat import FlatBuffers
-from localsgd.averaging.hierarchical import level_by_period
+from localsgd.averaging.hierarchical import inner_level_groups, level_by_period
 from localsgd.averaging.offload import check_outer_state
 from localsgd.averaging.rounds import DILOCO, Rounds
 from localsgd.averaging.rounds.merge import MERGE_RULES
@@ -235,19 +235,9 @@ class StreamingAverager(FragmentOrder, Averager):
             )
 
         inner = dict(inner_levels or {})
-        for p, size in inner.items():
-            if p < 1 or size < 1 or comm.size % size:
-                raise ValueError(
-                    f"each inner level needs a period >= 1 and a group size dividing the "
-                    f"group's size ({comm.size}), got {p} -> {size}"
-                )
-        by_size: dict[int, Communicator] = {}  # one set of subgroups per distinct size
-        for size in inner.values():
-            if size not in by_size:
-                by_size[size] = comm.subgroups(size)
         self.inner_periods = list(inner)
         super().__init__(
-            [*(by_size[size] for size in inner.values()), comm],
+            [*inner_level_groups(comm, inner), comm],
             process_group,
             module=module,
             rounds=make_rounds,
