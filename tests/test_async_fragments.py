@@ -77,9 +77,9 @@ def _replay(
     N = DELAY, counted per fragment. With `codec`, each fragment's contribution (its
     parameters end to end) goes through it with that fragment's own residual; with `keep`,
     each is corrected by HeLoCo against its fragment's momentum before its merge; with
-    `budget`, a phase ends where the worker's next step would pass budget / P modelled seconds
-    (DyLU, each fragment's share of the time). Returns the final model and each merge's (time,
-    contributions)."""
+    `budget`, a phase ends after the first step and then where the worker's next step would
+    pass budget / P modelled seconds (DyLU, each fragment's share of the time). Returns the
+    final model and each merge's (time, contributions)."""
     models = [_model() for _ in SPEEDS]
     opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in models]
     # fragment f: the f-th Linear's weight and bias (parameters 2f, 2f + 1)
@@ -130,7 +130,10 @@ def _replay(
                 done += 1
                 phase += speed
                 todo[r].append(tick)
-                ends = phase + speed > budget / P if budget else (done - 1) % (PERIOD // P) == 0
+                if budget:  # DyLU: after its first step too, then by time
+                    ends = done == 1 or phase + speed > budget / P
+                else:
+                    ends = (done - 1) % (PERIOD // P) == 0
                 if ends and tick != STEPS - 1:
                     events.append((done * speed, r, tick, [turn]))
                     turn = (turn + 1) % P

@@ -166,8 +166,11 @@ def _replay(
                 for r, n, g in pending
             ]
         total, most = sum(n for _, n, _ in pending), max(n for _, n, _ in pending)
-        weight = {r: (most if normalized else n) / total for r, n, _ in pending}
-        mean = [sum(g[i] * weight[r] for r, _, g in pending) for i in range(len(theta))]
+        # per contribution: a worker may have two in one merge (a send still pending, and
+        # its meeting's)
+        weights = [(most if normalized else n) / total for _, n, _ in pending]
+        mean = [sum(g[i] * w for (_, _, g), w in zip(pending, weights, strict=True))
+                for i in range(len(theta))]  # fmt: skip
         k = len(pending)  # a merge of k contributions counts k of the cycle's DELAY
         cycle += k
         plain = k / max(DELAY, k)
@@ -186,7 +189,8 @@ def _replay(
 
     # worker r computes a tick where its next step ends by it (the modelled clock), and sends
     # after its first step and every PERIOD of its own steps; the last tick is a meeting
-    # (with `budget`: whenever its next step would not fit in `budget` modelled seconds: DyLU)
+    # (with `budget`: after its first step, then whenever its next step would not fit in
+    # `budget` modelled seconds: DyLU)
     events, todo = [], [[] for _ in SPEEDS]
     for r, speed in enumerate(SPEEDS):
         done, phase = 0, 0.0
@@ -195,7 +199,7 @@ def _replay(
                 done += 1
                 phase += speed
                 todo[r].append(tick)
-                ends = phase + speed > budget if budget else (done - 1) % PERIOD == 0
+                ends = done == 1 or (phase + speed > budget if budget else (done - 1) % PERIOD == 0)
                 if ends and tick != STEPS - 1:
                     events.append((done * speed, r, tick))
                     phase = 0.0
@@ -356,6 +360,25 @@ def test_equal_clocks_with_a_full_quorum_are_synchronous_diloco_bit_for_bit(tmp_
 
 
 @pytest.mark.slow
+def test_equal_clocks_with_phases_by_time_are_the_synchronous_time_budget_bit_for_bit(tmp_path):
+    """DyLU's phases (`sync.inner_time_s`) on equal clocks: the first ends after the first
+    computed step, as the budget's first round (torch's rule: right after the warmup), then
+    every budget, where its rounds run. Before, the first phase ran a whole budget: 5 merges
+    against the budget's 6 rounds, and another model."""
+    args = [a for a in SAME if not a.startswith("trainer.checkpoint_every")] + [
+        "trainer.checkpoint_every=1000", "sync.inner_time_s=0.004",
+        "comm.simulate.worker_speed=[1,1,1,1]", "comm.simulate.step_s=0.001",
+    ]  # fmt: skip
+    runs = {"sync": [], "async": ["sync.mode=async", "sync.min_quorum=4", "sync.outer_delay=1"]}
+    for name, extra in runs.items():
+        proc, _ = cli(args + extra + [f"hydra.run.dir={tmp_path / name}"])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert same_model(tmp_path / "sync" / "model.pt", tmp_path / "async" / "model.pt")
+    summary = json.loads((tmp_path / "async" / "summary.json").read_text())
+    assert summary["async_merges"] == 6  # after steps 3, 7, 11, 15, 19 and 23 (the last)
+
+
+@pytest.mark.slow
 def test_an_asynchronous_run_resumes_exactly_after_a_kill(tmp_path):
     # checkpoints every 5 steps are meetings; the kill comes after the one at step 10
     # with HeLoCo's correction, which reads the outer momentum the checkpoint carries; the
@@ -483,9 +506,9 @@ def test_workers_whose_phases_end_at_one_modelled_instant_meet_in_synchronous_ro
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["async_max_staleness"] == 0
     exchanges = summary["async_exchanges"]
-    if correction == "none":
-        assert exchanges["p2p"] == 0
-        assert exchanges["collective"] == summary["async_merges"] >= 3
+    if correction == "none":  # but the first phase, one step long: the two end apart
+        assert exchanges["p2p"] == 1
+        assert exchanges["collective"] == summary["async_merges"] - 1 >= 3
     else:
         assert exchanges["collective"] == 0 and exchanges["p2p"] >= 3
 
@@ -512,7 +535,8 @@ def test_sync_budget_merge_reaches_the_syncer(tmp_path):
                    "trainer.checkpoint_every=0"]  # fmt: skip
     summaries = _summaries(tmp_path, args, "sync.budget_merge", ("normalized", "weighted"))
     exchanges = {m: s["async_exchanges"] for m, s in summaries.items()}
-    assert exchanges["weighted"]["collective"] >= 2 and exchanges["weighted"]["p2p"] == 0
+    # (the first phase, one step long, ends apart for the slow workers: point-to-point)
+    assert exchanges["weighted"]["collective"] >= 2 and exchanges["weighted"]["p2p"] == 1
     assert exchanges["normalized"]["collective"] == 0 and exchanges["normalized"]["p2p"] >= 2
     assert not same_model(tmp_path / "normalized" / "model.pt", tmp_path / "weighted" / "model.pt")
 

@@ -279,7 +279,8 @@ class AsyncAverager(FragmentOrder, OuterAverager):
         """Whether an inner phase of `steps` computed steps lasting `phase_time`, `done` steps
         computed in all, ends after step `step`: by steps, where the synchronous rounds would
         (`phases`: after the first and then every `period`, or as `sync.schedule=step` says),
-        or by time, where the next step would not fit in `inner_time_s`. A phase the syncer
+        or by time: after the first too (the synchronous time budget's first round, torch's
+        rule), then where the next step would not fit in `inner_time_s`. A phase the syncer
         asked to end early or late (`align_s`: back in step with the others) ends where its
         next step would pass that time; the steps' count goes on from there. `grid`: the
         phases' state to advance (None: this worker's own)."""
@@ -292,6 +293,8 @@ class AsyncAverager(FragmentOrder, OuterAverager):
             return True
         if self.inner_time_s is None:
             return grid.ends(done, step)
+        if done == 1:  # the first computed step after the warmup
+            return True
         ahead = self.step_seconds if self.modelled else phase_time / max(1, steps)
         return phase_time + ahead > self.inner_time_s / self.fragments * FITS
 
