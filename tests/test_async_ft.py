@@ -198,6 +198,28 @@ def test_the_hosted_syncer_leaves_out_contributions_older_than_max_staleness(tmp
     assert summary["async_max_staleness"] == 0
 
 
+@pytest.mark.slow
+@pytest.mark.long  # ~8 s: `make test-long`
+@pytest.mark.timeout(120)
+def test_the_hosted_syncer_decides_an_adaptive_period_and_the_workers_follow(tmp_path):
+    """`sync.schedule=adaptive` reaches the launcher's syncer in the first worker's spec: it
+    decides the period (`fleet_period`) and every answer carries it, so the workers end on the
+    syncer's period (a missing key: no decision, no `async_period`)."""
+    run_dir = tmp_path / "run"
+    args = [a for a in FAULTS if not a.startswith(("dist.world_size", "trainer.max_steps",
+            "comm.simulate.worker_speed", "comm.simulate.step_s", "trainer.checkpoint_every",
+            "sync.period="))]  # fmt: skip
+    args += ["dist.world_size=2", "trainer.max_steps=60", "comm.simulate.worker_speed=[1,1]",
+             "trainer.checkpoint_every=0", "comm.simulate.step_s=0.005", "sync.period=2",
+             "sync.schedule=adaptive", "sync.adaptive_tolerance=0.0", "sync.max_period=16",
+             f"hydra.run.dir={run_dir}"]  # fmt: skip
+    proc, left = cli(args, timeout=100)
+    assert proc.returncode == 0 and not left, proc.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["async_period_decisions"] >= 3
+    assert summary["period"] == summary["async_period"] > 2
+
+
 def test_a_merge_waits_only_for_workers_due_within_its_window():
     """On the wall clock a merge waits for a worker only where its next contribution is due
     within the window around the merge's oldest one (its last arrival plus its last interval):

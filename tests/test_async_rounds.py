@@ -376,6 +376,8 @@ def test_equal_clocks_with_phases_by_time_are_the_synchronous_time_budget_bit_fo
     assert same_model(tmp_path / "sync" / "model.pt", tmp_path / "async" / "model.pt")
     summary = json.loads((tmp_path / "async" / "summary.json").read_text())
     assert summary["async_merges"] == 6  # after steps 3, 7, 11, 15, 19 and 23 (the last)
+    # what the merges took: every worker's steps after the 3 of the warmup, 32 samples each
+    assert summary["async_merged_samples"] == 4 * 21 * 32
 
 
 @pytest.mark.slow

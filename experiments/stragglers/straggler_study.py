@@ -296,10 +296,15 @@ def run_one(
     seconds = s["wall_time_s"] - s["eval_seconds"]
     computed = s.get("computed_steps", s["steps"])
     if condition in ASYNC:  # what the fleet trained, every contribution merged at the end
-        fleet = fleet_steps(s["steps"], args.slow)
-        if computed != fleet[0]:
-            raise SystemExit(f"{condition}: rank 0 computed {computed} steps, the clock {fleet[0]}")
-        s["contributed_samples"] = sum(fleet) * batch
+        if "async_merged_samples" in s:  # the syncer's count (since 2026-12-07)
+            s["contributed_samples"] = s["async_merged_samples"]
+        else:  # the modelled clock's, where nobody waits
+            fleet = fleet_steps(s["steps"], args.slow)
+            if computed != fleet[0]:
+                raise SystemExit(
+                    f"{condition}: rank 0 computed {computed} steps, the clock {fleet[0]}"
+                )
+            s["contributed_samples"] = sum(fleet) * batch
     return {
         "samples_per_s": computed * batch / seconds,  # rank 0's
         "test_loss": s["test_loss"],

@@ -358,6 +358,7 @@ class SyncerService(SynchronousRounds):
             "async_dropped_nonfinite": [list(d) for d in syncer.dropped],
             "async_dropped_stale": [list(d) for d in syncer.too_stale],
             "async_syncer_bytes": self.sent_bytes,
+            "async_merged_samples": syncer.merged_samples,
             "async_mean_staleness": (
                 sum(syncer.staleness) / len(syncer.staleness) if syncer.staleness else 0.0
             ),
