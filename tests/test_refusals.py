@@ -96,9 +96,6 @@ CASES: dict[str, list[str]] = {
         "comm.disabled=true", "sync.outer=diloco", "sync.outer_state=cpu"],
     "sync.mode=async with sync.delay_steps > 0, sync.overlap=true or sync.eager=true": [
         "sync.mode=async", "sync.overlap=true"],
-    "sync.mode=async with sync.topk_mean=senders": [
-        "sync.mode=async", "sync.compress=topk", "sync.error_feedback=true",
-        "sync.topk_mean=senders"],
     "sync.mode=async with sync.score=true": ["sync.mode=async", "sync.score=true"],
     "sync.mode=async with sync.optimizer_state other than local": [
         "sync.mode=async", "sync.optimizer_state=desloc"],

@@ -590,15 +590,6 @@ REFUSALS: tuple[Refusal, ...] = (
         "set sync.merge_alpha=0, or sync.mode=sync",
     ),
     Refusal(
-        ("sync.mode", "sync.topk_mean"),
-        "sync.mode=async with sync.topk_mean=senders",
-        lambda f: f.plan.mode == "async" and f.topk_mean == "senders",
-        DESIGN,
-        "the syncer weighs each decoded top-k message by its samples; dividing each index by "
-        "its senders is an all-gathered round's rule",
-        "set sync.topk_mean=all",
-    ),
-    Refusal(
         ("sync.mode", "sync.score"),
         "sync.mode=async with sync.score=true",
         lambda f: f.plan.mode == "async" and f.plan.score,

@@ -63,7 +63,7 @@ from localsgd.averaging.asynchronous.links import (
     world_link,
 )
 from localsgd.averaging.asynchronous.mailbox import Mailbox
-from localsgd.averaging.asynchronous.messages import encode_, part_decoders
+from localsgd.averaging.asynchronous.messages import counts_senders, encode_, part_decoders
 from localsgd.averaging.asynchronous.pacing import typical_step
 from localsgd.averaging.asynchronous.phases import PhaseGrid
 from localsgd.averaging.asynchronous.rejoin import join, rejoin
@@ -622,11 +622,13 @@ class AsyncAverager(FragmentOrder, OuterAverager):
         """Fragment f's contribution in the wire's format (`messages`); rank 0's goes
         in-process."""
         start = time.perf_counter()
-        messages, decoded = encode_(work, self.rounds.wires[f])
+        sent = [] if counts_senders(self.comm_dtype) else None
+        messages, decoded = encode_(work, self.rounds.wires[f], sent)
         if self.service is not None:  # as the syncer decodes the others': in the buffers' dtype
-            self.service.payload.put(
-                [d.detach().to(w.dtype, copy=True) for d, w in zip(decoded, work, strict=True)]
-            )
+            self.service.payload.put((
+                [d.detach().to(w.dtype, copy=True) for d, w in zip(decoded, work, strict=True)],
+                sent,
+            ))  # fmt: skip
         else:  # through host memory: the point-to-point group is gloo's, on every device
             for m in messages:
                 self.link.send(m.detach().cpu().contiguous(), TAG_PAYLOAD)

@@ -166,10 +166,10 @@ class HostedService(SyncerService):
                     self.unconfirmed[r] = self.resume.get(r)
                 self.resume[r] = (header["resume"], time.monotonic())
 
-    def _receive(self, r: int, f: int) -> list[torch.Tensor]:
-        tensors = super()._receive(r, f)
+    def _receive(self, r: int, f: int) -> tuple[list[torch.Tensor], list | None]:
+        received = super()._receive(r, f)
         self.unconfirmed.pop(r, None)  # its contribution arrived: it resumes after it
-        return tensors
+        return received
 
     def _reachable(self, r: int) -> bool:
         return self.links.connected(r)

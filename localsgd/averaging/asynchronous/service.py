@@ -291,16 +291,16 @@ class SyncerService(SynchronousRounds):
             if h["samples"] > 0:
                 box.put(f"d/{r}/{h['seq']}", {"do": "payload"})
                 try:
-                    tensors = [self._receive(r, f) for f in h["fragments"]]
+                    received = [self._receive(r, f) for f in h["fragments"]]
                 except LINK_ERRORS:  # it died or was cut off mid-transfer: nothing arrived
                     self._failed(r)
                     del headers[r]
                     continue
-                for i, (f, weight, t) in enumerate(
-                    zip(h["fragments"], h["weights"], tensors, strict=True)
+                for i, (f, weight, (t, sent)) in enumerate(
+                    zip(h["fragments"], h["weights"], received, strict=True)
                 ):  # its loss (an adaptive period's) rides with its first fragment
                     loss = h.get("loss") if i == 0 else None
-                    syncer.add(Arrival(r, now, weight, h["versions"][f], t, f, loss))
+                    syncer.add(Arrival(r, now, weight, h["versions"][f], t, f, loss, sent))
                 self.pacing.arrived(r, now)
             else:
                 box.put(f"d/{r}/{h['seq']}", {"do": "wait"})
@@ -418,8 +418,9 @@ class SyncerService(SynchronousRounds):
         except LINK_ERRORS:
             self._failed(r)
 
-    def _receive(self, r: int, f: int) -> list[torch.Tensor]:
-        """Worker r's contribution to fragment f (the whole model, unfragmented)."""
+    def _receive(self, r: int, f: int) -> tuple[list[torch.Tensor], list | None]:
+        """Worker r's contribution to fragment f (the whole model, unfragmented), and with a
+        senders' mean where each top-k piece's message held an index (`messages.sent_marks`)."""
         if r == self.local:
             return self.payload.get(timeout=self.timeout_s)
         decoders = None if self.decoders is None else self.decoders[f]
@@ -429,9 +430,12 @@ class SyncerService(SynchronousRounds):
             messages = decoders.empty()
         for m in messages:
             self.links.recv(r, m, TAG_PAYLOAD)
-        tensors = messages if decoders is None else decoders.decode(messages)
+        sent = [] if decoders is not None and decoders.senders else None
+        tensors = messages if decoders is None else decoders.decode(messages, sent)
         device = self.syncer.values[0].device
-        return [t.to(device) for t in tensors]
+        if sent is not None:
+            sent = [None if m is None else m.to(device) for m in sent]
+        return [t.to(device) for t in tensors], sent
 
     def _record(self, at: float, count: int, staleness: list[int], how: str) -> None:
         self.events.append(

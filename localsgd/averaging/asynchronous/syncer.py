@@ -51,6 +51,9 @@ class Arrival:
     tensors: Tensors
     fragment: int = 0
     loss: list[float] | None = None  # its worker's [mean loss, steps] since its last exchange
+    # a senders' mean (top-k, `sync.topk_mean=senders`): per piece, where its message held an
+    # index (None: a piece sent whole)
+    sent: list[torch.Tensor | None] | None = None
 
 
 class Syncer:
@@ -158,21 +161,49 @@ class Syncer:
             return False
         if self.correction is not None:
             self._correct([arrived[i] for i in keep], f)
+        pieces = range(len(self.parts[f]))
+        senders = arrived[0].sent is not None  # a senders' mean: each index by who sent it
         if self.aggregate is not None:  # the rule reads the contributions as rows
-            rows = [torch.stack([a.tensors[i] for a in arrived]) for i in range(len(self.parts[f]))]
-            mean = self.aggregate.combine(rows, keep)
-        else:  # the weighted mean, summed in arrival order: no stacked copy
-            total = sum(arrived[i].samples for i in keep)
-            most = max(arrived[i].samples for i in keep)
-            mean = [torch.zeros_like(t) for t in arrived[keep[0]].tensors]
-            for i in keep:
-                # normalized: n_i x (most / n_i) = most, the same weight for every change
-                weight = most if self.normalized else arrived[i].samples
-                for m, t in zip(mean, arrived[i].tensors, strict=True):
-                    m.add_(t, alpha=weight / total)
+            rows = [torch.stack([a.tensors[i] for a in arrived]) for i in pieces]
+            sent = None
+            if senders:
+                sent = [
+                    None if arrived[0].sent[i] is None
+                    else torch.stack([a.sent[i] for a in arrived])
+                    for i in pieces
+                ]  # fmt: skip
+            mean = self.aggregate.combine(rows, keep, sent)
+        else:
+            mean = self._weighted_mean([arrived[i] for i in keep], senders)
         self.staleness += [staleness[i] for i in keep]
         self.step_(mean, sum(arrived[i].samples for i in keep), len(keep), f)
         return True
+
+    def _weighted_mean(self, kept: list[Arrival], senders: bool) -> list[torch.Tensor]:
+        """The contributions' mean weighed by their samples, summed in arrival order (no stacked
+        copy). `normalized`: each change scaled to the merge's most samples first (n_i x most /
+        n_i = most). `senders`: each index of a top-k piece divided by the samples of the
+        contributions that sent it, as a synchronous round's senders' mean does (an index one
+        worker sent moves by its whole value), where the others divide by the merge's samples."""
+        total = sum(a.samples for a in kept)
+        most = max(a.samples for a in kept)
+        mean = [torch.zeros_like(t) for t in kept[0].tensors]
+        by_senders = [None] * len(mean)
+        if senders:
+            by_senders = [None if s is None else torch.zeros_like(m)
+                          for s, m in zip(kept[0].sent, mean, strict=True)]  # fmt: skip
+        for a in kept:
+            weight = most if self.normalized else a.samples
+            for i, (m, t) in enumerate(zip(mean, a.tensors, strict=True)):
+                if by_senders[i] is None:
+                    m.add_(t, alpha=weight / total)
+                else:
+                    m.add_(t, alpha=weight)
+                    by_senders[i].add_(a.sent[i].to(m.dtype), alpha=a.samples)
+        for m, count in zip(mean, by_senders, strict=True):
+            if count is not None:
+                m.div_(count.masked_fill_(count == 0, 1.0))
+        return mean
 
     def _load_outer(self, saved: list) -> None:
         """The outer optimizers' checkpointed state, kept at this run's N: with
