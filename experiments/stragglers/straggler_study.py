@@ -280,7 +280,7 @@ def run_one(
         steps = int(args.steps // max(args.slow)) if same_time else args.steps
     command = [
         sys.executable, "-m", "localsgd.train", *overrides,
-        *base, *launch(args), "sync.warmup_steps=0",
+        *base, *launch(args), *args.job, "sync.warmup_steps=0",
         f"trainer.max_steps={steps}", f"trainer.eval_every={steps}",
         "trainer.progress=false", "trainer.checkpoint_every=0", "logger.plots=false",
         f"comm.simulate.worker_speed={speeds(condition, args.slow)}",
@@ -370,6 +370,10 @@ def main() -> None:
     parser.add_argument(
         "--extra", nargs="*", default=[], metavar="KEY=VALUE",
         help="more overrides for the asynchronous runs (a probe: sync.outer_delay=4)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--job", nargs="*", default=[], metavar="KEY=VALUE",
+        help="more overrides for every run (a probe: lr_schedule=constant)",
     )  # fmt: skip
     parser.add_argument(
         "--virtual", action="store_true",
