@@ -97,7 +97,7 @@ CASES: dict[str, list[str]] = {
     "sync.mode=async with sync.delay_steps > 0, sync.overlap=true or sync.eager=true": [
         "sync.mode=async", "sync.overlap=true"],
     "sync.mode=async with sync.score=true": ["sync.mode=async", "sync.score=true"],
-    "sync.mode=async with sync.optimizer_state other than local": [
+    "sync.mode=async with sync.optimizer_state=average or desloc": [
         "sync.mode=async", "sync.optimizer_state=desloc"],
     "sync.mode=async with sync.schedule=step or adaptive and sync.inner_time_s": [
         "sync.mode=async", "sync.schedule=adaptive", "sync.inner_time_s=0.5"],

@@ -600,12 +600,13 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal(
         ("sync.mode", "sync.optimizer_state"),
-        "sync.mode=async with sync.optimizer_state other than local",
-        lambda f: f.plan.mode == "async" and f.plan.optimizer_state != "local",
+        "sync.mode=async with sync.optimizer_state=average or desloc",
+        lambda f: f.plan.mode == "async" and f.plan.optimizer_state in ("average", "desloc"),
         DESIGN,
         "the optimizer state is averaged in rounds every worker takes part in, and "
         "asynchronous rounds have none between meetings",
-        "set sync.optimizer_state=local, or sync.mode=sync",
+        "set sync.optimizer_state=local or reset (each worker drops its state at each "
+        "exchange), or sync.mode=sync",
     ),
     Refusal(
         ("sync.mode", "sync.schedule", "sync.inner_time_s"),

@@ -563,6 +563,11 @@ class AsyncAverager(FragmentOrder, OuterAverager):
                     )
         if together:
             self._global_hooks("after")
+        # the hooks after each exchange, where the worker took the newest global values (no
+        # collective: `sync.optimizer_state=reset` drops its inner optimizer's state; the modes
+        # that average the state are refused)
+        for f in work:
+            self._run_hooks(self.comm, len(self.levels) - 1, f if self.fragments > 1 else None)
 
     def _period_settings(self) -> dict | None:
         """The syncer's adaptive period (`fleet_period`), from this worker's schedule."""
