@@ -116,7 +116,7 @@ def test_an_answer_that_changes_the_period_makes_the_worker_announce_again():
         header = {"kind": SEND, "time": time, "next": time + 1, "samples": 4.0,
                   "fragments": [0], "weights": [4.0], "versions": list(syncer.versions),
                   "seq": seq, "loss": [loss, 4], "period": syncer.period.period}  # fmt: skip
-        service.payload.put([torch.ones(3)])
+        service.payload.put(([torch.ones(3)], None))  # rank 0's values, no senders' marks
         service._handle(time, {0: header})
         answers.append((links.boxes[0].put_[f"r/0/{seq}"]["period"], service.announced[0]))
     # the first loss is the one to beat; the second rose: k halves, its time forgotten;
