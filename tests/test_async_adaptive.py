@@ -26,7 +26,7 @@ from localsgd.averaging.asynchronous.service import SyncerService
 from localsgd.averaging.asynchronous.syncer import Syncer
 from localsgd.averaging.rounds.part import Slice
 from localsgd.averaging.schedule import AdaptivePeriod
-from tests.helpers import BASE, killed_and_resumed
+from tests.helpers import BASE, cli, killed_and_resumed
 from tests.test_async_rounds import SAME, same_as_synchronous
 
 pytestmark = pytest.mark.timeout(120)
@@ -149,6 +149,22 @@ def test_equal_clocks_with_an_adaptive_period_are_synchronous_diloco_bit_for_bit
     summary = same_as_synchronous(tmp_path, _equal_clocks(fragments, steps))
     assert summary["async_period_decisions"] >= 5
     assert summary["async_exchanges"]["p2p"] == 0  # every round a synchronous one
+
+
+@pytest.mark.slow
+def test_a_meeting_does_not_count_towards_a_decision(tmp_path):
+    """Checkpoints every 8 steps are meetings (after steps 7, 15 and the last, 23): each merges
+    every worker, but only the phases' merges count towards the period's decisions, as only
+    rounds do synchronously (a meeting's few steps would take a decision early)."""
+    args = [a for a in _equal_clocks(1, 24) if not a.startswith("trainer.checkpoint_every")]
+    args += ["sync.mode=async", "sync.min_quorum=4", "comm.simulate.worker_speed=[1,1,1,1]",
+             "comm.simulate.step_s=0.001", "trainer.checkpoint_every=8",
+             f"hydra.run.dir={tmp_path / 'run'}"]  # fmt: skip
+    proc, _ = cli(args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    meetings = 3
+    assert summary["async_period_decisions"] == summary["async_merges"] - meetings >= 3
 
 
 @pytest.mark.slow

@@ -14,6 +14,10 @@ much as a fast one, as in a synchronous round. With every worker equally fast an
 all, every merge is a synchronous round of every worker and the decisions are the synchronous
 rounds' own.
 
+A meeting (a checkpoint) is not a round of the synchronous schedule: its contributions' losses
+join the window in progress, but they do not count towards the next decision, which a
+meeting's few steps since the last phase would otherwise take early and on a noisy loss.
+
 A worker takes the period from each answer: a phase by steps ends once that many steps have
 passed since its last one (`phases.PhaseGrid`, `PeriodicAverager`'s rule), so a decision
 reaches each worker at its next exchange, as the newest global model does.

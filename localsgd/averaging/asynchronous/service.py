@@ -300,7 +300,8 @@ class SyncerService(SynchronousRounds):
                     zip(h["fragments"], h["weights"], received, strict=True)
                 ):  # its loss (an adaptive period's) rides with its first fragment
                     loss = h.get("loss") if i == 0 else None
-                    syncer.add(Arrival(r, now, weight, h["versions"][f], t, f, loss, sent))
+                    syncer.add(Arrival(r, now, weight, h["versions"][f], t, f, loss, sent,
+                                       phase=h["kind"] == SEND))  # fmt: skip
                 self.pacing.arrived(r, now)
             else:
                 box.put(f"d/{r}/{h['seq']}", {"do": "wait"})

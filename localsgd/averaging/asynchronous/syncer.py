@@ -54,6 +54,8 @@ class Arrival:
     # a senders' mean (top-k, `sync.topk_mean=senders`): per piece, where its message held an
     # index (None: a piece sent whole)
     sent: list[torch.Tensor | None] | None = None
+    # a phase's (an adaptive period counts it towards its next decision), not a meeting's
+    phase: bool = True
 
 
 class Syncer:
@@ -130,7 +132,7 @@ class Syncer:
     def merge(self) -> bool:
         """Merge every pending contribution, fragment by fragment; whether one was merged."""
         pending, self.pending = self.pending, []
-        self.reported([(a.worker, a.loss, 1) for a in pending])
+        self.reported([(a.worker, a.loss, int(a.phase)) for a in pending])
         merged = False
         for f in range(len(self.parts)):
             merged |= self._merge([a for a in pending if a.fragment == f and a.samples > 0], f)

@@ -128,9 +128,10 @@ class SynchronousRounds:
         versions = [v + (f in fragments) for f, v in enumerate(self.syncer.versions)]
         # an adaptive period decides on the round's losses before the round: its decision is
         # in every worker's answer, as after a synchronous round
-        self.syncer.reported(
-            [(r, h.get("loss"), len(fragments)) for r, h in headers.items() if h["samples"] > 0]
-        )
+        self.syncer.reported([
+            (r, h.get("loss"), len(fragments) if h["kind"] == SEND else 0)
+            for r, h in headers.items() if h["samples"] > 0
+        ])  # fmt: skip
         period = self._period()
         self.collective_done.clear()
         for r, h in headers.items():
