@@ -134,7 +134,7 @@ def _equal_clocks(fragments: int, steps: int) -> list[str]:
     args = [a for a in SAME if not a.startswith(("trainer.checkpoint_every", "trainer.max_steps",
                                                  "sync.period="))]  # fmt: skip
     return args + [f"trainer.max_steps={steps}", "sync.period=2", "trainer.checkpoint_every=1000",
-                   "sync.schedule=adaptive", "sync.adaptive_tolerance=0.2", "sync.max_period=16",
+                   "sync.schedule=adaptive", "sync.adaptive_tolerance=0.1", "sync.max_period=16",
                    f"sync.fragments={fragments}"]  # fmt: skip
 
 
