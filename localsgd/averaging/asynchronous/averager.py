@@ -500,6 +500,7 @@ class AsyncAverager(FragmentOrder, OuterAverager):
         # an adaptive period: the syncer's decision, in its decision or its answer (so its next
         # phase's end, announced in advance under the modelled clock, moves)
         moved = self._take_period(decision)
+        waited = False  # for its answer past its send time (modelled)
         self.unsynced = [0.0 if f in work else n for f, n in enumerate(unsynced)]
         # every worker is here (a meeting, or a synchronous round, of a fragment as in the
         # synchronous schedule): the global-sync hooks (drift) run around it, their collectives
@@ -525,8 +526,6 @@ class AsyncAverager(FragmentOrder, OuterAverager):
                 self.versions[f] = decision["versions"][f]
             if kind == MEET and self.modelled:  # every worker leaves a meeting at its time
                 self.clock = decision["time"]
-            if moved and kind == SEND and self.modelled:
-                self._send_header(ANNOUNCE, next=self._next_time(step))
         else:
             if decision["do"] == "payload":
                 for f, w in work.items():
@@ -549,9 +548,6 @@ class AsyncAverager(FragmentOrder, OuterAverager):
             waited = self.modelled and answer["time"] > _instant(self.clock)
             if waited:  # at a meeting, or for its merge (sync.grace_s): idle until then
                 self.clock = answer["time"]
-            if (waited or moved) and kind == SEND and self.modelled:
-                # so its next message comes later (or, at a shorter period, sooner) than it said
-                self._send_header(ANNOUNCE, next=self._next_time(step))
             self.all_in_sync = kind == MEET
             if answer.get("align_s") is not None:  # out of step with the others: rejoin them
                 self.align_until = time.perf_counter() + answer["align_s"]
@@ -561,6 +557,9 @@ class AsyncAverager(FragmentOrder, OuterAverager):
                     self.syncer_state = tree_from_json(
                         answer["state"], lambda t: self.link.recv(t, TAG_VALUES)
                     )
+        if (waited or moved) and kind == SEND and self.modelled:
+            # its next message comes later (or, at a shorter period, sooner) than it said
+            self._send_header(ANNOUNCE, next=self._next_time(step))
         if together:
             self._global_hooks("after")
         # the hooks after each exchange, where the worker took the newest global values (no

@@ -376,13 +376,9 @@ class SyncerService(SynchronousRounds):
     ) -> None:
         versions = self.syncer.versions
         values = values or any(header["versions"][f] != versions[f] for f in header["fragments"])
-        period = self.syncer.period
-        if (
-            self.modelled
-            and header["kind"] == SEND
-            and (at > header["time"] or (period and header.get("period") != period.period))
-        ):  # it waited, or its period changed: it announces its next time again
-            self.announced[r] = None
+        sends = self.modelled and header["kind"] == SEND
+        if sends and (at > header["time"] or self._moved(header)):  # it waited, or its period
+            self.announced[r] = None  # moved: it announces its next time again
         if not self._reachable(r):
             return  # its session failed meanwhile: it is welcomed afresh when it rejoins
         align = self.pacing.align(r, at, self._live) if header["kind"] == SEND else None
@@ -393,6 +389,12 @@ class SyncerService(SynchronousRounds):
         )  # fmt: skip
         if values:
             self._send_values(r, header["fragments"])
+
+    def _moved(self, header: dict) -> bool:
+        """Whether an adaptive period's decision moved the period `header`'s sender trained at
+        (its next send time, announced at the old one, then moves)."""
+        period = self.syncer.period
+        return period is not None and header.get("period") != period.period
 
     def _period(self) -> dict:
         """What an answer carries of an adaptive period: the syncer's decision as it stands."""

@@ -135,8 +135,7 @@ class SynchronousRounds:
         period = self._period()
         self.collective_done.clear()
         for r, h in headers.items():
-            moved = period and h.get("period") != period["period"]
-            if self.modelled and h["kind"] == SEND and moved:
+            if self.modelled and h["kind"] == SEND and self._moved(h):
                 self.announced[r] = None  # it announces its next time again, at the new period
             self.links.box(r).put(
                 f"d/{r}/{h['seq']}",
