@@ -561,12 +561,19 @@ def test_sigterm_stops_at_the_next_meeting_and_the_same_command_resumes(tmp_path
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fragments", [1, 2])
-def test_an_asynchronous_checkpoint_resumes_at_another_world_size(tmp_path, fragments):
-    """(With fragments too: the meeting that checkpoints synced every fragment.)"""
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["sync.fragments=1"],
+        ["sync.fragments=2"],  # the meeting that checkpoints synced every fragment
+        ["sync.schedule=adaptive"],  # the syncer's rule goes on at the new workers' count
+        ["sync.levels=[{group_size:2,period:2},{group_size:world,period:4}]"],
+    ],
+    ids=["whole", "fragments", "adaptive", "levels"],
+)
+def test_an_asynchronous_checkpoint_resumes_at_another_world_size(tmp_path, extra):
     run_dir = tmp_path / "run"
-    args = FAST + ["sync.period=4", "sync.outer=diloco", "sync.mode=async",
-                   f"sync.fragments={fragments}",
+    args = FAST + ["sync.period=4", "sync.outer=diloco", "sync.mode=async", *extra,
                    "trainer.checkpoint_every=10", "sync.check_replicas=true",
                    "comm.simulate.step_s=0.002", f"hydra.run.dir={run_dir}"]  # fmt: skip
     proc, _ = cli(args + ["dist.world_size=2", "trainer.max_steps=20",
