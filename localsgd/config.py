@@ -140,8 +140,9 @@ class SyncConfig:
     # block-quantised int8 | float8_e4m3fn | int4 | float4_e2m1 (per-block fp32 scales)
     comm_dtype: str = "float32"
     quant_block_size: int = 128  # values per scale of the block-quantised formats
-    # keep each worker's rounding residual and add it to its next sync's change (checkpointed)
-    error_feedback: bool = False
+    # keep each worker's rounding residual and add it to its next sync's change (checkpointed);
+    # null: on with sync.compress=topk, which needs it, off otherwise
+    error_feedback: bool | None = None
     # beta: the residual is decayed before it is added, e <- beta * e + change (SparseLoCo's
     # accumulator); 1 keeps every error, so that sum(sent) + residual = sum(changes)
     error_feedback_decay: float = 1.0

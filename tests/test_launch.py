@@ -259,3 +259,40 @@ def test_the_rendezvous_store_listens_on_the_loopback_only():
     from localsgd.cli.launch import spawn
 
     assert spawn(_loopback_only, 1, 30) is None
+
+
+_TEARDOWN_PROBE = """
+import atexit, sys
+import localsgd.cli.train
+from localsgd import train
+
+def cli():
+    atexit.register(lambda: print("interpreter teardown ran", flush=True))
+    print("trained", flush=True)
+    sys.exit({code!r})
+
+localsgd.cli.train.cli = cli
+train.main()
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("code, status", [(None, 0), (3, 3), ("failed: one line", 1)])
+def test_a_torchrun_worker_leaves_without_interpreter_teardown_with_its_exit_status(code, status):
+    # Interpreter teardown destroys gloo's and torchft's native threads, which has aborted a
+    # finished worker (SIGABRT), and torchrun fails the job for it: a torchrun worker leaves as a
+    # spawned one does, by os._exit, with the status sys.exit would have given.
+    probe = _TEARDOWN_PROBE.format(code=code)
+    torchrun_env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}  # fmt: skip
+    plain_env = {k: v for k, v in os.environ.items() if k not in torchrun_env}
+    for env, torn_down in ((plain_env, True), ({**plain_env, **torchrun_env}, False)):
+        proc = subprocess.run(
+            [sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True,
+            timeout=50,
+        )  # fmt: skip
+        assert proc.returncode == status, proc.stderr[-2000:]
+        assert "trained" in proc.stdout
+        assert ("interpreter teardown ran" in proc.stdout) is torn_down, proc.stdout
+        if isinstance(code, str):
+            assert code in proc.stderr

@@ -38,7 +38,8 @@ CASES: dict[str, list[str]] = {
         "sync.error_feedback_decay=0.9"],
     "sync.compress=topk with sync.comm_dtype other than float32": [
         "sync.compress=topk", "sync.error_feedback=true", "sync.comm_dtype=int4"],
-    "sync.compress=topk with sync.error_feedback=false": ["sync.compress=topk"],
+    "sync.compress=topk with sync.error_feedback=false": [
+        "sync.compress=topk", "sync.error_feedback=false"],
     "sync.compress=topk with sync.aggregate=trimmed_mean or median or sign": [
         "sync.compress=topk", "sync.error_feedback=true", "sync.aggregate=median"],
     "sync.topk_mean=senders with sync.aggregate=trimmed_mean or median or sign": [

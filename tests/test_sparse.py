@@ -359,11 +359,28 @@ def test_the_config_builds_top_k_and_the_sparseloco_preset(lone_group):
     assert isinstance(averager.rounds.wires[0].low[0], SparseWire)
 
 
+@pytest.mark.timeout(30)
+def test_top_k_turns_error_feedback_on_by_itself_and_no_other_wire_does(lone_group):
+    # null (the default): on where top-k needs it; an explicit false is refused (below)
+    model = _Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    topk = compose_config(["sync=diloco", "sync.compress=topk"])
+    validate(topk)
+    averager = build_averager(topk.sync, model, opt, 1, 1, CommStats())
+    assert all(r is not None for r in averager.rounds.wires[0].residuals)
+    for overrides in (["sync=diloco", "sync.comm_dtype=int4"], ["sync=diloco"]):
+        plan = SyncPlan.of(compose_config(overrides).sync)
+        assert plan.error_feedback is False, overrides
+
+
 @pytest.mark.parametrize(
     "overrides, key",
     [
         (["sync.compress=gzip"], "sync.compress"),
-        (["sync.compress=topk"], "sync.compress=topk with sync.error_feedback=false"),
+        (
+            ["sync.compress=topk", "sync.error_feedback=false"],
+            "sync.compress=topk with sync.error_feedback=false",
+        ),
         (["sync=sparseloco", "sync.comm_dtype=int4"], "sync.compress=topk with sync.comm_dtype"),
         (["sync=sparseloco", "sync.topk_density=0"], "sync.topk_density"),
         (["sync=sparseloco", "sync.error_feedback_decay=1.5"], "sync.error_feedback_decay"),

@@ -73,8 +73,9 @@ class Facts:
         from localsgd.cli.fault_tolerance import replica_group_processes
         from localsgd.cli.forkserver import under_torchrun
 
+        plan = SyncPlan.of(get(cfg, "sync"))
         return cls(
-            plan=SyncPlan.of(get(cfg, "sync")),
+            plan=plan,
             delay_set=get(cfg, "sync.delay_steps"),
             comm_dtype=get(cfg, "sync.comm_dtype"),
             ft=get(cfg, "ft.backend") != "none",
@@ -94,7 +95,7 @@ class Facts:
             nan_policy=get(cfg, "trainer.nan_policy"),
             excluded_shard=get(cfg, "sync.excluded_shard"),
             exclude_after=get(cfg, "sync.exclude_after"),
-            error_feedback=bool(get(cfg, "sync.error_feedback")),
+            error_feedback=plan.error_feedback,  # resolved: null is on with top-k
             decay=get(cfg, "sync.error_feedback_decay"),
             topk_mean=get(cfg, "sync.topk_mean"),
             outer_state=get(cfg, "sync.outer_state"),

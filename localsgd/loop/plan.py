@@ -98,7 +98,10 @@ class SyncPlan:
             merge_alpha=float(_read(sync, "merge_alpha")),
             eager=bool(_read(sync, "eager")),
             overlap=overlap,
-            error_feedback=bool(_read(sync, "error_feedback")),
+            # null: on where top-k needs it, off for every other wire
+            error_feedback=bool(_read(sync, "error_feedback"))
+            if _read(sync, "error_feedback") is not None
+            else _read_or(sync, "compress", "none") == "topk",
             outer_lr=resolved("outer_lr", "lr"),
             outer_momentum=resolved("outer_momentum", "momentum"),
             outer_nesterov=resolved("outer_nesterov", "nesterov"),

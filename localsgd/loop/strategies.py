@@ -168,7 +168,7 @@ def build_averager(
     # the wire every averager sends through (`localsgd.averaging.rounds.wire`)
     wire = {
         "comm_dtype": comm_dtype,
-        "error_feedback": sync.error_feedback,
+        "error_feedback": plan.error_feedback,
         "error_feedback_decay": sync.error_feedback_decay,
         "quant_block_size": sync.quant_block_size,
         "drop_nonfinite": plan.drop_nonfinite,
