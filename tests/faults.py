@@ -17,7 +17,8 @@ network level (that needs rules on the shared loopback); its peers see the same 
 bytes from it, and a lighthouse that still hears it.
 
 `freeze` and `partition` under asynchronous rounds (`sync.mode=async`) hold the worker's next
-exchange with the syncer instead. `sever:RANK:STEP` (asynchronous rounds under ft=torchft)
+exchange with the syncer instead (in flight, `sync.overlap`: its messages, in their thread,
+while the training thread goes on). `sever:RANK:STEP` (asynchronous rounds under ft=torchft)
 breaks rank RANK's session with the syncer at its next exchange: the first tensor it sends
 fails, as over a connection that dropped mid-transfer.
 
@@ -109,13 +110,15 @@ class Fault:
 
     def _hold_next_round(self, trainer) -> None:
         # a torchft round's first collective, or (asynchronous rounds) the next exchange with
-        # the syncer
+        # the syncer: its messages, which run beside the training where they are in flight
         driver = trainer.sync.driver
-        target, name = (
-            (driver.rounds.comm, "_allreduce")
-            if hasattr(driver, "rounds")
-            else (trainer.sync.averager, "_talk")
-        )
+        averager = getattr(trainer.sync, "averager", None)
+        if hasattr(driver, "rounds"):
+            target, name = driver.rounds.comm, "_allreduce"
+        elif getattr(averager, "delay", 0):
+            target, name = averager, "_messages"
+        else:
+            target, name = averager, "_talk"
         real = getattr(target, name)
 
         def frozen_first(*args, **kwargs):

@@ -95,8 +95,8 @@ CASES: dict[str, list[str]] = {
     "comm.disabled=true with sync.warmup_steps > 0": ["comm.disabled=true", "sync.warmup_steps=4"],
     "comm.disabled=true with sync.outer_state=cpu": [
         "comm.disabled=true", "sync.outer=diloco", "sync.outer_state=cpu"],
-    "sync.mode=async with sync.delay_steps > 0, sync.overlap=true or sync.eager=true": [
-        "sync.mode=async", "sync.overlap=true"],
+    "sync.mode=async with sync.eager=true": [
+        "sync.mode=async", "sync.outer=diloco", "sync.eager=true"],
     "sync.mode=async with sync.score=true": ["sync.mode=async", "sync.score=true"],
     "sync.mode=async with sync.optimizer_state=average or desloc": [
         "sync.mode=async", "sync.optimizer_state=desloc"],
@@ -119,7 +119,7 @@ CASES: dict[str, list[str]] = {
         "ft=torchft", "sync.mode=async", "ft.heartbeat_gate=true"],
     "sync.mode=async with ft=torchft and ft.retry_failed_sync=true or ft.min_replicas > 1": [
         "sync.mode=async", "ft=torchft", "ft.min_replicas=2"],
-    "sync.mode=async with sync.merge_alpha > 0": [
+    "sync.mode=async with sync.merge_alpha > 0 and sync.delay_steps=0": [
         "sync.mode=async", "sync.merge_alpha=0.5", "sync.inner_time_s=0.1"],
     "sync.mode=async with dist.virtual_workers and no comm.simulate.worker_speed": [
         "sync.mode=async", *VIRTUAL],

@@ -174,6 +174,11 @@ SETTINGS["async MNIST-1D DiLoCo, H = 16, 50 ms, grace 0.1 s, HeLoCo"] = [
     *SETTINGS["async MNIST-1D DiLoCo, H = 16, 50 ms, grace 0.1 s"],
     "sync.staleness_correction=heloco",
 ]  # fmt: skip
+# ... with each exchange in flight (`sync.overlap=true`, added with asynchronous exchanges in
+# flight): a worker cut off from the syncer, or held for its merge, trains on
+SETTINGS["async MNIST-1D DiLoCo, H = 16, 50 ms, grace 0.1 s, in flight"] = [
+    *SETTINGS["async MNIST-1D DiLoCo, H = 16, 50 ms, grace 0.1 s"], "sync.overlap=true",
+]  # fmt: skip
 # ... as Streaming DiLoCo: 2 fragments, each phase of 8 steps sending one (added with
 # asynchronous fragments: what a fault costs where each message is half the model)
 SETTINGS["async MNIST-1D Streaming DiLoCo, H = 16, P = 2, 50 ms, grace 0.1 s"] = [
@@ -344,7 +349,11 @@ def run_one(setting: str, seed: int, args, run_dir: str, faults: list[dict] | No
         "seed": seed,
         "chaos": faults is not None,
         "faults": [
-            {**fault, "fired_step": fired.get(i), "down_s": downtime(fault, i, fired_at, back_at)}
+            {
+                **fault,
+                "fired_step": fired.get(i),
+                "down_s": downtime(fault, i, fired_at, back_at, in_flight(setting)),
+            }
             for i, fault in enumerate(faults or [])
         ],
         "command_wall_s": round(wall, 2),
@@ -378,12 +387,23 @@ def _cell(value) -> str:
     return "-" if value is None else f"{value:g}"
 
 
-def downtime(fault: dict, i: int, fired_at: dict, back_at: dict) -> float | None:
-    """The seconds the fault itself took its worker out: a freeze's or a partition's length;
-    for a kill, from the kill to the restarted process's first step (its start-up: the
-    launcher's restart, imports, data and model, the lighthouse)."""
+def in_flight(setting: str) -> bool:
+    """Whether the setting's exchanges are in flight (`sync.overlap`): a worker cut off from
+    the syncer trains on."""
+    return "sync.overlap=true" in SETTINGS[setting]
+
+
+def downtime(
+    fault: dict, i: int, fired_at: dict, back_at: dict, trains_through: bool = False
+) -> float | None:
+    """The seconds the fault itself took its worker out: a freeze's or a partition's length
+    (none for a partition where the worker trains through it: `trains_through`); for a kill,
+    from the kill to the restarted process's first step (its start-up: the launcher's restart,
+    imports, data and model, the lighthouse)."""
     if i not in fired_at:
         return None
+    if fault["kind"] == "partition" and trains_through:
+        return 0.0
     if fault["kind"] != "kill":
         return fault["seconds"]
     return round(back_at[i] - fired_at[i], 2) if i in back_at else None
@@ -530,8 +550,10 @@ def write_report(data: dict, out: str) -> None:
         "what its peers and the lighthouse see of such a cut.",
         "",
         "Ceiling: the most goodput a job can keep when each fault takes one of the 4 workers "
-        "out for its own downtime (a freeze's or partition's length; a kill's restart, from the "
-        "kill to the new process's first step): 1 - sum(downtime) / (4 x training seconds); "
+        "out for its own downtime (a freeze's or partition's length, a partition's none where "
+        "the exchanges are in flight, `sync.overlap`, since the worker trains through it; a "
+        "kill's restart, from the kill to the new process's first step): "
+        "1 - sum(downtime) / (4 x training seconds); "
         "'-' where the run did not record a kill's restart (runs before it was added).",
         "",
         "| setting | seed | faults fired (kill/freeze/partition) | goodput | ceiling | test "

@@ -562,13 +562,14 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     # --- asynchronous rounds (sync.mode=async, docs/asynchronous.md) ----------------------------
     Refusal(
-        ("sync.mode", "sync.delay_steps", "sync.overlap", "sync.eager"),
-        "sync.mode=async with sync.delay_steps > 0, sync.overlap=true or sync.eager=true",
-        lambda f: f.plan.mode == "async" and (f.plan.delay > 0 or f.plan.eager),
+        ("sync.mode", "sync.eager"),
+        "sync.mode=async with sync.eager=true",
+        lambda f: f.plan.mode == "async" and f.plan.eager,
         MEANINGLESS,
-        "an asynchronous worker never waits for a round in flight: it trains on as soon as the "
-        "syncer answers, so there is nothing to delay or to take a round late",
-        "drop sync.delay_steps, sync.overlap and sync.eager",
+        "an eager worker steps its own anchor with its fresh pseudo-gradient before the round's "
+        "mean, and an asynchronous worker already takes the newest global model at once, the "
+        "syncer's outer step on what has arrived",
+        "drop sync.eager (sync.overlap=true trains on while each exchange is in flight)",
     ),
     Refusal(
         ("sync.mode", "ft.backend", "ft.retry_failed_sync", "ft.min_replicas"),
@@ -582,13 +583,13 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal(
         ("sync.mode", "sync.merge_alpha"),
-        "sync.mode=async with sync.merge_alpha > 0",
-        lambda f: f.plan.mode == "async" and f.plan.merge_alpha != 0,
+        "sync.mode=async with sync.merge_alpha > 0 and sync.delay_steps=0",
+        lambda f: f.plan.mode == "async" and f.plan.merge_alpha != 0 and f.plan.delay == 0,
         DESIGN,
-        "an asynchronous worker takes the newest global model as its model and its anchor; a "
-        "mixed merge that keeps part of its own values is Streaming DiLoCo's synchronous merge "
-        "(without this line the run would be that, not asynchronous)",
-        "set sync.merge_alpha=0, or sync.mode=sync",
+        "an asynchronous exchange that blocks gives the worker the newest global model as its "
+        "model and its anchor; a mixed merge is how an answer in flight lands",
+        "set sync.delay_steps >= 1 (the answer lands that many steps after the send), or "
+        "sync.merge_alpha=0",
     ),
     Refusal(
         ("sync.mode", "sync.score"),

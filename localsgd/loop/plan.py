@@ -193,7 +193,8 @@ class SyncPlan:
         # asynchronous fragments checkpoint at meetings, where every fragment just synced
         fragments = self.fragments != 1 and (self.mode != "async" or sharded)
         values = {
-            "sync.overlap": self.overlap,
+            # asynchronous rounds checkpoint at meetings, where nothing is in flight
+            "sync.overlap": self.overlap and self.mode != "async",
             "sync.delay_steps": 0 if self.overlap else self.delay,
             "sync.eager": self.eager,
             "sync.fragments": self.fragments if fragments else 0,

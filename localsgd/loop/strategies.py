@@ -230,6 +230,10 @@ def build_averager(
             # where phases by steps end (constant, step; adaptive: as the syncer says)
             schedule=build_schedule(sync, plan.period),
             inner_levels=dict(list(sizes.items())[:-1]),  # synchronous inside each group
+            # an exchange in flight while the worker trains on, and how its answer lands
+            delay_steps=plan.delay,
+            merge_rule=plan.merge_rule,
+            merge_alpha=plan.merge_alpha,
             correction=(
                 HeLoCo(**{k: getattr(sync.heloco, k) for k in HELOCO_RANGES})
                 if sync.staleness_correction == "heloco"

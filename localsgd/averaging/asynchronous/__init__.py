@@ -17,6 +17,8 @@
 - `delayed_nesterov`: `DelayedNesterov`, the staleness-aware outer step;
 - `heloco`: `HeLoCo`, the optional correction of each stale pseudo-gradient against the outer
   momentum before it is merged;
+- `in_flight`: exchanges in flight (`sync.overlap`, `sync.delay_steps`): a worker trains on
+  while its exchange runs, and its answer lands a step or more later;
 - `messages`: a contribution in the wire's format (encoded by the worker, decoded by the syncer);
 - `mailbox`: `Mailbox`, messages through the rendezvous store;
 - `links`: how a worker and the syncer reach each other: one world, or sessions with a hosted

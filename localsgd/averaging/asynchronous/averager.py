@@ -51,9 +51,11 @@ import torch
 import torch.distributed as dist
 
 from localsgd.averaging.asynchronous.clock import FITS, computes
+from localsgd.averaging.asynchronous.clock import instant as _instant
 from localsgd.averaging.asynchronous.delayed_nesterov import DelayedNesterov
 from localsgd.averaging.asynchronous.fleet_period import FleetPeriod
 from localsgd.averaging.asynchronous.heloco import HeLoCo
+from localsgd.averaging.asynchronous.in_flight import InFlightExchanges
 from localsgd.averaging.asynchronous.links import (
     LINK_ERRORS,
     TAG_PAYLOAD,
@@ -85,7 +87,7 @@ from localsgd.averaging.trees import tree_from_json
 from localsgd.averaging.trust.robust import Aggregate
 
 
-class AsyncAverager(FragmentOrder, OuterAverager):
+class AsyncAverager(InFlightExchanges, FragmentOrder, OuterAverager):
     """`OuterAverager`'s rounds, asynchronous (see the module doc). `store`: the rendezvous
     store (messages); `run_id` keys them; `min_quorum`, `grace_s`: when the syncer merges
     (`grace_s` None: one step of the slowest worker, `service`);
@@ -131,6 +133,9 @@ class AsyncAverager(FragmentOrder, OuterAverager):
         fragments: int = 1,
         blocks: Sequence[torch.nn.Module] | None = None,
         inner_levels: dict[int, int] | None = None,
+        delay_steps: int = 0,
+        merge_rule: str = "mix",
+        merge_alpha: float = 0.0,
         **outer,
     ):
         if fragments < 1 or period % fragments:
@@ -215,6 +220,8 @@ class AsyncAverager(FragmentOrder, OuterAverager):
             self.syncer_sgd.update(optimizer=DelayedNesterov, delay=outer_delay)
         self.min_quorum, self.grace_s = min_quorum, grace_s
         self.announced = False
+        # exchanges in flight (`in_flight`): where an answer lands and how
+        self.delay, self.merge_rule, self.merge_alpha = delay_steps, merge_rule, merge_alpha
 
     inner_periods: tuple[int, ...] | list[int] = ()  # none until `_add_inner_levels`
 
@@ -349,6 +356,15 @@ class AsyncAverager(FragmentOrder, OuterAverager):
             self.clock += tick
             self.phase_time += tick
         acted = False
+        if self._lands(did):  # an answer in flight (`in_flight`) lands
+            self._land()
+            acted = True
+            if self.deferred and not self.stopped and not self._meets(step):
+                self.deferred = False
+                self._launch(step)
+        if self.stopped:
+            self.step += 1
+            return acted
         inner = self.inner_level_at(step)
         if inner is not None:  # the group's mean first: what it sends is what the group agreed
             self._inner_mean(inner)
@@ -356,10 +372,18 @@ class AsyncAverager(FragmentOrder, OuterAverager):
         if self._meets(step):
             if did and self.inner_time_s is None and self.align_until is None:
                 self.phases.ends(self.computed, step)  # the grid counts the meeting's step
-            self._exchange(MEET, step)
+            self._drain()
+            self.deferred = False  # the meeting sends every fragment's samples
+            if not self.stopped:
+                self._exchange(MEET, step)
             acted = True
         elif did and self._phase_ends(self.computed, self.phase_steps, self.phase_time, step):
-            self._exchange(SEND, step)
+            if not self.delay:
+                self._exchange(SEND, step)
+            elif self.flight is None:
+                self._launch(step)
+            else:  # the last exchange still in flight: train on, send when it has landed
+                self.deferred = True
             acted = True
         self.step += 1
         self._tick_start = time.perf_counter()
@@ -372,7 +396,10 @@ class AsyncAverager(FragmentOrder, OuterAverager):
         self.ensure_bound()
         if not self.announced:
             self._start()
-        self._exchange(MEET, self.step - 1, final=True)
+        self._drain()
+        self.deferred = False
+        if not self.stopped:
+            self._exchange(MEET, self.step - 1, final=True)
 
     @mirrored()  # sharded parameters: their values in the flat buffers while it runs
     def _start(self) -> None:
@@ -424,6 +451,13 @@ class AsyncAverager(FragmentOrder, OuterAverager):
         return self.welcome
 
     def _send_header(self, kind: str, **fields) -> int:
+        seq, header = self._header(kind, **fields)
+        self.link.mailbox.put(f"h/{self.rank}/{seq}", header, ring=True)
+        return seq
+
+    def _header(self, kind: str, **fields) -> tuple[int, dict]:
+        """The next message's number and header (the kind, this worker's step length and
+        `fields`)."""
         seq = self.seq
         # this worker's step length, for the adaptive grace window: modelled, or the median
         # of its last 3 phases' means on the wall clock (a phase with a freeze in it does not
@@ -433,10 +467,8 @@ class AsyncAverager(FragmentOrder, OuterAverager):
             if self.phase_steps and kind in (SEND, MEET):  # once a phase
                 self.phase_means.append(self.phase_time / self.phase_steps)
             step_s = typical_step(self.phase_means)
-        header = {"kind": kind, "step_s": step_s, **fields}
-        self.link.mailbox.put(f"h/{self.rank}/{seq}", header, ring=True)
         self.seq += 1
-        return seq
+        return seq, {"kind": kind, "step_s": step_s, **fields}
 
     def _take(self, key: str) -> dict:
         alive = self.service.alive if self.service is not None else self.link.alive
@@ -462,6 +494,7 @@ class AsyncAverager(FragmentOrder, OuterAverager):
                 rejoin(self)
                 if kind != MEET:
                     break
+        self.heard = True
         self.stats.rounds += 1
         self.level_stats[-1].rounds += 1
         self.level_stats[-1].bytes += self.stats.bytes - before
@@ -529,7 +562,9 @@ class AsyncAverager(FragmentOrder, OuterAverager):
         else:
             if decision["do"] == "payload":
                 for f, w in work.items():
-                    self._send_payload(w, f)
+                    nbytes, seconds = self._send_payload(w, f)
+                    self.stats.bytes += nbytes
+                    self.stats.seconds += seconds
             answer = self._take(f"r/{self.rank}/{seq}")
             if answer["values"]:
                 self._receive_values([t for w in work.values() for t in w])
@@ -622,9 +657,9 @@ class AsyncAverager(FragmentOrder, OuterAverager):
             rounds.anchors.settle_(rounds.parts[f], 0, w)
         self.all_in_sync = len(work) == self.fragments
 
-    def _send_payload(self, work: list, f: int) -> None:
+    def _send_payload(self, work: list, f: int) -> tuple[int, float]:
         """Fragment f's contribution in the wire's format (`messages`); rank 0's goes
-        in-process."""
+        in-process. Returns the bytes sent and the seconds it took."""
         start = time.perf_counter()
         sent = [] if counts_senders(self.comm_dtype) else None
         messages, decoded = encode_(work, self.rounds.wires[f], sent)
@@ -636,8 +671,7 @@ class AsyncAverager(FragmentOrder, OuterAverager):
         else:  # through host memory: the point-to-point group is gloo's, on every device
             for m in messages:
                 self.link.send(m.detach().cpu().contiguous(), TAG_PAYLOAD)
-        self.stats.bytes += sum(m.numel() * m.element_size() for m in messages)
-        self.stats.seconds += time.perf_counter() - start
+        return sum(m.numel() * m.element_size() for m in messages), time.perf_counter() - start
 
     def _receive_values(self, work: list) -> None:
         if self.service is None:
@@ -719,10 +753,3 @@ def _point_to_point(group: dist.ProcessGroup | None, timeout_s: float):
     groups = parallel_groups(group)
     p2p, _ = dist.new_subgroups_by_enumeration(groups, timeout=timeout, backend=backend)
     return p2p, f"g{dist.get_process_group_ranks(group)[0]}/"
-
-
-def _instant(seconds: float) -> float:
-    """A modelled time as messages carry it: rounded to the nanosecond, so that two workers'
-    sums of step lengths that meet (50 steps of 0.015 s, 25 of 0.03 s) are one instant, as
-    the model means, not two that differ in their last bits."""
-    return round(seconds, 9)

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from localsgd.averaging.asynchronous.in_flight import idles
 from localsgd.averaging.asynchronous.links import (
     LINK_ERRORS,
     TAG_PAYLOAD,
@@ -377,8 +378,8 @@ class SyncerService(SynchronousRounds):
         versions = self.syncer.versions
         values = values or any(header["versions"][f] != versions[f] for f in header["fragments"])
         sends = self.modelled and header["kind"] == SEND
-        if sends and (at > header["time"] or self._moved(header)):  # it waited, or its period
-            self.announced[r] = None  # moved: it announces its next time again
+        if sends and (idles(header, at) or self._moved(header)):  # it waited, or its
+            self.announced[r] = None  # period moved: it announces its next time again
         if not self._reachable(r):
             return  # its session failed meanwhile: it is welcomed afresh when it rejoins
         align = self.pacing.align(r, at, self._live) if header["kind"] == SEND else None

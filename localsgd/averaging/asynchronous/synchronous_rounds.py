@@ -77,7 +77,9 @@ class SynchronousRounds:
         ((r, header),) = headers.items()
         idle = not (self.syncer.pending or self.waiting or self.deadline is not None)
         if not (
-            self.collective_rounds and self.gathering.joins(header, self.syncer.versions, idle)
+            self.collective_rounds
+            and not header.get("in_flight")  # it trains on: there is no round to wait in
+            and self.gathering.joins(header, self.syncer.versions, idle)
         ):
             self._release()
             return False
@@ -106,6 +108,7 @@ class SynchronousRounds:
         samples = [h["samples"] for h in headers.values()]
         return (
             self.collective_rounds
+            and not any(h.get("in_flight") for h in headers.values())
             and len(headers) == self.size
             and len({h["kind"] for h in headers.values()}) == 1
             and len({tuple(h["fragments"]) for h in headers.values()}) == 1
