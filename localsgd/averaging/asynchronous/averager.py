@@ -359,9 +359,6 @@ class AsyncAverager(InFlightExchanges, FragmentOrder, OuterAverager):
         if self._lands(did):  # an answer in flight (`in_flight`) lands
             self._land()
             acted = True
-            if self.deferred and not self.stopped and not self._meets(step):
-                self.deferred = False
-                self._launch(step)
         if self.stopped:
             self.step += 1
             return acted
@@ -376,6 +373,10 @@ class AsyncAverager(InFlightExchanges, FragmentOrder, OuterAverager):
             self.deferred = False  # the meeting sends every fragment's samples
             if not self.stopped:
                 self._exchange(MEET, step)
+            acted = True
+        elif did and self.deferred and self.flight is None:  # it ended while one was in flight
+            self.deferred = False
+            self._launch(step)
             acted = True
         elif did and self._phase_ends(self.computed, self.phase_steps, self.phase_time, step):
             if not self.delay:
