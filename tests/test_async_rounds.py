@@ -36,17 +36,20 @@ from tests.helpers import (
 pytestmark = pytest.mark.timeout(120)
 
 
+@pytest.mark.parametrize("nesterov", [True, False])  # DiLoCo's; SlowMo's heavy-ball
 @pytest.mark.parametrize(
     "delay, contributions",
     [(1, 1), (4, 4)],  # one contribution a merge and a cycle; every worker's in one merge
 )
-def test_delayed_nesterov_is_torch_sgd_where_each_merge_completes_a_cycle(delay, contributions):
+def test_delayed_nesterov_is_torch_sgd_where_each_merge_completes_a_cycle(
+    delay, contributions, nesterov
+):
     gen = torch.Generator().manual_seed(delay)
     start = torch.randn(50, generator=gen)
     a, b = start.clone().requires_grad_(), start.clone().requires_grad_()
-    ours = DelayedNesterov([a], lr=0.7, momentum=0.9, delay=delay)
+    ours = DelayedNesterov([a], lr=0.7, momentum=0.9, delay=delay, nesterov=nesterov)
     ours.contributions = contributions
-    torchs = torch.optim.SGD([b], lr=0.7, momentum=0.9, nesterov=True)
+    torchs = torch.optim.SGD([b], lr=0.7, momentum=0.9, nesterov=nesterov)
     for _ in range(5):
         g = torch.randn(50, generator=gen)
         a.grad, b.grad = g.clone(), g.clone()
@@ -55,20 +58,22 @@ def test_delayed_nesterov_is_torch_sgd_where_each_merge_completes_a_cycle(delay,
         assert torch.equal(a, b)
 
 
-def test_delayed_nesterov_moves_the_momentum_every_n_merges():
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_delayed_nesterov_moves_the_momentum_every_n_merges(nesterov):
     theta = torch.zeros(3, requires_grad=True)
-    opt = DelayedNesterov([theta], lr=0.5, momentum=0.9, delay=2)
-    g1, g2, g3 = torch.tensor([1.0, 0, 0]), torch.tensor([0, 2.0, 0]), torch.tensor([0, 0, 4.0])
+    opt = DelayedNesterov([theta], lr=0.5, momentum=0.9, delay=2, nesterov=nesterov)
+    grads = [torch.tensor([1.0, 0, 0]), torch.tensor([0, 2.0, 0]), torch.tensor([0, 0, 4.0]),
+             torch.tensor([8.0, 0, 0]), torch.tensor([0, 16.0, 0])]  # fmt: skip
     expected, m = torch.zeros(3), torch.zeros(3)
-    for i, g in enumerate((g1, g2, g3), start=1):
+    for i, g in enumerate(grads, start=1):
         theta.grad = g
         opt.step()
-        if i == 2:  # the cycle's end: m <- 0.9 m + (g1 + g2) / 2, then g2 / 2 + 0.9 m
-            m = 0.9 * m + (g1 + g2) / 2
-            expected -= 0.5 * (g2 / 2 + 0.9 * m)
+        if i % 2 == 0:  # a cycle's end: m <- 0.9 m + its mean, the step g / 2 + 0.9 m
+            before, m = m, 0.9 * m + (grads[i - 2] + g) / 2  # heavy-ball: the m before
+            expected -= 0.5 * (g / 2 + 0.9 * (m if nesterov else before))
         else:
             expected -= 0.5 * g / 2
-        assert torch.allclose(theta.detach(), expected, atol=1e-7), (i, theta, expected)
+        assert torch.allclose(theta.detach(), expected, atol=1e-6), (i, theta, expected)
 
 
 # --- the replay ------------------------------------------------------------------------------
@@ -523,6 +528,22 @@ def _summaries(tmp_path, args: list[str], key: str, values: tuple[str, ...]) -> 
         assert proc.returncode == 0, proc.stderr[-3000:]
         out[value] = json.loads((tmp_path / value / "summary.json").read_text())
     return out
+
+
+@pytest.mark.slow
+def test_slowmo_runs_asynchronously_with_its_heavy_ball_momentum_delayed(tmp_path):
+    """SlowMo's slow momentum is heavy-ball, not Nesterov: its Delayed Nesterov cycle takes the
+    momentum before the cycle's mean (`DelayedNesterov(nesterov=False)`). Before, the syncer
+    refused to build it, in a worker, after the launch."""
+    run_dir = tmp_path / "run"
+    args = FAST + ["dist.world_size=4", "trainer.max_steps=32", "sync=slowmo", "sync.period=4",
+                   "sync.mode=async", "comm.simulate.worker_speed=[1,1,1,3]",
+                   "comm.simulate.step_s=0.001", "sync.check_replicas=true",
+                   f"hydra.run.dir={run_dir}"]  # fmt: skip
+    proc, _ = cli(args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["async_merges"] > 4 and summary["replica_checks"] >= 1
 
 
 @pytest.mark.slow

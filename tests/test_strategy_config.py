@@ -7,6 +7,7 @@ import pytest
 
 from localsgd.cli.checks import validate
 from localsgd.config import ConfigError
+from localsgd.loop.plan import SyncPlan
 from localsgd.loop.strategies import resolve_group_size
 from tests.helpers import compose_config, refusal
 
@@ -169,3 +170,15 @@ def test_the_outer_warmup_reaches_the_averager_and_the_diloco_preset_has_it():
         ],  # fmt: skip
     )
     assert got == [4, 0, 3]
+
+
+@pytest.mark.timeout(30)
+def test_an_outer_step_without_momentum_takes_no_nesterov_unless_asked_and_then_refuses_it():
+    # the DiLoCo preset's Nesterov follows its momentum (torch refuses the flag without one,
+    # in a worker, after the launch); asked for explicitly, it is a one-line error first
+    plan = SyncPlan.of(compose_config(["sync=diloco", "sync.outer_momentum=0"]).sync)
+    assert (plan.outer_momentum, plan.outer_nesterov) == (0, False)
+    assert SyncPlan.of(compose_config(["sync=diloco"]).sync).outer_nesterov is True
+    asked = ["sync=diloco", "sync.outer_momentum=0", "sync.outer_nesterov=true"]
+    with pytest.raises(ConfigError, match="sync.outer_nesterov must be false"):
+        validate(compose_config(asked))

@@ -87,6 +87,11 @@ class SyncPlan:
             value = _read(sync, key)
             return defaults.get(name) if value is None else value
 
+        # the default follows the momentum: with none, Nesterov's step is plain SGD's (torch
+        # refuses the flag there); set explicitly with no momentum, it is refused
+        nesterov = resolved("outer_nesterov", "nesterov")
+        if _read(sync, "outer_nesterov") is None and not resolved("outer_momentum", "momentum"):
+            nesterov = False
         return cls(
             outer=outer,
             levels=levels,
@@ -104,7 +109,7 @@ class SyncPlan:
             else _read_or(sync, "compress", "none") == "topk",
             outer_lr=resolved("outer_lr", "lr"),
             outer_momentum=resolved("outer_momentum", "momentum"),
-            outer_nesterov=resolved("outer_nesterov", "nesterov"),
+            outer_nesterov=nesterov,
             warmup_steps=int(_read(sync, "warmup_steps")),
             optimizer_state=_read(sync, "optimizer_state"),
             moment_periods=tuple(_read_or(sync, "moment_periods", [3, 6])),

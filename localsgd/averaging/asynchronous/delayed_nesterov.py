@@ -16,6 +16,15 @@ adds it:
 
 So a merge of every worker at once (k = N = the workers) is torch's Nesterov SGD step on their
 mean, and with N = 1 each merge is one, op for op (`torch.optim.SGD(nesterov=True)`).
+
+With `nesterov=False` (SlowMo's heavy-ball slow momentum) the same cycle moves the model by the
+momentum before it takes the cycle's mean, as torch's heavy-ball step does:
+
+    theta <- theta - lr (g k / max(N, k) + beta m);    m <- beta m + (the cycle's mean)
+
+(computed as `m' + g k / max(N, k) - mean` from the new m', which is the same sum)
+
+so k = N is torch's `SGD(momentum=beta)` step on the mean, and N = 1 is that step op for op.
 """
 
 from __future__ import annotations
@@ -31,9 +40,8 @@ class DelayedNesterov(torch.optim.Optimizer):
     def __init__(self, params, lr: float, momentum: float, delay: int, nesterov: bool = True):
         if delay < 1:
             raise ValueError(f"sync.outer_delay must be >= 1, got {delay}")
-        if not nesterov:
-            raise ValueError("Delayed Nesterov is a Nesterov step: set sync.outer_nesterov=true")
-        super().__init__(params, {"lr": lr, "momentum": momentum, "delay": delay})
+        defaults = {"lr": lr, "momentum": momentum, "delay": delay, "nesterov": nesterov}
+        super().__init__(params, defaults)
         self.contributions = 1
 
     @torch.no_grad()
@@ -41,6 +49,7 @@ class DelayedNesterov(torch.optim.Optimizer):
         k = self.contributions
         for group in self.param_groups:
             lr, beta, n = group["lr"], group["momentum"], group["delay"]
+            nesterov = group.get("nesterov", True)
             count = group.get("cycle", 0) + k
             moves = count >= n
             group["cycle"] = 0 if moves else count
@@ -54,7 +63,8 @@ class DelayedNesterov(torch.optim.Optimizer):
                         state["momentum_buffer"] = g.clone()
                     else:
                         state["momentum_buffer"].mul_(beta).add_(g)
-                    p.add_(g.add(state["momentum_buffer"], alpha=beta), alpha=-lr)
+                    buf = state["momentum_buffer"]
+                    p.add_(g.add(buf, alpha=beta) if nesterov else buf, alpha=-lr)
                     continue
                 if "pending" not in state:  # (a momentum loaded from torch's SGD carries on)
                     state["pending"] = torch.zeros_like(g)
@@ -62,9 +72,14 @@ class DelayedNesterov(torch.optim.Optimizer):
                 pending, buf = state["pending"], state["momentum_buffer"]
                 pending.add_(g, alpha=k)
                 plain = k / max(n, k)
-                if moves:
+                if moves and nesterov:
                     buf.mul_(beta).add_(pending, alpha=1 / count)
                     p.add_(g.mul(plain).add_(buf, alpha=beta), alpha=-lr)
+                    pending.zero_()
+                elif moves:  # heavy-ball: lr (g plain + beta m), m then taking the mean
+                    mean = pending.div_(count)
+                    buf.mul_(beta).add_(mean)  # torch's order: at k = N the step is its own
+                    p.add_(buf.add(g.mul(plain).sub_(mean)), alpha=-lr)
                     pending.zero_()
                 else:
                     p.add_(g, alpha=-lr * plain)
