@@ -145,6 +145,10 @@ SETTINGS["async LM DiLoCo, 250 ms"] = [
 SETTINGS["async LM DiLoCo, 250 ms, grace 0.25 s"] = [
     *_without_grace(SETTINGS["async LM DiLoCo, 250 ms"]), "sync.grace_s=0.25",
 ]  # fmt: skip
+# ... with each exchange in flight (`sync.overlap=true`): a worker cut off trains on
+SETTINGS["async LM DiLoCo, 250 ms, grace 0.25 s, in flight"] = [
+    *SETTINGS["async LM DiLoCo, 250 ms, grace 0.25 s"], "sync.overlap=true",
+]  # fmt: skip
 # ... with the adaptive window, the default since sync.grace_s=null (one measured step)
 SETTINGS["async LM DiLoCo, 250 ms, adaptive grace"] = _without_grace(
     SETTINGS["async LM DiLoCo, 250 ms"]
