@@ -104,6 +104,8 @@ def test_a_partitioned_worker_in_flight_trains_through_the_cut(tmp_path):
         )
         summary = _run(tmp_path, name, args + extra + [callbacks])
         assert summary["replica_checks"] >= 1  # the end's meeting: both on the syncer's model
+        # every sample merged: the phases that ended in flight sent theirs once it landed
+        assert summary["merged_samples"] == 2 * 120 * 32  # batches of 32 (the default)
         started = step_times.read(str(times), 1)
         assert [s for s, _ in started] == list(range(120))
         longest[name] = max(b - a for (_, a), (_, b) in zip(started, started[1:], strict=False))
