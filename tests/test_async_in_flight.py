@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tests import step_times
-from tests.helpers import FAST, cli, same_model
+from tests.helpers import BASE, FAST, cli, killed_and_resumed, same_model
 from tests.test_async_rounds import EQUAL_CLOCKS, SAME
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
@@ -113,3 +113,14 @@ def test_a_partitioned_worker_in_flight_trains_through_the_cut(tmp_path):
     # in flight no step waits for it (steps of 20 ms; a loaded machine stretches them, never
     # to a second)
     assert longest["in_flight"] < 1.0
+
+
+def test_an_asynchronous_run_in_flight_resumes_exactly_after_a_kill(tmp_path):
+    # checkpoints every 5 steps are meetings, where the answer in flight lands first; the
+    # kill comes after the one at step 10
+    args = BASE + ["sync.outer=diloco", "sync.mode=async", "sync.overlap=true",
+                   "comm.simulate.worker_speed=[1,3]", "comm.simulate.step_s=0.002",
+                   "sync.check_replicas=true"]  # fmt: skip
+    reference, _ = killed_and_resumed(args, tmp_path)
+    summary = json.loads((reference / "summary.json").read_text())
+    assert summary["async_exchanges"]["p2p"] > 0 and summary["replica_checks"] >= 1

@@ -589,8 +589,9 @@ def test_sigterm_stops_at_the_next_meeting_and_the_same_command_resumes(tmp_path
         ["sync.fragments=2"],  # the meeting that checkpoints synced every fragment
         ["sync.schedule=adaptive"],  # the syncer's rule goes on at the new workers' count
         ["sync.levels=[{group_size:2,period:2},{group_size:world,period:4}]"],
+        ["sync.overlap=true"],  # checkpoints at meetings, where nothing is in flight
     ],
-    ids=["whole", "fragments", "adaptive", "levels"],
+    ids=["whole", "fragments", "adaptive", "levels", "in_flight"],
 )
 def test_an_asynchronous_checkpoint_resumes_at_another_world_size(tmp_path, extra):
     run_dir = tmp_path / "run"
