@@ -471,11 +471,18 @@ class AsyncAverager(InFlightExchanges, FragmentOrder, OuterAverager):
         self.seq += 1
         return seq, {"kind": kind, "step_s": step_s, **fields}
 
-    def _take(self, key: str) -> dict:
-        alive = self.service.alive if self.service is not None else self.link.alive
+    def _take(self, key: str, flight=None) -> dict:
+        """The message at `key`, waited for; `flight`: an exchange in flight (`in_flight`),
+        whose link it comes by and whose own count takes the wait (its thread writes nothing
+        of the averager's)."""
+        link = self.link if flight is None else flight.link
+        alive = self.service.alive if self.service is not None else link.alive
         start = time.perf_counter()
-        message = self.link.mailbox.take(key, alive)
-        self.wait_s += time.perf_counter() - start
+        message = link.mailbox.take(key, alive)
+        if flight is None:
+            self.wait_s += time.perf_counter() - start
+        else:
+            flight.wait_s += time.perf_counter() - start
         return message
 
     @mirrored()
@@ -496,9 +503,7 @@ class AsyncAverager(InFlightExchanges, FragmentOrder, OuterAverager):
                 if kind != MEET:
                     break
         self.heard = True
-        self.stats.rounds += 1
-        self.level_stats[-1].rounds += 1
-        self.level_stats[-1].bytes += self.stats.bytes - before
+        self._count(len(self.levels) - 1, before)
         self.phase_samples, self.phase_time, self.phase_steps = 0.0, 0.0, 0
         if kind == SEND:
             self.turn = (self.turn + 1) % self.fragments

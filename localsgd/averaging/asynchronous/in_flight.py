@@ -155,21 +155,14 @@ class InFlightExchanges:
     def _messages(self, flight: Flight) -> None:
         link, rank, seq = flight.link, self.rank, flight.seq
         link.mailbox.put(f"h/{rank}/{seq}", flight.header, ring=True)
-        flight.decision = self._take_in(flight, f"d/{rank}/{seq}")
+        flight.decision = self._take(f"d/{rank}/{seq}", flight)
         if flight.decision["do"] == "stop":
             return
         if flight.decision["do"] == "payload":
             flight.sent_bytes, flight.sent_s = self._send_payload(flight.work, flight.fragment)
-        flight.answer = self._take_in(flight, f"r/{rank}/{seq}")
+        flight.answer = self._take(f"r/{rank}/{seq}", flight)
         if flight.answer["values"]:
             self._receive_values(flight.work)
-
-    def _take_in(self, flight: Flight, key: str) -> dict:
-        alive = self.service.alive if self.service is not None else flight.link.alive
-        start = time.perf_counter()
-        message = flight.link.mailbox.take(key, alive)
-        flight.wait_s += time.perf_counter() - start
-        return message
 
     def _take_answer(self, flight: Flight) -> bool:
         """The answer's word apart from its values: the run's stop, the adaptive period;
@@ -201,11 +194,10 @@ class InFlightExchanges:
         flight, self.flight = self.flight, None
         self.heard = True
         self.wait_s += flight.wait_s
+        before = self.stats.bytes
         self.stats.bytes += flight.sent_bytes
         self.stats.seconds += flight.sent_s
-        self.stats.rounds += 1
-        self.level_stats[-1].rounds += 1
-        self.level_stats[-1].bytes += flight.sent_bytes
+        self._count(len(self.levels) - 1, before)
         self.merged = self.all_in_sync = False
         if flight.error is not None:
             if not isinstance(flight.error, LINK_ERRORS) or self.syncer_address is None:
